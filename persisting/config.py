@@ -1,0 +1,156 @@
+"""Settings shared by the CLI, the actor service and the LMCache plugin.
+
+One :class:`PersistingSettings` object is read from (highest priority first) keyword
+arguments, ``PERSISTING_*`` environment variables (nested sections with ``__``, e.g.
+``PERSISTING_KV__MEMORY_BYTES``), a TOML file named by ``PERSISTING_CONFIG`` or passed to
+:meth:`PersistingSettings.from_toml`, and the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from persisting.errors import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+KVDurability = Literal["sync", "async", "evict"]
+QueueDurability = Literal["wal", "flush"]
+
+
+class KVSettings(BaseModel):
+    """The KV-cache store: tier budgets, completion mode and policies."""
+
+    memory_bytes: int = Field(default=2 * GiB, ge=0)
+    disk_bytes: int = Field(default=64 * GiB, ge=0)
+    durability: KVDurability = "sync"
+    chunk_size: int = Field(default=256, gt=0)
+    max_value_bytes: int = Field(default=1 * GiB, gt=0)
+    eviction: Literal["lru", "prefix"] = "lru"
+    admission: Literal["always", "second_sighting"] = "always"
+    group_commit_ms: float = Field(default=0.0, ge=0)
+
+
+class QueueSettings(BaseModel):
+    """The Lance queue backend: batching, durability and background maintenance."""
+
+    batch_size: int = Field(default=100, gt=0)
+    durability: QueueDurability = "wal"
+    fsync_interval_ms: float = Field(default=0.0, ge=0)
+    flush_interval_s: float = Field(default=1.0, ge=0)
+    compact_max_fragments: int = Field(default=32, gt=1)
+    retention_s: float | None = Field(default=None, gt=0)
+
+
+class ServiceSettings(BaseModel):
+    """The Pulsing actor service and its client."""
+
+    name: str = "kvstore"
+    addr: str = "127.0.0.1:8610"
+    seeds: list[str] = Field(default_factory=list)
+    passphrase: str | None = None
+    max_inflight: int = Field(default=16, gt=0, le=16)
+    lease_ttl_s: float = Field(default=30.0, gt=0)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    event_topic: str = "kv-events"
+    message_chunk_bytes: int = Field(default=4 * MiB, gt=0)
+
+
+class PersistingSettings(BaseSettings):
+    """Everything a Persisting process needs to know, from env, TOML or arguments."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="PERSISTING_",
+        env_nested_delimiter="__",
+        extra="ignore",
+    )
+
+    storage_path: Path = Path("./persisting-data")
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    kv: KVSettings = Field(default_factory=KVSettings)
+    queue: QueueSettings = Field(default_factory=QueueSettings)
+    service: ServiceSettings = Field(default_factory=ServiceSettings)
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_models(cls, value: Any) -> Any:
+        # PERSISTING_MODELS=a/b,c/d is the natural shell form; JSON lists work too.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                import json
+
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml_file = os.environ.get("PERSISTING_CONFIG")
+        if toml_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    @classmethod
+    def load(cls, toml_file: str | Path | None = None, **overrides: Any) -> PersistingSettings:
+        """Settings from a TOML file (if given), the environment and ``overrides``.
+
+        Invalid settings raise :class:`~persisting.errors.ConfigError`.
+        """
+        try:
+            if toml_file is None:
+                return cls(**overrides)
+            path = Path(toml_file)
+            if not path.is_file():
+                raise ConfigError(f"settings file not found: {path}")
+            return _with_toml(path)(**overrides)
+        except ValidationError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    from_toml = load
+
+
+def _with_toml(path: Path) -> type[PersistingSettings]:
+    """A settings class that also reads ``path`` (below env and keyword arguments)."""
+
+    class _TomlSettings(PersistingSettings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (
+                init_settings,
+                env_settings,
+                TomlConfigSettingsSource(settings_cls, toml_file=path),
+            )
+
+    _TomlSettings.__name__ = "PersistingSettings"
+    return _TomlSettings
+
+
+__all__ = ["KVSettings", "PersistingSettings", "QueueSettings", "ServiceSettings"]

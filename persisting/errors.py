@@ -1,0 +1,128 @@
+"""One exception hierarchy for every layer of Persisting.
+
+Every user mistake (a malformed key, a path-unsafe name, a wrong layout) and every
+storage failure surfaces as a subclass of :class:`PersistingError`, so callers can catch
+one type. Each class carries a stable ``code`` so the service can send errors across the
+wire and the client can raise the same type on the other side.
+"""
+
+from __future__ import annotations
+
+
+class PersistingError(Exception):
+    """Base class of every error Persisting raises on purpose."""
+
+    code: str = "persisting_error"
+
+
+class ConfigError(PersistingError, ValueError):
+    """Settings that cannot work together, or a setting with an impossible value."""
+
+    code = "config_error"
+
+
+class InvalidNameError(PersistingError, ValueError):
+    """A model or topic name that cannot become a path component (empty, NUL, too long...)."""
+
+    code = "invalid_name"
+
+
+class InvalidKeyError(PersistingError, ValueError):
+    """A chunk key that does not parse or does not belong to the store it is used with."""
+
+    code = "invalid_key"
+
+
+class InvalidValueError(PersistingError, ValueError):
+    """A value of the wrong kind: unsupported dtype, zero size, bad format name..."""
+
+    code = "invalid_value"
+
+
+class LayoutMismatchError(PersistingError):
+    """A stored value's layout (shape, dtype, format) differs from what the reader expects."""
+
+    code = "layout_mismatch"
+
+
+class CorruptValueError(PersistingError):
+    """Stored bytes that fail their checksum or do not match their metadata."""
+
+    code = "corrupt_value"
+
+
+class CapacityError(PersistingError):
+    """A value larger than a tier can ever hold, or a disk/memory budget that is exhausted."""
+
+    code = "capacity"
+
+
+class SchemaMismatchError(PersistingError):
+    """A dataset whose schema cannot be reconciled with the one the caller asked for."""
+
+    code = "schema_mismatch"
+
+
+class StoreClosedError(PersistingError):
+    """An operation on a store, queue or client that has been closed."""
+
+    code = "closed"
+
+
+class StorageIOError(PersistingError, OSError):
+    """The storage medium failed underneath us (I/O error, missing file...)."""
+
+    code = "storage_io"
+
+
+class ProtocolError(PersistingError):
+    """A malformed, truncated or unsupported message on the service's wire protocol."""
+
+    code = "protocol"
+
+
+class AccessDeniedError(PersistingError):
+    """A request for a namespace the server is not configured to serve."""
+
+    code = "access_denied"
+
+
+class ServiceUnavailableError(PersistingError):
+    """No live server could be reached for a request."""
+
+    code = "unavailable"
+
+
+def _all_subclasses(cls: type[PersistingError]) -> list[type[PersistingError]]:
+    out: list[type[PersistingError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_class_for(code: str) -> type[PersistingError]:
+    """The error class whose ``code`` is ``code`` (the base class for unknown codes)."""
+    for cls in _all_subclasses(PersistingError):
+        if cls.code == code:
+            return cls
+    return PersistingError
+
+
+__all__ = [
+    "AccessDeniedError",
+    "CapacityError",
+    "ConfigError",
+    "CorruptValueError",
+    "InvalidKeyError",
+    "InvalidNameError",
+    "InvalidValueError",
+    "LayoutMismatchError",
+    "PersistingError",
+    "ProtocolError",
+    "SchemaMismatchError",
+    "ServiceUnavailableError",
+    "StorageIOError",
+    "StoreClosedError",
+    "error_class_for",
+]

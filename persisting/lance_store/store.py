@@ -1,0 +1,120 @@
+"""The storage root shared by the queue and the KV store, and its path layout.
+
+::
+
+    <root>/queue/<topic>/bucket_<id>/data.lance   queue records
+    <root>/kv/<model>/...                         KV chunks of one model
+
+``<topic>`` and ``<model>`` are encoded by :mod:`persisting.lance_store.names`, so every
+name lands in exactly one directory directly under its parent, and distinct names never
+share one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+
+from persisting.errors import InvalidNameError, StorageIOError
+from persisting.lance_store.durable import fsync_dir
+from persisting.lance_store.names import decode_name, encode_name
+from persisting.lance_store.table import LanceTable, disk_usage
+
+QUEUE_DIR = "queue"
+KV_DIR = "kv"
+QUEUE_DATASET = "data.lance"
+
+
+class LanceStore:
+    """A Persisting storage root on the local filesystem."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root).expanduser().absolute()
+
+    def __repr__(self) -> str:
+        return f"LanceStore({str(self.root)!r})"
+
+    # -- layout -------------------------------------------------------------------------
+
+    def topic_dir(self, topic: str) -> Path:
+        return self.root / QUEUE_DIR / encode_name(topic, "topic")
+
+    def queue_bucket_dir(self, topic: str, bucket_id: int) -> Path:
+        """``<root>/queue/<topic>/bucket_<id>``: what Pulsing calls a bucket's storage_path."""
+        return self.topic_dir(topic) / f"bucket_{_bucket_number(bucket_id)}"
+
+    def queue_path(self, topic: str, bucket_id: int) -> Path:
+        """The Lance dataset holding one queue bucket's records."""
+        return self.queue_bucket_dir(topic, bucket_id) / QUEUE_DATASET
+
+    def kv_path(self, model: str) -> Path:
+        """The directory holding one model's KV chunks."""
+        return self.root / KV_DIR / encode_name(model, "model")
+
+    # -- namespaces ---------------------------------------------------------------------
+
+    def list_models(self) -> list[str]:
+        return _decoded_children(self.root / KV_DIR)
+
+    def list_topics(self) -> list[str]:
+        return _decoded_children(self.root / QUEUE_DIR)
+
+    def drop_model(self, model: str) -> bool:
+        """Remove a model's namespace whole; False if it did not exist."""
+        return _drop_tree(self.kv_path(model))
+
+    def drop_topic(self, topic: str) -> bool:
+        return _drop_tree(self.topic_dir(topic))
+
+    def model_bytes(self, model: str) -> int:
+        path = self.kv_path(model)
+        return disk_usage(path) if path.exists() else 0
+
+    # -- datasets -----------------------------------------------------------------------
+
+    def open_table(self, path: str | os.PathLike[str], schema: pa.Schema) -> LanceTable:
+        """Open (or create) the dataset at ``path``, which must lie under the root."""
+        resolved = Path(path).absolute()
+        if self.root != resolved and self.root not in resolved.parents:
+            raise InvalidNameError(f"{resolved} is outside the storage root {self.root}")
+        return LanceTable(resolved, schema)
+
+
+def _bucket_number(bucket_id: object) -> int:
+    if isinstance(bucket_id, bool) or not isinstance(bucket_id, int) or bucket_id < 0:
+        raise InvalidNameError(f"bucket id must be a non-negative integer, got {bucket_id!r}")
+    return bucket_id
+
+
+def _decoded_children(directory: Path) -> list[str]:
+    try:
+        entries = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    names: list[str] = []
+    for entry in entries:
+        try:
+            names.append(decode_name(entry))
+        except InvalidNameError:
+            continue  # not a directory we made
+    return names
+
+
+def _drop_tree(path: Path) -> bool:
+    if not path.exists():
+        return False
+    # Rename first so a crash mid-delete never leaves a half-dropped live namespace.
+    graveyard = path.with_name(f".dropping-{path.name}-{os.getpid()}")
+    try:
+        os.rename(path, graveyard)
+        fsync_dir(path.parent)
+        shutil.rmtree(graveyard)
+    except OSError as exc:
+        raise StorageIOError(f"cannot drop {path}: {exc}") from exc
+    return True
+
+
+__all__ = ["KV_DIR", "QUEUE_DATASET", "QUEUE_DIR", "LanceStore"]

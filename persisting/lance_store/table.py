@@ -1,0 +1,305 @@
+"""One Lance dataset with the operations both the queue and the KV store need.
+
+:class:`LanceTable` wraps ``lance.LanceDataset`` with: open-or-create by schema (additive
+evolution, clear errors on conflicts), append as one commit, take, column scans, blob
+reads, delete, compaction, version cleanup, sizes, and an optional *durable* commit that
+fsyncs every new file and directory (Lance itself never fsyncs).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lance
+import pyarrow as pa
+
+from persisting.errors import SchemaMismatchError, StorageIOError
+from persisting.lance_store.durable import fsync_dir, fsync_file, makedirs_durable
+
+#: Lance file format with blob encoding v2 (payloads beside fragments, external references).
+DATA_STORAGE_VERSION = "2.2"
+
+#: Sub-directories of a dataset whose new files a durable commit must fsync.
+_DATASET_SUBDIRS = ("data", "_versions", "_transactions", "_deletions", "_indices")
+
+Rows = pa.Table | pa.RecordBatch | Sequence[dict[str, Any]]
+
+
+def _is_blob_field(field: pa.Field) -> bool:
+    return isinstance(field.type, pa.ExtensionType) and "blob" in field.type.extension_name
+
+
+def _same_type(a: pa.Field, b: pa.Field) -> bool:
+    if _is_blob_field(a) or _is_blob_field(b):
+        return _is_blob_field(a) and _is_blob_field(b)
+    return a.type.equals(b.type)
+
+
+class LanceTable:
+    """A Lance dataset at ``path`` with schema ``schema`` (created on first open).
+
+    Thread-safe for use from one process; several processes may append concurrently
+    (Lance resolves concurrent appends with optimistic commits).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, *, evolve: bool = True):
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self._synced: set[str] = set()
+        self._has_blobs = any(_is_blob_field(f) for f in schema)
+        self._dataset = self._open_or_create(schema, evolve)
+
+    # -- opening ------------------------------------------------------------------------
+
+    def _open_or_create(self, schema: pa.Schema, evolve: bool) -> lance.LanceDataset:
+        if (self.path / "_versions").is_dir():
+            try:
+                dataset = lance.dataset(str(self.path))
+            except Exception as exc:  # lance raises OSError/ValueError variants
+                raise StorageIOError(f"cannot open Lance dataset {self.path}: {exc}") from exc
+            return self._reconcile(dataset, schema, evolve)
+        makedirs_durable(self.path.parent)
+        empty = pa.Table.from_batches([], schema=schema)
+        try:
+            return lance.write_dataset(
+                empty,
+                str(self.path),
+                schema=schema,
+                mode="create",
+                data_storage_version=DATA_STORAGE_VERSION,
+            )
+        except Exception as exc:
+            # Another process may have created it between our check and our write.
+            if (self.path / "_versions").is_dir():
+                return self._reconcile(lance.dataset(str(self.path)), schema, evolve)
+            raise StorageIOError(f"cannot create Lance dataset {self.path}: {exc}") from exc
+
+    def _reconcile(
+        self, dataset: lance.LanceDataset, wanted: pa.Schema, evolve: bool
+    ) -> lance.LanceDataset:
+        existing = dataset.schema
+        missing: list[pa.Field] = []
+        for field in wanted:
+            index = existing.get_field_index(field.name)
+            if index < 0:
+                missing.append(field)
+            elif not _same_type(existing.field(index), field):
+                raise SchemaMismatchError(
+                    f"{self.path}: column {field.name!r} is {existing.field(index).type}, "
+                    f"wanted {field.type}"
+                )
+        if missing:
+            if not evolve:
+                names = ", ".join(f.name for f in missing)
+                raise SchemaMismatchError(f"{self.path}: missing columns {names}")
+            self._add_columns(dataset, missing)
+            dataset = lance.dataset(str(self.path))
+        return dataset
+
+    @staticmethod
+    def _add_columns(dataset: lance.LanceDataset, fields: list[pa.Field]) -> None:
+        for field in fields:
+            if not field.nullable:
+                raise SchemaMismatchError(
+                    f"cannot add non-nullable column {field.name!r} to existing data"
+                )
+        dataset.add_columns(fields)
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def dataset(self) -> lance.LanceDataset:
+        """The current ``lance.LanceDataset`` (as of the last commit or refresh)."""
+        return self._dataset
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._dataset.schema
+
+    @property
+    def version(self) -> int:
+        return self._dataset.version
+
+    def refresh(self) -> bool:
+        """Move to the newest committed version (others' commits); True if it changed."""
+        with self._lock:
+            before = self._dataset.version
+            latest = self._dataset.latest_version
+            if latest != before:
+                self._dataset = self._dataset.checkout_version(latest)
+            return latest != before
+
+    def evolve(self, fields: Iterable[pa.Field]) -> None:
+        """Add nullable columns (existing rows read them as null)."""
+        with self._lock:
+            new = [f for f in fields if self._dataset.schema.get_field_index(f.name) < 0]
+            if new:
+                self._add_columns(self._dataset, new)
+                self._dataset = lance.dataset(str(self.path))
+
+    # -- writing ------------------------------------------------------------------------
+
+    def append(self, rows: Rows, *, durable: bool = False) -> int:
+        """Append ``rows`` as one commit (one new fragment); return the new version.
+
+        With ``durable=True`` the new data files, manifest and directories are fsynced
+        before returning, so the rows survive a power cut.
+        """
+        table = self._as_table(rows)
+        if table.num_rows == 0:
+            return self.version
+        with self._lock:
+            try:
+                self._dataset = lance.write_dataset(
+                    table,
+                    str(self.path),
+                    schema=table.schema,
+                    mode="append",
+                    data_storage_version=DATA_STORAGE_VERSION,
+                    allow_external_blob_outside_bases=self._has_blobs,
+                )
+            except OSError as exc:
+                raise StorageIOError(f"append to {self.path} failed: {exc}") from exc
+            except Exception as exc:
+                raise StorageIOError(f"append to {self.path} failed: {exc}") from exc
+            if durable:
+                self.sync()
+            return self._dataset.version
+
+    def _as_table(self, rows: Rows) -> pa.Table:
+        schema = self._dataset.schema
+        if isinstance(rows, pa.RecordBatch):
+            rows = pa.Table.from_batches([rows])
+        if isinstance(rows, pa.Table):
+            if rows.schema.equals(schema, check_metadata=False):
+                return rows
+            try:
+                return rows.select(schema.names).cast(schema) if not self._has_blobs else rows
+            except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError, ValueError) as exc:
+                raise SchemaMismatchError(f"rows do not fit {self.path}: {exc}") from exc
+        try:
+            return pa.Table.from_pylist(list(rows), schema=schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+            raise SchemaMismatchError(f"rows do not fit {self.path}: {exc}") from exc
+
+    def delete(self, predicate: str, *, durable: bool = False) -> None:
+        """Mark rows matching ``predicate`` (a Lance SQL filter) deleted, as one commit."""
+        with self._lock:
+            self._dataset.delete(predicate)
+            self._dataset = lance.dataset(str(self.path))
+            if durable:
+                self.sync()
+
+    def sync(self) -> None:
+        """fsync every file of the dataset not yet synced, then their directories."""
+        with self._lock:
+            dirty_dirs: set[Path] = set()
+            for sub in _DATASET_SUBDIRS:
+                directory = self.path / sub
+                try:
+                    entries = list(os.scandir(directory))
+                except FileNotFoundError:
+                    continue
+                for entry in entries:
+                    if entry.path in self._synced or not entry.is_file():
+                        continue
+                    fsync_file(entry.path)
+                    self._synced.add(entry.path)
+                    dirty_dirs.add(directory)
+            for directory in sorted(dirty_dirs):
+                fsync_dir(directory)
+            fsync_dir(self.path)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def count_rows(self, filter: str | None = None) -> int:
+        return self._dataset.count_rows(filter)
+
+    def take(self, indices: Sequence[int], columns: Sequence[str] | None = None) -> pa.Table:
+        """Rows at positions ``indices`` of the current version."""
+        return self._dataset.take(list(indices), columns=list(columns) if columns else None)
+
+    def scan(
+        self,
+        columns: Sequence[str] | None = None,
+        filter: str | None = None,
+        *,
+        with_row_id: bool = False,
+        limit: int | None = None,
+        offset: int | None = None,
+    ) -> pa.Table:
+        """Selected columns of matching rows; blob columns come back as descriptors only."""
+        return self._dataset.to_table(
+            columns=list(columns) if columns else None,
+            filter=filter,
+            with_row_id=with_row_id,
+            limit=limit,
+            offset=offset,
+        )
+
+    def scan_batches(
+        self, columns: Sequence[str] | None = None, filter: str | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        scanner = self._dataset.scanner(columns=list(columns) if columns else None, filter=filter)
+        yield from scanner.to_batches()
+
+    def read_blobs(self, column: str, indices: Sequence[int]) -> list[bytes]:
+        """Payload bytes of blob column ``column`` at row positions ``indices``."""
+        files = self._dataset.take_blobs(column, indices=list(indices))
+        out: list[bytes] = []
+        for blob in files:
+            if blob is None:
+                raise StorageIOError(f"{self.path}: missing blob in column {column!r}")
+            with blob:
+                out.append(blob.read())
+        return out
+
+    # -- maintenance --------------------------------------------------------------------
+
+    def num_fragments(self) -> int:
+        return len(self._dataset.get_fragments())
+
+    def compact(self, *, target_rows_per_fragment: int = 1 << 20) -> Any:
+        """Merge small fragments and drop deleted rows; returns Lance's compaction metrics."""
+        with self._lock:
+            metrics = self._dataset.optimize.compact_files(
+                target_rows_per_fragment=target_rows_per_fragment
+            )
+            self._dataset = lance.dataset(str(self.path))
+            return metrics
+
+    def cleanup(self, older_than: timedelta = timedelta(0), *, keep_versions: int = 1) -> int:
+        """Delete files only referenced by old versions; returns bytes removed."""
+        with self._lock:
+            stats = self._dataset.cleanup_old_versions(
+                older_than=older_than, retain_versions=keep_versions
+            )
+            self._synced = {p for p in self._synced if os.path.exists(p)}
+            return int(stats.bytes_removed)
+
+    def num_versions(self) -> int:
+        return len(self._dataset.versions())
+
+    def size_bytes(self) -> int:
+        """Bytes the dataset's files use on disk (allocated blocks, like ``du``)."""
+        return disk_usage(self.path)
+
+
+def disk_usage(path: str | os.PathLike[str]) -> int:
+    """Allocated bytes of every file under ``path`` (what ``du`` reports)."""
+    total = 0
+    for directory, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return total
+
+
+__all__ = ["DATA_STORAGE_VERSION", "LanceTable", "disk_usage"]
