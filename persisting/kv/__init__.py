@@ -1,0 +1,36 @@
+"""The KV-cache store: LMCache-compatible keys, tensor values, memory and disk tiers.
+
+Nothing here imports Pulsing, the service, the plugin or the CLI.
+"""
+
+from persisting.kv.disk_tier import Location
+from persisting.kv.keys import ChunkKey, LayerChunkKey, TokenHasher, key_string, parse_key
+from persisting.kv.layout import MEMORY_FORMATS, Layout
+from persisting.kv.policy import (
+    AdmissionPolicy,
+    EvictionPolicy,
+    LRUEviction,
+    PrefixAwareEviction,
+    SecondSightingAdmit,
+)
+from persisting.kv.store import KVStore, PutResult, Tier, open_kv_store
+
+__all__ = [
+    "MEMORY_FORMATS",
+    "AdmissionPolicy",
+    "ChunkKey",
+    "EvictionPolicy",
+    "KVStore",
+    "LRUEviction",
+    "LayerChunkKey",
+    "Layout",
+    "Location",
+    "PrefixAwareEviction",
+    "PutResult",
+    "SecondSightingAdmit",
+    "Tier",
+    "TokenHasher",
+    "key_string",
+    "open_kv_store",
+    "parse_key",
+]

@@ -1,0 +1,388 @@
+"""The disk tier: payload files plus a Lance metadata table, under one byte budget.
+
+A hot read costs one index lookup and one positioned read into the destination buffer, then
+a checksum check; Lance is off the read path. Capacity is enforced for the model directory
+as a whole (shared with other processes through :class:`SharedUsage`), and eviction unlinks
+files, so ``du`` stays within the budget plus the batch being written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from persisting.errors import CapacityError, CorruptValueError, StorageIOError
+from persisting.kv.index import DiskEntry, LruIndex
+from persisting.kv.layout import Layout, checksum
+from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
+from persisting.kv.payload_files import (
+    FileHeader,
+    PayloadFiles,
+    file_size,
+    key_hash,
+    pid_alive,
+)
+from persisting.kv.policy import EvictionPolicy
+from persisting.kv.shared_usage import SharedUsage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a chunk's payload bytes are on disk (for same-host readers under a lease)."""
+
+    path: str
+    offset: int
+    nbytes: int
+    layout: Layout
+    checksum: int
+
+
+@dataclass(slots=True)
+class WriteItem:
+    key: str
+    layout: Layout
+    data: memoryview
+    checksum: int
+    parent: str | None
+
+
+class DiskTier:
+    """Thread-safe; several processes may share one directory."""
+
+    def __init__(self, directory: Path, capacity: int, policy: EvictionPolicy):
+        self.directory = directory
+        self.capacity = capacity
+        self.policy = policy
+        directory.mkdir(parents=True, exist_ok=True)
+        self.files = PayloadFiles(directory)
+        self.usage = SharedUsage(directory)
+        self.index: LruIndex[DiskEntry] = LruIndex()
+        self._lock = threading.RLock()
+        self._writing: set[str] = set()
+        self.evictions = 0
+        self.corruptions = 0
+        self.recovered_files = 0
+        self.meta = self._open_metadata()
+        with self.usage.locked():
+            self._load_index()
+            self._recompute_usage()
+
+    # -- opening and reconciling --------------------------------------------------------
+
+    def _open_metadata(self) -> MetadataTable:
+        path = self.directory / "meta.lance"
+        try:
+            return MetadataTable(path)
+        except Exception as exc:  # a damaged manifest or data file: rebuild from headers
+            log.warning(
+                "metadata table %s is damaged (%s); rebuilding from payload files", path, exc
+            )
+            self.corruptions += 1
+            if path.exists():
+                quarantine(path)
+            return MetadataTable(path)
+
+    def _load_index(self) -> None:
+        stale: list[tuple[str, int]] = []
+        try:
+            rows = list(self.meta.load(self.files.path))
+        except Exception as exc:
+            log.warning(
+                "cannot read metadata of %s (%s); rebuilding from payload files",
+                self.directory,
+                exc,
+            )
+            self.corruptions += 1
+            self.meta.close()
+            quarantine(self.meta.path)
+            self.meta = MetadataTable(self.meta.path)
+            rows = []
+        on_disk = {(h, tag): path for path, h, tag in self.files.scan()}
+        for row in rows:
+            if row.key in self.index or (key_hash(row.key), row.tag) not in on_disk:
+                stale.append((row.key, row.tag))  # evicted/removed before its row was
+                continue
+            self.index.add(row.key, DiskEntry(row.layout, row.checksum, row.parent, row.tag))
+        if stale:
+            self.meta.delete(stale)
+        self._adopt_unknown_files(on_disk)
+
+    def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path]) -> int:
+        """Index payload files the metadata does not know (written by a process that died
+        before its metadata commit, or by another live process)."""
+        known = {(key_hash(k), e.tag) for k, e in self.index.items()}
+        adopted: list[MetaRow] = []
+        for (h, tag), path in on_disk.items():
+            if (h, tag) in known:
+                continue
+            try:
+                header = self.files.read_header(path)
+            except FileNotFoundError:
+                continue
+            except (CorruptValueError, OSError, ValueError, KeyError) as exc:
+                log.warning("dropping damaged payload file %s: %s", path, exc)
+                self.corruptions += 1
+                self.files.unlink(path)
+                continue
+            if key_hash(header.key) != h or header.key in self.index:
+                self.files.unlink(path)  # a misnamed file or a duplicate of a stored key
+                continue
+            self.index.add(
+                header.key, DiskEntry(header.layout, header.checksum, header.parent, tag)
+            )
+            adopted.append(
+                MetaRow(header.key, tag, header.layout, header.checksum, header.parent, path)
+            )
+        if adopted:
+            self.meta.add(adopted)
+            self.recovered_files += len(adopted)
+        return len(adopted)
+
+    def _recompute_usage(self) -> None:
+        """Set the shared counter from the files actually present (held under the lock)."""
+        total = 0
+        for path, _h, _tag in self.files.scan():
+            try:
+                total += -(-os.stat(path).st_size // 4096) * 4096
+            except FileNotFoundError:
+                continue
+        for tmp, pid, reserved in self.files.tmp_reservations():
+            if pid_alive(pid) and pid != os.getpid():
+                total += reserved
+            else:
+                self.files.unlink(tmp)  # a write that died mid-way: never visible
+        self.usage.set(total)
+
+    def refresh(self) -> int:
+        """Pick up chunks other processes wrote and forget those they removed."""
+        with self.usage.locked(), self._lock:
+            on_disk = {(h, tag): path for path, h, tag in self.files.scan()}
+            gone = [
+                k
+                for k, e in self.index.items()
+                if (key_hash(k), e.tag) not in on_disk and not e.busy
+            ]
+            for key in gone:
+                self.index.pop(key)
+            return self._adopt_unknown_files(on_disk) + len(gone)
+
+    # -- queries ------------------------------------------------------------------------
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def entry(self, key: str) -> DiskEntry | None:
+        return self.index.get(key)
+
+    def used_bytes(self) -> int:
+        return self.usage.get()
+
+    # -- writing ------------------------------------------------------------------------
+
+    def write(self, items: list[WriteItem], *, durable: bool) -> list[bool]:
+        """Store a batch; per item True if newly stored, False if already present.
+
+        Capacity is reserved for the whole batch first (evicting as needed), so the batch
+        either fits or fails with CapacityError before any file is written.
+        """
+        with self._lock:
+            todo = [it for it in items if it.key not in self.index and it.key not in self._writing]
+            seen: set[str] = set()
+            todo = [it for it in todo if not (it.key in seen or seen.add(it.key))]
+            for it in todo:
+                if file_size(it.layout.nbytes) > self.capacity:
+                    raise CapacityError(
+                        f"a {it.layout.nbytes}-byte value cannot fit "
+                        f"a {self.capacity}-byte disk tier"
+                    )
+            self._writing.update(it.key for it in todo)
+        stored = {it.key for it in todo}
+        try:
+            if todo:
+                self._write_reserved(todo, durable)
+        finally:
+            with self._lock:
+                self._writing.difference_update(stored)
+        return [it.key in stored for it in items]
+
+    def _write_reserved(self, todo: list[WriteItem], durable: bool) -> None:
+        sizes = [file_size(it.layout.nbytes) for it in todo]
+        self._reserve(sum(sizes))
+        written: list[tuple[WriteItem, int, Path, int]] = []
+        try:
+            for it, size in zip(todo, sizes, strict=True):
+                tag = self.files.new_tag()
+                header = FileHeader(it.key, it.layout, it.checksum, it.parent)
+                path = self.files.write(header, it.data, tag, size, durable=durable)
+                written.append((it, tag, path, size))
+            if durable:
+                self.files.sync_dirs([p for _i, _t, p, _s in written])
+        except BaseException:
+            unused = sum(sizes) - sum(s for *_rest, s in written)
+            self.usage.add(-unused)
+            for _it, _tag, path, size in written:
+                if self.files.unlink(path):
+                    self.usage.add(-size)
+            raise
+        with self._lock:
+            for it, tag, _path, _size in written:
+                self.index.add(it.key, DiskEntry(it.layout, it.checksum, it.parent, tag))
+        self.meta.add(
+            [
+                MetaRow(it.key, tag, it.layout, it.checksum, it.parent, path)
+                for it, tag, path, _s in written
+            ]
+        )
+
+    def _reserve(self, nbytes: int) -> None:
+        with self.usage.locked():
+            used = self.usage.get()
+            if used + nbytes > self.capacity:
+                self._evict(used + nbytes - self.capacity)
+                used = self.usage.get()
+                if used + nbytes > self.capacity:
+                    self.refresh()  # files of other processes we have not indexed yet
+                    self._evict(used + nbytes - self.capacity)
+                    used = self.usage.get()
+            if used + nbytes > self.capacity:
+                raise CapacityError(
+                    f"disk tier full: {used} of {self.capacity} bytes in use, "
+                    f"{nbytes} more needed and nothing evictable"
+                )
+            self.usage.set(used + nbytes)
+
+    def _evict(self, need: int) -> int:
+        """Unlink victims until ``need`` bytes are freed (caller holds the usage lock)."""
+        now = time.monotonic()
+        with self._lock:
+            victims: list[tuple[str, DiskEntry]] = []
+            freed = 0
+            for key in self.policy.candidates(self.index):
+                entry = self.index.get(key)
+                if entry is None or entry.busy or entry.lease_until > now:
+                    continue
+                victims.append((key, entry))
+                freed += file_size(entry.layout.nbytes)
+                if freed >= need:
+                    break
+            for key, _entry in victims:
+                self.index.pop(key)
+        released = 0
+        for key, entry in victims:
+            if self.files.unlink(self.files.path(key, entry.tag)):
+                released += file_size(entry.layout.nbytes)
+        if released:
+            self.usage.set(self.usage.get() - released)
+        self.evictions += len(victims)
+        if victims:
+            self.meta.delete([(k, e.tag) for k, e in victims])
+        return released
+
+    # -- reading ------------------------------------------------------------------------
+
+    def read_into(self, key: str, out: memoryview) -> Layout | None:
+        """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum.
+
+        Returns None on a miss, including a file evicted by another process mid-way and a
+        checksum failure (the damaged chunk is then dropped and counted).
+        """
+        with self._lock:
+            entry = self.index.get(key, touch=True)
+            if entry is None:
+                return None
+            if len(out) != entry.layout.nbytes:
+                raise StorageIOError(
+                    f"destination is {len(out)} bytes, value is {entry.layout.nbytes}"
+                )
+            entry.readers += 1
+        path = self.files.path(key, entry.tag)
+        try:
+            self.files.read_into(path, out)
+            ok = checksum(out) == entry.checksum
+        except FileNotFoundError:
+            self._forget(key, entry)
+            return None
+        except CorruptValueError:
+            ok = False
+        except OSError as exc:
+            raise StorageIOError(f"reading {key!r} failed: {exc}") from exc
+        finally:
+            with self._lock:
+                entry.readers -= 1
+        if not ok:
+            log.warning("checksum mismatch for %r in %s: dropping it", key, path)
+            self.corruptions += 1
+            self.remove(key)
+            return None
+        return entry.layout
+
+    def _forget(self, key: str, entry: DiskEntry) -> None:
+        with self._lock:
+            if self.index.get(key) is entry:
+                self.index.pop(key)
+
+    # -- removal, pins and leases -------------------------------------------------------
+
+    def remove(self, key: str, *, force: bool = True) -> bool:
+        with self._lock:
+            entry = self.index.get(key)
+            if entry is None or (
+                not force and (entry.pins > 0 or entry.lease_until > time.monotonic())
+            ):
+                return False
+            self.index.pop(key)
+        path = self.files.path(key, entry.tag)
+        if self.files.unlink(path):
+            self.usage.add(-file_size(entry.layout.nbytes))
+        self.meta.delete([(key, entry.tag)])
+        return True
+
+    def pin(self, key: str) -> bool:
+        with self._lock:
+            entry = self.index.get(key)
+            if entry is None:
+                return False
+            entry.pins += 1
+            return True
+
+    def unpin(self, key: str) -> bool:
+        with self._lock:
+            entry = self.index.get(key)
+            if entry is None or entry.pins == 0:
+                return False
+            entry.pins -= 1
+            return True
+
+    def lease(self, key: str, ttl_s: float) -> Location | None:
+        """Protect ``key`` from eviction for ``ttl_s`` seconds and say where its bytes are."""
+        with self._lock:
+            entry = self.index.get(key, touch=True)
+            if entry is None:
+                return None
+            entry.lease_until = max(entry.lease_until, time.monotonic() + ttl_s)
+            return Location(
+                str(self.files.path(key, entry.tag)),
+                4096,
+                entry.layout.nbytes,
+                entry.layout,
+                entry.checksum,
+            )
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            entry = self.index.get(key)
+            if entry is not None:
+                entry.lease_until = 0.0
+
+    def close(self) -> None:
+        self.meta.close()
+        self.usage.close()
+
+
+__all__ = ["DiskTier", "Location", "WriteItem"]

@@ -1,0 +1,288 @@
+"""Chunk keys in LMCache's string format, and prefix-chained token hashing.
+
+A key's string form is LMCache's ``CacheEngineKey`` format,
+``model@world_size@worker_id@<chunk hash hex>@dtype[@tag%value...]`` (the layer-wise form
+inserts ``@<layer id>`` after the dtype), so keys round-trip losslessly between Persisting
+and LMCache. The hash *values* from :class:`TokenHasher` are Persisting's own: xxh3 over
+the previous chunk's hash and the chunk's token ids, identical on every process and machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from persisting.errors import InvalidKeyError
+
+#: dtype names exactly as LMCache writes them into keys.
+KEY_DTYPES = frozenset(
+    {
+        "half",
+        "bfloat16",
+        "float",
+        "double",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "fp8_e4m3fn",
+        "fp8_e4m3fnuz",
+        "fp8_e5m2",
+        "fp8_e5m2fnuz",
+    }
+)
+
+#: Longest key string accepted (keys become index entries and file headers).
+MAX_KEY_CHARS = 1024
+
+
+def _check_model(model: object) -> str:
+    if not isinstance(model, str) or not model:
+        raise InvalidKeyError(f"model name must be a non-empty string, got {model!r}")
+    if "@" in model or any(ord(c) < 0x20 for c in model):
+        raise InvalidKeyError(f"model name {model!r} must not contain '@' or control characters")
+    return model
+
+
+def _check_tag(name: str, value: str) -> None:
+    for part in (name, value):
+        if not isinstance(part, str) or "@" in part or any(ord(c) < 0x20 for c in part):
+            raise InvalidKeyError(f"bad tag {name!r}={value!r}")
+    if not name or "%" in name:
+        raise InvalidKeyError(f"bad tag name {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """One chunk of one rank's KV cache, identified the way LMCache identifies it."""
+
+    model: str
+    world_size: int
+    worker_id: int
+    chunk_hash: int
+    dtype: str
+    tags: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _check_model(self.model)
+        for name in ("world_size", "worker_id", "chunk_hash"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidKeyError(f"{name} must be an int, got {value!r}")
+        if self.world_size < 1 or not 0 <= self.worker_id < self.world_size:
+            raise InvalidKeyError(
+                f"worker_id {self.worker_id} is not a rank of world_size {self.world_size}"
+            )
+        if self.dtype not in KEY_DTYPES:
+            raise InvalidKeyError(f"unknown key dtype {self.dtype!r}")
+        for tag in self.tags:
+            if not (isinstance(tag, tuple) and len(tag) == 2):
+                raise InvalidKeyError(f"tags must be (name, value) pairs, got {tag!r}")
+            _check_tag(*tag)
+
+    @property
+    def chunk_hash_hex(self) -> str:
+        return f"{self.chunk_hash:x}"
+
+    def _head(self) -> str:
+        return f"{self.model}@{self.world_size}@{self.worker_id}@{self.chunk_hash_hex}@{self.dtype}"
+
+    def _tail(self) -> str:
+        return "".join(f"@{name}%{value}" for name, value in self.tags)
+
+    def to_string(self) -> str:
+        return self._head() + self._tail()
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+    def with_worker(self, worker_id: int) -> ChunkKey:
+        """The same chunk's key on another rank."""
+        return ChunkKey(
+            self.model, self.world_size, worker_id, self.chunk_hash, self.dtype, self.tags
+        )
+
+    def split_layers(self, num_layers: int) -> list[LayerChunkKey]:
+        return [
+            LayerChunkKey(
+                self.model,
+                self.world_size,
+                self.worker_id,
+                self.chunk_hash,
+                self.dtype,
+                self.tags,
+                layer_id=i,
+            )
+            for i in range(num_layers)
+        ]
+
+    @classmethod
+    def from_string(cls, text: str) -> ChunkKey:
+        key = parse_key(text)
+        if type(key) is not ChunkKey and cls is ChunkKey:
+            return key  # a layer key parses to LayerChunkKey, a ChunkKey subclass
+        if not isinstance(key, cls):
+            raise InvalidKeyError(f"{text!r} is not a {cls.__name__}")
+        return key
+
+
+@dataclass(frozen=True, slots=True)
+class LayerChunkKey(ChunkKey):
+    """A chunk key of one layer (LMCache's ``LayerCacheEngineKey``)."""
+
+    layer_id: int = 0
+
+    def __post_init__(self) -> None:
+        ChunkKey.__post_init__(self)
+        if (
+            isinstance(self.layer_id, bool)
+            or not isinstance(self.layer_id, int)
+            or self.layer_id < 0
+        ):
+            raise InvalidKeyError(f"layer_id must be a non-negative int, got {self.layer_id!r}")
+
+    def to_string(self) -> str:
+        return f"{self._head()}@{self.layer_id}{self._tail()}"
+
+    def chunk(self) -> ChunkKey:
+        """The whole-chunk key this layer belongs to."""
+        return ChunkKey(
+            self.model, self.world_size, self.worker_id, self.chunk_hash, self.dtype, self.tags
+        )
+
+
+AnyKey = ChunkKey | str
+
+
+_DIGITS = {10: frozenset("0123456789"), 16: frozenset("0123456789abcdefABCDEF")}
+
+
+def _parse_int(text: str, base: int, what: str, source: str) -> int:
+    body = text[1:] if text[:1] == "-" else text
+    if not body or not set(body) <= _DIGITS[base]:
+        raise InvalidKeyError(f"bad {what} {text!r} in key {source!r}")
+    return int(text, base)
+
+
+def parse_key(text: object) -> ChunkKey:
+    """Parse LMCache's key string; a numeric 6th part makes a :class:`LayerChunkKey`."""
+    if isinstance(text, ChunkKey):
+        return text
+    if not isinstance(text, str):
+        raise InvalidKeyError(f"a key must be a string or ChunkKey, got {type(text).__name__}")
+    if len(text) > MAX_KEY_CHARS:
+        raise InvalidKeyError(f"key is {len(text)} characters long; the limit is {MAX_KEY_CHARS}")
+    parts = text.split("@")
+    if len(parts) < 5:
+        raise InvalidKeyError(f"not a chunk key (want model@world@worker@hash@dtype): {text!r}")
+    model, world, worker, chunk_hash, dtype = parts[:5]
+    rest = parts[5:]
+    layer_id: int | None = None
+    if rest and rest[0].isdigit():
+        layer_id = int(rest[0])
+        rest = rest[1:]
+    tags: list[tuple[str, str]] = []
+    for item in rest:
+        name, sep, value = item.partition("%")
+        if not sep:
+            raise InvalidKeyError(f"bad tag {item!r} in key {text!r}")
+        tags.append((name, value))
+    fields = dict(
+        model=model,
+        world_size=_parse_int(world, 10, "world size", text),
+        worker_id=_parse_int(worker, 10, "worker id", text),
+        chunk_hash=_parse_int(chunk_hash, 16, "chunk hash", text),
+        dtype=dtype,
+        tags=tuple(tags),
+    )
+    if layer_id is not None:
+        return LayerChunkKey(**fields, layer_id=layer_id)
+    return ChunkKey(**fields)
+
+
+def key_string(key: object) -> str:
+    """The string a key is stored under: validated, and kept verbatim.
+
+    Strings are not re-spelled (LMCache may write hashes with leading zeros), so whatever
+    string a caller stores is exactly the string it finds again.
+    """
+    if isinstance(key, ChunkKey):
+        return key.to_string()
+    parse_key(key)
+    return key  # type: ignore[return-value]
+
+
+class TokenHasher:
+    """Chunked, prefix-chained, process-independent hashing of token ids into ChunkKeys.
+
+    Chunk ``i``'s hash is ``xxh3_64(prev_hash_bytes || tokens_i as little-endian int64)``
+    interpreted as a signed 64-bit integer, with ``prev_hash`` of the first chunk seeded
+    from the model name, so equal prefixes give equal keys and any earlier difference
+    changes every later key.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        chunk_size: int = 256,
+        world_size: int = 1,
+        worker_id: int = 0,
+        dtype: str = "bfloat16",
+        save_unfull_chunk: bool = False,
+        tags: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise InvalidKeyError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        # Validates model, ranks, dtype and tags once, up front.
+        self._template = ChunkKey(model, world_size, worker_id, 0, dtype, tuple(tags))
+        self.model = model
+        self.chunk_size = chunk_size
+        self.world_size = world_size
+        self.worker_id = worker_id
+        self.dtype = dtype
+        self.save_unfull_chunk = save_unfull_chunk
+        self._seed = xxhash.xxh3_64_intdigest(model.encode("utf-8"))
+
+    def chunk_hashes(self, tokens: Iterable[int] | np.ndarray) -> list[tuple[int, int, int]]:
+        """``(start, end, hash)`` per chunk; the last partial chunk only if saving it."""
+        ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1)).astype("<i8")
+        total = int(ids.shape[0])
+        full_end = total - total % self.chunk_size
+        end_limit = total if self.save_unfull_chunk else full_end
+        out: list[tuple[int, int, int]] = []
+        prev = self._seed.to_bytes(8, "little", signed=False)
+        for start in range(0, end_limit, self.chunk_size):
+            end = min(start + self.chunk_size, total)
+            digest = xxhash.xxh3_64_intdigest(prev + ids[start:end].tobytes())
+            signed = digest - (1 << 64) if digest >= (1 << 63) else digest
+            out.append((start, end, signed))
+            prev = digest.to_bytes(8, "little", signed=False)
+        return out
+
+    def process_tokens(self, tokens: Iterable[int] | np.ndarray) -> list[tuple[int, int, ChunkKey]]:
+        """``(start, end, key)`` for each chunk of ``tokens``, in order."""
+        t = self._template
+        return [
+            (start, end, ChunkKey(t.model, t.world_size, t.worker_id, h, t.dtype, t.tags))
+            for start, end, h in self.chunk_hashes(tokens)
+        ]
+
+    def keys_for_rank(self, tokens: Iterable[int] | np.ndarray, worker_id: int) -> list[ChunkKey]:
+        """The chunk keys of ``tokens`` as rank ``worker_id`` stores them."""
+        return [key.with_worker(worker_id) for _s, _e, key in self.process_tokens(tokens)]
+
+
+__all__ = [
+    "KEY_DTYPES",
+    "AnyKey",
+    "ChunkKey",
+    "LayerChunkKey",
+    "TokenHasher",
+    "key_string",
+    "parse_key",
+]

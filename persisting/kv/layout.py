@@ -1,0 +1,216 @@
+"""Tensor layout metadata and the zero-pickle value codec.
+
+A stored value is its raw bytes plus a :class:`Layout` (shape, dtype, memory format, byte
+size, and the kind of array it was: torch, numpy or plain bytes). Reading a value back
+rebuilds the same kind of array over a page-aligned buffer without copying again.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import xxhash
+
+from persisting.errors import InvalidValueError
+
+ValueKind = Literal["torch", "numpy", "bytes"]
+
+#: Memory formats (LMCache's names). ``None`` means any shape is accepted.
+MEMORY_FORMATS: dict[str, tuple[int, int] | None] = {
+    # name: (ndim, axis that must have size 2) -- KV layouts carry K and V on one axis
+    "KV_2LTD": (4, 0),  # [2, layers, tokens, hidden]
+    "KV_2TD": (3, 0),  # [2, tokens, hidden]
+    "KV_T2D": (3, 1),  # [tokens, 2, hidden]
+    "KV_MLA_FMT": None,  # [layers, tokens, latent] (no K/V axis)
+    "BINARY": None,
+    "binary": None,
+}
+
+_TORCH_TO_NAME: dict[torch.dtype, str] = {
+    torch.float16: "half",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
+}
+for _attr, _name in (
+    ("float8_e4m3fn", "fp8_e4m3fn"),
+    ("float8_e4m3fnuz", "fp8_e4m3fnuz"),
+    ("float8_e5m2", "fp8_e5m2"),
+    ("float8_e5m2fnuz", "fp8_e5m2fnuz"),
+):
+    if hasattr(torch, _attr):
+        _TORCH_TO_NAME[getattr(torch, _attr)] = _name
+NAME_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in _TORCH_TO_NAME.items()}
+
+_NUMPY_TO_NAME: dict[np.dtype, str] = {
+    np.dtype(np.float16): "half",
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "double",
+    np.dtype(np.int8): "int8",
+    np.dtype(np.uint8): "uint8",
+    np.dtype(np.int16): "int16",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.bool_): "bool",
+}
+NAME_TO_NUMPY: dict[str, np.dtype] = {v: k for k, v in _NUMPY_TO_NAME.items()}
+
+PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What a stored value looks like; a reader's expectation is compared against it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    fmt: str
+    nbytes: int
+    kind: ValueKind = "torch"
+
+    def matches(self, expected: Layout) -> bool:
+        """True if a reader expecting ``expected`` may use this value (kind may differ)."""
+        return (
+            self.shape == tuple(expected.shape)
+            and self.dtype == expected.dtype
+            and self.fmt == expected.fmt
+            and self.nbytes == expected.nbytes
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return NAME_TO_TORCH[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "fmt": self.fmt,
+            "nbytes": self.nbytes,
+            "kind": self.kind,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Layout:
+        return cls(
+            tuple(int(x) for x in d["shape"]),
+            d["dtype"],
+            d["fmt"],
+            int(d["nbytes"]),
+            d.get("kind", "torch"),
+        )
+
+    @classmethod
+    def of(cls, value: Any, fmt: str = "KV_2LTD") -> Layout:
+        """The layout ``value`` would be stored with (validates it)."""
+        return encode_value(value, fmt)[0]
+
+
+def _check_format(fmt: object, shape: tuple[int, ...]) -> str:
+    if not isinstance(fmt, str) or fmt not in MEMORY_FORMATS:
+        raise InvalidValueError(f"unknown memory format {fmt!r}; known: {sorted(MEMORY_FORMATS)}")
+    rule = MEMORY_FORMATS[fmt]
+    if rule is not None:
+        ndim, kv_axis = rule
+        if len(shape) != ndim or shape[kv_axis] != 2:
+            raise InvalidValueError(
+                f"shape {list(shape)} does not fit format {fmt} "
+                f"(want {ndim} dims with size 2 on axis {kv_axis})"
+            )
+    return fmt
+
+
+def encode_value(value: Any, fmt: str) -> tuple[Layout, memoryview]:
+    """Validate ``value`` and return its layout and a read-only byte view of its data.
+
+    Non-contiguous tensors are made contiguous (one copy); contiguous ones are not copied.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            value = value.to("cpu")
+        if value.dtype not in _TORCH_TO_NAME:
+            raise InvalidValueError(f"unsupported tensor dtype {value.dtype}")
+        value = value.detach()
+        tensor = value.contiguous()
+        shape = tuple(int(x) for x in tensor.shape)
+        layout = Layout(
+            shape,
+            _TORCH_TO_NAME[tensor.dtype],
+            _check_format(fmt, shape),
+            tensor.numel() * tensor.element_size(),
+            "torch",
+        )
+        raw = (
+            tensor.reshape(-1).view(torch.uint8).numpy()
+            if tensor.numel()
+            else np.empty(0, np.uint8)
+        )
+        view = memoryview(raw).cast("B")
+    elif isinstance(value, np.ndarray):
+        if value.dtype not in _NUMPY_TO_NAME:
+            raise InvalidValueError(f"unsupported array dtype {value.dtype}")
+        array = np.ascontiguousarray(value)
+        shape = tuple(int(x) for x in array.shape)
+        layout = Layout(
+            shape,
+            _NUMPY_TO_NAME[array.dtype],
+            _check_format(fmt, shape),
+            int(array.nbytes),
+            "numpy",
+        )
+        view = memoryview(array.reshape(-1).view(np.uint8)).cast("B")
+    elif isinstance(value, bytes | bytearray | memoryview):
+        view = memoryview(value).cast("B")
+        if fmt not in ("binary", "BINARY"):
+            raise InvalidValueError(f"bytes values need fmt='binary', not {fmt!r}")
+        layout = Layout((len(view),), "uint8", fmt, len(view), "bytes")
+    else:
+        raise InvalidValueError(
+            f"values must be torch.Tensor, numpy.ndarray or bytes, not {type(value).__name__}"
+        )
+    if layout.nbytes == 0:
+        raise InvalidValueError("zero-size values cannot be stored")
+    return layout, view
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A writable uint8 array of ``nbytes`` starting on a page boundary (faster I/O, memcpy)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    return raw[start : start + nbytes]
+
+
+def decode_value(layout: Layout, buffer: np.ndarray) -> Any:
+    """Build the value of ``layout`` over ``buffer`` (a uint8 array it takes ownership of)."""
+    if layout.kind == "bytes":
+        return buffer.tobytes()
+    if layout.kind == "numpy":
+        return buffer.view(NAME_TO_NUMPY[layout.dtype]).reshape(layout.shape)
+    return torch.from_numpy(buffer).view(NAME_TO_TORCH[layout.dtype]).reshape(layout.shape)
+
+
+def checksum(data: memoryview | np.ndarray | bytes) -> int:
+    """64-bit xxh3 of the payload bytes (verified on every read from disk)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+__all__ = [
+    "MEMORY_FORMATS",
+    "NAME_TO_NUMPY",
+    "NAME_TO_TORCH",
+    "Layout",
+    "aligned_buffer",
+    "checksum",
+    "decode_value",
+    "encode_value",
+]

@@ -1,0 +1,98 @@
+"""The memory tier: page-aligned copies of chunks under a byte budget, LRU-evicted.
+
+Pinned chunks and chunks being read are never evicted. Entries that are not yet on disk
+(``dirty``: write-behind in flight, or write-back mode) are handed to ``on_evict_dirty``
+when evicted, so the store can write them back instead of losing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from persisting.kv.index import LruIndex, MemoryEntry
+from persisting.kv.layout import Layout, aligned_buffer
+from persisting.kv.policy import EvictionPolicy
+
+DirtyEvictHandler = Callable[[str, MemoryEntry], None]
+
+
+class MemoryTier:
+    """Not thread-safe by itself: the store serialises calls under its lock."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy):
+        self.capacity = capacity
+        self.policy = policy
+        self.index: LruIndex[MemoryEntry] = LruIndex()
+        self.evictions = 0
+
+    @property
+    def used(self) -> int:
+        return self.index.bytes
+
+    def fits(self, nbytes: int) -> bool:
+        return 0 < nbytes <= self.capacity
+
+    def make_room(self, nbytes: int) -> list[tuple[str, MemoryEntry]]:
+        """Evict until ``nbytes`` more fit; returns the evicted entries (empty if impossible).
+
+        Victims are chosen before any is removed, so a tier full of pinned chunks is left
+        untouched when room cannot be made.
+        """
+        need = self.index.bytes + nbytes - self.capacity
+        if need <= 0:
+            return []
+        victims: list[str] = []
+        freed = 0
+        for key in self.policy.candidates(self.index):
+            entry = self.index.get(key)
+            if entry is None or entry.busy:
+                continue
+            victims.append(key)
+            freed += entry.layout.nbytes
+            if freed >= need:
+                break
+        if freed < need:
+            return []
+        evicted = []
+        for key in victims:
+            entry = self.index.pop(key)
+            if entry is not None:
+                evicted.append((key, entry))
+        self.evictions += len(evicted)
+        return evicted
+
+    def insert(
+        self,
+        key: str,
+        layout: Layout,
+        data: memoryview | np.ndarray,
+        checksum: int,
+        parent: str | None,
+        *,
+        dirty: bool,
+        own: bool = False,
+    ) -> tuple[bool, list[tuple[str, MemoryEntry]]]:
+        """Copy ``data`` in (or adopt it when ``own``); returns (inserted, evicted entries)."""
+        if key in self.index or not self.fits(layout.nbytes):
+            return False, []
+        if self.index.bytes + layout.nbytes > self.capacity:
+            evicted = self.make_room(layout.nbytes)
+            if not evicted:
+                return False, []
+        else:
+            evicted = []
+        if own and isinstance(data, np.ndarray):
+            buffer = data
+        else:
+            buffer = aligned_buffer(layout.nbytes)
+            buffer[:] = np.frombuffer(data, dtype=np.uint8)
+        self.index.add(key, MemoryEntry(layout, checksum, parent, buffer, dirty))
+        return True, evicted
+
+    def remove(self, key: str) -> MemoryEntry | None:
+        return self.index.pop(key)
+
+
+__all__ = ["MemoryTier"]

@@ -1,0 +1,207 @@
+"""The Lance metadata table of a model namespace: keys, layouts, checksums, references.
+
+Payload files are the durable record of a chunk (self-describing, fsynced before a sync put
+is acknowledged); this table is the queryable index over them, so opening a store reads
+metadata columns only, never payloads. Rows are appended and deleted in batches by a
+background thread (one Lance commit per batch), and the table is compacted and old
+versions cleaned up as it goes, so its size stays bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pyarrow as pa
+
+from persisting.errors import PersistingError
+from persisting.kv.layout import Layout
+from persisting.kv.payload_files import HEADER_BYTES
+from persisting.lance_store import LanceTable, blob_field
+from persisting.lance_store.blobs import blob_references
+
+log = logging.getLogger(__name__)
+
+SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("tag", pa.int64(), nullable=False),
+        pa.field("nbytes", pa.int64(), nullable=False),
+        pa.field("shape", pa.list_(pa.int64()), nullable=False),
+        pa.field("dtype", pa.string(), nullable=False),
+        pa.field("fmt", pa.string(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("checksum", pa.int64(), nullable=False),
+        pa.field("parent", pa.string()),
+        pa.field("created_ns", pa.int64(), nullable=False),
+        blob_field("payload"),
+    ]
+)
+#: Columns read on open: everything but the payload reference.
+INDEX_COLUMNS = [f.name for f in SCHEMA if f.name != "payload"]
+
+_SIGN = 1 << 64
+
+
+@dataclass(frozen=True, slots=True)
+class MetaRow:
+    key: str
+    tag: int
+    layout: Layout
+    checksum: int
+    parent: str | None
+    path: Path
+
+
+def _sql_quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+class MetadataTable:
+    """Batched writer and reader of ``<model dir>/meta.lance``."""
+
+    def __init__(self, path: Path, *, flush_interval_s: float = 0.2, compact_every: int = 64):
+        self.path = path
+        self.table = LanceTable(path, SCHEMA)
+        self._pending_rows: list[MetaRow] = []
+        self._pending_deletes: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+        self._commit_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._commits = 0
+        self._compact_every = compact_every
+        self._interval = flush_interval_s
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="persisting-kv-meta", daemon=True)
+        self._thread.start()
+
+    # -- reading ------------------------------------------------------------------------
+
+    def load(self, path_of: Callable[[str, int], Path]) -> Iterator[MetaRow]:
+        """Every indexed row (metadata columns only; no payload bytes are read)."""
+        for batch in self.table.scan_batches(INDEX_COLUMNS):
+            cols = batch.to_pydict()
+            for i, key in enumerate(cols["key"]):
+                tag = cols["tag"][i]
+                layout = Layout(
+                    tuple(cols["shape"][i]),
+                    cols["dtype"][i],
+                    cols["fmt"][i],
+                    cols["nbytes"][i],
+                    cols["kind"][i],
+                )
+                yield MetaRow(
+                    key,
+                    tag,
+                    layout,
+                    cols["checksum"][i] % _SIGN,
+                    cols["parent"][i],
+                    path_of(key, tag),
+                )
+
+    # -- writing (batched in the background) --------------------------------------------
+
+    def add(self, rows: list[MetaRow]) -> None:
+        with self._lock:
+            self._pending_rows.extend(rows)
+        self._wake.set()
+
+    def delete(self, items: list[tuple[str, int]]) -> None:
+        """Drop the rows of ``(key, tag)`` pairs (a key re-put later has a new tag)."""
+        with self._lock:
+            self._pending_deletes.extend(items)
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Commit everything pending now, in the caller's thread."""
+        with self._commit_lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        with self._lock:
+            rows, self._pending_rows = self._pending_rows, []
+            deletes, self._pending_deletes = self._pending_deletes, []
+        try:
+            if rows:
+                self._append(rows)
+            if deletes:
+                for start in range(0, len(deletes), 256):
+                    chunk = deletes[start : start + 256]
+                    self.table.delete(
+                        " OR ".join(f"(key = {_sql_quote(k)} AND tag = {t})" for k, t in chunk)
+                    )
+                    self._commits += 1
+            if self._commits >= self._compact_every:
+                self._commits = 0
+                self._maintain()
+        except (PersistingError, OSError, ValueError, RuntimeError) as exc:
+            # Metadata is an index over self-describing files: a failed commit costs a
+            # header scan on the next open, never data. Keep the rows for the next try.
+            self.errors += 1
+            log.warning("metadata commit to %s failed: %s", self.path, exc)
+            with self._lock:
+                self._pending_rows[:0] = rows
+                self._pending_deletes[:0] = deletes
+
+    def _append(self, rows: list[MetaRow]) -> None:
+        now = time.time_ns()
+        table = pa.table(
+            {
+                "key": [r.key for r in rows],
+                "tag": [r.tag for r in rows],
+                "nbytes": [r.layout.nbytes for r in rows],
+                "shape": [list(r.layout.shape) for r in rows],
+                "dtype": [r.layout.dtype for r in rows],
+                "fmt": [r.layout.fmt for r in rows],
+                "kind": [r.layout.kind for r in rows],
+                "checksum": [
+                    r.checksum - _SIGN if r.checksum >= 1 << 63 else r.checksum for r in rows
+                ],
+                "parent": [r.parent for r in rows],
+                "created_ns": [now] * len(rows),
+                "payload": blob_references(
+                    [r.path for r in rows],
+                    [HEADER_BYTES] * len(rows),
+                    [r.layout.nbytes for r in rows],
+                ),
+            },
+            schema=SCHEMA,
+        )
+        self.table.append(table)
+        self._commits += 1
+
+    def _maintain(self) -> None:
+        if self.table.num_fragments() > 8:
+            self.table.compact()
+        self.table.cleanup(timedelta(seconds=0), keep_versions=2)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._wake.wait(1.0):
+                continue
+            self._wake.clear()
+            self._stop.wait(self._interval)  # let a burst of puts collect into one commit
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.flush()
+
+
+def quarantine(path: Path) -> Path:
+    """Move a damaged metadata table aside (kept for inspection) so a fresh one can start."""
+    target = path.with_name(f"{path.name}.damaged-{time.time_ns()}")
+    os.rename(path, target)
+    return target
+
+
+__all__ = ["INDEX_COLUMNS", "SCHEMA", "MetaRow", "MetadataTable", "quarantine"]

@@ -1,0 +1,224 @@
+"""Payload files: one self-describing file per stored chunk.
+
+Each chunk's bytes live in their own file, ``payload/<hh>/<keyhash>-<tag>.kv``: a 4 KiB
+header (magic, key, layout, payload checksum, parent, header checksum) followed by the
+payload at a page-aligned offset. Files are written under ``tmp/``, fsynced when the put
+must be durable, then renamed into place, so a file under ``payload/`` is always whole.
+Eviction unlinks the file, which gives its space back at once; a reader that already
+opened it still reads the whole, correct file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from persisting.errors import CorruptValueError, StorageIOError
+from persisting.kv.layout import Layout
+from persisting.lance_store.durable import fsync_dir, fsync_fd
+
+MAGIC = b"PKVCHNK1"
+HEADER_BYTES = 4096
+_PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
+
+
+def key_hash(key: str) -> int:
+    return xxhash.xxh3_64_intdigest(key.encode("utf-8"))
+
+
+def file_size(nbytes: int) -> int:
+    """Bytes a payload file of ``nbytes`` occupies on disk (header + payload, page-rounded)."""
+    return HEADER_BYTES + -(-nbytes // 4096) * 4096
+
+
+@dataclass(frozen=True, slots=True)
+class FileHeader:
+    """What a payload file says about itself."""
+
+    key: str
+    layout: Layout
+    checksum: int
+    parent: str | None
+
+    def encode(self) -> bytes:
+        body = json.dumps(
+            {
+                "key": self.key,
+                "layout": self.layout.to_dict(),
+                "checksum": self.checksum,
+                "parent": self.parent,
+            },
+            separators=(",", ":"),
+        ).encode("utf-8")
+        if _PREFIX.size + len(body) > HEADER_BYTES:
+            raise StorageIOError(f"header of {self.key!r} does not fit in {HEADER_BYTES} bytes")
+        head = _PREFIX.pack(MAGIC, len(body), xxhash.xxh64_intdigest(body)) + body
+        return head + b"\0" * (HEADER_BYTES - len(head))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> FileHeader:
+        if len(raw) < _PREFIX.size:
+            raise CorruptValueError("payload header is truncated")
+        magic, length, digest = _PREFIX.unpack_from(raw)
+        body = raw[_PREFIX.size : _PREFIX.size + length]
+        if magic != MAGIC or len(body) != length or xxhash.xxh64_intdigest(body) != digest:
+            raise CorruptValueError("payload header is damaged")
+        d = json.loads(body)
+        return cls(d["key"], Layout.from_dict(d["layout"]), int(d["checksum"]), d["parent"])
+
+
+class PayloadFiles:
+    """The payload directory of one model namespace."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.payload_dir = directory / "payload"
+        self.tmp_dir = directory / "tmp"
+        for d in (self.payload_dir, self.tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str, tag: int) -> Path:
+        h = key_hash(key)
+        return self.payload_dir / f"{h >> 56:02x}" / f"{h:016x}-{tag:08x}.kv"
+
+    @staticmethod
+    def new_tag() -> int:
+        return secrets.randbits(32)
+
+    def write(
+        self, header: FileHeader, payload: memoryview, tag: int, reserved: int, *, durable: bool
+    ) -> Path:
+        """Write a whole file under tmp/, fsync it if ``durable``, and rename it into place.
+
+        The caller fsyncs the destination directories (see :meth:`sync_dirs`) to make the
+        renames themselves durable, once per batch.
+        """
+        final = self.path(header.key, tag)
+        tmp = self.tmp_dir / f"{os.getpid()}-{tag:08x}-{reserved}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise StorageIOError(f"cannot create {tmp}: {exc}") from exc
+        try:
+            _write_all(fd, [header.encode(), payload])
+            if durable:
+                fsync_fd(fd)
+        except OSError as exc:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise StorageIOError(f"writing {final.name} failed: {exc}") from exc
+        os.close(fd)
+        try:
+            final.parent.mkdir(exist_ok=True)
+            os.rename(tmp, final)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            raise StorageIOError(f"cannot move {tmp} to {final}: {exc}") from exc
+        return final
+
+    @staticmethod
+    def sync_dirs(paths: list[Path]) -> None:
+        for directory in sorted({p.parent for p in paths}):
+            fsync_dir(directory)
+
+    @staticmethod
+    def read_into(path: Path, out: memoryview) -> None:
+        """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes).
+
+        Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
+        """
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done, size = 0, len(out)
+            while done < size:
+                n = os.preadv(fd, [out[done:]], HEADER_BYTES + done)
+                if n == 0:
+                    raise CorruptValueError(f"{path.name} is truncated")
+                done += n
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def read_header(path: Path) -> FileHeader:
+        with open(path, "rb") as f:
+            header = FileHeader.decode(f.read(HEADER_BYTES))
+            f.seek(0, os.SEEK_END)
+            if f.tell() < HEADER_BYTES + header.layout.nbytes:
+                raise CorruptValueError(f"{path.name} is truncated")
+        return header
+
+    @staticmethod
+    def unlink(path: Path) -> bool:
+        """Remove a payload file; False if it was already gone."""
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def scan(self) -> Iterator[tuple[Path, int, int]]:
+        """Every payload file as ``(path, key hash, tag)`` (names we did not make are skipped)."""
+        try:
+            subdirs = list(os.scandir(self.payload_dir))
+        except FileNotFoundError:
+            return
+        for sub in subdirs:
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                name = entry.name
+                if not name.endswith(".kv") or len(name) != 28:
+                    continue
+                try:
+                    h, tag = int(name[:16], 16), int(name[17:25], 16)
+                except ValueError:
+                    continue
+                yield Path(entry.path), h, tag
+
+    def tmp_reservations(self) -> Iterator[tuple[Path, int, int]]:
+        """In-flight writes as ``(path, writer pid, reserved bytes)``."""
+        for entry in os.scandir(self.tmp_dir):
+            parts = entry.name.removesuffix(".tmp").split("-")
+            if len(parts) != 3 or not entry.name.endswith(".tmp"):
+                continue
+            try:
+                yield Path(entry.path), int(parts[0]), int(parts[2])
+            except ValueError:
+                continue
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["HEADER_BYTES", "FileHeader", "PayloadFiles", "file_size", "key_hash", "pid_alive"]

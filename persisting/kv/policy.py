@@ -1,0 +1,118 @@
+"""Pluggable eviction and admission policies for both tiers."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import xxhash
+
+from persisting.errors import ConfigError
+from persisting.kv.index import LruIndex
+
+
+class EvictionPolicy(ABC):
+    """Orders a tier's keys from first to last eviction candidate."""
+
+    name: str
+
+    @abstractmethod
+    def candidates(self, index: LruIndex) -> Iterator[str]: ...
+
+
+class LRUEviction(EvictionPolicy):
+    """Least recently used first."""
+
+    name = "lru"
+
+    def candidates(self, index: LruIndex) -> Iterator[str]:
+        return index.lru_order()
+
+
+class PrefixAwareEviction(EvictionPolicy):
+    """Chain suffixes before prefixes: a chunk with a stored child is kept while the child
+    lives, because a suffix without its prefix is worthless but a prefix alone still hits."""
+
+    name = "prefix"
+
+    def candidates(self, index: LruIndex) -> Iterator[str]:
+        deferred: list[str] = []
+        for key in index.lru_order():
+            if index.has_children(key):
+                deferred.append(key)
+            else:
+                yield key
+        # Everything left has children; evicting those in LRU order still frees space.
+        yield from deferred
+
+
+class AdmissionPolicy(ABC):
+    """Decides whether a value may enter the disk tier."""
+
+    name: str
+
+    @abstractmethod
+    def admit(self, key: str) -> bool: ...
+
+
+class AlwaysAdmit(AdmissionPolicy):
+    name = "always"
+
+    def admit(self, key: str) -> bool:
+        return True
+
+
+class SecondSightingAdmit(AdmissionPolicy):
+    """Admit a key to disk the second time it is put or looked up, so one-off long prompts
+    do not flush hot prefixes. Remembers up to ``remember`` recent 64-bit key hashes."""
+
+    name = "second_sighting"
+
+    def __init__(self, remember: int = 1 << 20):
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._remember = remember
+
+    def sighted(self, key: str) -> bool:
+        """Record a sighting; True if the key had been seen before."""
+        h = xxhash.xxh3_64_intdigest(key.encode())
+        if h in self._seen:
+            self._seen.move_to_end(h)
+            return True
+        self._seen[h] = None
+        if len(self._seen) > self._remember:
+            self._seen.popitem(last=False)
+        return False
+
+    def admit(self, key: str) -> bool:
+        return self.sighted(key)
+
+
+def eviction_policy(name: str | EvictionPolicy) -> EvictionPolicy:
+    if isinstance(name, EvictionPolicy):
+        return name
+    policies = {"lru": LRUEviction, "prefix": PrefixAwareEviction}
+    if name not in policies:
+        raise ConfigError(f"unknown eviction policy {name!r}; choose from {sorted(policies)}")
+    return policies[name]()
+
+
+def admission_policy(name: str | AdmissionPolicy) -> AdmissionPolicy:
+    if isinstance(name, AdmissionPolicy):
+        return name
+    policies = {"always": AlwaysAdmit, "second_sighting": SecondSightingAdmit}
+    if name not in policies:
+        raise ConfigError(f"unknown admission policy {name!r}; choose from {sorted(policies)}")
+    return policies[name]()
+
+
+__all__ = [
+    "AdmissionPolicy",
+    "AlwaysAdmit",
+    "EvictionPolicy",
+    "LRUEviction",
+    "PrefixAwareEviction",
+    "SecondSightingAdmit",
+    "admission_policy",
+    "eviction_policy",
+]
