@@ -1,0 +1,135 @@
+"""ChunkKey string format (LMCache's) and deterministic, prefix-chained token hashing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from persisting.errors import InvalidKeyError
+from persisting.kv import ChunkKey, LayerChunkKey, TokenHasher, key_string, parse_key
+from persisting.kv.keys import KEY_DTYPES
+
+
+def test_string_format_matches_lmcache() -> None:
+    k = ChunkKey("meta-llama/Llama-3-8B", 4, 2, -0x1F, "half", (("lora", "v2"), ("tenant", "a")))
+    assert str(k) == "meta-llama/Llama-3-8B@4@2@-1f@half@lora%v2@tenant%a"
+    lk = k.split_layers(3)[2]
+    assert str(lk) == "meta-llama/Llama-3-8B@4@2@-1f@half@2@lora%v2@tenant%a"
+    assert isinstance(parse_key(str(lk)), LayerChunkKey)
+    assert parse_key(str(lk)).chunk() == k
+
+
+@given(
+    world=st.integers(1, 64),
+    data=st.data(),
+    h=st.integers(-(1 << 80), 1 << 80),
+    dtype=st.sampled_from(sorted(KEY_DTYPES)),
+    tags=st.lists(
+        st.tuples(
+            st.text(
+                st.characters(blacklist_characters="@%", blacklist_categories=("Cc", "Cs")),
+                min_size=1,
+                max_size=8,
+            ),
+            st.text(
+                st.characters(blacklist_characters="@", blacklist_categories=("Cc", "Cs")),
+                max_size=8,
+            ),
+        ),
+        max_size=3,
+    ),
+    layer=st.none() | st.integers(0, 200),
+)
+def test_round_trip_is_lossless(world, data, h, dtype, tags, layer) -> None:
+    worker = data.draw(st.integers(0, world - 1))
+    if layer is None:
+        k = ChunkKey("Qwen/Qwen2.5-7B", world, worker, h, dtype, tuple(tags))
+    else:
+        k = LayerChunkKey("Qwen/Qwen2.5-7B", world, worker, h, dtype, tuple(tags), layer_id=layer)
+    text = k.to_string()
+    back = parse_key(text)
+    assert back == k and type(back) is type(k)
+    assert back.to_string() == text
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "model",
+        "m@1@0@ff",
+        "m@x@0@ff@half",
+        "m@1@0@zz@half",
+        "m@1@0@ff@float128",
+        "m@1@1@ff@half",  # worker outside world
+        "m@0@0@ff@half",
+        "m@1@0@ff@half@notag",
+        "m@1@0@@half",
+        "m@1@0@--1@half",
+        "a" * 2000 + "@1@0@1@half",
+    ],
+)
+def test_malformed_keys_raise_invalid_key(bad: str) -> None:
+    with pytest.raises(InvalidKeyError):
+        parse_key(bad)
+    with pytest.raises(InvalidKeyError):
+        key_string(bad)
+
+
+def test_non_string_keys_are_refused() -> None:
+    for bad in (None, 5, b"m@1@0@1@half", ["m"]):
+        with pytest.raises(InvalidKeyError):
+            parse_key(bad)
+
+
+def test_hasher_chunks_and_chains() -> None:
+    h = TokenHasher("m", chunk_size=4)
+    a = h.process_tokens(list(range(10)))
+    assert [(s, e) for s, e, _ in a] == [(0, 4), (4, 8)]
+    b = h.process_tokens([*range(8), 99, 98])
+    assert [k for *_, k in a] == [k for *_, k in b]  # same prefix, same keys
+    c = h.process_tokens([1000, *range(1, 8)])
+    assert all(x[2] != y[2] for x, y in zip(a, c, strict=True))  # first token changes all
+    d = h.process_tokens([0, 1, 2, 3, 5, 5, 6, 7])
+    assert d[0][2] == a[0][2] and d[1][2] != a[1][2]
+    partial = TokenHasher("m", chunk_size=4, save_unfull_chunk=True).process_tokens(range(10))
+    assert [(s, e) for s, e, _ in partial] == [(0, 4), (4, 8), (8, 10)]
+    assert TokenHasher("other", chunk_size=4).process_tokens(range(4))[0][2] != a[0][2]
+
+
+def test_hasher_is_deterministic_across_processes() -> None:
+    code = (
+        "from persisting.kv import TokenHasher;"
+        "print([str(k) for *_, k in TokenHasher('m', chunk_size=8, world_size=2, worker_id=1)"
+        ".process_tokens(range(50))])"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1
+    here = str(
+        [
+            str(k)
+            for *_, k in TokenHasher("m", chunk_size=8, world_size=2, worker_id=1).process_tokens(
+                range(50)
+            )
+        ]
+    )
+    assert outs.pop().strip() == here
+
+
+def test_hasher_validates_its_settings() -> None:
+    for kwargs in ({"chunk_size": 0}, {"dtype": "float128"}, {"worker_id": 3, "world_size": 2}):
+        with pytest.raises(InvalidKeyError):
+            TokenHasher("m", **kwargs)
