@@ -11,12 +11,11 @@ import lance
 import numpy as np
 import pytest
 import torch
+from kv_helpers import MODEL, key, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES
 from persisting.lance_store import LanceStore
-
-from kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 
@@ -80,8 +79,10 @@ from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], {model!r}, memory_bytes=0, disk_bytes=64 << 20)
 from kv_helpers import key, tensor
 t = store.get(key(1)); a = store.get(key(2))
-print("T", "none" if t is None else int(torch.equal(t.view(torch.int16), tensor(1).view(torch.int16))) and t.dtype)
-print("A", "none" if a is None else int(np.array_equal(a, np.arange(1000, dtype=np.float64).reshape(2, 10, 50))))
+want_a = np.arange(1000, dtype=np.float64).reshape(2, 10, 50)
+same_t = t is not None and torch.equal(t.view(torch.int16), tensor(1).view(torch.int16))
+print("T", "none" if t is None else (t.dtype if same_t else "WRONG"))
+print("A", "none" if a is None else int(np.array_equal(a, want_a)))
 print("C", store.stats().get("corruptions"))
 store.close()
 """

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kv_helpers import MODEL, key, tensor
 
 from persisting.errors import (
     CapacityError,
@@ -19,8 +20,6 @@ from persisting.errors import (
 )
 from persisting.kv import Layout, TokenHasher, open_kv_store
 from persisting.lance_store import LanceStore
-
-from kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 
