@@ -142,6 +142,31 @@ class LanceTable:
                 self._add_columns(self._dataset, new)
                 self._dataset = lance.dataset(str(self.path))
 
+    def add_fields(self, fields: Iterable[pa.Field]) -> None:
+        """Add nullable columns, or new children to existing struct columns, as one commit each.
+
+        A field named like an existing struct (or list-of-struct) column whose type names only
+        new children is merged into it by Lance, so nested records can widen additively.
+        """
+        fields = list(fields)
+        if not fields:
+            return
+        with self._lock:
+            self._add_columns(self._dataset, fields)
+            self._dataset = lance.dataset(str(self.path))
+
+    def config(self) -> dict[str, str]:
+        """The dataset's key/value config (stored in its manifest, versioned with the data)."""
+        return dict(self._dataset.config())
+
+    def set_config(self, values: dict[str, str], *, durable: bool = False) -> None:
+        """Set config keys as one commit (fsynced when ``durable``)."""
+        with self._lock:
+            self._dataset.update_config(dict(values))
+            self._dataset = lance.dataset(str(self.path))
+            if durable:
+                self.sync()
+
     # -- writing ------------------------------------------------------------------------
 
     def append(self, rows: Rows, *, durable: bool = False) -> int:
@@ -264,11 +289,15 @@ class LanceTable:
     def num_fragments(self) -> int:
         return len(self._dataset.get_fragments())
 
-    def compact(self, *, target_rows_per_fragment: int = 1 << 20) -> Any:
-        """Merge small fragments and drop deleted rows; returns Lance's compaction metrics."""
+    def compact(self, *, target_rows_per_fragment: int = 1 << 20, **options: Any) -> Any:
+        """Merge small fragments and drop deleted rows; returns Lance's compaction metrics.
+
+        ``options`` go to Lance's ``compact_files`` (e.g. ``excluded_fragment_ids`` to leave
+        large fragments alone, ``compaction_mode``).
+        """
         with self._lock:
             metrics = self._dataset.optimize.compact_files(
-                target_rows_per_fragment=target_rows_per_fragment
+                target_rows_per_fragment=target_rows_per_fragment, **options
             )
             self._dataset = lance.dataset(str(self.path))
             return metrics
