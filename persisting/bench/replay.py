@@ -1,0 +1,242 @@
+"""Replay a request trace against a KV target the way a serving engine would use it.
+
+For each request: hash its tokens into prefix-chained chunk keys, ask the target for the
+longest stored prefix (``lookup``), load those chunks (``get``), then store the chunks it
+did not have (``put``). Each call is timed, and every loaded value is checked against the
+bytes that were stored for its key, so a store that returns the wrong chunk is caught.
+
+The target is anything with the small :class:`Target` protocol, so the same replay drives
+a local :mod:`persisting.kv` store or, later, the actor service's client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from persisting.bench.trace import SegmentTokens, Trace
+from persisting.errors import InvalidValueError
+from persisting.kv import ChunkKey, TokenHasher
+
+OPS = ("lookup", "get", "put")
+
+
+class Target(Protocol):
+    """The slice of the KV store API a replay needs (``parents[i]`` is the chunk before
+    ``keys[i]`` in its prompt, for prefix-aware eviction)."""
+
+    def lookup_prefix(self, keys: Sequence[ChunkKey]) -> int: ...
+
+    def batched_get(self, keys: Sequence[ChunkKey]) -> Sequence[Any | None]: ...
+
+    def batched_put(
+        self,
+        keys: Sequence[ChunkKey],
+        values: Sequence[Any],
+        *,
+        fmt: str,
+        parents: Sequence[ChunkKey | None] | None = None,
+    ) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How requests become chunks and chunk values.
+
+    Values are ``KV_2LTD`` bfloat16 tensors ``[2, layers, tokens, hidden]`` with
+    ``bytes_per_token`` bytes per token (small by default so a replay runs in seconds;
+    set the model's real figure to measure bandwidth). ``realtime`` paces requests at their
+    trace times instead of sending them back to back.
+    """
+
+    chunk_size: int = 256
+    bytes_per_token: int = 1024
+    layers: int = 1
+    save_unfull_chunk: bool = False
+    realtime: bool = False
+    verify: bool = True
+
+    def validate(self) -> None:
+        if self.chunk_size < 1:
+            raise InvalidValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.layers < 1:
+            raise InvalidValueError(f"layers must be >= 1, got {self.layers}")
+        per_hidden = 2 * self.layers * 2  # K and V, layers, bfloat16 bytes
+        if self.bytes_per_token < per_hidden or self.bytes_per_token % per_hidden:
+            raise InvalidValueError(
+                f"bytes_per_token must be a positive multiple of {per_hidden} "
+                f"(2 x layers x 2 bytes), got {self.bytes_per_token}"
+            )
+
+    @property
+    def hidden(self) -> int:
+        return self.bytes_per_token // (2 * self.layers * 2)
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request."""
+
+    id: str
+    arrival_s: float
+    start_s: float
+    tokens: int
+    chunks: int
+    hit_chunks: int = 0
+    hit_tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    mismatches: int = 0
+    latency_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ReplayResult:
+    """Every request's record and every operation's latencies, in replay order."""
+
+    model: str
+    target: str
+    options: ReplayOptions
+    records: list[RequestRecord] = field(default_factory=list)
+    latencies_s: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in OPS})
+    wall_s: float = 0.0
+
+
+class ChunkValues:
+    """Deterministic chunk tensors: each filled with a small stamp derived from its key.
+
+    Stamps are integers 1..251, exact in bfloat16, so a loaded value can be checked
+    against its key without keeping the stored bytes around.
+    """
+
+    fmt = "KV_2LTD"
+
+    def __init__(self, options: ReplayOptions) -> None:
+        self.layers = options.layers
+        self.hidden = options.hidden
+
+    def shape(self, tokens: int) -> tuple[int, int, int, int]:
+        return (2, self.layers, tokens, self.hidden)
+
+    @staticmethod
+    def stamp(key: ChunkKey) -> int:
+        return key.chunk_hash % 251 + 1
+
+    def make(self, key: ChunkKey, tokens: int) -> torch.Tensor:
+        return torch.full(self.shape(tokens), self.stamp(key), dtype=torch.bfloat16)
+
+    def check(self, key: ChunkKey, tokens: int, value: Any) -> bool:
+        """True if ``value`` is what :meth:`make` stored for ``key`` (shape, dtype, ends)."""
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.bfloat16:
+            return False
+        if tuple(value.shape) != self.shape(tokens):
+            return False
+        flat = value.reshape(-1)
+        stamp = float(self.stamp(key))
+        return float(flat[0]) == stamp and float(flat[-1]) == stamp
+
+
+def replay(
+    trace: Trace,
+    target: Target,
+    options: ReplayOptions | None = None,
+    *,
+    target_name: str = "target",
+    on_request: Callable[[RequestRecord], None] | None = None,
+) -> ReplayResult:
+    """Send every request of ``trace`` to ``target`` in order and record what happened."""
+    options = options or ReplayOptions()
+    options.validate()
+    hasher = TokenHasher(
+        model=trace.header.model,
+        chunk_size=options.chunk_size,
+        save_unfull_chunk=options.save_unfull_chunk,
+    )
+    tokens_of = SegmentTokens(trace.header.vocab_size)
+    values = ChunkValues(options)
+    result = ReplayResult(model=trace.header.model, target=target_name, options=options)
+    start = time.perf_counter()
+    for request in trace.requests:
+        if options.realtime:
+            delay = request.t - (time.perf_counter() - start)
+            if delay > 0:
+                time.sleep(delay)
+        chunks = hasher.process_tokens(tokens_of.prompt(request))
+        record = RequestRecord(
+            id=request.id,
+            arrival_s=request.t,
+            start_s=time.perf_counter() - start,
+            tokens=request.num_tokens,
+            chunks=len(chunks),
+        )
+        if chunks:
+            _serve_request(target, chunks, values, options.verify, record)
+        for op, seconds in record.latency_s.items():
+            result.latencies_s[op].append(seconds)
+        result.records.append(record)
+        if on_request is not None:
+            on_request(record)
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def _serve_request(
+    target: Target,
+    chunks: list[tuple[int, int, ChunkKey]],
+    values: ChunkValues,
+    verify: bool,
+    record: RequestRecord,
+) -> None:
+    """Lookup, load the hit prefix, store the rest; fill ``record`` in place."""
+    keys = [key for _start, _end, key in chunks]
+    t0 = time.perf_counter()
+    found = target.lookup_prefix(keys)
+    record.latency_s["lookup"] = time.perf_counter() - t0
+    hits = 0
+    if found:
+        t0 = time.perf_counter()
+        loaded = target.batched_get(keys[:found])
+        record.latency_s["get"] = time.perf_counter() - t0
+        for (start, end, key), value in zip(chunks, loaded, strict=False):
+            if value is None:
+                break
+            if verify and not values.check(key, end - start, value):
+                record.mismatches += 1
+                break
+            hits += 1
+            record.bytes_read += _nbytes(value)
+        record.hit_chunks = hits
+        record.hit_tokens = chunks[hits - 1][1] if hits else 0
+    missing = chunks[hits:]
+    if missing:
+        new_keys = [key for _start, _end, key in missing]
+        new_values = [values.make(key, end - start) for start, end, key in missing]
+        parents = [keys[hits - 1] if hits else None, *new_keys[:-1]]
+        t0 = time.perf_counter()
+        target.batched_put(new_keys, new_values, fmt=values.fmt, parents=parents)
+        record.latency_s["put"] = time.perf_counter() - t0
+        record.bytes_written = sum(_nbytes(v) for v in new_values)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    nbytes = getattr(value, "nbytes", None)
+    return int(nbytes) if nbytes is not None else len(value)
+
+
+__all__ = [
+    "OPS",
+    "ChunkValues",
+    "ReplayOptions",
+    "ReplayResult",
+    "RequestRecord",
+    "Target",
+    "replay",
+]

@@ -1,0 +1,130 @@
+"""What a replay measured, summed up: hit rates, bytes moved, latency percentiles.
+
+Percentiles use numpy's default (linear interpolation between order statistics), in
+milliseconds. ``get`` and ``put`` latencies are per request, i.e. per batch of that
+request's chunks, because that is what a serving engine waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from persisting.bench.replay import OPS, ReplayResult, RequestRecord
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(frozen=True)
+class OpStats:
+    """Latency distribution of one operation, in milliseconds (``None`` when never run)."""
+
+    count: int
+    mean_ms: float | None
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """The headline figures of one replay."""
+
+    model: str
+    target: str
+    requests: int
+    tokens: int
+    hit_tokens: int
+    token_hit_rate: float
+    chunks: int
+    hit_chunks: int
+    chunk_hit_rate: float
+    requests_with_hits: int
+    bytes_read: int
+    bytes_written: int
+    mismatches: int
+    wall_s: float
+    requests_per_s: float
+    ops: dict[str, OpStats]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def op_stats(samples_s: Sequence[float]) -> OpStats:
+    """Count, mean, p50/p95/p99 and max of latencies given in seconds."""
+    if not samples_s:
+        return OpStats(0, None, None, None, None, None)
+    ms = np.asarray(samples_s, dtype=np.float64) * 1e3
+    p50, p95, p99 = (float(x) for x in np.percentile(ms, PERCENTILES))
+    return OpStats(len(ms), float(ms.mean()), p50, p95, p99, float(ms.max()))
+
+
+def summarize(result: ReplayResult) -> ReplayReport:
+    records = result.records
+    tokens = sum(r.tokens for r in records)
+    hit_tokens = sum(r.hit_tokens for r in records)
+    chunks = sum(r.chunks for r in records)
+    hit_chunks = sum(r.hit_chunks for r in records)
+    return ReplayReport(
+        model=result.model,
+        target=result.target,
+        requests=len(records),
+        tokens=tokens,
+        hit_tokens=hit_tokens,
+        token_hit_rate=hit_tokens / tokens if tokens else 0.0,
+        chunks=chunks,
+        hit_chunks=hit_chunks,
+        chunk_hit_rate=hit_chunks / chunks if chunks else 0.0,
+        requests_with_hits=sum(1 for r in records if r.hit_chunks),
+        bytes_read=sum(r.bytes_read for r in records),
+        bytes_written=sum(r.bytes_written for r in records),
+        mismatches=sum(r.mismatches for r in records),
+        wall_s=result.wall_s,
+        requests_per_s=len(records) / result.wall_s if result.wall_s > 0 else 0.0,
+        ops={op: op_stats(result.latencies_s.get(op, [])) for op in OPS},
+    )
+
+
+def hit_rate_over_time(
+    records: Sequence[RequestRecord], bins: int = 20
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token hit rate per arrival-time bin, and cumulative, at each bin's end time.
+
+    Returns ``(bin_end_s, windowed_rate, cumulative_rate)``; a bin with no tokens repeats
+    the previous bin's windowed rate so the curve has no holes.
+    """
+    if not records:
+        empty = np.zeros(0)
+        return empty, empty, empty
+    arrivals = np.array([r.arrival_s for r in records], dtype=np.float64)
+    tokens = np.array([r.tokens for r in records], dtype=np.float64)
+    hits = np.array([r.hit_tokens for r in records], dtype=np.float64)
+    end = float(arrivals.max())
+    edges = np.linspace(0.0, end, bins + 1) if end > 0 else np.array([0.0, 0.0])
+    index = np.clip(np.searchsorted(edges, arrivals, side="right") - 1, 0, len(edges) - 2)
+    bin_tokens = np.bincount(index, weights=tokens, minlength=len(edges) - 1)
+    bin_hits = np.bincount(index, weights=hits, minlength=len(edges) - 1)
+    windowed = np.zeros_like(bin_tokens)
+    previous = 0.0
+    for i, (t, h) in enumerate(zip(bin_tokens, bin_hits, strict=True)):
+        previous = h / t if t else previous
+        windowed[i] = previous
+    cum_tokens = np.cumsum(bin_tokens)
+    cumulative = np.divide(
+        np.cumsum(bin_hits), cum_tokens, out=np.zeros_like(cum_tokens), where=cum_tokens > 0
+    )
+    return edges[1:], windowed, cumulative
+
+
+__all__ = [
+    "PERCENTILES",
+    "OpStats",
+    "ReplayReport",
+    "hit_rate_over_time",
+    "op_stats",
+    "summarize",
+]
