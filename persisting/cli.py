@@ -17,13 +17,14 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, is_dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -82,7 +83,7 @@ def stderr() -> Console:
 
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     """Print ``Error: message`` on stderr and exit with ``code``."""
-    stderr().print(f"[bold red]Error:[/] {message}", highlight=False, markup=True)
+    stderr().print(f"[bold red]Error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -409,10 +410,7 @@ def bench_replay(
 
     settings = load_settings(config)
     trace = read_trace(trace_file)
-    name = model or trace.header.model
     if model:
-        from dataclasses import replace
-
         trace = replace(trace, header=replace(trace.header, model=model))
     options = ReplayOptions(
         chunk_size=chunk_size or settings.kv.chunk_size,
@@ -424,7 +422,7 @@ def bench_replay(
     with _storage_root(storage_path) as root:
         target = open_local_target(
             root,
-            name,
+            trace.header.model,
             settings=settings,
             memory_bytes=memory_bytes,
             disk_bytes=disk_bytes,

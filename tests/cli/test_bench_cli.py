@@ -110,3 +110,15 @@ def test_console_script_generates_replays_and_plots(tmp_path: Path) -> None:
     out = run("bench", "replay", str(trace), "--plot", str(plot))
     assert "p99" in out and "token hit rate" in out
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_replay_into_another_model_namespace(tmp_path: Path) -> None:
+    trace = generate(tmp_path)
+    root = tmp_path / "root"
+    args = ["bench", "replay", str(trace), "--storage-path", str(root), "--json"]
+    result = runner.invoke(app, [*args, "--model", "org/other-model", "--chunk-size", "128"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["model"] == "org/other-model"
+    assert data["chunks"] == 60 * 6  # 768 tokens in chunks of 128
+    assert [p.name for p in (root / "kv").iterdir()] == ["org%2Fother-model"]

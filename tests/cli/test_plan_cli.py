@@ -119,6 +119,7 @@ def test_plan_table_warns_when_reads_exceed_the_nic() -> None:
         (["--tp", "3"], "tp=3 does not split kv_heads=8 evenly"),
         (["--bytes-per-token", "4096"], "give either bytes_per_token or the model shape"),
         (["--dtype", "int4"], "unknown dtype 'int4'"),
+        (["--head-dim", "0"], "head_dim must be a whole number >= 1, got 0"),
     ],
 )
 def test_plan_bad_input_is_a_one_line_error(extra: list[str], message: str) -> None:
@@ -126,7 +127,8 @@ def test_plan_bad_input_is_a_one_line_error(extra: list[str], message: str) -> N
     assert result.exit_code == 2
     assert result.stdout == ""
     assert "Error:" in result.stderr
-    assert message in " ".join(result.stderr.split())
+    assert result.stderr.count("\n") == 1  # one line, not wrapped, whatever its length
+    assert message in result.stderr
     assert "Traceback" not in result.output
 
 
