@@ -480,6 +480,8 @@ def render_replay(
     summary.add_row("requests with a hit", f"{report.requests_with_hits:,}")
     summary.add_row("bytes read", human_bytes(report.bytes_read))
     summary.add_row("bytes written", human_bytes(report.bytes_written))
+    summary.add_row("get throughput", human_rate(report.get_bytes_per_s))
+    summary.add_row("put throughput", human_rate(report.put_bytes_per_s))
     summary.add_row("mismatched chunks", f"{report.mismatches:,}")
     console.print(summary)
     latency = Table(title="Latency per request (ms)", title_justify="left")

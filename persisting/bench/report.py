@@ -45,6 +45,9 @@ class ReplayReport:
     requests_with_hits: int
     bytes_read: int
     bytes_written: int
+    #: payload bytes over the time spent in ``get`` / ``put`` calls (0.0 when none ran)
+    get_bytes_per_s: float
+    put_bytes_per_s: float
     mismatches: int
     wall_s: float
     requests_per_s: float
@@ -69,6 +72,8 @@ def summarize(result: ReplayResult) -> ReplayReport:
     hit_tokens = sum(r.hit_tokens for r in records)
     chunks = sum(r.chunks for r in records)
     hit_chunks = sum(r.hit_chunks for r in records)
+    bytes_read = sum(r.bytes_read for r in records)
+    bytes_written = sum(r.bytes_written for r in records)
     return ReplayReport(
         model=result.model,
         target=result.target,
@@ -80,13 +85,20 @@ def summarize(result: ReplayResult) -> ReplayReport:
         hit_chunks=hit_chunks,
         chunk_hit_rate=hit_chunks / chunks if chunks else 0.0,
         requests_with_hits=sum(1 for r in records if r.hit_chunks),
-        bytes_read=sum(r.bytes_read for r in records),
-        bytes_written=sum(r.bytes_written for r in records),
+        bytes_read=bytes_read,
+        bytes_written=bytes_written,
+        get_bytes_per_s=_rate(bytes_read, result.latencies_s.get("get", [])),
+        put_bytes_per_s=_rate(bytes_written, result.latencies_s.get("put", [])),
         mismatches=sum(r.mismatches for r in records),
         wall_s=result.wall_s,
         requests_per_s=len(records) / result.wall_s if result.wall_s > 0 else 0.0,
         ops={op: op_stats(result.latencies_s.get(op, [])) for op in OPS},
     )
+
+
+def _rate(nbytes: int, seconds: Sequence[float]) -> float:
+    total = float(sum(seconds))
+    return nbytes / total if total > 0 else 0.0
 
 
 def hit_rate_over_time(

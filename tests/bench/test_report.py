@@ -49,6 +49,9 @@ def test_an_op_that_never_ran_has_no_percentiles() -> None:
     stats = op_stats([])
     assert stats.count == 0
     assert stats.p50_ms is stats.p99_ms is stats.mean_ms is None
+    report = summarize(ReplayResult(model="m", target="t", options=ReplayOptions()))
+    assert report.requests == report.tokens == 0
+    assert report.token_hit_rate == report.get_bytes_per_s == report.requests_per_s == 0.0
 
 
 def test_summary_adds_up_records() -> None:
@@ -68,6 +71,8 @@ def test_summary_adds_up_records() -> None:
     assert report.requests_with_hits == 2
     assert report.bytes_read == 2800 and report.bytes_written == 1200
     assert report.requests_per_s == pytest.approx(1.5)
+    assert report.get_bytes_per_s == pytest.approx(2800 / 0.03)
+    assert report.put_bytes_per_s == pytest.approx(1200 / 0.1)
     assert report.ops["lookup"].p50_ms == pytest.approx(2.0)
     assert report.ops["put"].count == 1
     assert report.to_dict()["ops"]["get"]["p50_ms"] == pytest.approx(15.0)
