@@ -191,7 +191,7 @@ def plan(
     kv_heads: Annotated[int | None, typer.Option(help="KV heads (GQA groups).")] = None,
     head_dim: Annotated[int | None, typer.Option(help="Dimension of one head.")] = None,
     dtype: Annotated[
-        str | None, typer.Option(help="KV cache dtype: bf16, fp16, fp8, fp32... [default: bf16]")
+        str | None, typer.Option(help="KV cache dtype: bf16, fp16, fp8, fp32 (default: bf16).")
     ] = None,
     bytes_per_token: Annotated[
         int | None,
@@ -206,7 +206,7 @@ def plan(
     ] = 0.0,
     new_prefix_tokens: Annotated[
         int | None,
-        typer.Option(help="Tokens in a newly written prefix. [default: --prefix-tokens]"),
+        typer.Option(help="Tokens in a newly written prefix (default: --prefix-tokens)."),
     ] = None,
     staging_ms: Annotated[
         float, typer.Option(help="Average time data stays in staging buffers (ms).")
@@ -373,21 +373,23 @@ def bench_replay(
     ],
     storage_path: Annotated[
         Path | None,
-        typer.Option(help="Storage root to use (kept). [default: a fresh temporary root]"),
+        typer.Option(help="Storage root to use and keep (default: a temporary one, removed)."),
     ] = None,
     model: Annotated[
-        str | None, typer.Option(help="Model namespace. [default: the trace's]")
+        str | None, typer.Option(help="Model namespace (default: the trace's).")
     ] = None,
     memory_bytes: Annotated[
-        int | None, typer.Option(help="Memory tier budget. [default: settings]")
+        int | None, typer.Option(help="Memory tier budget in bytes (default: settings).")
     ] = None,
     disk_bytes: Annotated[
-        int | None, typer.Option(help="Disk tier budget. [default: settings]")
+        int | None, typer.Option(help="Disk tier budget in bytes (default: settings).")
     ] = None,
     durability: Annotated[
-        str | None, typer.Option(help="Put completion: sync, async or evict. [default: settings]")
+        str | None, typer.Option(help="Put completion: sync, async or evict (default: settings).")
     ] = None,
-    chunk_size: Annotated[int | None, typer.Option(help="Tokens per chunk.")] = None,
+    chunk_size: Annotated[
+        int | None, typer.Option(help="Tokens per chunk (default: settings).")
+    ] = None,
     bytes_per_token: Annotated[
         int, typer.Option(help="KV bytes per token of the bench values (small = fast).")
     ] = 1024,
