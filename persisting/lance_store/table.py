@@ -110,6 +110,17 @@ class LanceTable:
                 )
         dataset.add_columns(fields)
 
+    def _private_handle(self) -> lance.LanceDataset:
+        """A fresh handle on the newest version, for one mutating call.
+
+        Mutating calls borrow the Rust dataset exclusively; on the shared :attr:`dataset`
+        they would make concurrent readers in other threads panic ("Already borrowed").
+        """
+        try:
+            return lance.dataset(str(self.path))
+        except Exception as exc:
+            raise StorageIOError(f"cannot open Lance dataset {self.path}: {exc}") from exc
+
     # -- properties ---------------------------------------------------------------------
 
     @property
@@ -139,7 +150,7 @@ class LanceTable:
         with self._lock:
             new = [f for f in fields if self._dataset.schema.get_field_index(f.name) < 0]
             if new:
-                self._add_columns(self._dataset, new)
+                self._add_columns(self._private_handle(), new)
                 self._dataset = lance.dataset(str(self.path))
 
     def add_fields(self, fields: Iterable[pa.Field]) -> None:
@@ -152,7 +163,7 @@ class LanceTable:
         if not fields:
             return
         with self._lock:
-            self._add_columns(self._dataset, fields)
+            self._add_columns(self._private_handle(), fields)
             self._dataset = lance.dataset(str(self.path))
 
     def config(self) -> dict[str, str]:
@@ -162,7 +173,7 @@ class LanceTable:
     def set_config(self, values: dict[str, str], *, durable: bool = False) -> None:
         """Set config keys as one commit (fsynced when ``durable``)."""
         with self._lock:
-            self._dataset.update_config(dict(values))
+            self._private_handle().update_config(dict(values))
             self._dataset = lance.dataset(str(self.path))
             if durable:
                 self.sync()
@@ -215,7 +226,7 @@ class LanceTable:
     def delete(self, predicate: str, *, durable: bool = False) -> None:
         """Mark rows matching ``predicate`` (a Lance SQL filter) deleted, as one commit."""
         with self._lock:
-            self._dataset.delete(predicate)
+            self._private_handle().delete(predicate)
             self._dataset = lance.dataset(str(self.path))
             if durable:
                 self.sync()
@@ -296,7 +307,7 @@ class LanceTable:
         large fragments alone, ``compaction_mode``).
         """
         with self._lock:
-            metrics = self._dataset.optimize.compact_files(
+            metrics = self._private_handle().optimize.compact_files(
                 target_rows_per_fragment=target_rows_per_fragment, **options
             )
             self._dataset = lance.dataset(str(self.path))
@@ -305,7 +316,7 @@ class LanceTable:
     def cleanup(self, older_than: timedelta = timedelta(0), *, keep_versions: int = 1) -> int:
         """Delete files only referenced by old versions; returns bytes removed."""
         with self._lock:
-            stats = self._dataset.cleanup_old_versions(
+            stats = self._private_handle().cleanup_old_versions(
                 older_than=older_than, retain_versions=keep_versions
             )
             self._synced = {p for p in self._synced if os.path.exists(p)}

@@ -56,3 +56,37 @@ def test_compact_passes_options_and_leaves_excluded_fragments(tmp_path: Path) ->
     ids = [f.fragment_id for f in t.dataset.get_fragments()]
     assert ids[0] == first and len(ids) == 2
     assert t.scan(["id"]).column("id").to_pylist() == list(range(6))
+
+
+def test_maintenance_does_not_disturb_readers_in_other_threads(tmp_path: Path) -> None:
+    import threading
+
+    t = LanceTable(tmp_path / "d.lance", BASE)
+    for i in range(40):
+        t.append([{"id": i}])
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                assert t.dataset.count_rows() >= 20
+                t.dataset.to_table(columns=["id"], limit=5)
+            except BaseException as exc:  # a panic surfaces as PanicException (BaseException)
+                failures.append(exc)
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(3):
+            t.compact()
+            t.set_config({"k": "v"})
+            t.delete("id < 5")
+            t.add_fields([pa.field(f"c{len(t.schema)}", pa.int64())])
+            t.cleanup()
+    finally:
+        stop.set()
+        reader.join()
+    assert failures == []
+    assert t.count_rows() == 35
