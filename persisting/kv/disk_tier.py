@@ -105,17 +105,21 @@ class DiskTier:
             rows = []
         on_disk = {(h, tag): path for path, h, tag in self.files.scan()}
         for row in rows:
-            if row.key in self.index or (key_hash(row.key), row.tag) not in on_disk:
+            existing = self.index.get(row.key)
+            if existing is not None and existing.tag == row.tag:
+                continue  # the same file recorded twice (adopted by two processes)
+            if existing is not None or (key_hash(row.key), row.tag) not in on_disk:
                 stale.append((row.key, row.tag))  # evicted/removed before its row was
                 continue
             self.index.add(row.key, DiskEntry(row.layout, row.checksum, row.parent, row.tag))
         if stale:
             self.meta.delete(stale)
-        self._adopt_unknown_files(on_disk)
+        self._adopt_unknown_files(on_disk, record=True)
 
-    def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path]) -> int:
+    def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
-        before its metadata commit, or by another live process)."""
+        before its metadata commit, or by another live process). With ``record`` their rows
+        are committed too (on open); on refresh the writer's own commit will add them."""
         known = {(key_hash(k), e.tag) for k, e in self.index.items()}
         adopted: list[MetaRow] = []
         for (h, tag), path in on_disk.items():
@@ -128,10 +132,10 @@ class DiskTier:
             except (CorruptValueError, OSError, ValueError, KeyError) as exc:
                 log.warning("dropping damaged payload file %s: %s", path, exc)
                 self.corruptions += 1
-                self.files.unlink(path)
+                self._drop_file(path)
                 continue
             if key_hash(header.key) != h or header.key in self.index:
-                self.files.unlink(path)  # a misnamed file or a duplicate of a stored key
+                self._drop_file(path)  # a misnamed file, or a second copy of a stored key
                 continue
             self.index.add(
                 header.key, DiskEntry(header.layout, header.checksum, header.parent, tag)
@@ -139,24 +143,33 @@ class DiskTier:
             adopted.append(
                 MetaRow(header.key, tag, header.layout, header.checksum, header.parent, path)
             )
-        if adopted:
+        if adopted and record:
             self.meta.add(adopted)
             self.recovered_files += len(adopted)
         return len(adopted)
 
+    def _drop_file(self, path: Path) -> None:
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return
+        if self.files.unlink(path):
+            self.usage.add(-(-(-size // 4096) * 4096))
+
     def _recompute_usage(self) -> None:
         """Set the shared counter from the files actually present (held under the lock)."""
         total = 0
-        for path, _h, _tag in self.files.scan():
-            try:
-                total += -(-os.stat(path).st_size // 4096) * 4096
-            except FileNotFoundError:
-                continue
+        # tmp/ before payload/: a write renamed in between is counted twice, never missed.
         for tmp, pid, reserved in self.files.tmp_reservations():
             if pid_alive(pid) and pid != os.getpid():
                 total += reserved
             else:
                 self.files.unlink(tmp)  # a write that died mid-way: never visible
+        for path, _h, _tag in self.files.scan():
+            try:
+                total += -(-os.stat(path).st_size // 4096) * 4096
+            except FileNotFoundError:
+                continue
         self.usage.set(total)
 
     def refresh(self) -> int:
@@ -170,7 +183,7 @@ class DiskTier:
             ]
             for key in gone:
                 self.index.pop(key)
-            return self._adopt_unknown_files(on_disk) + len(gone)
+            return self._adopt_unknown_files(on_disk, record=False) + len(gone)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -213,49 +226,55 @@ class DiskTier:
 
     def _write_reserved(self, todo: list[WriteItem], durable: bool) -> None:
         sizes = [file_size(it.layout.nbytes) for it in todo]
-        self._reserve(sum(sizes))
-        written: list[tuple[WriteItem, int, Path, int]] = []
+        tags = [self.files.new_tag() for _ in todo]
+        with self.usage.locked():
+            self._reserve(sum(sizes))
+            pending = [
+                self.files.create(it.key, tag, size)
+                for it, tag, size in zip(todo, tags, sizes, strict=True)
+            ]
+        done: list[Path] = []
         try:
-            for it, size in zip(todo, sizes, strict=True):
-                tag = self.files.new_tag()
+            for it, p in zip(todo, pending, strict=True):
                 header = FileHeader(it.key, it.layout, it.checksum, it.parent)
-                path = self.files.write(header, it.data, tag, size, durable=durable)
-                written.append((it, tag, path, size))
+                done.append(self.files.finish(p, header, it.data, durable=durable))
             if durable:
-                self.files.sync_dirs([p for _i, _t, p, _s in written])
+                self.files.sync_dirs(done)
         except BaseException:
-            unused = sum(sizes) - sum(s for *_rest, s in written)
-            self.usage.add(-unused)
-            for _it, _tag, path, size in written:
+            for p in pending[len(done) :]:
+                self.files.abort(p)
+            released = sum(sizes[len(done) :])
+            for path, size in zip(done, sizes, strict=False):
                 if self.files.unlink(path):
-                    self.usage.add(-size)
+                    released += size
+            self.usage.add(-released)
             raise
         with self._lock:
-            for it, tag, _path, _size in written:
+            for it, tag in zip(todo, tags, strict=True):
                 self.index.add(it.key, DiskEntry(it.layout, it.checksum, it.parent, tag))
         self.meta.add(
             [
                 MetaRow(it.key, tag, it.layout, it.checksum, it.parent, path)
-                for it, tag, path, _s in written
+                for it, tag, path in zip(todo, tags, done, strict=True)
             ]
         )
 
     def _reserve(self, nbytes: int) -> None:
-        with self.usage.locked():
+        """Count ``nbytes`` in the shared usage, evicting first (caller holds the usage lock)."""
+        used = self.usage.get()
+        if used + nbytes > self.capacity:
+            self._evict(used + nbytes - self.capacity)
             used = self.usage.get()
             if used + nbytes > self.capacity:
+                self.refresh()  # files of other processes we have not indexed yet
                 self._evict(used + nbytes - self.capacity)
                 used = self.usage.get()
-                if used + nbytes > self.capacity:
-                    self.refresh()  # files of other processes we have not indexed yet
-                    self._evict(used + nbytes - self.capacity)
-                    used = self.usage.get()
-            if used + nbytes > self.capacity:
-                raise CapacityError(
-                    f"disk tier full: {used} of {self.capacity} bytes in use, "
-                    f"{nbytes} more needed and nothing evictable"
-                )
-            self.usage.set(used + nbytes)
+        if used + nbytes > self.capacity:
+            raise CapacityError(
+                f"disk tier full: {used} of {self.capacity} bytes in use, "
+                f"{nbytes} more needed and nothing evictable"
+            )
+        self.usage.set(used + nbytes)
 
     def _evict(self, need: int) -> int:
         """Unlink victims until ``need`` bytes are freed (caller holds the usage lock)."""

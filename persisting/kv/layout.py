@@ -28,6 +28,11 @@ MEMORY_FORMATS: dict[str, tuple[int, int] | None] = {
     "KV_MLA_FMT": None,  # [layers, tokens, latent] (no K/V axis)
     "BINARY": None,
     "binary": None,
+    # LMCache's other format names, so every LMCache MemoryFormat has a stored name.
+    "UNDEFINED": None,
+    "BINARY_BUFFER": None,
+    "EC_TD": None,  # encoder cache [tokens, hidden]
+    "HS_TD": None,  # hidden states [tokens, hidden]
 }
 
 _TORCH_TO_NAME: dict[torch.dtype, str] = {
@@ -116,11 +121,11 @@ class Layout:
         return encode_value(value, fmt)[0]
 
 
-def _check_format(fmt: object, shape: tuple[int, ...]) -> str:
+def _check_format(fmt: object, shape: tuple[int, ...], check_shape: bool = True) -> str:
     if not isinstance(fmt, str) or fmt not in MEMORY_FORMATS:
         raise InvalidValueError(f"unknown memory format {fmt!r}; known: {sorted(MEMORY_FORMATS)}")
     rule = MEMORY_FORMATS[fmt]
-    if rule is not None:
+    if rule is not None and check_shape:
         ndim, kv_axis = rule
         if len(shape) != ndim or shape[kv_axis] != 2:
             raise InvalidValueError(
@@ -130,10 +135,12 @@ def _check_format(fmt: object, shape: tuple[int, ...]) -> str:
     return fmt
 
 
-def encode_value(value: Any, fmt: str) -> tuple[Layout, memoryview]:
+def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Layout, memoryview]:
     """Validate ``value`` and return its layout and a read-only byte view of its data.
 
     Non-contiguous tensors are made contiguous (one copy); contiguous ones are not copied.
+    ``check_shape=False`` keeps the format name but skips its shape rule, for layouts that
+    another system defines (LMCache's own tests and benchmarks label 4-D blobs KV_T2D).
     """
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":

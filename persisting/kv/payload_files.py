@@ -75,6 +75,15 @@ class FileHeader:
         return cls(d["key"], Layout.from_dict(d["layout"]), int(d["checksum"]), d["parent"])
 
 
+@dataclass(slots=True)
+class PendingFile:
+    """A payload file being written: its open tmp file and where it will land."""
+
+    fd: int
+    tmp: Path
+    final: Path
+
+
 class PayloadFiles:
     """The payload directory of one model namespace."""
 
@@ -93,36 +102,51 @@ class PayloadFiles:
     def new_tag() -> int:
         return secrets.randbits(32)
 
-    def write(
-        self, header: FileHeader, payload: memoryview, tag: int, reserved: int, *, durable: bool
-    ) -> Path:
-        """Write a whole file under tmp/, fsync it if ``durable``, and rename it into place.
+    def create(self, key: str, tag: int, reserved: int) -> PendingFile:
+        """Create the tmp file of a write (named with its reservation, see ``tmp_reservations``).
 
-        The caller fsyncs the destination directories (see :meth:`sync_dirs`) to make the
-        renames themselves durable, once per batch.
+        Called under the usage lock, so a usage recount never misses a reserved write.
         """
-        final = self.path(header.key, tag)
         tmp = self.tmp_dir / f"{os.getpid()}-{tag:08x}-{reserved}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
             raise StorageIOError(f"cannot create {tmp}: {exc}") from exc
+        return PendingFile(fd, tmp, self.path(key, tag))
+
+    @staticmethod
+    def finish(
+        pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
+    ) -> Path:
+        """Write header and payload, fsync if ``durable``, and rename the file into place.
+
+        The caller fsyncs the destination directories (:meth:`sync_dirs`) once per batch to
+        make the renames durable.
+        """
         try:
-            _write_all(fd, [header.encode(), payload])
+            _write_all(pending.fd, [header.encode(), payload])
             if durable:
-                fsync_fd(fd)
+                fsync_fd(pending.fd)
         except OSError as exc:
-            os.close(fd)
-            _unlink_quietly(tmp)
-            raise StorageIOError(f"writing {final.name} failed: {exc}") from exc
-        os.close(fd)
+            PayloadFiles.abort(pending)
+            raise StorageIOError(f"writing {pending.final.name} failed: {exc}") from exc
+        os.close(pending.fd)
+        pending.fd = -1
         try:
-            final.parent.mkdir(exist_ok=True)
-            os.rename(tmp, final)
+            pending.final.parent.mkdir(exist_ok=True)
+            os.rename(pending.tmp, pending.final)
         except OSError as exc:
-            _unlink_quietly(tmp)
-            raise StorageIOError(f"cannot move {tmp} to {final}: {exc}") from exc
-        return final
+            _unlink_quietly(pending.tmp)
+            raise StorageIOError(f"cannot move {pending.tmp} into place: {exc}") from exc
+        return pending.final
+
+    @staticmethod
+    def abort(pending: PendingFile) -> None:
+        if pending.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(pending.fd)
+            pending.fd = -1
+        _unlink_quietly(pending.tmp)
 
     @staticmethod
     def sync_dirs(paths: list[Path]) -> None:

@@ -138,8 +138,8 @@ class KVStore:
             raise InvalidKeyError(f"key {text!r} belongs to model {model!r}, not {self.model!r}")
         return text
 
-    def _encode(self, value: Any, fmt: str) -> tuple[Layout, memoryview]:
-        layout, view = encode_value(value, fmt)
+    def _encode(self, value: Any, fmt: str, check_shape: bool = True) -> tuple[Layout, memoryview]:
+        layout, view = encode_value(value, fmt, check_shape=check_shape)
         if layout.nbytes > self.max_value_bytes:
             raise CapacityError(
                 f"value of {layout.nbytes} bytes exceeds the {self.max_value_bytes}-byte limit"
@@ -161,6 +161,7 @@ class KVStore:
         fmt: str = "KV_2LTD",
         parent: KeyLike | None = None,
         on_complete: OnComplete | None = None,
+        check_shape: bool = True,
     ) -> PutResult:
         """Store one value; see the module docstring for what completion means per mode."""
         return self.batched_put(
@@ -169,6 +170,7 @@ class KVStore:
             fmt=fmt,
             parents=[parent] if parent is not None else None,
             on_complete=on_complete,
+            check_shape=check_shape,
         )[0]
 
     def batched_put(
@@ -180,12 +182,14 @@ class KVStore:
         parents: Sequence[KeyLike | None] | None = None,
         chain: bool = False,
         on_complete: OnComplete | None = None,
+        check_shape: bool = True,
     ) -> list[PutResult]:
         """Store a batch (one disk reservation and metadata commit); one result per key.
 
         ``chain=True`` says the keys are consecutive chunks of one prefix (each one's parent
         is the key before it), which the prefix-aware eviction policy uses. Every item is
-        validated before anything is stored.
+        validated before anything is stored; ``check_shape=False`` skips the format's shape
+        rule (for layouts another system defines, such as LMCache's MemoryObjs).
         """
         self._check_open()
         if len(keys) != len(values):
@@ -200,7 +204,7 @@ class KVStore:
             parent_texts = [None, *texts[:-1]]
         else:
             parent_texts = [None] * len(texts)
-        encoded = [self._encode(v, fmt) for v in values]
+        encoded = [self._encode(v, fmt, check_shape) for v in values]
         items = [
             WriteItem(k, layout, view, checksum(view), parent)
             for k, (layout, view), parent in zip(texts, encoded, parent_texts, strict=True)

@@ -16,3 +16,33 @@ def key(i: int, *, worker: int = 0, world: int = 1, model: str = MODEL) -> Chunk
 def tensor(seed: int, tokens: int = 16, hidden: int = 64) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, 4, tokens, hidden, generator=g).to(torch.bfloat16)
+
+
+def shared_dir_worker(root: str, worker: int, capacity: int, rounds: int, barrier, results) -> None:
+    """One of several processes hammering one model directory (see test_multiprocess)."""
+    import random
+
+    from persisting.kv import open_kv_store
+
+    rng = random.Random(worker)
+    wrong = misses = hits = 0
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=capacity) as store:
+        barrier.wait()
+        for r in range(rounds):
+            i = rng.randrange(40)
+            store.put(key(i), tensor(i))
+            j = rng.randrange(40)
+            got = store.get(key(j))
+            if got is None:
+                misses += 1
+            elif torch.equal(got, tensor(j)):
+                hits += 1
+            else:
+                wrong += 1
+            if r % 10 == 0:
+                store.refresh()
+            if r % 7 == worker:
+                store.remove(key(rng.randrange(40)))
+        store.refresh()
+        seen = sum(store.contains(key(i)) for i in range(40))
+    results.put((worker, wrong, hits, misses, seen))
