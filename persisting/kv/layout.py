@@ -153,7 +153,7 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
         layout = Layout(
             shape,
             _TORCH_TO_NAME[tensor.dtype],
-            _check_format(fmt, shape),
+            _check_format(fmt, shape, check_shape),
             tensor.numel() * tensor.element_size(),
             "torch",
         )
@@ -171,7 +171,7 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
         layout = Layout(
             shape,
             _NUMPY_TO_NAME[array.dtype],
-            _check_format(fmt, shape),
+            _check_format(fmt, shape, check_shape),
             int(array.nbytes),
             "numpy",
         )
