@@ -414,15 +414,23 @@ class KVStore:
         per_rank = isinstance(keys[0], list | tuple)
         ranks: list[Sequence[KeyLike]] = list(keys) if per_rank else [keys]  # type: ignore[list-item]
         length = min(len(r) for r in ranks)
-        texts = [[self._key(k) for k in r[:length]] for r in ranks]
         hits = 0
         with self._lock:
             for i in range(length):
-                if not all(t[i] in self.memory.index or self._on_disk(t[i]) for t in texts):
+                if not all(self._present(r[i]) for r in ranks):
                     break
                 hits += 1
         self.stats_.count("lookup_hit_chunks", hits)
         return hits
+
+    def _present(self, key: KeyLike) -> bool:
+        """Membership on the hot path: a stored string was validated when it was stored, so
+        only a miss pays for parsing (which raises for a malformed key)."""
+        text = key.to_string() if isinstance(key, ChunkKey) else key
+        if isinstance(text, str) and (text in self.memory.index or self._on_disk(text)):
+            return True
+        self._key(key)
+        return False
 
     def lookup_tokens(
         self, tokens: Sequence[int] | np.ndarray, hasher: TokenHasher | None = None
