@@ -11,6 +11,7 @@ opened it still reads the whole, correct file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import xxhash
 
-from persisting.errors import CorruptValueError, StorageIOError
+from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.layout import Layout
 from persisting.lance_store.durable import fsync_dir, fsync_fd
 
@@ -111,7 +112,7 @@ class PayloadFiles:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as exc:
-            raise StorageIOError(f"cannot create {tmp}: {exc}") from exc
+            raise _io_error(f"cannot create {tmp}", exc) from exc
         return PendingFile(fd, tmp, self.path(key, tag))
 
     @staticmethod
@@ -129,7 +130,7 @@ class PayloadFiles:
                 fsync_fd(pending.fd)
         except OSError as exc:
             PayloadFiles.abort(pending)
-            raise StorageIOError(f"writing {pending.final.name} failed: {exc}") from exc
+            raise _io_error(f"writing {pending.final.name} failed", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
         try:
@@ -137,7 +138,7 @@ class PayloadFiles:
             os.rename(pending.tmp, pending.final)
         except OSError as exc:
             _unlink_quietly(pending.tmp)
-            raise StorageIOError(f"cannot move {pending.tmp} into place: {exc}") from exc
+            raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
         return pending.final
 
     @staticmethod
@@ -217,6 +218,13 @@ class PayloadFiles:
                 yield Path(entry.path), int(parts[0]), int(parts[2])
             except ValueError:
                 continue
+
+
+def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:
+    """A full filesystem is a capacity problem the caller can act on, not a broken disk."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CapacityError(f"{what}: the filesystem is full ({exc.strerror})")
+    return StorageIOError(f"{what}: {exc}")
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
