@@ -7,12 +7,13 @@ rebuilds the same kind of array over a page-aligned buffer without copying again
 
 from __future__ import annotations
 
+import functools
 import mmap
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-import torch
 import xxhash
 
 from persisting.errors import InvalidValueError
@@ -35,27 +36,48 @@ MEMORY_FORMATS: dict[str, tuple[int, int] | None] = {
     "HS_TD": None,  # hidden states [tokens, hidden]
 }
 
-_TORCH_TO_NAME: dict[torch.dtype, str] = {
-    torch.float16: "half",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float",
-    torch.float64: "double",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.bool: "bool",
+_TORCH_NAMES = {
+    "float16": "half",
+    "bfloat16": "bfloat16",
+    "float32": "float",
+    "float64": "double",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "bool": "bool",
+    "float8_e4m3fn": "fp8_e4m3fn",
+    "float8_e4m3fnuz": "fp8_e4m3fnuz",
+    "float8_e5m2": "fp8_e5m2",
+    "float8_e5m2fnuz": "fp8_e5m2fnuz",
 }
-for _attr, _name in (
-    ("float8_e4m3fn", "fp8_e4m3fn"),
-    ("float8_e4m3fnuz", "fp8_e4m3fnuz"),
-    ("float8_e5m2", "fp8_e5m2"),
-    ("float8_e5m2fnuz", "fp8_e5m2fnuz"),
-):
-    if hasattr(torch, _attr):
-        _TORCH_TO_NAME[getattr(torch, _attr)] = _name
-NAME_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in _TORCH_TO_NAME.items()}
+
+
+def _loaded_torch() -> Any:
+    """torch if the process already imported it (a caller holding a tensor has), else None.
+
+    persisting.kv does not import torch itself: start-up stays light for numpy-only users.
+    """
+    return sys.modules.get("torch")
+
+
+@functools.cache
+def _torch_to_name() -> dict[Any, str]:
+    import torch
+
+    return {
+        getattr(torch, attr): name for attr, name in _TORCH_NAMES.items() if hasattr(torch, attr)
+    }
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype LMCache calls ``name`` (``half``, ``bfloat16``, ``float``...)."""
+    for dtype, dtype_name in _torch_to_name().items():
+        if dtype_name == name:
+            return dtype
+    raise InvalidValueError(f"no torch dtype is called {name!r}")
+
 
 _NUMPY_TO_NAME: dict[np.dtype, str] = {
     np.dtype(np.float16): "half",
@@ -93,8 +115,8 @@ class Layout:
         )
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return NAME_TO_TORCH[self.dtype]
+    def torch_dtype(self) -> Any:
+        return torch_dtype(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -142,17 +164,19 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
     ``check_shape=False`` keeps the format name but skips its shape rule, for layouts that
     another system defines (LMCache's own tests and benchmarks label 4-D blobs KV_T2D).
     """
-    if isinstance(value, torch.Tensor):
+    torch = _loaded_torch()
+    if torch is not None and isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             value = value.to("cpu")
-        if value.dtype not in _TORCH_TO_NAME:
+        names = _torch_to_name()
+        if value.dtype not in names:
             raise InvalidValueError(f"unsupported tensor dtype {value.dtype}")
         value = value.detach()
         tensor = value.contiguous()
         shape = tuple(int(x) for x in tensor.shape)
         layout = Layout(
             shape,
-            _TORCH_TO_NAME[tensor.dtype],
+            names[tensor.dtype],
             _check_format(fmt, shape, check_shape),
             tensor.numel() * tensor.element_size(),
             "torch",
@@ -203,7 +227,9 @@ def decode_value(layout: Layout, buffer: np.ndarray) -> Any:
         return buffer.tobytes()
     if layout.kind == "numpy":
         return buffer.view(NAME_TO_NUMPY[layout.dtype]).reshape(layout.shape)
-    return torch.from_numpy(buffer).view(NAME_TO_TORCH[layout.dtype]).reshape(layout.shape)
+    import torch
+
+    return torch.from_numpy(buffer).view(torch_dtype(layout.dtype)).reshape(layout.shape)
 
 
 def checksum(data: memoryview | np.ndarray | bytes) -> int:
@@ -214,10 +240,10 @@ def checksum(data: memoryview | np.ndarray | bytes) -> int:
 __all__ = [
     "MEMORY_FORMATS",
     "NAME_TO_NUMPY",
-    "NAME_TO_TORCH",
     "Layout",
     "aligned_buffer",
     "checksum",
     "decode_value",
     "encode_value",
+    "torch_dtype",
 ]

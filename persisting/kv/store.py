@@ -14,6 +14,7 @@ Content-addressed keys never change value: putting an existing key is a no-op su
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 
 from persisting.config import KVSettings, PersistingSettings
 from persisting.errors import (
@@ -627,7 +627,8 @@ def _copy(it: WriteItem) -> np.ndarray:
 
 
 def _writable_view(out: Any) -> memoryview:
-    if isinstance(out, torch.Tensor):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(out, torch.Tensor):
         if not out.is_contiguous() or out.device.type != "cpu":
             raise InvalidValueError("get_into needs a contiguous CPU tensor")
         out = out.view(-1).view(torch.uint8).numpy()
