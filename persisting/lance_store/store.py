@@ -73,6 +73,20 @@ class LanceStore:
         path = self.kv_path(model)
         return disk_usage(path) if path.exists() else 0
 
+    def list_buckets(self, topic: str) -> list[int]:
+        """Ids of ``topic``'s bucket directories, ascending (other entries are skipped)."""
+        try:
+            entries = os.listdir(self.topic_dir(topic))
+        except FileNotFoundError:
+            return []
+        ids: list[int] = []
+        for entry in entries:
+            number = entry.removeprefix("bucket_")
+            # Only the spelling queue_bucket_dir makes: "bucket_7", never "bucket_07".
+            if number.isascii() and number.isdigit() and f"bucket_{int(number)}" == entry:
+                ids.append(int(number))
+        return sorted(ids)
+
     # -- datasets -----------------------------------------------------------------------
 
     def open_table(self, path: str | os.PathLike[str], schema: pa.Schema) -> LanceTable:
@@ -81,6 +95,14 @@ class LanceStore:
         if self.root != resolved and self.root not in resolved.parents:
             raise InvalidNameError(f"{resolved} is outside the storage root {self.root}")
         return LanceTable(resolved, schema)
+
+    def existing_table(self, path: str | os.PathLike[str]) -> LanceTable | None:
+        """Open the dataset at ``path`` as it is, or None if there is none: never creates one
+        and never changes its schema (for tools that only read or maintain datasets)."""
+        resolved = Path(path).absolute()
+        if not (resolved / "_versions").is_dir():
+            return None
+        return self.open_table(resolved, pa.schema([]))
 
 
 def _bucket_number(bucket_id: object) -> int:
