@@ -52,6 +52,8 @@ class QueueSettings(BaseModel):
     flush_interval_s: float = Field(default=1.0, ge=0)
     compact_max_fragments: int = Field(default=32, gt=1)
     retention_s: float | None = Field(default=None, gt=0)
+    retain_until_consumed: bool = False
+    version_retention_s: float = Field(default=10.0, ge=0)
 
 
 class ServiceSettings(BaseModel):

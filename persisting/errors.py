@@ -69,6 +69,12 @@ class StoreClosedError(PersistingError):
     code = "closed"
 
 
+class OffsetTrimmedError(PersistingError, LookupError):
+    """A read from a queue offset that retention already trimmed (offsets are never reused)."""
+
+    code = "offset_trimmed"
+
+
 class StorageIOError(PersistingError, OSError):
     """The storage medium failed underneath us (I/O error, missing file...)."""
 
@@ -118,6 +124,7 @@ __all__ = [
     "InvalidNameError",
     "InvalidValueError",
     "LayoutMismatchError",
+    "OffsetTrimmedError",
     "PersistingError",
     "ProtocolError",
     "SchemaMismatchError",

@@ -1,0 +1,35 @@
+"""The durable Lance queue backend for Pulsing's ``pulsing.streaming`` queues.
+
+::
+
+    from persisting.queue import LanceBackend
+    from pulsing.streaming import register_backend
+    register_backend("lance", LanceBackend)       # or: persisting.queue.register()
+
+Records live at ``<storage_path>/queue/<topic>/bucket_<id>/data.lance`` as typed columns with
+stable offsets; see ``docs/queue.md``.
+"""
+
+from persisting.queue.api import (
+    BACKEND_NAMES,
+    QueueConsumer,
+    open_bucket,
+    open_reader,
+    open_writer,
+    register,
+    topic_storage_path,
+)
+from persisting.queue.backend import LanceBackend, PutResult, close_all
+
+__all__ = [
+    "BACKEND_NAMES",
+    "LanceBackend",
+    "PutResult",
+    "QueueConsumer",
+    "close_all",
+    "open_bucket",
+    "open_reader",
+    "open_writer",
+    "register",
+    "topic_storage_path",
+]

@@ -1,0 +1,1034 @@
+"""LanceBackend: a durable, append-only ``pulsing.streaming`` storage backend on Lance.
+
+One backend owns one queue bucket: ``<storage_path>/data.lance`` (records as typed columns),
+``<storage_path>/wal/`` (the write-ahead log) and ``<storage_path>/consumers/`` (committed
+consumer positions). Records get consecutive offsets, stored in the ``_offset`` column, that
+never change: flushes append, compaction keeps order, retention deletes a prefix.
+
+Life of a put (``durability="wal"``): the record is normalized and checked against the
+established schema (a misfit is rejected right there), written to the log, fsynced (group
+commit, or every ``fsync_interval_ms``), buffered, and acknowledged. Reads see it at once.
+A background worker flushes the buffer by size (``batch_size``) and by age
+(``flush_interval_s``) as one Lance append, fsynced, after which the log segments it covered
+are deleted; the same worker compacts, cleans old versions and applies retention.
+
+With ``durability="flush"`` there is no log: puts are faster but live only in memory until
+the next flush, so a crash loses what was put since.
+
+Only one process may write a bucket (an ``flock`` on ``writer.lock``, released by the kernel
+even on ``kill -9``); any number of ``read_only=True`` backends, in any process, read it and
+see each flush as it is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import fcntl
+import logging
+import os
+import statistics
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from pydantic import ValidationError
+
+from persisting.config import PersistingSettings, QueueSettings
+from persisting.errors import (
+    AccessDeniedError,
+    ConfigError,
+    CorruptValueError,
+    InvalidValueError,
+    OffsetTrimmedError,
+    PersistingError,
+    StorageIOError,
+    StoreClosedError,
+)
+from persisting.lance_store import LanceTable
+from persisting.lance_store.durable import makedirs_durable
+from persisting.lance_store.store import QUEUE_DATASET
+from persisting.lance_store.table import disk_usage
+from persisting.queue import maintenance
+from persisting.queue.codec import decode_record, encode_record
+from persisting.queue.positions import ConsumerPositions
+from persisting.queue.schema import (
+    OFFSET,
+    TIMESTAMP,
+    RecordDecoder,
+    RecordSchema,
+    base_schema,
+    normalize_record,
+)
+from persisting.queue.wal import WriteAheadLog, encode_frame, payload_crc
+
+logger = logging.getLogger(__name__)
+
+WAL_DIR = "wal"
+LOCK_FILE = "writer.lock"
+#: Dataset config key: every offset below it was trimmed (so offsets continue after it).
+TRIMMED_BEFORE = "persisting.queue.trimmed_before"
+
+#: Options beyond :class:`~persisting.config.QueueSettings` that the backend accepts.
+EXTRA_OPTIONS = {
+    "settings": None,
+    "read_only": False,
+    "max_buffer_records": 1_000_000,
+    "max_buffer_bytes": 256 << 20,
+    "poll_interval_s": 0.05,
+    "lock_timeout_s": 10.0,
+    "compact_target_rows": 1 << 20,
+    "read_batch_size": 1000,
+    "retention_interval_s": 5.0,
+}
+
+
+@dataclass(frozen=True)
+class _View:
+    """A committed dataset version and the offsets it holds: [first, first + count)."""
+
+    dataset: Any
+    first: int
+    count: int
+
+    @property
+    def next(self) -> int:
+        return self.first + self.count
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What :meth:`LanceBackend.put_tensor` stored (the shape Pulsing's bucket inspects)."""
+
+    global_indexes: list[int]
+    field_names: list[str]
+
+    @property
+    def size(self) -> int:
+        return len(self.global_indexes)
+
+
+@dataclass
+class _Counters:
+    puts: int = 0
+    flushes: int = 0
+    flushed_records: int = 0
+    compactions: int = 0
+    cleanups: int = 0
+    trimmed_records: int = 0
+    errors: int = 0
+    flush_latency_s: deque = field(default_factory=lambda: deque(maxlen=256))
+
+
+class _Notifier:
+    """Wakes coroutines (on any event loop) waiting for new records; callable from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    def register(self) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._waiters.append((loop, future))
+        return future
+
+    async def wait(self, future: asyncio.Future, timeout: float | None) -> None:
+        try:
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                self._waiters = [(lp, f) for lp, f in self._waiters if f is not future]
+
+    def notify_all(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # that loop is closed
+                continue
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class LanceBackend:
+    """A queue bucket stored in Lance: the ``pulsing.streaming.StorageBackend`` protocol.
+
+    Pulsing builds it as ``LanceBackend(bucket_id=, storage_path=, batch_size=, **options)``;
+    ``options`` are the fields of :class:`~persisting.config.QueueSettings` (``durability``,
+    ``fsync_interval_ms``, ``flush_interval_s``, ``compact_max_fragments``, ``retention_s``,
+    ``retain_until_consumed``, ``version_retention_s``; defaults from
+    :class:`~persisting.config.PersistingSettings`, i.e. ``PERSISTING_QUEUE__*``) and
+    ``read_only``, ``max_buffer_records``, ``max_buffer_bytes``, ``poll_interval_s``,
+    ``lock_timeout_s``, ``compact_target_rows``, ``read_batch_size``, ``retention_interval_s``
+    and ``settings`` (a PersistingSettings to take defaults from).
+    """
+
+    def __init__(
+        self,
+        bucket_id: int,
+        storage_path: str | os.PathLike[str],
+        batch_size: int = 100,
+        **options: Any,
+    ):
+        self.bucket_id = bucket_id
+        self.config, extra = _resolve_options(batch_size, options)
+        self.read_only: bool = bool(extra["read_only"])
+        self.bucket_dir = Path(storage_path).expanduser().absolute()
+        self.path = self.bucket_dir / QUEUE_DATASET
+        self._max_buffer_records = int(extra["max_buffer_records"])
+        self._max_buffer_bytes = int(extra["max_buffer_bytes"])
+        self._poll_interval_s = float(extra["poll_interval_s"])
+        self._compact_target_rows = int(extra["compact_target_rows"])
+        self._read_batch_size = int(extra["read_batch_size"])
+        self._retention_interval_s = float(extra["retention_interval_s"])
+        self._use_wal = self.config.durability == "wal" and not self.read_only
+
+        self._lock = threading.Lock()  # buffer, offsets, schema, view, log appends
+        self._flush_lock = threading.Lock()  # one Lance writer at a time
+        self._notifier = _Notifier()
+        self._counters = _Counters()
+        self._buffer: list[dict[str, Any]] = []
+        self._buffer_sizes: list[int] = []
+        self._buffer_bytes = 0
+        self._oldest_buffered = 0.0
+        self._closing = False
+        self._closed = False
+        self._lock_fd: int | None = None
+        self._wal: WriteAheadLog | None = None
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._consumption: dict[str, tuple[int, set[int]]] = {}
+        self._decoder_cache: tuple[Any, RecordDecoder] | None = None
+        self._buffer_decoder: tuple[int, RecordDecoder] | None = None
+        self._last_refresh = 0.0
+        self.positions = ConsumerPositions(self.bucket_dir)
+
+        if not self.read_only:
+            _close_previous_writer(self)
+            makedirs_durable(self.bucket_dir)
+            self._lock_fd = _acquire_writer_lock(self.bucket_dir, float(extra["lock_timeout_s"]))
+        try:
+            self._table = LanceTable(self.path, base_schema())
+            self._schema = RecordSchema(self._table.schema)
+            self._view, self._last_ts = self._load_view()
+            self._next_offset = self._view.next
+            if not self.read_only:
+                self._recover()
+                self._worker = threading.Thread(
+                    target=self._run_worker,
+                    name=f"persisting-queue-{self.bucket_dir.name}",
+                    daemon=True,
+                )
+                self._worker.start()
+        except BaseException:
+            self._release_writer_lock()
+            raise
+        _OPEN.add(self)
+        if not self.read_only:
+            _register_writer(self)
+
+    def __repr__(self) -> str:
+        mode = "read-only" if self.read_only else self.config.durability
+        return f"LanceBackend(bucket_id={self.bucket_id}, path={str(self.path)!r}, {mode})"
+
+    # -- opening ------------------------------------------------------------------------------
+
+    def _load_view(self) -> tuple[_View, int]:
+        """The offsets of the committed version (and the newest put time in it)."""
+        dataset = self._table.dataset
+        count = dataset.count_rows()
+        floor = int(self._table.config().get(TRIMMED_BEFORE, "0"))
+        if count == 0:
+            return _View(dataset, floor, 0), 0
+        first = dataset.take([0], columns=[OFFSET]).column(OFFSET)[0].as_py()
+        last_row = dataset.take([count - 1], columns=[OFFSET, TIMESTAMP])
+        last = last_row.column(OFFSET)[0].as_py()
+        if last - first + 1 != count:
+            raise CorruptValueError(
+                f"{self.path}: offsets {first}..{last} do not match its {count} rows"
+            )
+        last_ts = last_row.column(TIMESTAMP).cast(pa.int64())[0].as_py() or 0
+        return _View(dataset, first, count), last_ts
+
+    def _recover(self) -> None:
+        """Replay the log into Lance (skipping what a flush already stored), then start it."""
+        if not self._use_wal:
+            if any((self.bucket_dir / WAL_DIR).glob("*.wal")):
+                # Switching from "wal" to "flush" must not strand acknowledged records.
+                self._wal = WriteAheadLog(self.bucket_dir / WAL_DIR)
+                self._replay(self._wal)
+                self._wal.drop_all_closed()
+                self._wal = None
+            return
+        self._wal = WriteAheadLog(self.bucket_dir / WAL_DIR)
+        self._replay(self._wal)
+        self._wal.drop_all_closed()
+        self._wal.start(self._next_offset)
+
+    def _replay(self, wal: WriteAheadLog) -> None:
+        entries = [e for e in wal.replay() if e.offset >= self._view.next]
+        if not entries:
+            return
+        if entries[0].offset != self._view.next:
+            logger.error(
+                "%s: the log starts at offset %d but the dataset ends at %d; not replaying",
+                self.path,
+                entries[0].offset,
+                self._view.next,
+            )
+            return
+        records = []
+        for entry in entries:
+            try:
+                records.append((entry, decode_record(entry.payload)))
+            except CorruptValueError:
+                logger.error("%s: unreadable log record at offset %d", self.path, entry.offset)
+                break
+        with self._lock:
+            for entry, record in records:
+                try:
+                    (row,) = self._schema.admit([record])
+                except PersistingError as exc:  # cannot happen for a record admitted before
+                    logger.error("%s: log record %d rejected: %s", self.path, entry.offset, exc)
+                    break
+                row[OFFSET] = entry.offset
+                row[TIMESTAMP] = entry.timestamp_us
+                self._buffer.append(row)
+                self._buffer_sizes.append(len(entry.payload))
+                self._buffer_bytes += len(entry.payload)
+                self._next_offset = entry.offset + 1
+                self._last_ts = max(self._last_ts, entry.timestamp_us)
+        logger.info("%s: replayed %d records from the log", self.path, len(self._buffer))
+        self._flush_sync()
+
+    # -- the StorageBackend protocol: writing --------------------------------------------------
+
+    async def put(self, record: dict[str, Any]) -> None:
+        """Store one record (acknowledged once it is in the log, or buffered without one)."""
+        await self._put([record])
+
+    async def put_batch(self, records: list[dict[str, Any]]) -> None:
+        """Store records atomically: all are admitted, or none is (the error says which)."""
+        if not isinstance(records, list | tuple):
+            raise InvalidValueError(f"put_batch takes a list of records, got {type(records)}")
+        await self._put(records)
+
+    async def _put(self, records: Sequence[Any]) -> int:
+        """Store ``records``; return the offset of the first."""
+        if self.read_only:
+            raise AccessDeniedError(f"{self!r} is read-only")
+        normalized = []
+        for index, record in enumerate(records):
+            try:
+                normalized.append(normalize_record(record))
+            except InvalidValueError as exc:
+                raise type(exc)(_which(index, len(records)) + str(exc)) from exc
+        payloads = [encode_record(record) for record in normalized]
+        crcs = [payload_crc(p) for p in payloads] if self._use_wal else None
+        first, log_position, over_budget = self._enqueue(normalized, payloads, crcs)
+        if log_position is not None:
+            await asyncio.to_thread(self._wal.sync, log_position)  # type: ignore[union-attr]
+        self._notifier.notify_all()
+        if over_budget:
+            await asyncio.to_thread(self._flush_sync)
+        return first
+
+    def _enqueue(
+        self, records: list[dict[str, Any]], payloads: list[bytes], crcs: list[int] | None
+    ) -> tuple[int, int | None, bool]:
+        with self._lock:
+            if self._closing:
+                raise StoreClosedError(f"{self!r} is closed")
+            rows = self._schema.admit(records)
+            first = self._next_offset
+            ts = max(_now_us(), self._last_ts)
+            for index, row in enumerate(rows):
+                row[OFFSET] = first + index
+                row[TIMESTAMP] = ts
+            log_position = None
+            if self._wal is not None:
+                frames = b"".join(
+                    encode_frame(first + i, ts, p, crcs[i])  # type: ignore[index]
+                    for i, p in enumerate(payloads)
+                )
+                position = self._wal.append(frames, len(rows))
+                if self.config.fsync_interval_ms == 0:
+                    log_position = position
+            if not self._buffer:
+                self._oldest_buffered = time.monotonic()
+            self._buffer.extend(rows)
+            sizes = [len(p) for p in payloads]
+            self._buffer_sizes.extend(sizes)
+            self._buffer_bytes += sum(sizes)
+            self._next_offset = first + len(rows)
+            self._last_ts = ts
+            self._counters.puts += len(rows)
+            if len(self._buffer) >= self.config.batch_size:
+                self._wake.set()
+            over_budget = (
+                len(self._buffer) >= self._max_buffer_records
+                or self._buffer_bytes >= self._max_buffer_bytes
+            )
+        return first, log_position, over_budget
+
+    async def flush(self) -> None:
+        """Append everything buffered to Lance as one durable commit."""
+        if self.read_only:
+            return
+        self._check_open()
+        await asyncio.to_thread(self._flush_sync)
+
+    def _flush_sync(self) -> int:
+        with self._flush_lock:
+            with self._lock:
+                count = len(self._buffer)
+                if count == 0:
+                    return 0
+                rows = self._buffer[:count]
+                if self._wal is not None:
+                    self._wal.rotate(self._next_offset)
+            started = time.perf_counter()
+            deltas = self._schema.deltas(self._table.schema)
+            if deltas:
+                self._table.add_fields(deltas)
+            table = pa.Table.from_pylist(rows, schema=self._table.schema)
+            self._table.append(table, durable=True)
+            elapsed = time.perf_counter() - started
+            with self._lock:
+                del self._buffer[:count]
+                self._buffer_bytes -= sum(self._buffer_sizes[:count])
+                del self._buffer_sizes[:count]
+                if self._buffer:
+                    self._oldest_buffered = time.monotonic()
+                view = self._view
+                self._view = _View(self._table.dataset, view.first, view.count + count)
+                self._counters.flushes += 1
+                self._counters.flushed_records += count
+                self._counters.flush_latency_s.append(elapsed)
+            if self._wal is not None:
+                self._wal.drop_flushed(self._view.next)
+            return count
+
+    # -- the StorageBackend protocol: reading --------------------------------------------------
+
+    async def get(self, limit: int, offset: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` records from ``offset`` on (flushed or not).
+
+        Raises OffsetTrimmedError if ``offset`` was trimmed by retention.
+        """
+        if limit <= 0:
+            return []
+        if offset < 0:
+            raise InvalidValueError(f"offset must be >= 0, got {offset}")
+        if self._refresh_due():
+            await asyncio.to_thread(self._refresh, False)
+        view, end, buffered, buffer_decoder = self._plan_read(limit, offset)
+        records: list[dict[str, Any]] = []
+        lance_end = min(end, view.next)
+        if offset < lance_end:
+            records = await asyncio.to_thread(self._read_lance, view, offset, lance_end)
+        if buffered:
+            records.extend(buffer_decoder.decode(row) for row in buffered)
+        return records
+
+    def _plan_read(
+        self, limit: int, offset: int
+    ) -> tuple[_View, int, list[dict[str, Any]], RecordDecoder]:
+        with self._lock:
+            self._check_open()
+            view = self._view
+            if offset < view.first:
+                raise OffsetTrimmedError(
+                    f"offset {offset} of {self.path} was trimmed by retention; "
+                    f"the earliest offset is {view.first}"
+                )
+            end = min(offset + limit, self._next_offset if not self.read_only else view.next)
+            buffered: list[dict[str, Any]] = []
+            if end > view.next:
+                start = max(offset, view.next) - view.next
+                buffered = self._buffer[start : end - view.next]
+            generation = self._schema.generation
+            if self._buffer_decoder is None or self._buffer_decoder[0] != generation:
+                self._buffer_decoder = (generation, RecordDecoder(self._schema.fields()))
+            return view, end, buffered, self._buffer_decoder[1]
+
+    def _read_lance(self, view: _View, start: int, end: int) -> list[dict[str, Any]]:
+        try:
+            table = view.dataset.to_table(offset=start - view.first, limit=end - start)
+        except Exception as exc:  # files of an old version cleaned up under us: retry fresh
+            logger.debug("%s: read of an old version failed (%s); retrying", self.path, exc)
+            self._refresh(True)  # a writer's own view is always current
+            with self._lock:
+                view = self._view
+            if start < view.first:
+                raise OffsetTrimmedError(
+                    f"offset {start} of {self.path} was trimmed by retention; "
+                    f"the earliest offset is {view.first}"
+                ) from exc
+            end = min(end, view.next)
+            table = view.dataset.to_table(offset=start - view.first, limit=end - start)
+        offsets = table.column(OFFSET)
+        if (
+            table.num_rows != end - start
+            or offsets[0].as_py() != start
+            or offsets[table.num_rows - 1].as_py() != end - 1
+        ):
+            raise CorruptValueError(f"{self.path}: rows at {start}..{end} have other offsets")
+        return self._decoder(view.dataset.schema).decode_table(table)
+
+    def _decoder(self, schema: pa.Schema) -> RecordDecoder:
+        cached = self._decoder_cache
+        if cached is not None and cached[0].equals(schema, check_metadata=True):
+            return cached[1]
+        decoder = RecordDecoder(schema)
+        self._decoder_cache = (schema, decoder)
+        return decoder
+
+    async def get_stream(
+        self,
+        limit: int,
+        offset: int,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """Batches of records from ``offset`` until ``limit`` records were yielded.
+
+        With ``wait`` it waits for new records (puts here, or flushes by the writer when this
+        backend is a reader elsewhere); a truthy ``timeout`` bounds each wait, as in Pulsing's
+        memory backend.
+        """
+        current, remaining = offset, limit
+        while remaining > 0:
+            records = await self.get(min(remaining, self._read_batch_size), current)
+            if records:
+                yield records
+                current += len(records)
+                remaining -= len(records)
+                continue
+            if not wait or not await self._wait_beyond(current, timeout):
+                return
+
+    async def _wait_beyond(self, offset: int, timeout: float | None) -> bool:
+        """Wait until a record at ``offset`` or later exists; False on timeout or close."""
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            future = self._notifier.register()
+            if self._closed or self._closing:
+                return False
+            if self._refresh_due():
+                await asyncio.to_thread(self._refresh, False)
+            if self._visible_next() > offset:
+                return True
+            pause = self._poll_interval_s if self.read_only else 1.0
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                pause = min(pause, left)
+            await self._notifier.wait(future, pause)
+
+    def _visible_next(self) -> int:
+        with self._lock:
+            return self._view.next if self.read_only else self._next_offset
+
+    def _refresh_due(self) -> bool:
+        return self.read_only and time.monotonic() - self._last_refresh >= self._poll_interval_s
+
+    def _refresh(self, force: bool) -> None:
+        """A reader's move to the newest committed version (rate-limited unless forced)."""
+        if not self.read_only or (not force and not self._refresh_due()):
+            return
+        self._last_refresh = time.monotonic()
+        if not self._table.refresh() and not force:
+            return
+        view, last_ts = self._load_view()
+        with self._lock:
+            self._view = view
+            self._last_ts = max(self._last_ts, last_ts)
+            if self.read_only:
+                self._next_offset = view.next
+
+    async def stats(self) -> dict[str, Any]:
+        """Records, bytes, flushes and their latency, fragments, versions and log size."""
+        return await asyncio.to_thread(self._stats_sync)
+
+    def _stats_sync(self) -> dict[str, Any]:
+        if self.read_only:
+            self._refresh(False)
+        with self._lock:
+            view = self._view
+            buffered = len(self._buffer)
+            buffered_bytes = self._buffer_bytes
+            next_offset = self._next_offset if not self.read_only else view.next
+            counters = self._counters
+            latencies = list(counters.flush_latency_s)
+            schema = {f.name: str(f.type) for f in self._schema.fields()}
+        return {
+            "bucket_id": self.bucket_id,
+            "backend": "lance",
+            "path": str(self.path),
+            "durability": self.config.durability,
+            "read_only": self.read_only,
+            "buffer_size": buffered,
+            "buffer_bytes": buffered_bytes,
+            "persisted_count": view.count,
+            "total_count": next_offset,
+            "records": view.count + buffered,
+            "first_offset": view.first,
+            "bytes": disk_usage(self.path) if self.path.exists() else 0,
+            "puts": counters.puts,
+            "flushes": counters.flushes,
+            "flushed_records": counters.flushed_records,
+            "flush_latency_ms": _latency_summary(latencies),
+            "fragments": len(view.dataset.get_fragments()),
+            "versions": len(view.dataset.versions()),
+            "compactions": counters.compactions,
+            "trimmed_records": counters.trimmed_records,
+            "wal_bytes": self._wal.size_bytes() if self._wal is not None else 0,
+            "wal_segments": self._wal.segment_count() if self._wal is not None else 0,
+            "wal_fsyncs": self._wal.fsyncs if self._wal is not None else 0,
+            "errors": counters.errors,
+            "schema": schema,
+        }
+
+    def total_count(self) -> int:
+        """Records ever put (= the next offset); trimming does not lower it."""
+        if self.read_only:
+            self._refresh(False)
+        return self._visible_next()
+
+    def earliest_offset(self) -> int:
+        """The oldest offset still stored (everything before it was trimmed)."""
+        if self.read_only:
+            self._refresh(False)
+        with self._lock:
+            return self._view.first
+
+    # -- tensor-native methods ------------------------------------------------------------------
+
+    async def put_tensor(self, data: Any, **kwargs: Any) -> PutResult:
+        """Store a record (or list of records) holding tensors; returns their offsets.
+
+        Tensors are stored as typed ``{kind, dtype, shape, data}`` columns, exactly, so a
+        plain ``put`` does the same; Pulsing's extra arguments (``partition_id``) are ignored.
+        """
+        if isinstance(data, dict):
+            records = [data]
+        elif isinstance(data, list) and all(isinstance(r, dict) for r in data):
+            records = data
+        else:
+            raise InvalidValueError("put_tensor expects a dict or a list of dicts")
+        if not records:
+            return PutResult([], [])
+        first = await self._put(records)
+        names = sorted({k for r in records for k in r if not str(k).startswith("_")})
+        return PutResult(list(range(first, first + len(records))), names)
+
+    async def get_data(self, batch_meta: Any, fields: list[str] | None = None) -> Any:
+        """The records at ``batch_meta``'s ``global_indexes`` (offsets), optionally projected."""
+        if isinstance(batch_meta, dict):
+            indexes = batch_meta.get("global_indexes") or [
+                s.get("global_index", -1) for s in batch_meta.get("samples", [])
+            ]
+        else:
+            indexes = getattr(batch_meta, "global_indexes", [])
+        earliest, end = self.earliest_offset(), self._visible_next()
+        wanted = [int(i) for i in indexes if earliest <= int(i) < end]
+        by_offset: dict[int, dict[str, Any]] = {}
+        for start, stop in _runs(sorted(set(wanted))):
+            for index, record in enumerate(await self.get(stop - start, start)):
+                by_offset[start + index] = record
+        rows = [by_offset[i] for i in wanted if i in by_offset]
+        if not fields:
+            return rows
+        return [{k: v for k, v in row.items() if k in fields} for row in rows]
+
+    async def get_meta(
+        self,
+        fields: list[str],
+        batch_size: int,
+        task_name: str = "default",
+        sampler: Any = None,
+        **sampling_kwargs: Any,
+    ) -> Any:
+        """Offsets not yet consumed by ``task_name`` (tracked in memory), as Pulsing expects."""
+        earliest, end = self.earliest_offset(), self._visible_next()
+        with self._lock:
+            cursor, consumed = self._consumption.get(task_name, (earliest, set()))
+            cursor = max(cursor, earliest)
+            while cursor in consumed:
+                consumed.discard(cursor)
+                cursor += 1
+            if sampler is None:
+                ready = []
+                index = cursor
+                while index < end and len(ready) < batch_size:
+                    if index not in consumed:
+                        ready.append(index)
+                    index += 1
+                sampled, marked = ready, ready
+            else:
+                ready = [i for i in range(cursor, end) if i not in consumed]
+                sampled, marked = sampler.sample(ready, batch_size, **sampling_kwargs)
+            consumed.update(marked)
+            self._consumption[task_name] = (cursor, consumed)
+        partition = sampling_kwargs.get("partition_id", "default")
+        return {
+            "samples": [
+                {
+                    "partition_id": partition,
+                    "global_index": index,
+                    "fields": {
+                        name: {
+                            "name": name,
+                            "dtype": None,
+                            "shape": None,
+                            "production_status": "ready",
+                        }
+                        for name in fields
+                    },
+                }
+                for index in sampled
+            ],
+            "global_indexes": list(sampled),
+        }
+
+    async def mark_consumed(self, task_name: str, global_indexes: list[int]) -> None:
+        with self._lock:
+            cursor, consumed = self._consumption.get(task_name, (0, set()))
+            consumed.update(int(i) for i in global_indexes)
+            self._consumption[task_name] = (cursor, consumed)
+
+    async def reset_consumption(self, task_name: str) -> None:
+        with self._lock:
+            self._consumption.pop(task_name, None)
+
+    # -- consumer positions and retention -------------------------------------------------------
+
+    async def commit_position(self, consumer: str, position: int) -> None:
+        """Durably record that ``consumer`` will next read ``position`` (from any process)."""
+        await asyncio.to_thread(self.positions.commit, consumer, position)
+
+    async def committed_position(self, consumer: str) -> int | None:
+        """The position ``consumer`` last committed, or None."""
+        return await asyncio.to_thread(self.positions.get, consumer)
+
+    async def trim(self, before: int) -> int:
+        """Delete flushed records with offsets below ``before``; return how many went.
+
+        Offsets of the remaining records do not change, and new records continue after the
+        highest offset ever put.
+        """
+        if self.read_only:
+            raise AccessDeniedError(f"{self!r} is read-only")
+        self._check_open()
+        return await asyncio.to_thread(self._trim_sync, before)
+
+    def _trim_sync(self, before: int) -> int:
+        with self._flush_lock:
+            with self._lock:
+                view = self._view
+            before = min(int(before), view.next)
+            if before <= view.first:
+                return 0
+            # The watermark goes first: if we crash before the delete, nothing is lost.
+            self._table.set_config({TRIMMED_BEFORE: str(before)}, durable=True)
+            self._table.delete(f"{OFFSET} < {before}", durable=True)
+            removed = before - view.first
+            with self._lock:
+                current = self._view
+                self._view = _View(self._table.dataset, before, current.next - before)
+                self._counters.trimmed_records += removed
+            return removed
+
+    def _apply_retention(self) -> int:
+        with self._lock:
+            view = self._view
+        if view.count == 0:
+            return 0
+        cutoffs = []
+        if self.config.retention_s:
+            cutoffs.append(
+                maintenance.age_cutoff(view.dataset, view.first, self.config.retention_s, _now_us())
+            )
+        if self.config.retain_until_consumed:
+            slowest = maintenance.consumer_cutoff(self.positions.all())
+            if slowest is not None:
+                cutoffs.append(slowest)
+        if not cutoffs:
+            return 0
+        return self._trim_sync(max(cutoffs))
+
+    # -- background work ------------------------------------------------------------------------
+
+    def _run_worker(self) -> None:
+        last_sync = last_retention = time.monotonic()
+        flushes_at_cleanup = 0
+        while not self._stop.is_set():
+            self._wake.wait(self._next_wakeup(last_sync, last_retention))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                now = time.monotonic()
+                if (
+                    self._wal is not None
+                    and self.config.fsync_interval_ms > 0
+                    and now - last_sync >= self.config.fsync_interval_ms / 1000
+                ):
+                    self._wal.sync()
+                    last_sync = now
+                if self._flush_due(now):
+                    self._flush_sync()
+                compacted = self._compact_if_needed()
+                flushes = self._counters.flushes
+                if compacted or flushes - flushes_at_cleanup >= self.config.compact_max_fragments:
+                    maintenance.cleanup_versions(self._table, self.config.version_retention_s)
+                    flushes_at_cleanup = flushes
+                    self._counters.cleanups += 1
+                if (
+                    self.config.retention_s or self.config.retain_until_consumed
+                ) and now - last_retention >= self._retention_interval_s:
+                    last_retention = now
+                    self._apply_retention()
+            except Exception:
+                self._counters.errors += 1
+                logger.exception("%s: background flush/maintenance failed", self.path)
+                self._stop.wait(0.5)
+
+    def _next_wakeup(self, last_sync: float, last_retention: float) -> float:
+        now = time.monotonic()
+        waits = [1.0]
+        if self._wal is not None and self.config.fsync_interval_ms > 0:
+            waits.append(last_sync + self.config.fsync_interval_ms / 1000 - now)
+        with self._lock:
+            if self._buffer and self.config.flush_interval_s > 0:
+                waits.append(self._oldest_buffered + self.config.flush_interval_s - now)
+        if self.config.retention_s or self.config.retain_until_consumed:
+            waits.append(last_retention + self._retention_interval_s - now)
+        return max(0.0, min(waits))
+
+    def _flush_due(self, now: float) -> bool:
+        with self._lock:
+            if not self._buffer:
+                return False
+            if len(self._buffer) >= self.config.batch_size:
+                return True
+            interval = self.config.flush_interval_s
+            return interval > 0 and now - self._oldest_buffered >= interval
+
+    def _compact_if_needed(self) -> bool:
+        if len(self._table.dataset.get_fragments()) <= self.config.compact_max_fragments:
+            return False
+        with self._flush_lock:
+            steps = maintenance.compact(
+                self._table,
+                max_small=self.config.compact_max_fragments,
+                target_rows=self._compact_target_rows,
+            )
+            if steps:
+                with self._lock:
+                    view = self._view
+                    self._view = _View(self._table.dataset, view.first, view.count)
+                    self._counters.compactions += steps
+        return steps > 0
+
+    # -- closing --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self!r} is closed")
+
+    def close(self) -> None:
+        """Flush what is buffered, stop background work and release the bucket."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._stop.set()
+        self._wake.set()
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join()
+        try:
+            if not self.read_only:
+                self._flush_sync()
+        finally:
+            if self._wal is not None:
+                self._wal.close()
+            self._release_writer_lock()
+            self._closed = True
+            _OPEN.discard(self)
+            self._notifier.notify_all()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> LanceBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _release_writer_lock(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _resolve_options(batch_size: int, options: dict[str, Any]) -> tuple[QueueSettings, dict]:
+    known = set(QueueSettings.model_fields) | set(EXTRA_OPTIONS)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown LanceBackend option(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    extra = {name: options.get(name, default) for name, default in EXTRA_OPTIONS.items()}
+    settings = extra["settings"]
+    if settings is None:
+        base = PersistingSettings.load().queue
+    elif isinstance(settings, PersistingSettings):
+        base = settings.queue
+    elif isinstance(settings, QueueSettings):
+        base = settings
+    else:
+        raise ConfigError(f"settings must be PersistingSettings or QueueSettings, got {settings!r}")
+    merged = base.model_dump()
+    merged.update({k: v for k, v in options.items() if k in QueueSettings.model_fields})
+    merged["batch_size"] = batch_size
+    try:
+        config = QueueSettings(**merged)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid LanceBackend options: {exc}") from exc
+    for name in ("max_buffer_records", "max_buffer_bytes", "compact_target_rows"):
+        if isinstance(extra[name], bool) or not isinstance(extra[name], int) or extra[name] <= 0:
+            raise ConfigError(f"{name} must be a positive int, got {extra[name]!r}")
+    if isinstance(extra["read_batch_size"], bool) or not isinstance(extra["read_batch_size"], int):
+        raise ConfigError(f"read_batch_size must be an int, got {extra['read_batch_size']!r}")
+    if extra["read_batch_size"] <= 0:
+        raise ConfigError(f"read_batch_size must be positive, got {extra['read_batch_size']}")
+    for name in ("poll_interval_s", "lock_timeout_s", "retention_interval_s"):
+        value = extra[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
+    return config, extra
+
+
+def _which(index: int, total: int) -> str:
+    return f"record {index} of {total}: " if total > 1 else ""
+
+
+def _runs(indexes: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ints as half-open runs of consecutive values."""
+    runs: list[tuple[int, int]] = []
+    for index in indexes:
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+def _latency_summary(latencies: list[float]) -> dict[str, float | None]:
+    if not latencies:
+        return {"last": None, "p50": None, "max": None}
+    return {
+        "last": latencies[-1] * 1000,
+        "p50": statistics.median(latencies) * 1000,
+        "max": max(latencies) * 1000,
+    }
+
+
+def _acquire_writer_lock(bucket_dir: Path, timeout_s: float) -> int:
+    """An exclusive ``flock`` on the bucket's lock file (the kernel drops it if we die)."""
+    path = bucket_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StorageIOError(f"cannot open {path}: {exc}") from exc
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise StorageIOError(
+                    f"queue bucket {bucket_dir} is being written by another process "
+                    f"(pid {holder}); open it with read_only=True to read it"
+                ) from None
+            time.sleep(0.05)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+# Open backends of this process: closed (flushed) at interpreter exit, or by close_all().
+_OPEN: weakref.WeakSet[LanceBackend] = weakref.WeakSet()
+_WRITERS: dict[Path, weakref.ref[LanceBackend]] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def _close_previous_writer(backend: LanceBackend) -> None:
+    """Within one process the newest writer of a bucket wins: the old one is flushed first.
+
+    (Pulsing never closes a bucket's backend; a restarted actor system in the same process
+    must still be able to open the bucket again.)
+    """
+    with _WRITERS_LOCK:
+        ref = _WRITERS.get(backend.bucket_dir)
+    previous = ref() if ref is not None else None
+    if previous is not None and not previous.closed:
+        logger.warning("closing the previous writer of %s in this process", backend.bucket_dir)
+        previous.close()
+
+
+def _register_writer(backend: LanceBackend) -> None:
+    with _WRITERS_LOCK:
+        _WRITERS[backend.bucket_dir] = weakref.ref(backend)
+
+
+def close_all() -> None:
+    """Flush and close every backend open in this process (call before ``os._exit``)."""
+    for backend in list(_OPEN):
+        try:
+            backend.close()
+        except Exception:
+            logger.exception("closing %r failed", backend)
+
+
+atexit.register(close_all)
+
+
+__all__ = ["EXTRA_OPTIONS", "TRIMMED_BEFORE", "LanceBackend", "PutResult", "close_all"]

@@ -1,0 +1,136 @@
+"""Keeping a queue dataset bounded: leveled compaction, version cleanup, retention cutoffs.
+
+Every flush appends one small fragment and one version. Left alone, reads would visit ever
+more fragments and commits would list ever more versions, so a background worker:
+
+* compacts in levels: small fragments are merged into fragments of ``target / fanout**k``
+  rows, then those into larger ones, so each row is rewritten once per level (a handful of
+  times in all), never once per flush, and the newest small fragments never force a rewrite
+  of the large old ones;
+* deletes versions older than a few seconds (concurrent readers of an older version get that
+  long to finish);
+* computes where retention may trim: before a configured age, or before the slowest committed
+  consumer position. Trimming deletes rows; offsets are a stored column and never move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from persisting.lance_store import LanceTable
+from persisting.queue.schema import TIMESTAMP
+
+#: How many fragments of one level are merged into the next.
+FANOUT = 8
+#: Number of levels below the target fragment size.
+LEVELS = 3
+
+
+@dataclass(frozen=True)
+class FragmentStats:
+    """What compaction planning needs to know about one fragment."""
+
+    id: int
+    rows: int
+    deleted: int = 0
+
+
+@dataclass(frozen=True)
+class CompactionStep:
+    """One compaction run: merge fragments below ``target_rows``, leave ``excluded`` alone."""
+
+    target_rows: int
+    excluded: tuple[int, ...]
+
+
+def fragment_stats(dataset: Any) -> list[FragmentStats]:
+    """Physical and deleted row counts of every fragment of a ``lance.LanceDataset``."""
+    out = []
+    for fragment in dataset.get_fragments():
+        meta = fragment.metadata
+        deleted = meta.deletion_file.num_deleted_rows if meta.deletion_file is not None else 0
+        out.append(FragmentStats(fragment.fragment_id, meta.physical_rows, deleted))
+    return out
+
+
+def compaction_levels(target_rows: int, fanout: int = FANOUT, levels: int = LEVELS) -> list[int]:
+    """Fragment sizes of the levels, smallest first, ending at ``target_rows``."""
+    sizes = {max(1, target_rows // fanout**k) for k in range(1, levels + 1)}
+    return [*sorted(sizes - {target_rows}), target_rows]
+
+
+def plan_compaction(
+    fragments: Sequence[FragmentStats],
+    *,
+    max_small: int,
+    target_rows: int,
+    fanout: int = FANOUT,
+) -> CompactionStep | None:
+    """The next compaction step, or None while at most ``max_small`` fragments are small.
+
+    A fragment is small when it has fewer than ``target_rows`` rows or has deleted rows.
+    The step merges the lowest level that has ``fanout`` fragments to merge.
+    """
+    small = [f for f in fragments if f.rows < target_rows or f.deleted]
+    if len(small) <= max_small:
+        return None
+    chosen = target_rows
+    for level in compaction_levels(target_rows, fanout):
+        if sum(1 for f in fragments if f.rows < level or f.deleted) >= fanout:
+            chosen = level
+            break
+    excluded = tuple(f.id for f in fragments if f.rows >= chosen and not f.deleted)
+    return CompactionStep(chosen, excluded)
+
+
+def compact(table: LanceTable, *, max_small: int, target_rows: int, max_steps: int = 4) -> int:
+    """Run compaction steps until the small fragments are few; return the steps run."""
+    steps = 0
+    while steps < max_steps:
+        step = plan_compaction(
+            fragment_stats(table.dataset), max_small=max_small, target_rows=target_rows
+        )
+        if step is None:
+            break
+        metrics = table.compact(
+            target_rows_per_fragment=step.target_rows,
+            excluded_fragment_ids=list(step.excluded),
+        )
+        steps += 1
+        if not metrics.fragments_removed:
+            break  # nothing mergeable (e.g. no two small fragments are adjacent)
+    return steps
+
+
+def cleanup_versions(table: LanceTable, older_than_s: float) -> int:
+    """Delete versions older than ``older_than_s`` seconds (the newest is always kept)."""
+    return table.cleanup(timedelta(seconds=older_than_s), keep_versions=1)
+
+
+def age_cutoff(dataset: Any, first_offset: int, retention_s: float, now_us: int) -> int:
+    """The first offset retention by age keeps (``_ts`` never decreases with the offset)."""
+    cut = now_us - int(retention_s * 1_000_000)
+    expired = dataset.count_rows(filter=f"{TIMESTAMP} < to_timestamp_micros({cut})")
+    return first_offset + expired
+
+
+def consumer_cutoff(positions: Mapping[str, int]) -> int | None:
+    """The first offset some committed consumer still needs (None without consumers)."""
+    return min(positions.values()) if positions else None
+
+
+__all__ = [
+    "FANOUT",
+    "CompactionStep",
+    "FragmentStats",
+    "age_cutoff",
+    "cleanup_versions",
+    "compact",
+    "compaction_levels",
+    "consumer_cutoff",
+    "fragment_stats",
+    "plan_compaction",
+]
