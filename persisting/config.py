@@ -68,6 +68,11 @@ class ServiceSettings(BaseModel):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     event_topic: str = "kv-events"
     message_chunk_bytes: int = Field(default=4 * MiB, gt=0)
+    request_timeout_s: float = Field(default=30.0, gt=0)
+    lanes: int = Field(default=4, gt=0, le=16)
+    shm_arena_bytes: int = Field(default=256 * MiB, ge=0)
+    member_retry_s: float = Field(default=2.0, gt=0)
+    discovery_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class PersistingSettings(BaseSettings):

@@ -87,6 +87,12 @@ class ProtocolError(PersistingError):
     code = "protocol"
 
 
+class SessionExpiredError(ProtocolError):
+    """A request names a service session the server no longer holds (expired or restarted)."""
+
+    code = "session_expired"
+
+
 class AccessDeniedError(PersistingError):
     """A request for a namespace the server is not configured to serve."""
 
@@ -129,6 +135,7 @@ __all__ = [
     "ProtocolError",
     "SchemaMismatchError",
     "ServiceUnavailableError",
+    "SessionExpiredError",
     "StorageIOError",
     "StoreClosedError",
     "error_class_for",

@@ -1,0 +1,1040 @@
+"""KVCacheClient: the KV store's API, served by one or more KVCacheStorageActor nodes.
+
+::
+
+    client = await KVCacheClient.connect(seeds=["127.0.0.1:8610"], name="kvstore",
+                                         model="meta-llama/Llama-3-8B")
+    await client.put(key, tensor)
+    tensor = await client.get(key)           # None on a miss
+    hit_chunks = await client.lookup_prefix(keys)
+
+The method names and results are those of the local :class:`persisting.kv.KVStore`;
+:class:`SyncKVCacheClient` offers the same methods without ``await``.
+
+How it works:
+
+* **Placement**: every storage actor registered under ``name`` is a member; each key goes
+  to one member by rendezvous hashing (:mod:`persisting.service.routing`). A member that
+  fails a request is left out for a while: its keys are misses (recompute) and its puts go
+  to the next member in the key's ranking. Nothing is replicated.
+* **Flow control**: at most ``max_inflight`` (<= 16, Pulsing's connection pool) requests are
+  in flight per member, spread over the member's lanes (actors that share its stores).
+* **Bulk data**: a client on the server's host reads stored payload files directly under a
+  read lease and moves puts through a shared-memory arena
+  (:mod:`persisting.service.same_host`); other clients use the message path, in chunks of
+  at most ``message_chunk_bytes``.
+* **Errors** come back as the same :mod:`persisting.errors` types the store raises.
+* **Sessions**: pins and read leases belong to the client's session on each member; the
+  client renews it every ``lease_ttl_s / 3`` seconds, so a crashed client's pins expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import pulsing
+
+from persisting.config import PersistingSettings
+from persisting.errors import (
+    InvalidKeyError,
+    PersistingError,
+    ProtocolError,
+    ServiceUnavailableError,
+    SessionExpiredError,
+    StorageIOError,
+)
+from persisting.kv import Layout, TokenHasher
+from persisting.kv.keys import ChunkKey, key_string
+from persisting.kv.layout import aligned_buffer, checksum, decode_value, encode_value
+from persisting.service.protocol import make_request, safe_loads, unwrap_reply
+from persisting.service.routing import Membership, group_by_owner, rank_members
+from persisting.service.same_host import ClientArena, Region, read_file_into, shm_available
+
+T = TypeVar("T")
+
+#: Failures of the transport (not of the request): the member is treated as gone.
+_TRANSPORT_ERRORS = (RuntimeError, OSError, asyncio.TimeoutError, pulsing.PulsingError)
+
+
+class _MemberFailed(Exception):
+    """A member could not be reached or did not answer in time."""
+
+    def __init__(self, member: str, cause: BaseException):
+        super().__init__(f"{member}: {type(cause).__name__}: {cause}")
+        self.member = member
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """What a put through the service did (the fields of persisting.kv's PutResult)."""
+
+    key: str
+    tier: str
+    durable: bool
+    stored: bool
+
+
+@dataclass
+class _Member:
+    """One storage node as this client sees it: its actors, session and data path."""
+
+    addr: str
+    node_id: int
+    refs: list[Any]
+    semaphore: asyncio.Semaphore
+    sid: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    shm: bool = False
+    direct: bool = False
+    pending_release: list[str] = field(default_factory=list)
+    lane: itertools.count = field(default_factory=itertools.count)
+    hello_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def next_ref(self) -> Any:
+        return self.refs[next(self.lane) % len(self.refs)]
+
+
+class KVCacheClient:
+    """Asynchronous client of the KV-cache service (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model: str,
+        settings: PersistingSettings,
+        same_host: bool = True,
+        owns_system: bool = False,
+    ):
+        self.name = name
+        self.model = model
+        self.settings = settings
+        service = settings.service
+        self.max_inflight = service.max_inflight
+        self.timeout_s = service.request_timeout_s
+        self.chunk_bytes = service.message_chunk_bytes
+        self.membership = Membership(retry_s=service.member_retry_s)
+        self.counters: Counter[str] = Counter()
+        self._same_host = same_host
+        self._owns_system = owns_system
+        self._members: dict[str, _Member] = {}
+        self._arena: ClientArena | None = None
+        self._arena_tried = False
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-read")
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closed = False
+        self._system: Any = None
+
+    # -- connecting ---------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        seeds: Sequence[str] | None = None,
+        name: str | None = None,
+        model: str | None = None,
+        *,
+        passphrase: str | None = None,
+        settings: PersistingSettings | None = None,
+        same_host: bool = True,
+        min_members: int = 1,
+    ) -> KVCacheClient:
+        """Join the cluster (unless Pulsing is already initialised) and find the servers.
+
+        ``same_host=False`` forces the message path even on the server's host.
+        """
+        settings = settings or PersistingSettings()
+        service = settings.service
+        name = name or service.name
+        if model is None:
+            if not settings.models:
+                raise InvalidKeyError("connect needs model= (or settings.models)")
+            model = settings.models[0]
+        owns = False
+        if not pulsing.is_initialized():
+            seed_list = list(seeds) if seeds is not None else list(service.seeds)
+            await pulsing.init(
+                addr=None,
+                seeds=seed_list or None,
+                passphrase=passphrase if passphrase is not None else service.passphrase,
+            )
+            owns = True
+        client = cls(
+            name=name, model=model, settings=settings, same_host=same_host, owns_system=owns
+        )
+        client._system = pulsing.get_system()
+        try:
+            await client._discover(min_members=min_members, wait_s=service.discovery_timeout_s)
+        except BaseException:
+            await client.close()
+            raise
+        client._tasks.append(asyncio.create_task(client._keepalive()))
+        return client
+
+    async def _discover(self, min_members: int = 0, wait_s: float = 0.0) -> None:
+        """Learn the members registered under ``name``; wait for ``min_members`` of them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            found = await self._instances()
+            for addr, node_id in found.items():
+                if addr not in self._members:
+                    with contextlib.suppress(_MemberFailed, PersistingError):
+                        await self._attach(addr, node_id)
+            live = [a for a in found if a in self._members]
+            self.membership.update(live)
+            if len(live) >= min_members:
+                return
+            if loop.time() >= deadline:
+                raise ServiceUnavailableError(
+                    f"found {len(live)} {self.name!r} server(s) serving {self.model!r}; "
+                    f"wanted {min_members} (is the server up, and the passphrase right?)"
+                )
+            await asyncio.sleep(0.2)
+
+    async def _instances(self) -> dict[str, int]:
+        try:
+            instances = await self._system.get_named_instances(self.name)
+        except _TRANSPORT_ERRORS:
+            return {}
+        return {
+            str(i["addr"]): int(i["node_id"])
+            for i in instances
+            if str(i.get("status", "Alive")) == "Alive" and i.get("addr")
+        }
+
+    async def _attach(self, addr: str, node_id: int) -> None:
+        try:
+            ref = await self._system.resolve_named(self.name, node_id=node_id)
+        except _TRANSPORT_ERRORS as exc:
+            raise _MemberFailed(addr, exc) from exc
+        member = _Member(
+            addr=addr, node_id=node_id, refs=[ref], semaphore=asyncio.Semaphore(self.max_inflight)
+        )
+        await self._hello(member)
+        if self.model not in member.info.get("models", ()):
+            raise ServiceUnavailableError(f"{addr} does not serve {self.model!r}")
+        lanes = []
+        for lane in member.info.get("lanes", ()):
+            with contextlib.suppress(*_TRANSPORT_ERRORS):
+                lanes.append(await self._system.resolve_named(lane, node_id=node_id, timeout=2.0))
+        if lanes:
+            member.refs = lanes
+        self._members[addr] = member
+        self.membership.add(addr)
+
+    async def _hello(self, member: _Member) -> None:
+        client_info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname()}
+        arena = self._get_arena()
+        if arena is not None:
+            client_info["arena"] = {
+                "path": str(arena.path),
+                "size": arena.size,
+                "nonce": arena.nonce,
+            }
+        reply = await self._ask(member, make_request("hello", model=self.model, client=client_info))
+        info = unwrap_reply(reply)
+        member.info = info
+        member.sid = info["sid"]
+        member.shm = bool(info.get("shm")) and arena is not None
+        member.direct = member.shm
+        member.semaphore = asyncio.Semaphore(
+            min(self.max_inflight, int(info.get("max_inflight", 16)))
+        )
+        self.chunk_bytes = min(self.chunk_bytes, int(info.get("chunk_bytes", self.chunk_bytes)))
+
+    def _get_arena(self) -> ClientArena | None:
+        if self._arena_tried:
+            return self._arena
+        self._arena_tried = True
+        size = self.settings.service.shm_arena_bytes
+        if self._same_host and size > 0 and shm_available():
+            try:
+                self._arena = ClientArena(size)
+            except OSError:
+                self._arena = None
+        return self._arena
+
+    async def _keepalive(self) -> None:
+        """Renew every session well inside its TTL; pick up new members and revived ones."""
+        ttl = min(
+            (float(m.info.get("lease_ttl_s", 30.0)) for m in self._members.values()), default=30.0
+        )
+        period = max(0.2, min(ttl / 3.0, self.membership.retry_s))
+        while not self._closed:
+            await asyncio.sleep(period)
+            with contextlib.suppress(Exception):
+                await self._discover()
+            for member in list(self._members.values()):
+                if not self.membership.is_live(member.addr):
+                    continue
+                with contextlib.suppress(_MemberFailed, PersistingError):
+                    await self._call(member, "renew")
+
+    async def close(self) -> None:
+        """Say goodbye to every member (their sessions end now) and stop background work."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        for member in list(self._members.values()):
+            if member.sid is None or not self.membership.is_live(member.addr):
+                continue
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._call(member, "bye"), timeout=2.0)
+        self._readers.shutdown(wait=False)
+        if self._arena is not None:
+            self._arena.close()
+        if self._owns_system:
+            with contextlib.suppress(Exception):
+                await pulsing.shutdown()
+
+    async def __aenter__(self) -> KVCacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- requests -----------------------------------------------------------------------
+
+    async def _ask(self, member: _Member, message: dict[str, Any]) -> Any:
+        ref = member.next_ref()
+        try:
+            reply = await _with_timeout(ref.ask(message), self.timeout_s)
+        except _TRANSPORT_ERRORS as exc:
+            raise _MemberFailed(member.addr, exc) from exc
+        payload = getattr(reply, "payload", None)
+        if payload is not None and not isinstance(reply, dict):
+            return safe_loads(payload)
+        return reply
+
+    async def _call(self, member: _Member, op: str, **args: Any) -> Any:
+        """One request to one member: flow-controlled, with a transparent re-hello when the
+        server lost our session (it restarted or we were silent past the TTL)."""
+        for attempt in range(2):
+            async with member.semaphore:
+                if member.pending_release and op != "hello":
+                    args["release"], member.pending_release = member.pending_release, []
+                message = make_request(op, sid=member.sid, model=self.model, **args)
+                reply = await self._ask(member, message)
+            try:
+                result = unwrap_reply(reply)
+            except SessionExpiredError:
+                if attempt:
+                    raise
+                args.pop("release", None)  # leases of a lost session are gone already
+                async with member.hello_lock:
+                    if member.sid == message["sid"]:
+                        await self._hello(member)
+                if op in ("renew", "bye"):
+                    return None
+                continue
+            self.membership.mark_up(member.addr)
+            return result
+        raise ProtocolError("unreachable")  # pragma: no cover
+
+    def _live_members(self) -> list[str]:
+        return [m for m in self.membership.live if m in self._members]
+
+    def _key(self, key: object) -> str:
+        """The key's string form, checked to be a key of this client's model."""
+        text = key_string(key)  # validates strings; ChunkKeys are valid by construction
+        model = key.model if isinstance(key, ChunkKey) else text.split("@", 1)[0]
+        if model != self.model:
+            raise InvalidKeyError(f"key of model {model!r} used with a client of {self.model!r}")
+        return text
+
+    def _failed(self, exc: _MemberFailed) -> None:
+        self.counters["member_failures"] += 1
+        self.membership.mark_down(exc.member)
+
+    async def _on_owners(
+        self,
+        keys: list[str],
+        fn: Callable[[_Member, list[int]], Awaitable[None]],
+        on_lost: Callable[[list[int]], None] | None = None,
+        retry: bool = False,
+    ) -> None:
+        """Run ``fn(member, indices)`` for each owner's share of ``keys``, concurrently.
+
+        A member that fails is marked down; its share is either handed to ``on_lost``
+        (reads: misses) or, with ``retry``, placed again over the remaining members.
+        """
+        live = self._live_members()
+        if len(live) == 1 and keys:  # the common single-server case: no fan-out machinery
+            failed = await self._run_share(self._members[live[0]], list(range(len(keys))), fn)
+            if not failed:
+                return
+        pending = list(range(len(keys)))
+        for _ in range(max(1, len(self._members)) + 1):
+            live = self._live_members()
+            if not pending:
+                return
+            if not live:
+                break
+            groups = group_by_owner([keys[i] for i in pending], live)
+            jobs = [(member, [pending[j] for j in idx]) for member, idx in groups.items()]
+            outcomes = await asyncio.gather(
+                *(self._run_share(self._members[m], share, fn) for m, share in jobs)
+            )
+            pending = [i for failed in outcomes for i in failed]
+            if pending and not retry:
+                break
+        if pending:
+            if on_lost is None:
+                raise ServiceUnavailableError(
+                    f"no live {self.name!r} server took {len(pending)} key(s)"
+                )
+            on_lost(pending)
+
+    async def _run_share(
+        self,
+        member: _Member,
+        share: list[int],
+        fn: Callable[[_Member, list[int]], Awaitable[None]],
+    ) -> list[int]:
+        try:
+            await fn(member, share)
+        except _MemberFailed as exc:
+            self._failed(exc)
+            return share
+        return []
+
+    # -- puts -----------------------------------------------------------------------------
+
+    async def put(
+        self, key: Any, value: Any, fmt: str = "KV_2LTD", parent: Any = None
+    ) -> PutResult:
+        """Store one value on its owner; see :meth:`batched_put`."""
+        return (
+            await self.batched_put(
+                [key], [value], fmt=fmt, parents=None if parent is None else [parent]
+            )
+        )[0]
+
+    async def batched_put(
+        self,
+        keys: Sequence[Any],
+        values: Sequence[Any],
+        fmt: str = "KV_2LTD",
+        parents: Sequence[Any] | None = None,
+    ) -> list[PutResult]:
+        """Store values on their owners (one commit per owner and batch).
+
+        A value goes to the next member in its key's ranking when its owner is down;
+        ServiceUnavailableError only when no member at all takes it.
+        """
+        if len(keys) != len(values) or (parents is not None and len(parents) != len(keys)):
+            raise PersistingError("keys, values and parents must have the same length")
+        texts = [self._key(k) for k in keys]
+        parent_texts = [
+            None if p is None else key_string(p) for p in (parents or [None] * len(keys))
+        ]
+        encoded = [encode_value(v, fmt) for v in values]  # validates before any network
+        results: list[PutResult | None] = [None] * len(texts)
+
+        async def put_share(member: _Member, share: list[int]) -> None:
+            for part in _batches(share, [encoded[i][0].nbytes for i in share], self._batch_bytes()):
+                stored = await self._put_items(
+                    member,
+                    [(texts[i], encoded[i][0], encoded[i][1], parent_texts[i]) for i in part],
+                    fmt,
+                )
+                for i, r in zip(part, stored, strict=True):
+                    results[i] = r
+
+        await self._on_owners(texts, put_share, retry=True)
+        return [r for r in results if r is not None]
+
+    def _batch_bytes(self) -> int:
+        arena = self._arena
+        return max(self.chunk_bytes, (arena.size // 4) if arena is not None else 0)
+
+    async def _put_items(
+        self,
+        member: _Member,
+        items: list[tuple[str, Layout, memoryview, str | None]],
+        fmt: str,
+    ) -> list[PutResult]:
+        regions: list[Region] = []
+        wire: list[dict[str, Any]] = []
+        try:
+            for key, layout, data, parent in items:
+                item: dict[str, Any] = {"key": key, "layout": layout.to_dict(), "parent": parent}
+                region = self._arena.allocate(layout.nbytes) if member.shm and self._arena else None
+                if region is not None:
+                    regions.append(region)
+                    await self._copy(self._arena.region_view(region), data)  # type: ignore[union-attr]
+                    item["source"] = {"shm": region.offset}
+                    self.counters["put_bytes_shm"] += layout.nbytes
+                else:
+                    item["checksum"] = checksum(data)
+                    item["source"] = await self._upload(member, data)
+                    self.counters["put_bytes_message"] += layout.nbytes
+                wire.append(item)
+            reply = await self._call(member, "put", items=wire, fmt=fmt)
+        finally:
+            for region in regions:
+                self._arena.free(region)  # type: ignore[union-attr]
+        return [PutResult(**r) for r in reply]
+
+    async def _copy(self, dst: memoryview, src: memoryview) -> None:
+        if len(src) >= (1 << 20):
+            await asyncio.get_running_loop().run_in_executor(self._readers, _copy_bytes, dst, src)
+        else:
+            _copy_bytes(dst, src)
+
+    async def _upload(self, member: _Member, data: memoryview) -> dict[str, Any]:
+        if len(data) <= self.chunk_bytes:
+            return {"inline": bytes(data)}
+        upload = await self._call(member, "upload_begin", nbytes=len(data))
+        await asyncio.gather(
+            *(
+                self._call(
+                    member,
+                    "upload_part",
+                    upload=upload,
+                    offset=off,
+                    data=bytes(data[off : off + self.chunk_bytes]),
+                )
+                for off in range(0, len(data), self.chunk_bytes)
+            )
+        )
+        return {"upload": upload}
+
+    # -- gets -----------------------------------------------------------------------------
+
+    async def get(self, key: Any, expect: Layout | None = None) -> Any:
+        """The value stored under ``key`` (the kind it was put as), or None on a miss."""
+        return (await self.batched_get([key], expect=expect))[0]
+
+    async def batched_get(self, keys: Sequence[Any], expect: Layout | None = None) -> list[Any]:
+        """Values of ``keys`` (None for misses, including keys of members that are down)."""
+        texts = [self._key(k) for k in keys]
+        values: list[Any] = [None] * len(texts)
+
+        async def get_share(member: _Member, share: list[int]) -> None:
+            for part in _batches(share, [1] * len(share), 64):
+                got = await self._get_values(member, [texts[i] for i in part], expect, None)
+                for i, v in zip(part, got, strict=True):
+                    values[i] = v
+
+        await self._on_owners(texts, get_share, on_lost=self._count_lost)
+        return values
+
+    async def get_into(self, key: Any, out: Any, expect: Layout | None = None) -> Layout | None:
+        """Copy the payload of ``key`` into ``out`` (a writable buffer of exactly its size)."""
+        text = self._key(key)
+        target = _writable_bytes(out)
+        box: list[Layout | None] = [None]
+
+        async def share_fn(member: _Member, share: list[int]) -> None:
+            got = await self._get_values(member, [text], expect, [target])
+            box[0] = got[0]
+
+        await self._on_owners([text], share_fn, on_lost=self._count_lost)
+        return box[0]
+
+    def _count_lost(self, indices: list[int]) -> None:
+        self.counters["lost_member_misses"] += len(indices)
+
+    async def _get_values(
+        self,
+        member: _Member,
+        keys: list[str],
+        expect: Layout | None,
+        outs: list[memoryview] | None,
+    ) -> list[Any]:
+        """Fetch ``keys`` from one member; with ``outs``, fill them and return layouts."""
+        expect_wire = None if expect is None else expect.to_dict()
+        entries = await self._call(
+            member, "get", keys=keys, expect=expect_wire, direct=member.direct
+        )
+        results: list[Any] = [None] * len(keys)
+        located: list[int] = []
+        in_memory: list[int] = []
+        for i, entry in enumerate(entries):
+            if entry is None:
+                continue
+            if "loc" in entry:
+                located.append(i)
+            elif entry.get("memory"):
+                in_memory.append(i)
+            else:
+                results[i] = await self._receive_message(member, entry, outs[i] if outs else None)
+        if located:
+            inline = len(located) == 1
+            read = await asyncio.gather(
+                *(
+                    self._read_located(entries[i], outs[i] if outs else None, inline)
+                    for i in located
+                )
+            )
+            member.pending_release.extend(keys[i] for i in located)
+            retry: list[int] = []
+            for i, value in zip(located, read, strict=True):
+                if value is _EVICTED:
+                    retry.append(i)
+                else:
+                    results[i] = value
+            in_memory.extend(retry)
+        if in_memory:
+            more = await self._get_via_arena(
+                member,
+                [keys[i] for i in in_memory],
+                expect,
+                [outs[i] for i in in_memory] if outs else None,
+            )
+            for i, value in zip(in_memory, more, strict=True):
+                results[i] = value
+        return results
+
+    async def _read_located(
+        self, entry: dict[str, Any], out: memoryview | None, inline: bool = False
+    ) -> Any:
+        layout = Layout.from_dict(entry["layout"])
+        path, offset, nbytes, digest = entry["loc"]
+        loop = asyncio.get_running_loop()
+        buffer = None
+        if out is None:
+            buffer = aligned_buffer(nbytes)
+            target = memoryview(buffer)
+        else:
+            if len(out) != nbytes:
+                raise PersistingError(f"get_into needs a buffer of {nbytes} bytes, got {len(out)}")
+            target = out
+        try:
+            if inline:  # a lone read is faster without the thread hop
+                ok = _read_and_verify(path, offset, target, digest)
+            else:  # several reads: spread them over threads (and cores)
+                ok = await loop.run_in_executor(
+                    self._readers, _read_and_verify, path, offset, target, digest
+                )
+        except FileNotFoundError:
+            return _EVICTED
+        except StorageIOError:
+            return _EVICTED
+        if not ok:
+            self.counters["checksum_misses"] += 1
+            return None
+        self.counters["get_bytes_direct"] += nbytes
+        return layout if out is not None else decode_value(layout, buffer)
+
+    async def _get_via_arena(
+        self,
+        member: _Member,
+        keys: list[str],
+        expect: Layout | None,
+        outs: list[memoryview] | None,
+    ) -> list[Any]:
+        """Values only in the server's memory tier: copied into our arena, else messages."""
+        results: list[Any] = [None] * len(keys)
+        expect_wire = None if expect is None else expect.to_dict()
+        layouts = await self._call(member, "layout", keys=keys)
+        for i, (key, wire_layout) in enumerate(zip(keys, layouts, strict=True)):
+            if wire_layout is None:
+                continue
+            nbytes = int(wire_layout["nbytes"])
+            region = (
+                self._arena.allocate(nbytes) if member.shm and self._arena is not None else None
+            )
+            if region is None:
+                entries = await self._call(member, "get", keys=[key], expect=expect_wire)
+                if entries[0] is not None:
+                    results[i] = await self._receive_message(
+                        member, entries[0], outs[i] if outs else None
+                    )
+                continue
+            try:
+                entries = await self._call(
+                    member,
+                    "get",
+                    keys=[key],
+                    expect=expect_wire,
+                    direct=True,
+                    arena=[region.offset, region.capacity],
+                )
+                entry = entries[0]
+                if entry is None:
+                    continue
+                if "shm" in entry:
+                    layout = Layout.from_dict(entry["layout"])
+                    view = self._arena.view[entry["shm"] : entry["shm"] + layout.nbytes]
+                    if outs:
+                        await self._copy(outs[i], view)
+                        results[i] = layout
+                    else:
+                        buffer = aligned_buffer(layout.nbytes)
+                        await self._copy(memoryview(buffer), view)
+                        results[i] = decode_value(layout, buffer)
+                    self.counters["get_bytes_shm"] += layout.nbytes
+                elif "loc" in entry:  # it reached the disk meanwhile
+                    value = await self._read_located(entry, outs[i] if outs else None)
+                    member.pending_release.append(key)
+                    results[i] = None if value is _EVICTED else value
+                else:
+                    results[i] = await self._receive_message(
+                        member, entry, outs[i] if outs else None
+                    )
+            finally:
+                self._arena.free(region)
+        return results
+
+    async def _receive_message(
+        self, member: _Member, entry: dict[str, Any], out: memoryview | None
+    ) -> Any:
+        """A value sent inline or as a transfer read in chunks; verified by its checksum."""
+        layout = Layout.from_dict(entry["layout"])
+        buffer = aligned_buffer(layout.nbytes)
+        if "data" in entry:
+            buffer[:] = np.frombuffer(entry["data"], np.uint8)
+        else:
+            transfer = entry["transfer"]
+
+            async def read(offset: int) -> None:
+                length = min(self.chunk_bytes, layout.nbytes - offset)
+                data = await self._call(
+                    member, "read_part", transfer=transfer, offset=offset, length=length
+                )
+                buffer[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+
+            try:
+                await asyncio.gather(
+                    *(read(off) for off in range(0, layout.nbytes, self.chunk_bytes))
+                )
+            except PersistingError:
+                with contextlib.suppress(Exception):
+                    await self._call(member, "end_transfer", transfer=transfer)
+                raise
+        if checksum(buffer) != entry["checksum"]:
+            self.counters["checksum_misses"] += 1
+            return None
+        self.counters["get_bytes_message"] += layout.nbytes
+        if out is not None:
+            if len(out) != layout.nbytes:
+                raise PersistingError(
+                    f"get_into needs a buffer of {layout.nbytes} bytes, got {len(out)}"
+                )
+            _copy_bytes(out, memoryview(buffer))
+            return layout
+        return decode_value(layout, buffer)
+
+    # -- index operations ---------------------------------------------------------------
+
+    async def contains(self, key: Any) -> bool:
+        return (await self._presence([self._key(key)]))[0]
+
+    async def _presence(self, keys: list[str]) -> list[bool]:
+        found = [False] * len(keys)
+
+        async def ask(member: _Member, share: list[int]) -> None:
+            for part in _batches(share, [1] * len(share), 1024):
+                flags = await self._call(member, "contains", keys=[keys[i] for i in part])
+                for i, flag in zip(part, flags, strict=True):
+                    found[i] = bool(flag)
+
+        await self._on_owners(keys, ask, on_lost=self._count_lost)
+        return found
+
+    async def layout(self, key: Any) -> Layout | None:
+        text = self._key(key)
+        box: list[Layout | None] = [None]
+
+        async def ask(member: _Member, share: list[int]) -> None:
+            got = (await self._call(member, "layout", keys=[text]))[0]
+            box[0] = None if got is None else Layout.from_dict(got)
+
+        await self._on_owners([text], ask, on_lost=self._count_lost)
+        return box[0]
+
+    async def lookup_prefix(self, keys: Sequence[Any]) -> int:
+        """Leading chunks present; with one key list per rank, a chunk counts only when
+        every rank's piece is present. Keys on members that are down count as misses."""
+        if keys and isinstance(keys[0], list | tuple):
+            ranks = [[self._key(k) for k in rank] for rank in keys]
+            n = min(len(r) for r in ranks) if ranks else 0
+            flat = [rank[i] for i in range(n) for rank in ranks]
+            present = await self._presence(flat)
+            width = len(ranks)
+            for chunk in range(n):
+                if not all(present[chunk * width : (chunk + 1) * width]):
+                    return chunk
+            return n
+        texts = [self._key(k) for k in keys]
+        if len(self._live_members()) == 1 and texts:
+            member = self._members[self._live_members()[0]]
+            try:
+                return int(await self._call(member, "lookup_prefix", keys=texts))
+            except _MemberFailed as exc:
+                self._failed(exc)
+                return 0
+        present = await self._presence(texts)
+        for i, flag in enumerate(present):
+            if not flag:
+                return i
+        return len(texts)
+
+    async def lookup_tokens(self, tokens: Any, hasher: TokenHasher | None = None) -> int:
+        """Leading tokens whose chunks are all stored."""
+        hasher = hasher or TokenHasher(model=self.model, chunk_size=self.settings.kv.chunk_size)
+        chunks = hasher.process_tokens(tokens)
+        hits = await self.lookup_prefix([key for _s, _e, key in chunks])
+        return chunks[hits - 1][1] if hits else 0
+
+    async def remove(self, key: Any, force: bool = True) -> bool:
+        return (await self.batched_remove([key], force=force)) > 0
+
+    async def batched_remove(self, keys: Sequence[Any], force: bool = True) -> int:
+        """Remove ``keys`` from every live member (a key may linger on a member that held it
+        before a failover); returns how many keys were removed somewhere."""
+        texts = [self._key(k) for k in keys]
+        removed = [False] * len(texts)
+
+        async def on(member: _Member) -> None:
+            try:
+                flags = await self._call(member, "remove", keys=texts, force=force)
+            except _MemberFailed as exc:
+                self._failed(exc)
+                return
+            for i, flag in enumerate(flags):
+                removed[i] = removed[i] or bool(flag)
+
+        await asyncio.gather(*(on(self._members[m]) for m in self._live_members()))
+        return sum(removed)
+
+    async def pin(self, key: Any) -> bool:
+        """Pin ``key`` on its owner for as long as this client lives (renewed by TTL)."""
+        return await self._on_owner_flag("pin", key)
+
+    async def unpin(self, key: Any) -> bool:
+        return await self._on_owner_flag("unpin", key)
+
+    async def _on_owner_flag(self, op: str, key: Any) -> bool:
+        text = self._key(key)
+        box = [False]
+
+        async def ask(member: _Member, share: list[int]) -> None:
+            box[0] = bool((await self._call(member, op, keys=[text]))[0])
+
+        await self._on_owners([text], ask, on_lost=self._count_lost)
+        return box[0]
+
+    async def prefetch(self, keys: Sequence[Any]) -> int:
+        """Load disk hits into the owners' memory tiers; returns how many are in memory."""
+        texts = [self._key(k) for k in keys]
+        total = [0]
+
+        async def ask(member: _Member, share: list[int]) -> None:
+            for part in _batches(share, [1] * len(share), 1024):
+                total[0] += int(await self._call(member, "prefetch", keys=[texts[i] for i in part]))
+
+        await self._on_owners(texts, ask, on_lost=self._count_lost)
+        return total[0]
+
+    async def stats(self) -> dict[str, Any]:
+        """Each live member's store and service counters, plus this client's."""
+        members: dict[str, Any] = {}
+
+        async def on(addr: str) -> None:
+            try:
+                members[addr] = await self._call(self._members[addr], "stats")
+            except _MemberFailed as exc:
+                self._failed(exc)
+
+        await asyncio.gather(*(on(m) for m in self._live_members()))
+        return {
+            "model": self.model,
+            "members": members,
+            "live_members": self._live_members(),
+            "known_members": self.membership.known,
+            "client": dict(self.counters),
+        }
+
+    def member_of(self, key: Any) -> str | None:
+        """The live member that owns ``key`` now (None if none is live)."""
+        ranking = rank_members(self._key(key), self._live_members())
+        return ranking[0] if ranking else None
+
+    @property
+    def members(self) -> list[str]:
+        return self._live_members()
+
+    def same_host(self, member: str) -> bool:
+        """True if this client reads ``member``'s payloads directly (same-host path)."""
+        m = self._members.get(member)
+        return bool(m and m.direct)
+
+    @staticmethod
+    def connect_sync(*args: Any, **kwargs: Any) -> SyncKVCacheClient:
+        return SyncKVCacheClient.connect(*args, **kwargs)
+
+
+# -- the blocking client -------------------------------------------------------------------
+
+
+class SyncKVCacheClient:
+    """The same client for code without an event loop: it runs one on its own thread."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: KVCacheClient
+    ):
+        self._loop = loop
+        self._thread = thread
+        self.client = client
+
+    @classmethod
+    def connect(cls, *args: Any, **kwargs: Any) -> SyncKVCacheClient:
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="kv-client-loop", daemon=True)
+        thread.start()
+        try:
+            client = asyncio.run_coroutine_threadsafe(
+                KVCacheClient.connect(*args, **kwargs), loop
+            ).result()
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=5)
+            raise
+        return cls(loop, thread, client)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def put(self, key: Any, value: Any, fmt: str = "KV_2LTD", parent: Any = None) -> PutResult:
+        return self._run(self.client.put(key, value, fmt=fmt, parent=parent))
+
+    def batched_put(
+        self,
+        keys: Sequence[Any],
+        values: Sequence[Any],
+        fmt: str = "KV_2LTD",
+        parents: Sequence[Any] | None = None,
+    ) -> list[PutResult]:
+        return self._run(self.client.batched_put(keys, values, fmt=fmt, parents=parents))
+
+    def get(self, key: Any, expect: Layout | None = None) -> Any:
+        return self._run(self.client.get(key, expect=expect))
+
+    def batched_get(self, keys: Sequence[Any], expect: Layout | None = None) -> list[Any]:
+        return self._run(self.client.batched_get(keys, expect=expect))
+
+    def get_into(self, key: Any, out: Any, expect: Layout | None = None) -> Layout | None:
+        return self._run(self.client.get_into(key, out, expect=expect))
+
+    def layout(self, key: Any) -> Layout | None:
+        return self._run(self.client.layout(key))
+
+    def contains(self, key: Any) -> bool:
+        return self._run(self.client.contains(key))
+
+    def lookup_prefix(self, keys: Sequence[Any]) -> int:
+        return self._run(self.client.lookup_prefix(keys))
+
+    def lookup_tokens(self, tokens: Any, hasher: TokenHasher | None = None) -> int:
+        return self._run(self.client.lookup_tokens(tokens, hasher=hasher))
+
+    def remove(self, key: Any, force: bool = True) -> bool:
+        return self._run(self.client.remove(key, force=force))
+
+    def batched_remove(self, keys: Sequence[Any], force: bool = True) -> int:
+        return self._run(self.client.batched_remove(keys, force=force))
+
+    def pin(self, key: Any) -> bool:
+        return self._run(self.client.pin(key))
+
+    def unpin(self, key: Any) -> bool:
+        return self._run(self.client.unpin(key))
+
+    def prefetch(self, keys: Sequence[Any]) -> int:
+        return self._run(self.client.prefetch(keys))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self.client.stats())
+
+    @property
+    def members(self) -> list[str]:
+        return self.client.members
+
+    def close(self) -> None:
+        try:
+            self._run(self.client.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> SyncKVCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+_EVICTED = object()
+
+
+async def _with_timeout(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """Await with a deadline (asyncio.timeout where it exists: no extra task per call)."""
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:  # Python 3.10
+        return await asyncio.wait_for(awaitable, timeout_s)
+    async with timeout(timeout_s):
+        return await awaitable
+
+
+def _batches(indices: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """Split ``indices`` into runs whose ``sizes`` add up to at most ``limit`` (>= 1 each)."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, size in zip(indices, sizes, strict=True):
+        if current and used + size > limit:
+            out.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += size
+    if current:
+        out.append(current)
+    return out
+
+
+def _copy_bytes(dst: memoryview, src: memoryview) -> None:
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
+def _read_and_verify(path: str, offset: int, out: memoryview, digest: int) -> bool:
+    read_file_into(path, offset, out)
+    return checksum(out) == digest
+
+
+def _writable_bytes(out: Any) -> memoryview:
+    try:
+        import torch
+
+        if isinstance(out, torch.Tensor):
+            out = out.numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    view = memoryview(out)
+    if view.readonly:
+        raise PersistingError("get_into needs a writable buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+__all__ = ["KVCacheClient", "PutResult", "SyncKVCacheClient"]

@@ -1,0 +1,196 @@
+"""The service's versioned wire protocol: request and reply envelopes, and their checks.
+
+Every request is a plain dict ``{"v": 1, "op": ..., "sid": ..., "model": ..., **args}`` and
+every reply is ``{"v": 1, "ok": True, "result": ...}`` or ``{"v": 1, "ok": False, "error":
+{"code": ..., "message": ...}}``. Only plain values travel (dict, list, str, int, float,
+bool, None, bytes), so either side can decode a message without trusting the other to send
+code: replies are unpickled with :func:`safe_loads`, which refuses every class.
+
+Errors are never raised across the wire: the server turns a :class:`PersistingError` into
+its ``code`` and the client raises the same class again (:func:`unwrap_reply`).
+
+Payload bytes ride in messages only on the remote (message) path, and then in chunks of at
+most ``max_chunk`` bytes; same-host clients read stored bytes directly (see
+:mod:`persisting.service.shared_memory` and the ``loc`` reply of ``get``).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from persisting.errors import PersistingError, ProtocolError, error_class_for
+
+#: Bumped on any incompatible change; a server refuses requests of another version.
+PROTOCOL_VERSION = 1
+
+#: Operations a server answers, with the argument names each one requires.
+OPS: dict[str, tuple[str, ...]] = {
+    "hello": (),
+    "bye": (),
+    "renew": (),
+    "put": ("items", "fmt"),
+    "upload_begin": ("nbytes",),
+    "upload_part": ("upload", "offset", "data"),
+    "get": ("keys",),
+    "read_part": ("transfer", "offset", "length"),
+    "end_transfer": ("transfer",),
+    "release": ("keys",),
+    "contains": ("keys",),
+    "layout": ("keys",),
+    "lookup_prefix": ("keys",),
+    "remove": ("keys",),
+    "pin": ("keys",),
+    "unpin": ("keys",),
+    "prefetch": ("keys",),
+    "stats": (),
+}
+
+#: Operations that do not name a model (they concern the session or the whole server).
+MODEL_FREE_OPS = frozenset(
+    {"hello", "bye", "renew", "read_part", "end_transfer", "upload_begin", "upload_part", "stats"}
+)
+
+#: Most keys one request may carry (bounds the work and the reply size of one message).
+MAX_KEYS_PER_REQUEST = 4096
+
+_PLAIN_TYPES = (str, int, float, bool, bytes, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A checked request: the operation, its session and model, and its arguments."""
+
+    op: str
+    sid: str | None
+    model: str | None
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def make_request(
+    op: str, *, sid: str | None = None, model: str | None = None, **args: Any
+) -> dict[str, Any]:
+    """The wire form of one request."""
+    if op not in OPS:
+        raise ProtocolError(f"unknown operation {op!r}")
+    message: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": op, "sid": sid, "model": model}
+    message.update(args)
+    return message
+
+
+def parse_request(message: object) -> Request:
+    """Check a received request; raise ProtocolError for anything malformed."""
+    if not isinstance(message, Mapping):
+        raise ProtocolError(f"a request must be a dict, got {type(message).__name__}")
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version!r} is not supported (this server speaks {PROTOCOL_VERSION})"
+        )
+    op = message.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise ProtocolError(f"unknown operation {op!r}")
+    sid = message.get("sid")
+    if sid is not None and not isinstance(sid, str):
+        raise ProtocolError("sid must be a string")
+    model = message.get("model")
+    if op not in MODEL_FREE_OPS and not isinstance(model, str):
+        raise ProtocolError(f"operation {op!r} needs a model name")
+    args = {k: v for k, v in message.items() if k not in ("v", "op", "sid", "model")}
+    missing = [name for name in OPS[op] if name not in args]
+    if missing:
+        raise ProtocolError(f"operation {op!r} is missing {', '.join(missing)}")
+    keys = args.get("keys")
+    if keys is not None:
+        _check_keys(keys)
+    return Request(op=op, sid=sid, model=model, args=args)
+
+
+def _check_keys(keys: object) -> None:
+    if not isinstance(keys, list):
+        raise ProtocolError("keys must be a list")
+    if len(keys) > MAX_KEYS_PER_REQUEST:
+        raise ProtocolError(f"{len(keys)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}")
+    for key in keys:
+        if isinstance(key, list):  # one rank's keys in a multi-rank lookup_prefix
+            if not all(isinstance(k, str) for k in key):
+                raise ProtocolError("keys must be strings")
+        elif not isinstance(key, str):
+            raise ProtocolError("keys must be strings")
+
+
+def ok_reply(result: Any = None) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "ok": True, "result": result}
+
+
+def error_reply(exc: BaseException) -> dict[str, Any]:
+    """The structured reply for an exception (unexpected ones become the base code)."""
+    code = exc.code if isinstance(exc, PersistingError) else PersistingError.code
+    message = str(exc) if isinstance(exc, PersistingError) else f"{type(exc).__name__}: {exc}"
+    return {"v": PROTOCOL_VERSION, "ok": False, "error": {"code": code, "message": message}}
+
+
+def unwrap_reply(reply: object) -> Any:
+    """The result of a reply, or raise the error it carries as its persisting.errors type."""
+    if not isinstance(reply, Mapping) or reply.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"malformed reply: {_describe(reply)}")
+    if reply.get("ok") is True:
+        return reply.get("result")
+    error = reply.get("error")
+    if not isinstance(error, Mapping):
+        raise ProtocolError(f"malformed error reply: {_describe(reply)}")
+    cls = error_class_for(str(error.get("code", "")))
+    raise cls(str(error.get("message", "")))
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and scalars only; any class reference is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise ProtocolError(f"refusing to unpickle {module}.{name} from the wire")
+
+
+def safe_loads(data: bytes | memoryview) -> Any:
+    """Decode a pickled message that may contain only plain values."""
+    try:
+        return _PlainUnpickler(io.BytesIO(data)).load()
+    except ProtocolError:
+        raise
+    except Exception as exc:  # truncated or garbled bytes
+        raise ProtocolError(f"undecodable message: {exc}") from exc
+
+
+def is_plain(value: object, depth: int = 0) -> bool:
+    """True if ``value`` holds only the plain types this protocol allows."""
+    if depth > 16:
+        return False
+    if isinstance(value, _PLAIN_TYPES):
+        return True
+    if isinstance(value, list | tuple):
+        return all(is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+__all__ = [
+    "MAX_KEYS_PER_REQUEST",
+    "OPS",
+    "PROTOCOL_VERSION",
+    "Request",
+    "error_reply",
+    "is_plain",
+    "make_request",
+    "ok_reply",
+    "parse_request",
+    "safe_loads",
+    "unwrap_reply",
+]

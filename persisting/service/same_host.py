@@ -1,0 +1,205 @@
+"""The same-host data path: payload bytes that never ride in actor messages.
+
+Actor messages carry large byte strings at only ~60-250 MB/s, so a client on the server's
+host moves payloads another way:
+
+* **Reads of stored bytes**: the server grants a read lease (the payload file cannot be
+  evicted while it is held) and replies with the file's path, offset, size and checksum;
+  the client reads the bytes itself with one positioned read (:func:`read_file_into`) and
+  verifies the checksum. A payload file is immutable once written, and eviction unlinks
+  it, so a file the client managed to open is always whole.
+* **Shared memory** (:class:`ClientArena` / :class:`ServerArenaMapping`): one file in
+  ``/dev/shm`` that the client creates and both processes map. Puts are copied into it
+  and stored by the server from there; values that live only in the server's memory tier
+  are copied out into it. The client proves the mapping works (the server must read back
+  a random nonce) before either side relies on it, which is also the same-host test.
+
+Plain files in ``/dev/shm`` are used instead of ``multiprocessing.shared_memory`` because
+in Python < 3.13 a process that merely attaches a segment registers it with its resource
+tracker, which unlinks it (and warns) when that process exits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from persisting.errors import CorruptValueError, ProtocolError, StorageIOError
+
+PAGE = mmap.PAGESIZE
+#: The first page of an arena holds the nonce that proves a mapping; data starts after it.
+NONCE_BYTES = 16
+DEFAULT_SHM_DIR = Path("/dev/shm")
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A page-aligned range of an arena, owned by one request until freed."""
+
+    offset: int
+    nbytes: int
+    capacity: int
+
+
+class ClientArena:
+    """A client's shared-memory arena and a first-fit allocator over it (one event loop)."""
+
+    def __init__(self, size: int, directory: Path = DEFAULT_SHM_DIR):
+        if size < 2 * PAGE:
+            raise ProtocolError(f"a shared-memory arena needs at least {2 * PAGE} bytes")
+        self.size = _round_up(size)
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.path = Path(directory) / f"persisting-arena-{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.size)  # sparse: pages cost memory only once touched
+            self._map = mmap.mmap(fd, self.size)
+        except OSError:
+            os.close(fd)
+            self.unlink()
+            raise
+        os.close(fd)
+        self._map[:NONCE_BYTES] = self.nonce
+        self.view = memoryview(self._map)
+        # Free ranges as sorted (offset, length) lists, coalesced on free.
+        self._free_offsets: list[int] = [PAGE]
+        self._free_lengths: list[int] = [self.size - PAGE]
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid); done once the server has attached."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def allocate(self, nbytes: int) -> Region | None:
+        """A region of at least ``nbytes``, or None when the arena has no room for it."""
+        want = _round_up(max(nbytes, 1))
+        for i, length in enumerate(self._free_lengths):
+            if length >= want:
+                offset = self._free_offsets[i]
+                if length == want:
+                    del self._free_offsets[i], self._free_lengths[i]
+                else:
+                    self._free_offsets[i] += want
+                    self._free_lengths[i] -= want
+                return Region(offset, nbytes, want)
+        return None
+
+    def free(self, region: Region) -> None:
+        i = bisect.bisect_left(self._free_offsets, region.offset)
+        self._free_offsets.insert(i, region.offset)
+        self._free_lengths.insert(i, region.capacity)
+        # Merge with the next, then the previous range.
+        if i + 1 < len(self._free_offsets) and (
+            self._free_offsets[i] + self._free_lengths[i] == self._free_offsets[i + 1]
+        ):
+            self._free_lengths[i] += self._free_lengths.pop(i + 1)
+            self._free_offsets.pop(i + 1)
+        if i > 0 and self._free_offsets[i - 1] + self._free_lengths[i - 1] == self._free_offsets[i]:
+            self._free_lengths[i - 1] += self._free_lengths.pop(i)
+            self._free_offsets.pop(i)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(self._free_lengths)
+
+    def region_view(self, region: Region) -> memoryview:
+        return self.view[region.offset : region.offset + region.nbytes]
+
+    def close(self) -> None:
+        self.unlink()
+        self.view.release()
+        # A caller still holds a view; the mapping dies with it.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+class ServerArenaMapping:
+    """The server's mapping of one client's arena, checked against the client's nonce."""
+
+    def __init__(self, path: str, size: int, nonce: bytes):
+        resolved = Path(path)
+        if not resolved.name.startswith("persisting-arena-"):
+            raise ProtocolError(f"{path} is not a Persisting shared-memory arena")
+        try:
+            fd = os.open(resolved, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:
+            raise ProtocolError(f"cannot open the client's arena {path}: {exc}") from exc
+        try:
+            info = os.fstat(fd)
+            actual = info.st_size
+            if not stat.S_ISREG(info.st_mode) or actual != size or size < 2 * PAGE:
+                raise ProtocolError(f"arena {path} has {actual} bytes, the client said {size}")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if bytes(self._map[:NONCE_BYTES]) != nonce:
+            self._map.close()
+            raise ProtocolError(f"arena {path} does not hold the client's nonce")
+        self.size = size
+        self.view = memoryview(self._map)
+
+    def region(self, offset: object, nbytes: object) -> memoryview:
+        """The bytes ``[offset, offset + nbytes)``, refused unless inside the data area."""
+        if (
+            not isinstance(offset, int)
+            or not isinstance(nbytes, int)
+            or offset < PAGE
+            or nbytes < 0
+            or offset + nbytes > self.size
+        ):
+            raise ProtocolError(f"region ({offset!r}, {nbytes!r}) is outside the arena")
+        return self.view[offset : offset + nbytes]
+
+    def close(self) -> None:
+        self.view.release()
+        # A store call still holds a view; the mapping dies with it.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+def read_file_into(path: str, offset: int, out: memoryview) -> None:
+    """Read exactly ``len(out)`` bytes at ``offset`` of ``path`` into ``out``.
+
+    FileNotFoundError propagates (the payload was evicted before it could be opened);
+    a short file is a CorruptValueError, any other failure a StorageIOError.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise StorageIOError(f"cannot open {path}: {exc}") from exc
+    try:
+        done, size = 0, len(out)
+        while done < size:
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise CorruptValueError(f"{path} is shorter than its recorded payload")
+            done += n
+    except OSError as exc:
+        raise StorageIOError(f"reading {path} failed: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def shm_available(directory: Path = DEFAULT_SHM_DIR) -> bool:
+    return directory.is_dir() and os.access(directory, os.W_OK)
+
+
+__all__ = [
+    "ClientArena",
+    "Region",
+    "ServerArenaMapping",
+    "read_file_into",
+    "shm_available",
+]

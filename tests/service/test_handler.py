@@ -1,0 +1,312 @@
+"""The server's request handler over real KV stores, without Pulsing (plain calls)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from service_helpers import MODEL, OTHER_MODEL, key, tensor
+
+from persisting.errors import (
+    AccessDeniedError,
+    CapacityError,
+    CorruptValueError,
+    InvalidKeyError,
+    InvalidNameError,
+    ProtocolError,
+    SessionExpiredError,
+)
+from persisting.kv import KVStore, Layout, open_kv_store
+from persisting.kv.layout import checksum, decode_value, encode_value
+from persisting.service.handler import StorageHandler
+from persisting.service.protocol import make_request, unwrap_reply
+from persisting.service.same_host import ClientArena, read_file_into
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[KVStore]:
+    with open_kv_store(
+        tmp_path / "root", MODEL, memory_bytes=8 << 20, disk_bytes=64 << 20, max_value_bytes=4 << 20
+    ) as s:
+        yield s
+
+
+@pytest.fixture
+def handler(store: KVStore, clock: FakeClock) -> Iterator[StorageHandler]:
+    h = StorageHandler({MODEL: store}, lease_ttl_s=10.0, chunk_bytes=64 << 10, clock=clock)
+    yield h
+    h.close()
+
+
+def call(
+    handler: StorageHandler, op: str, sid: str | None = None, model: str | None = MODEL, **args: Any
+) -> Any:
+    reply = asyncio.run(handler.handle(make_request(op, sid=sid, model=model, **args)))
+    return unwrap_reply(reply)
+
+
+def hello(handler: StorageHandler, arena: ClientArena | None = None) -> str:
+    client: dict[str, Any] = {"pid": 1}
+    if arena is not None:
+        client["arena"] = {"path": str(arena.path), "size": arena.size, "nonce": arena.nonce}
+    info = call(handler, "hello", client=client)
+    assert info["models"] == [MODEL]
+    assert info["shm"] is (arena is not None)
+    return info["sid"]
+
+
+def put_inline(handler: StorageHandler, sid: str, i: int, value: torch.Tensor) -> dict:
+    layout, view = encode_value(value, "KV_2LTD")
+    item = {
+        "key": str(key(i)),
+        "layout": layout.to_dict(),
+        "parent": None,
+        "checksum": checksum(view),
+        "source": {"inline": bytes(view)},
+    }
+    return call(handler, "put", sid, items=[item], fmt="KV_2LTD")[0]
+
+
+def test_put_inline_then_get_over_messages_is_bit_exact(handler: StorageHandler) -> None:
+    sid = hello(handler)
+    value = tensor(1, tokens=4, hidden=32)  # 2 KiB: inline both ways
+    result = put_inline(handler, sid, 1, value)
+    assert result == {"key": str(key(1)), "tier": "disk", "durable": True, "stored": True}
+    entry = call(handler, "get", sid, keys=[str(key(1))])[0]
+    got = decode_value(
+        Layout.from_dict(entry["layout"]), np.frombuffer(entry["data"], np.uint8).copy()
+    )
+    assert torch.equal(got, value)
+    assert entry["checksum"] == checksum(np.frombuffer(entry["data"], np.uint8))
+    assert call(handler, "get", sid, keys=[str(key(2))]) == [None]
+
+
+def test_large_values_move_in_bounded_chunks_both_ways(handler: StorageHandler) -> None:
+    sid = hello(handler)
+    value = tensor(2, tokens=64, hidden=1024)  # 1 MiB, chunks of 64 KiB
+    layout, view = encode_value(value, "KV_2LTD")
+    upload = call(handler, "upload_begin", sid, nbytes=layout.nbytes)
+    with pytest.raises(ProtocolError):  # a part larger than a chunk is refused
+        call(handler, "upload_part", sid, upload=upload, offset=0, data=bytes(view[: 128 << 10]))
+    for off in range(0, layout.nbytes, 64 << 10):
+        call(
+            handler,
+            "upload_part",
+            sid,
+            upload=upload,
+            offset=off,
+            data=bytes(view[off : off + (64 << 10)]),
+        )
+    item = {
+        "key": str(key(3)),
+        "layout": layout.to_dict(),
+        "parent": None,
+        "checksum": checksum(view),
+        "source": {"upload": upload},
+    }
+    assert call(handler, "put", sid, items=[item], fmt="KV_2LTD")[0]["stored"]
+    entry = call(handler, "get", sid, keys=[str(key(3))])[0]
+    assert "data" not in entry and entry["checksum"] == checksum(view)
+    out = bytearray()
+    for off in range(0, layout.nbytes, 64 << 10):
+        part = call(
+            handler, "read_part", sid, transfer=entry["transfer"], offset=off, length=64 << 10
+        )
+        assert len(part) <= 64 << 10
+        out += part
+    assert bytes(out) == bytes(view)
+    with pytest.raises(ProtocolError):  # fully read: the transfer is gone
+        call(handler, "read_part", sid, transfer=entry["transfer"], offset=0, length=10)
+    assert call(handler, "stats", sid)["service"]["staged_bytes"] == 0
+
+
+def test_a_torn_upload_is_refused_and_not_stored(handler: StorageHandler) -> None:
+    sid = hello(handler)
+    layout, view = encode_value(tensor(4, tokens=64, hidden=1024), "KV_2LTD")
+    upload = call(handler, "upload_begin", sid, nbytes=layout.nbytes)
+    call(handler, "upload_part", sid, upload=upload, offset=0, data=bytes(view[: 64 << 10]))
+    item = {
+        "key": str(key(4)),
+        "layout": layout.to_dict(),
+        "parent": None,
+        "checksum": checksum(view),
+        "source": {"upload": upload},
+    }
+    with pytest.raises(ProtocolError, match="upload has"):
+        call(handler, "put", sid, items=[item], fmt="KV_2LTD")
+    bad = dict(item, source={"inline": bytes(view[:1000]) + bytes(layout.nbytes - 1000)})
+    with pytest.raises(CorruptValueError):
+        call(handler, "put", sid, items=[bad], fmt="KV_2LTD")
+    assert call(handler, "contains", sid, keys=[str(key(4))]) == [False]
+
+
+def test_same_host_gets_hand_out_file_locations_under_a_lease(
+    handler: StorageHandler, store: KVStore
+) -> None:
+    arena = ClientArena(4 << 20)
+    try:
+        sid = hello(handler, arena)
+        value = tensor(5, tokens=64, hidden=256)
+        put_inline(handler, sid, 5, value)
+        entry = call(handler, "get", sid, keys=[str(key(5)), str(key(6))], direct=True)
+        assert entry[1] is None
+        path, offset, nbytes, digest = entry[0]["loc"]
+        out = np.empty(nbytes, np.uint8)
+        read_file_into(path, offset, memoryview(out))
+        assert checksum(out) == digest
+        assert torch.equal(decode_value(Layout.from_dict(entry[0]["layout"]), out), value)
+        assert call(handler, "stats", sid)["service"]["leases"] == 1
+        call(handler, "release", sid, keys=[str(key(5))])
+        assert call(handler, "stats", sid)["service"]["leases"] == 0
+    finally:
+        arena.close()
+
+
+def test_arena_puts_and_memory_only_gets(tmp_path: Path, clock: FakeClock) -> None:
+    # Write-back mode keeps values in memory only: the arena path serves them.
+    with open_kv_store(
+        tmp_path / "wb", MODEL, memory_bytes=8 << 20, disk_bytes=64 << 20, durability="evict"
+    ) as store:
+        handler = StorageHandler({MODEL: store}, clock=clock)
+        arena = ClientArena(4 << 20)
+        try:
+            sid = hello(handler, arena)
+            value = tensor(7, tokens=64, hidden=256)
+            layout, view = encode_value(value, "KV_2LTD")
+            region = arena.allocate(layout.nbytes)
+            assert region is not None
+            arena.region_view(region)[:] = view
+            item = {
+                "key": str(key(7)),
+                "layout": layout.to_dict(),
+                "parent": None,
+                "source": {"shm": region.offset},
+            }
+            assert call(handler, "put", sid, items=[item], fmt="KV_2LTD")[0]["tier"] == "memory"
+            arena.region_view(region)[:] = bytes(layout.nbytes)  # the store kept its own copy
+            arena.free(region)
+            marker = call(handler, "get", sid, keys=[str(key(7))], direct=True)[0]
+            assert marker == {"layout": layout.to_dict(), "memory": True}
+            region = arena.allocate(layout.nbytes)
+            assert region is not None
+            got = call(
+                handler,
+                "get",
+                sid,
+                keys=[str(key(7))],
+                direct=True,
+                arena=[region.offset, region.capacity],
+            )[0]
+            assert got["shm"] == region.offset
+            copy = np.frombuffer(arena.region_view(region), np.uint8).copy()
+            assert torch.equal(decode_value(layout, copy), value)
+            with pytest.raises(ProtocolError):  # outside the arena's data area
+                call(
+                    handler,
+                    "put",
+                    sid,
+                    fmt="KV_2LTD",
+                    items=[dict(item, source={"shm": arena.size})],
+                )
+        finally:
+            handler.close()
+            arena.close()
+
+
+def test_expected_layout_that_differs_is_a_miss(handler: StorageHandler) -> None:
+    sid = hello(handler)
+    put_inline(handler, sid, 8, tensor(8, tokens=4, hidden=32))
+    wrong = Layout((2, 4, 4, 16), "bfloat16", "KV_2LTD", 1024).to_dict()
+    assert call(handler, "get", sid, keys=[str(key(8))], expect=wrong) == [None]
+    assert call(handler, "get", sid, keys=[str(key(8))], expect=wrong, direct=True) == [None]
+
+
+def test_pins_of_a_silent_session_expire_after_the_ttl(
+    handler: StorageHandler, store: KVStore, clock: FakeClock
+) -> None:
+    sid = hello(handler)
+    put_inline(handler, sid, 9, tensor(9, tokens=4, hidden=32))
+    assert call(handler, "pin", sid, keys=[str(key(9))]) == [True]
+    assert not store.remove(key(9), force=False)  # pinned in the store
+    clock.now += 5
+    assert call(handler, "renew", sid) == {"pins": 1, "leases": 0}
+    clock.now += 9  # 14 s after the pin, 9 s after the renewal: still held
+    assert handler.expire_sessions() == 0
+    clock.now += 2
+    assert handler.expire_sessions() == 1
+    assert store.remove(key(9), force=False)  # the pin was given back
+    with pytest.raises(SessionExpiredError):
+        call(handler, "contains", sid, keys=[str(key(9))])
+
+
+def test_unpin_takes_back_only_this_sessions_pins(handler: StorageHandler, store: KVStore) -> None:
+    a, b = hello(handler), hello(handler)
+    put_inline(handler, a, 10, tensor(10, tokens=4, hidden=32))
+    assert call(handler, "pin", a, keys=[str(key(10))]) == [True]
+    assert call(handler, "unpin", b, keys=[str(key(10))]) == [False]
+    assert call(handler, "bye", b) is True
+    assert not store.remove(key(10), force=False)
+    assert call(handler, "unpin", a, keys=[str(key(10))]) == [True]
+    assert store.remove(key(10), force=False)
+
+
+def test_models_are_isolated_and_names_checked(handler: StorageHandler) -> None:
+    sid = hello(handler)
+    with pytest.raises(AccessDeniedError):
+        call(handler, "contains", sid, model=OTHER_MODEL, keys=[str(key(1, OTHER_MODEL))])
+    with pytest.raises(InvalidNameError):
+        call(handler, "contains", sid, model="", keys=[])
+    with pytest.raises(InvalidNameError):
+        call(handler, "contains", sid, model="bad\x00name", keys=[])
+    with pytest.raises(InvalidKeyError):  # a key of another model, sent to this model
+        call(handler, "contains", sid, keys=[str(key(1, OTHER_MODEL))])
+
+
+def test_store_limits_and_protocol_mistakes_come_back_as_their_types(
+    handler: StorageHandler,
+) -> None:
+    sid = hello(handler)
+    with pytest.raises(CapacityError):
+        call(handler, "upload_begin", sid, nbytes=8 << 20)  # max_value_bytes is 4 MiB
+    reply = asyncio.run(handler.handle({"v": 99, "op": "stats"}))
+    with pytest.raises(ProtocolError, match="version"):
+        unwrap_reply(reply)
+    with pytest.raises(ProtocolError, match="needs a session"):
+        call(handler, "contains", None, keys=[str(key(1))])
+    with pytest.raises(ProtocolError, match="missing"):
+        unwrap_reply(asyncio.run(handler.handle({"v": 1, "op": "get", "sid": sid, "model": MODEL})))
+
+
+def test_index_operations(handler: StorageHandler) -> None:
+    sid = hello(handler)
+    for i in range(3):
+        put_inline(handler, sid, i, tensor(i, tokens=4, hidden=32))
+    keys = [str(key(i)) for i in range(5)]
+    assert call(handler, "contains", sid, keys=keys) == [True, True, True, False, False]
+    assert call(handler, "lookup_prefix", sid, keys=keys) == 3
+    assert call(handler, "lookup_prefix", sid, keys=[keys[:3], keys[1:4]]) == 2
+    assert call(handler, "prefetch", sid, keys=keys) == 3
+    assert call(handler, "layout", sid, keys=keys[:1])[0]["shape"] == [2, 4, 4, 32]
+    assert call(handler, "remove", sid, keys=keys[:2]) == [True, True]
+    assert call(handler, "lookup_prefix", sid, keys=keys) == 0
+    stats = call(handler, "stats", sid)
+    assert stats["stores"][MODEL]["prefetched"] == 3
+    assert stats["service"]["op_remove"] == 1
