@@ -1,0 +1,527 @@
+"""Prometheus metrics of KV stores and queue consumers, on a registry of their own.
+
+:class:`KVMetrics` watches any number of :class:`~persisting.kv.KVStore` s (one per model)
+without ``persisting.kv`` knowing about Prometheus, in two ways:
+
+* a listener on ``store.stats_.listeners`` feeds the latency histograms as operations
+  happen (only a listener sees each operation's duration);
+* a collector reads ``store.stats()`` at scrape time for every counter and gauge, so the
+  exported figures are exactly the store's own (no second count that could drift).
+
+Queue consumer lag (records put but not yet committed by a consumer) is either set by the
+caller (:meth:`KVMetrics.set_queue_lag`) or worked out at scrape time from the committed
+positions under a storage root (:meth:`KVMetrics.track_queue_lag`).
+
+Nothing here touches prometheus_client's global default registry: a server process makes
+one ``KVMetrics`` (with its own ``CollectorRegistry``) and serves it with
+:func:`start_metrics_server`. :data:`STORE_FIGURES` is the one table of metric names and the
+``stats()`` keys behind them; ``persisting stats`` reads scrapes back through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from persisting.errors import ConfigError, PersistingError
+from persisting.lance_store import LanceStore
+
+if TYPE_CHECKING:
+    from persisting.kv import KVStore
+
+log = logging.getLogger(__name__)
+
+#: The tiers a figure may be broken down by (the ``tier`` label).
+TIERS = ("memory", "disk")
+
+#: Histogram buckets (seconds): 10 us to 10 s, about three per decade.
+LATENCY_BUCKETS = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+LATENCY_METRIC = "persisting_kv_operation_seconds"
+QUEUE_LAG_METRIC = "persisting_queue_consumer_lag"
+
+
+@dataclass(frozen=True)
+class StoreFigure:
+    """One figure of a KV store: its name in reports, its metric, and its ``stats()`` key.
+
+    A ``key`` containing ``{tier}`` is one sample per tier (label ``tier``); counters are
+    exported with Prometheus' ``_total`` suffix after ``metric``.
+    """
+
+    field: str
+    metric: str
+    kind: Literal["counter", "gauge"]
+    key: str
+    help: str
+
+    @property
+    def per_tier(self) -> bool:
+        return "{tier}" in self.key
+
+    @property
+    def sample_name(self) -> str:
+        """The name a scrape shows (counters carry ``_total``)."""
+        return f"{self.metric}_total" if self.kind == "counter" else self.metric
+
+
+STORE_FIGURES: tuple[StoreFigure, ...] = (
+    StoreFigure("hits", "persisting_kv_hits", "counter", "get_hit_{tier}", "Gets served, by tier."),
+    StoreFigure(
+        "misses",
+        "persisting_kv_misses",
+        "counter",
+        "get_miss",
+        "Gets that returned nothing: absent, wrong layout, damaged or evicted mid-read.",
+    ),
+    StoreFigure(
+        "hit_tokens",
+        "persisting_kv_hit_tokens",
+        "counter",
+        "lookup_hit_tokens",
+        "Tokens covered by stored chunks, summed over token lookups.",
+    ),
+    StoreFigure(
+        "lookup_hit_chunks",
+        "persisting_kv_lookup_hit_chunks",
+        "counter",
+        "lookup_hit_chunks",
+        "Leading chunks found present, summed over prefix lookups.",
+    ),
+    StoreFigure(
+        "read_bytes",
+        "persisting_kv_read_bytes",
+        "counter",
+        "get_bytes_{tier}",
+        "Payload bytes returned by gets, by the tier that served them.",
+    ),
+    StoreFigure(
+        "written_bytes",
+        "persisting_kv_written_bytes",
+        "counter",
+        "put_bytes_{tier}",
+        "Payload bytes newly stored by puts, by the tier the put completed in.",
+    ),
+    StoreFigure(
+        "put_requests",
+        "persisting_kv_put_requests",
+        "counter",
+        "put_stored_{tier}",
+        "Put calls (a batch counts once), by the tier they completed in.",
+    ),
+    StoreFigure(
+        "evictions",
+        "persisting_kv_evictions",
+        "counter",
+        "{tier}_evictions",
+        "Chunks evicted to make room, by tier.",
+    ),
+    StoreFigure(
+        "corruptions",
+        "persisting_kv_corruptions",
+        "counter",
+        "corruptions",
+        "Damaged payloads or metadata detected (dropped, never returned).",
+    ),
+    StoreFigure(
+        "layout_mismatches",
+        "persisting_kv_layout_mismatches",
+        "counter",
+        "layout_mismatches",
+        "Gets whose stored layout differed from the one asked for (served as misses).",
+    ),
+    StoreFigure(
+        "prefetched",
+        "persisting_kv_prefetched",
+        "counter",
+        "prefetched",
+        "Chunks found in memory after prefetch requests.",
+    ),
+    StoreFigure(
+        "writeback_failures",
+        "persisting_kv_writeback_failures",
+        "counter",
+        "writeback_failures",
+        "Write-behind disk writes that failed (the value stayed memory-only).",
+    ),
+    StoreFigure(
+        "writeback_dropped",
+        "persisting_kv_writeback_dropped",
+        "counter",
+        "writeback_dropped",
+        "Dirty chunks evicted from memory that the full disk tier could not take.",
+    ),
+    StoreFigure(
+        "recovered_files",
+        "persisting_kv_recovered_files",
+        "counter",
+        "recovered_files",
+        "Payload files found on open that the metadata did not know (adopted).",
+    ),
+    StoreFigure("items", "persisting_kv_items", "gauge", "{tier}_items", "Chunks held, by tier."),
+    StoreFigure(
+        "bytes",
+        "persisting_kv_bytes",
+        "gauge",
+        "{tier}_bytes",
+        "Bytes in use, by tier (disk: the model directory, shared by all its processes).",
+    ),
+    StoreFigure(
+        "capacity",
+        "persisting_kv_capacity_bytes",
+        "gauge",
+        "{tier}_capacity",
+        "Configured budget, by tier.",
+    ),
+    StoreFigure(
+        "pending_puts",
+        "persisting_kv_pending_puts",
+        "gauge",
+        "pending_puts",
+        "Write-behind puts not yet durable on disk.",
+    ),
+)
+
+
+def figure_values(figure: StoreFigure, stats: dict[str, Any]) -> dict[str, int] | int | None:
+    """``figure``'s value in a ``stats()`` dict: per tier as a dict, else one number.
+
+    Counters a store never incremented are 0; a gauge of a tier the store lacks (no disk
+    tier) is left out, and None if the store has no such gauge at all.
+    """
+    if figure.per_tier:
+        values: dict[str, int] = {}
+        for tier in TIERS:
+            key = figure.key.format(tier=tier)
+            if key in stats or figure.kind == "counter":
+                values[tier] = int(stats.get(key, 0))
+        return values
+    if figure.key in stats or figure.kind == "counter":
+        return int(stats.get(figure.key, 0))
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Queue consumer lag
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConsumerLag:
+    """How far one committed consumer of a queue bucket is behind the bucket's end
+    (``position`` and ``end_offset`` are None where only the lag is known, as in a scrape)."""
+
+    topic: str
+    bucket: int
+    consumer: str
+    position: int | None
+    end_offset: int | None
+    lag: int
+
+
+def consumer_lags(
+    storage_root: str | os.PathLike[str], topics: Sequence[str] | None = None
+) -> list[ConsumerLag]:
+    """The lag of every committed consumer under ``storage_root`` (of ``topics``, or all).
+
+    The end of a bucket is the next offset of its committed (flushed) records, read through
+    a read-only queue backend; records still in a live writer's buffer are not counted.
+    """
+    from persisting.queue import open_bucket
+    from persisting.queue.positions import ConsumerPositions
+
+    store = LanceStore(storage_root)
+    out: list[ConsumerLag] = []
+    for topic in topics if topics is not None else store.list_topics():
+        for bucket in store.list_buckets(topic):
+            positions = ConsumerPositions(store.queue_bucket_dir(topic, bucket)).all()
+            if not positions or not store.queue_path(topic, bucket).exists():
+                continue
+            backend = open_bucket(storage_root, topic, bucket, read_only=True)
+            try:
+                end = backend.total_count()
+            finally:
+                backend.close()
+            for consumer, position in sorted(positions.items()):
+                out.append(
+                    ConsumerLag(topic, bucket, consumer, position, end, max(0, end - position))
+                )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The exporter
+# ---------------------------------------------------------------------------------------
+
+Listener = Callable[[str, str, float, int, str], None]
+
+
+@dataclass
+class _Attached:
+    store: KVStore
+    listener: Listener
+
+
+class KVMetrics:
+    """Prometheus metrics of KV stores (one per model) and queue consumers.
+
+    ::
+
+        metrics = KVMetrics()                 # its own CollectorRegistry
+        metrics.attach(store)                 # once per KVStore (per model)
+        metrics.track_queue_lag(storage_root) # optional: lag of committed consumers
+        server = metrics.serve(port=9464)     # or start_metrics_server(port, addr, registry)
+        ...
+        server.close(); metrics.detach(store)
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._lock = threading.Lock()
+        self._stores: dict[str, _Attached] = {}
+        self._lags: dict[tuple[str, int, str], int] = {}
+        self._tracked: list[tuple[Path, tuple[str, ...] | None]] = []
+        try:
+            self.latency = Histogram(
+                LATENCY_METRIC,
+                "Duration of KV store operations, by operation, tier and outcome.",
+                labelnames=("model", "op", "tier", "outcome"),
+                buckets=LATENCY_BUCKETS,
+                registry=self.registry,
+            )
+            self.registry.register(_Collector(self))
+        except ValueError as exc:  # the registry already holds Persisting's metrics
+            raise ConfigError(f"this registry already exports Persisting metrics: {exc}") from exc
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def attach(self, store: KVStore) -> None:
+        """Export ``store``'s figures (labelled with its model); replaces an earlier store
+        of the same model."""
+        with self._lock:
+            previous = self._stores.pop(store.model, None)
+            if previous is not None:
+                _remove_listener(previous)
+            listener = self._listener(store.model)
+            store.stats_.listeners.append(listener)
+            self._stores[store.model] = _Attached(store, listener)
+
+    def detach(self, store: KVStore) -> bool:
+        """Stop exporting ``store``; False if it was not attached."""
+        with self._lock:
+            attached = self._stores.get(store.model)
+            if attached is None or attached.store is not store:
+                return False
+            del self._stores[store.model]
+        _remove_listener(attached)
+        return True
+
+    def _listener(self, model: str) -> Listener:
+        histogram = self.latency
+        children: dict[tuple[str, str, str], Any] = {}
+
+        def observe(op: str, tier: str, seconds: float, _nbytes: int, outcome: str) -> None:
+            # Index-only misses carry no tier and no timing: they are counted, not timed.
+            if not tier:
+                return
+            child = children.get((op, tier, outcome))
+            if child is None:
+                child = histogram.labels(model, op, tier, outcome)
+                children[(op, tier, outcome)] = child
+            child.observe(seconds)
+
+        return observe
+
+    # -- queue consumer lag -----------------------------------------------------------------
+
+    def set_queue_lag(self, topic: str, bucket: int, consumer: str, lag: int) -> None:
+        """Report that ``consumer`` of ``topic``'s ``bucket`` is ``lag`` records behind."""
+        with self._lock:
+            self._lags[(topic, int(bucket), consumer)] = max(0, int(lag))
+
+    def clear_queue_lag(self, topic: str, bucket: int, consumer: str) -> None:
+        with self._lock:
+            self._lags.pop((topic, int(bucket), consumer), None)
+
+    def track_queue_lag(
+        self, storage_root: str | os.PathLike[str], topics: Iterable[str] | None = None
+    ) -> None:
+        """At every scrape, export the lag of each committed consumer under ``storage_root``
+        (of ``topics``, or of every topic); values set with :meth:`set_queue_lag` win."""
+        with self._lock:
+            self._tracked.append(
+                (Path(storage_root), tuple(topics) if topics is not None else None)
+            )
+
+    # -- output ---------------------------------------------------------------------------
+
+    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> MetricsServer:
+        """Serve this registry on ``http://addr:port/metrics`` (port 0: any free port)."""
+        return start_metrics_server(port, addr, self.registry)
+
+    def render(self) -> str:
+        """The text a scrape would return now."""
+        return generate_latest(self.registry).decode("utf-8")
+
+    # -- what the collector reads -----------------------------------------------------------
+
+    def _store_stats(self) -> list[tuple[str, dict[str, Any]]]:
+        with self._lock:
+            attached = list(self._stores.values())
+        out = []
+        for item in attached:
+            try:
+                out.append((item.store.model, item.store.stats()))
+            except (PersistingError, OSError) as exc:  # closed underneath us
+                log.debug("skipping stats of %r: %s", item.store.model, exc)
+        return out
+
+    def _queue_lags(self) -> dict[tuple[str, int, str], int]:
+        with self._lock:
+            tracked = list(self._tracked)
+            lags: dict[tuple[str, int, str], int] = {}
+        for root, topics in tracked:
+            try:
+                for item in consumer_lags(root, topics):
+                    lags[(item.topic, item.bucket, item.consumer)] = item.lag
+            except (PersistingError, OSError) as exc:
+                log.warning("cannot read queue consumer positions under %s: %s", root, exc)
+        with self._lock:
+            lags.update(self._lags)
+        return lags
+
+
+def _remove_listener(attached: _Attached) -> None:
+    with contextlib.suppress(ValueError):  # already removed
+        attached.store.stats_.listeners.remove(attached.listener)
+
+
+class _Collector(Collector):
+    """Counters and gauges read from each attached store's ``stats()`` at scrape time."""
+
+    def __init__(self, metrics: KVMetrics):
+        self.metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families([], {})
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.metrics._store_stats(), self.metrics._queue_lags())
+
+    @staticmethod
+    def _families(
+        stores: list[tuple[str, dict[str, Any]]], lags: dict[tuple[str, int, str], int]
+    ) -> Iterator[Metric]:
+        for figure in STORE_FIGURES:
+            labels = ["model", "tier"] if figure.per_tier else ["model"]
+            family_type = CounterMetricFamily if figure.kind == "counter" else GaugeMetricFamily
+            family = family_type(figure.metric, figure.help, labels=labels)
+            for model, stats in stores:
+                value = figure_values(figure, stats)
+                if isinstance(value, dict):
+                    for tier, number in value.items():
+                        family.add_metric([model, tier], number)
+                elif value is not None:
+                    family.add_metric([model], value)
+            yield family
+        lag = GaugeMetricFamily(
+            QUEUE_LAG_METRIC,
+            "Records of a queue bucket its committed consumer has not yet committed past.",
+            labels=["topic", "bucket", "consumer"],
+        )
+        for (topic, bucket, consumer), value in sorted(lags.items()):
+            lag.add_metric([topic, str(bucket), consumer], value)
+        yield lag
+
+
+# ---------------------------------------------------------------------------------------
+# The HTTP endpoint
+# ---------------------------------------------------------------------------------------
+
+
+class MetricsServer:
+    """A running ``/metrics`` endpoint on a daemon thread; :meth:`close` stops it."""
+
+    def __init__(self, server: Any, thread: threading.Thread):
+        self._server = server
+        self._thread = thread
+        host, port = server.server_address[:2]
+        self.host: str = host
+        self.port: int = port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_metrics_server(port: int, addr: str, registry: CollectorRegistry) -> MetricsServer:
+    """Serve ``registry`` (never the global default) at ``http://addr:port/metrics``.
+
+    ``port=0`` picks a free port (see :attr:`MetricsServer.port`).
+    """
+    if not isinstance(registry, CollectorRegistry):
+        raise ConfigError(f"registry must be a CollectorRegistry, got {type(registry).__name__}")
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
+    return MetricsServer(server, thread)
+
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "LATENCY_METRIC",
+    "QUEUE_LAG_METRIC",
+    "STORE_FIGURES",
+    "TIERS",
+    "ConsumerLag",
+    "KVMetrics",
+    "MetricsServer",
+    "StoreFigure",
+    "consumer_lags",
+    "figure_values",
+    "start_metrics_server",
+]
