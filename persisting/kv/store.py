@@ -571,6 +571,11 @@ class KVStore:
         out.update(counters)
         return out
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (its files are closed; :meth:`stats` would fail)."""
+        return self._closed
+
     def close(self) -> None:
         """Finish write-behind work, write back dirty memory (write-back mode), close files."""
         if self._closed:
