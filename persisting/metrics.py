@@ -310,6 +310,7 @@ class KVMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._lock = threading.Lock()
         self._stores: dict[str, _Attached] = {}
+        self._series: dict[str, set[tuple[str, str, str]]] = {}
         self._lags: dict[tuple[str, int, str], int] = {}
         self._tracked: list[tuple[Path, tuple[str, ...] | None]] = []
         try:
@@ -338,27 +339,36 @@ class KVMetrics:
             self._stores[store.model] = _Attached(store, listener)
 
     def detach(self, store: KVStore) -> bool:
-        """Stop exporting ``store``; False if it was not attached."""
+        """Stop exporting ``store`` (its latency series go too); False if not attached.
+
+        Detach a store before closing it; a closed store still attached is skipped.
+        """
         with self._lock:
             attached = self._stores.get(store.model)
             if attached is None or attached.store is not store:
                 return False
             del self._stores[store.model]
+            series = self._series.pop(store.model, set())
         _remove_listener(attached)
+        for labels in series:
+            with contextlib.suppress(KeyError):
+                self.latency.remove(store.model, *labels)
         return True
 
     def _listener(self, model: str) -> Listener:
         histogram = self.latency
         children: dict[tuple[str, str, str], Any] = {}
+        series = self._series.setdefault(model, set())
 
         def observe(op: str, tier: str, seconds: float, _nbytes: int, outcome: str) -> None:
             # Index-only misses carry no tier and no timing: they are counted, not timed.
             if not tier:
                 return
-            child = children.get((op, tier, outcome))
+            labels = (op, tier, outcome)
+            child = children.get(labels)
             if child is None:
-                child = histogram.labels(model, op, tier, outcome)
-                children[(op, tier, outcome)] = child
+                child = children[labels] = histogram.labels(model, *labels)
+                series.add(labels)
             child.observe(seconds)
 
         return observe
@@ -401,9 +411,11 @@ class KVMetrics:
             attached = list(self._stores.values())
         out = []
         for item in attached:
+            if item.store.closed:
+                continue
             try:
                 out.append((item.store.model, item.store.stats()))
-            except (PersistingError, OSError) as exc:  # closed underneath us
+            except (PersistingError, OSError) as exc:  # closed while we read
                 log.debug("skipping stats of %r: %s", item.store.model, exc)
         return out
 
