@@ -181,7 +181,7 @@ class QueueConsumer:
                 start = self.position
                 out: list[tuple[int, dict[str, Any]]] = []
                 async for batch in self.backend.get_stream(max_records, start, wait, timeout):
-                    out.extend((start + len(out) + i, record) for i, record in enumerate(batch))
+                    out = list(enumerate(batch, start))
                     break  # one batch is enough; the next poll continues
                 self.position = start + len(out)
                 return out

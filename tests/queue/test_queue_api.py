@@ -1,0 +1,175 @@
+"""Registration with Pulsing, the protocol's exact signatures, topic paths, consumers,
+compaction planning and consumer positions."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pulsing.streaming import MemoryBackend, StorageBackend, get_backend_class
+from queue_helpers import small_records
+
+from persisting.errors import InvalidNameError, InvalidValueError, OffsetTrimmedError
+from persisting.lance_store import LanceStore
+from persisting.queue import (
+    LanceBackend,
+    QueueConsumer,
+    close_all,
+    open_bucket,
+    open_reader,
+    open_writer,
+    register,
+    topic_storage_path,
+)
+from persisting.queue.maintenance import (
+    FragmentStats,
+    compaction_levels,
+    plan_compaction,
+)
+from persisting.queue.positions import ConsumerPositions
+
+PROTOCOL_METHODS = [
+    "put",
+    "put_batch",
+    "get",
+    "get_stream",
+    "flush",
+    "stats",
+    "total_count",
+    "put_tensor",
+    "get_data",
+    "get_meta",
+]
+
+
+def test_register_makes_every_name_resolve_to_the_backend() -> None:
+    assert register() == ("lance", "persisting", "LanceBackend")
+    for name in ("lance", "persisting", "LanceBackend"):
+        assert get_backend_class(name) is LanceBackend
+
+
+def test_the_backend_matches_pulsings_storage_backend_protocol(open_backend) -> None:
+    backend = open_backend()
+    assert isinstance(backend, StorageBackend)
+    for name in PROTOCOL_METHODS:
+        ours, theirs = getattr(LanceBackend, name), getattr(StorageBackend, name)
+        assert list(inspect.signature(ours).parameters) == list(
+            inspect.signature(theirs).parameters
+        ), name
+        for param in inspect.signature(theirs).parameters.values():
+            assert inspect.signature(ours).parameters[param.name].default == param.default, name
+        # Called the way Pulsing's own MemoryBackend answers: get_stream is an async
+        # generator (Pulsing iterates it with ``async for``), total_count is plain.
+        reference = getattr(MemoryBackend, name)
+        assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(reference), name
+        assert inspect.isasyncgenfunction(ours) == inspect.isasyncgenfunction(reference), name
+    constructor = inspect.signature(LanceBackend)
+    assert list(constructor.parameters)[:3] == ["bucket_id", "storage_path", "batch_size"]
+    assert constructor.parameters["batch_size"].default == 100
+
+
+def test_topic_paths_follow_the_storage_root_layout(tmp_path: Path) -> None:
+    store = LanceStore(tmp_path)
+    path = topic_storage_path(tmp_path, "meta-llama/Llama-3-8B")
+    assert Path(path) / "bucket_3" / "data.lance" == store.queue_path("meta-llama/Llama-3-8B", 3)
+    assert Path(topic_storage_path(tmp_path, "a/b")) != Path(topic_storage_path(tmp_path, "a_b"))
+    with pytest.raises(InvalidNameError):
+        topic_storage_path(tmp_path, "")
+
+
+def test_pulsing_queue_writes_and_reads_through_the_lance_backend(tmp_path: Path) -> None:
+    import pulsing as pul
+
+    root, topic = tmp_path / "root", "prewarm/events"
+
+    async def go() -> list[dict]:
+        system = await pul.actor_system()
+        try:
+            writer = await open_writer(
+                system, topic, storage_root=root, num_buckets=2, batch_size=1000
+            )
+            for i in range(20):
+                await writer.put({"id": f"k{i}", "seq": i, "vec": np.arange(3) * i})
+            await writer.flush()
+            reader = await open_reader(system, topic, storage_root=root, num_buckets=2)
+            return await reader.get(limit=100)
+        finally:
+            close_all()  # Pulsing never closes a bucket's backend
+            await system.shutdown()
+
+    got = asyncio.run(go())
+    assert sorted(r["seq"] for r in got) == list(range(20))
+    assert all(np.array_equal(r["vec"], np.arange(3) * r["seq"]) for r in got)
+    store = LanceStore(root)
+    stored = [
+        open_bucket(root, topic, b, read_only=True)
+        for b in (0, 1)
+        if store.queue_path(topic, b).is_dir()
+    ]
+    try:
+        assert sum(b.total_count() for b in stored) == 20
+    finally:
+        for backend in stored:
+            backend.close()
+
+
+def test_a_consumer_starts_where_asked_and_survives_trimming(bucket_dir, open_backend) -> None:
+    writer = open_backend()
+    asyncio.run(writer.put_batch(small_records(0, 10)))
+    asyncio.run(writer.flush())
+
+    async def go() -> None:
+        latest = QueueConsumer(writer, "tail", start="latest")
+        assert await latest.poll(10) == []
+        earliest = QueueConsumer(writer, "head")
+        assert [offset for offset, _ in await earliest.poll(4)] == [0, 1, 2, 3]
+        await earliest.commit()
+        await writer.trim(6)
+        strict = QueueConsumer(writer, "head", on_trimmed="error")  # resumes at 4: trimmed
+        with pytest.raises(OffsetTrimmedError):
+            await strict.poll(4)
+        lenient = QueueConsumer(writer, "head")
+        assert [offset for offset, _ in await lenient.poll(10)] == [6, 7, 8, 9]
+        assert lenient.skipped == 2
+
+    asyncio.run(go())
+
+
+def test_compaction_plan_merges_the_lowest_full_level_and_spares_large_fragments() -> None:
+    levels = compaction_levels(1 << 20)
+    assert levels == [2048, 16384, 131072, 1 << 20]
+    few = [FragmentStats(i, 1000) for i in range(4)]
+    assert plan_compaction(few, max_small=4, target_rows=1 << 20) is None
+    big = [FragmentStats(100 + i, 1 << 20) for i in range(3)]
+    mid = [FragmentStats(200 + i, 20_000) for i in range(3)]
+    small = [FragmentStats(300 + i, 500) for i in range(9)]
+    step = plan_compaction(big + mid + small, max_small=8, target_rows=1 << 20)
+    assert step is not None and step.target_rows == 2048
+    assert set(step.excluded) == {f.id for f in big + mid}
+    mids = [FragmentStats(200 + i, 20_000) for i in range(9)]
+    step = plan_compaction(big + mids, max_small=8, target_rows=1 << 20)
+    assert step is not None and step.target_rows == 131072
+    with_deletes = [
+        FragmentStats(1, 1 << 20, deleted=10),
+        *[FragmentStats(i, 1 << 20) for i in range(2, 12)],
+    ]
+    step = plan_compaction(with_deletes, max_small=0, target_rows=1 << 20)
+    assert step is not None and 1 not in step.excluded
+
+
+def test_consumer_positions_are_durable_per_consumer_files(tmp_path: Path) -> None:
+    positions = ConsumerPositions(tmp_path)
+    assert positions.all() == {} and positions.get("a") is None
+    positions.commit("evictor/1", 5)
+    positions.commit("prewarm", 9)
+    positions.commit("evictor/1", 7)
+    assert ConsumerPositions(tmp_path).all() == {"evictor/1": 7, "prewarm": 9}
+    assert not [p for p in (tmp_path / "consumers").iterdir() if p.name.startswith(".")]
+    assert positions.remove("prewarm") and not positions.remove("prewarm")
+    with pytest.raises(InvalidValueError):
+        positions.commit("a", -1)
+    with pytest.raises(InvalidNameError):
+        positions.commit("", 1)

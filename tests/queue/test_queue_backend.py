@@ -1,0 +1,301 @@
+"""LanceBackend on real Lance datasets: the Pulsing protocol, flushing, readers, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lance
+import pytest
+from queue_helpers import small_records
+
+from persisting.errors import (
+    AccessDeniedError,
+    ConfigError,
+    InvalidValueError,
+    OffsetTrimmedError,
+    StoreClosedError,
+)
+from persisting.queue import LanceBackend
+from persisting.queue.backend import WAL_DIR
+
+
+def eventually(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
+    """Poll ``predicate`` until it holds (background work finishing) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def flat(batches: list[list[dict]]) -> list[dict]:
+    return [record for batch in batches for record in batch]
+
+
+def offsets_in(backend: LanceBackend) -> list[int]:
+    return lance.dataset(str(backend.path)).to_table(columns=["_offset"])["_offset"].to_pylist()
+
+
+def test_offsets_reads_and_counts_span_buffer_and_dataset(open_backend) -> None:
+    backend = open_backend()
+
+    async def go() -> None:
+        for record in small_records(0, 3):
+            await backend.put(record)
+        await backend.put_batch(small_records(3, 7))
+        await backend.flush()
+        await backend.put_batch(small_records(10, 5))  # still buffered
+        assert backend.total_count() == 15
+        assert await backend.get(100, 0) == small_records(0, 15)
+        assert await backend.get(4, 8) == small_records(8, 4)  # across the flush boundary
+        assert await backend.get(10, 15) == []
+        assert await backend.get(0, 3) == []
+        with pytest.raises(InvalidValueError):
+            await backend.get(1, -1)
+        stats = await backend.stats()
+        assert (stats["persisted_count"], stats["buffer_size"], stats["records"]) == (10, 5, 15)
+
+    asyncio.run(go())
+
+
+def test_a_flush_appends_one_fragment_and_leaves_old_files_alone(open_backend) -> None:
+    backend = open_backend(compact_max_fragments=1000)
+
+    async def go() -> None:
+        for batch in range(5):
+            await backend.put_batch(small_records(batch * 100, 100))
+            data_dir = backend.path / "data"
+            before = {p.name: p.stat().st_mtime_ns for p in data_dir.glob("*")}
+            await backend.flush()
+            after = {p.name: p.stat().st_mtime_ns for p in data_dir.glob("*")}
+            assert all(after[name] == mtime for name, mtime in before.items())
+            assert len(after) == len(before) + 1
+
+    asyncio.run(go())
+    assert len(lance.dataset(str(backend.path)).get_fragments()) == 5
+    assert offsets_in(backend) == list(range(500))
+
+
+def test_get_stream_returns_what_exists_or_waits_for_more(open_backend) -> None:
+    backend = open_backend()
+
+    async def go() -> None:
+        await backend.put_batch(small_records(0, 5))
+        got = [batch async for batch in backend.get_stream(100, 0)]
+        assert flat(got) == small_records(0, 5)
+        assert [b async for b in backend.get_stream(10, 5, wait=True, timeout=0.2)] == []
+
+        async def later() -> None:
+            await asyncio.sleep(0.2)
+            await backend.put_batch(small_records(5, 3))
+
+        task = asyncio.create_task(later())
+        waited = [b async for b in backend.get_stream(3, 5, wait=True, timeout=30)]
+        await task
+        assert flat(waited) == small_records(5, 3)
+
+    asyncio.run(go())
+
+
+def test_a_reader_opened_before_a_flush_sees_it_and_wakes_up(open_backend) -> None:
+    writer = open_backend()
+    reader = open_backend(read_only=True, poll_interval_s=0.02)
+
+    async def go() -> None:
+        assert await reader.get(10, 0) == []
+        await writer.put_batch(small_records(0, 4))
+        assert await reader.get(10, 0) == []  # only flushed records are visible elsewhere
+        await writer.flush()
+        assert eventually(lambda: reader.total_count() == 4)
+        assert await reader.get(10, 0) == small_records(0, 4)
+
+        async def later() -> None:
+            await asyncio.sleep(0.2)
+            await writer.put_batch(small_records(4, 2))
+            await writer.flush()
+
+        task = asyncio.create_task(later())
+        waited = [b async for b in reader.get_stream(2, 4, wait=True, timeout=30)]
+        await task
+        assert flat(waited) == small_records(4, 2)
+        with pytest.raises(AccessDeniedError):
+            await reader.put({"id": "x"})
+
+    asyncio.run(go())
+
+
+def test_auto_flush_by_size_and_by_interval(tmp_path: Path, open_backend) -> None:
+    by_size = open_backend(tmp_path / "size", batch_size=10)
+    by_time = open_backend(tmp_path / "time", flush_interval_s=0.2)
+    asyncio.run(by_size.put_batch(small_records(0, 25)))
+    asyncio.run(by_time.put_batch(small_records(0, 3)))
+    assert eventually(lambda: asyncio.run(by_size.stats())["persisted_count"] == 25)
+    assert eventually(lambda: asyncio.run(by_time.stats())["persisted_count"] == 3)
+    assert asyncio.run(by_time.stats())["flushes"] >= 1
+
+
+def test_close_flushes_and_the_log_holds_only_unflushed_records(bucket_dir, open_backend) -> None:
+    backend = open_backend()
+    asyncio.run(backend.put_batch(small_records(0, 50)))
+    assert asyncio.run(backend.stats())["wal_bytes"] > 50 * 20
+    asyncio.run(backend.flush())
+    stats = asyncio.run(backend.stats())
+    assert stats["wal_bytes"] < 64 and stats["wal_segments"] == 1  # an empty, fresh segment
+    asyncio.run(backend.put_batch(small_records(50, 5)))
+    backend.close()
+    with pytest.raises(StoreClosedError):
+        asyncio.run(backend.get(1, 0))
+    with pytest.raises(StoreClosedError):
+        asyncio.run(backend.put({"id": "late"}))
+    reopened = open_backend(read_only=True)
+    assert asyncio.run(reopened.get(100, 0)) == small_records(0, 55)
+
+
+def test_stats_report_records_bytes_flushes_latency_fragments_and_log(open_backend) -> None:
+    backend = open_backend()
+    asyncio.run(backend.put_batch(small_records(0, 10)))
+    asyncio.run(backend.flush())
+    asyncio.run(backend.put_batch(small_records(10, 2)))
+    stats = asyncio.run(backend.stats())
+    assert stats["backend"] == "lance" and stats["durability"] == "wal"
+    assert (stats["records"], stats["total_count"], stats["buffer_size"]) == (12, 12, 2)
+    assert stats["flushes"] == 1 and stats["flushed_records"] == 10
+    assert stats["flush_latency_ms"]["last"] > 0
+    assert stats["fragments"] == 1 and stats["versions"] >= 2
+    assert stats["bytes"] > 0 and stats["wal_bytes"] > 0 and stats["wal_fsyncs"] >= 1
+    assert stats["schema"]["seq"] == "int64"
+
+
+def test_flush_durability_keeps_no_log(bucket_dir, open_backend) -> None:
+    fast = open_backend(durability="flush")
+    asyncio.run(fast.put_batch(small_records(0, 5)))
+    assert asyncio.run(fast.get(10, 0)) == small_records(0, 5)
+    assert asyncio.run(fast.stats())["wal_bytes"] == 0
+    assert not (bucket_dir / WAL_DIR).exists()
+    fast.close()  # closing flushes
+    assert asyncio.run(open_backend(read_only=True).get(10, 0)) == small_records(0, 5)
+
+
+def test_compaction_and_cleanup_keep_fragments_and_versions_bounded(open_backend) -> None:
+    backend = open_backend(compact_max_fragments=4, version_retention_s=0)
+
+    async def go() -> None:
+        for batch in range(40):
+            await backend.put_batch(small_records(batch * 10, 10))
+            await backend.flush()
+            backend._wake.set()
+
+    asyncio.run(go())
+    assert eventually(lambda: asyncio.run(backend.stats())["fragments"] <= 6)
+    assert eventually(lambda: asyncio.run(backend.stats())["versions"] <= 8)
+    stats = asyncio.run(backend.stats())
+    assert stats["compactions"] >= 1
+    assert offsets_in(backend) == list(range(400))
+    assert asyncio.run(backend.get(400, 0)) == small_records(0, 400)
+
+
+def test_trimming_never_renumbers_offsets(bucket_dir, open_backend) -> None:
+    backend = open_backend()
+
+    async def go() -> None:
+        await backend.put_batch(small_records(0, 10))
+        await backend.flush()
+        await backend.put_batch(small_records(10, 10))
+        await backend.flush()
+        assert await backend.trim(12) == 12
+        assert backend.earliest_offset() == 12
+        assert await backend.get(3, 12) == small_records(12, 3)
+        with pytest.raises(OffsetTrimmedError, match="earliest offset is 12"):
+            await backend.get(5, 0)
+        await backend.put({"id": "next"})
+        assert backend.total_count() == 21
+        assert await backend.trim(100) == 8  # only flushed records go; the buffer stays
+        await backend.flush()
+        assert await backend.get(1, 20) == [{"id": "next"}]
+
+    asyncio.run(go())
+    assert offsets_in(backend) == [20]
+    asyncio.run(backend.trim(21))
+    backend.close()
+    again = open_backend()  # everything trimmed: offsets still continue after 20
+    assert (again.total_count(), again.earliest_offset()) == (21, 21)
+    asyncio.run(again.put({"id": "after-restart"}))
+    asyncio.run(again.flush())
+    assert offsets_in(again) == [21]
+
+
+def test_retention_by_age_and_by_slowest_committed_consumer(tmp_path: Path, open_backend) -> None:
+    aged = open_backend(tmp_path / "age", retention_s=0.5, retention_interval_s=0.1)
+    asyncio.run(aged.put_batch(small_records(0, 5)))
+    asyncio.run(aged.flush())
+    time.sleep(0.6)
+    asyncio.run(aged.put_batch(small_records(5, 5)))
+    asyncio.run(aged.flush())
+    assert eventually(lambda: aged.earliest_offset() == 5)
+    assert asyncio.run(aged.get(10, 5)) == small_records(5, 5)
+
+    consumed = open_backend(
+        tmp_path / "consumers", retain_until_consumed=True, retention_interval_s=0.1
+    )
+    asyncio.run(consumed.put_batch(small_records(0, 20)))
+    asyncio.run(consumed.flush())
+    asyncio.run(consumed.commit_position("slow", 7))  # (only consumers that committed count)
+    asyncio.run(consumed.commit_position("fast", 15))
+    assert eventually(lambda: consumed.earliest_offset() == 7)
+    assert asyncio.run(consumed.committed_position("slow")) == 7
+    assert asyncio.run(consumed.committed_position("nobody")) is None
+    asyncio.run(consumed.commit_position("slow", 18))
+    assert eventually(lambda: consumed.earliest_offset() == 15)
+    assert asyncio.run(consumed.get(100, 15)) == small_records(15, 5)
+
+
+def test_options_are_validated_and_default_from_settings(
+    open_backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match="wal_mode"):
+        open_backend(wal_mode=True)
+    with pytest.raises(ConfigError, match="durability"):
+        open_backend(durability="sometimes")
+    with pytest.raises(ConfigError, match="read_batch_size"):
+        open_backend(read_batch_size=0)
+    monkeypatch.setenv("PERSISTING_QUEUE__DURABILITY", "flush")
+    monkeypatch.setenv("PERSISTING_QUEUE__RETENTION_S", "3600")
+    backend = open_backend()
+    assert backend.config.durability == "flush" and backend.config.retention_s == 3600
+    assert open_backend(read_only=True, durability="wal").config.durability == "wal"
+
+
+def test_the_newest_writer_in_a_process_takes_over_the_bucket(open_backend) -> None:
+    first = open_backend()
+    asyncio.run(first.put_batch(small_records(0, 3)))
+    second = open_backend()  # e.g. a restarted actor system in the same process
+    assert first.closed
+    assert asyncio.run(second.get(10, 0)) == small_records(0, 3)
+
+
+def test_tensor_methods_use_offsets_as_global_indexes(open_backend) -> None:
+    import numpy as np
+
+    backend = open_backend()
+
+    async def go() -> None:
+        result = await backend.put_tensor([{"obs": np.ones(2), "r": 1.0} for _ in range(4)])
+        assert result.global_indexes == [0, 1, 2, 3] and result.field_names == ["obs", "r"]
+        single = await backend.put_tensor({"obs": np.zeros(2), "r": 0.5}, partition_id="p")
+        assert single.global_indexes == [4]
+        meta = await backend.get_meta(["obs"], batch_size=3, task_name="train")
+        assert meta["global_indexes"] == [0, 1, 2]
+        assert (await backend.get_meta(["obs"], 3, "train"))["global_indexes"] == [3, 4]
+        assert (await backend.get_meta(["obs"], 3, "eval"))["global_indexes"] == [0, 1, 2]
+        await backend.reset_consumption("train")
+        assert (await backend.get_meta(["obs"], 1, "train"))["global_indexes"] == [0]
+        rows = await backend.get_data({"global_indexes": [4, 1, 99]}, fields=["r"])
+        assert rows == [{"r": 0.5}, {"r": 1.0}]
+        with pytest.raises(InvalidValueError):
+            await backend.put_tensor("nope")
+
+    asyncio.run(go())
