@@ -226,7 +226,7 @@ def figure_values(figure: StoreFigure, stats: dict[str, Any]) -> dict[str, int] 
             key = figure.key.format(tier=tier)
             if key in stats or figure.kind == "counter":
                 values[tier] = int(stats.get(key, 0))
-        return values
+        return values or None
     if figure.key in stats or figure.kind == "counter":
         return int(stats.get(figure.key, 0))
     return None
