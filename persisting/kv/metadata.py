@@ -128,27 +128,33 @@ class MetadataTable:
         with self._lock:
             rows, self._pending_rows = self._pending_rows, []
             deletes, self._pending_deletes = self._pending_deletes, []
-        try:
-            if rows:
-                self._append(rows)
-            if deletes:
-                for start in range(0, len(deletes), 256):
-                    chunk = deletes[start : start + 256]
-                    self.table.delete(
-                        " OR ".join(f"(key = {_sql_quote(k)} AND tag = {t})" for k, t in chunk)
-                    )
-                    self._commits += 1
-            if self._commits >= self._compact_every:
-                self._commits = 0
-                self._maintain()
-        except (PersistingError, OSError, ValueError, RuntimeError) as exc:
-            # Metadata is an index over self-describing files: a failed commit costs a
-            # header scan on the next open, never data. Keep the rows for the next try.
-            self.errors += 1
-            log.warning("metadata commit to %s failed: %s", self.path, exc)
+        # Metadata is an index over self-describing files: a failed commit costs a header
+        # scan on the next open, never data. Failed steps keep their work for the next try.
+        if rows and not self._attempt("append", self._append, rows):
             with self._lock:
                 self._pending_rows[:0] = rows
-                self._pending_deletes[:0] = deletes
+        for start in range(0, len(deletes), 256):
+            chunk = deletes[start : start + 256]
+            if not self._attempt("delete", self._delete, chunk):
+                with self._lock:
+                    self._pending_deletes[:0] = deletes[start:]
+                break
+        if self._commits >= self._compact_every:
+            self._commits = 0
+            self._attempt("maintenance", self._maintain)
+
+    def _attempt(self, what: str, fn: Callable[..., None], *args: object) -> bool:
+        try:
+            fn(*args)
+            return True
+        except (PersistingError, OSError, ValueError, RuntimeError) as exc:
+            self.errors += 1
+            log.warning("metadata %s on %s failed (will retry): %s", what, self.path, exc)
+            return False
+
+    def _delete(self, chunk: list[tuple[str, int]]) -> None:
+        self.table.delete(" OR ".join(f"(key = {_sql_quote(k)} AND tag = {t})" for k, t in chunk))
+        self._commits += 1
 
     def _append(self, rows: list[MetaRow]) -> None:
         now = time.time_ns()

@@ -1,0 +1,208 @@
+"""Run every reliability harness at its documented settings and write docs/reliability.md.
+
+    .venv/bin/python tests/reliability/make_report.py            # run all, rewrite the doc
+    .venv/bin/python tests/reliability/make_report.py --render   # re-render from saved JSON
+
+Each harness's JSON output is kept in docs/reliability/<name>.json; the figures in the doc
+are rendered from those files only (a test checks the doc matches them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+DOCS = HERE.parent.parent / "docs"
+RESULTS = DOCS / "reliability"
+
+#: name -> (script, arguments): the settings the published figures come from.
+HARNESSES: dict[str, tuple[str, list[str]]] = {
+    "kv_crash": ("harness_kv_crash.py", ["--kills", "40", "--seed", "7"]),
+    "kv_corruption": ("harness_kv_corruption.py", ["--rounds", "3", "--seed", "7"]),
+    "kv_concurrency": ("harness_kv_concurrency.py", ["--procs", "4", "--seconds", "30"]),
+    "fuzz": ("harness_fuzz.py", ["--examples", "400"]),
+    "kv_diskfull": ("harness_kv_diskfull.py", []),
+}
+
+PROMISES = """\
+## What Persisting promises
+
+- **Never wrong data.** A value comes back bit-exact or not at all. Every read from disk is
+  checked against the xxh3-64 checksum recorded at put time; a layout (shape, dtype,
+  format) other than the one asked for is a miss; a damaged object is dropped and counted.
+- **Acknowledged durable writes survive a crash.** A KV put with `durability="sync"`
+  returns only after the payload file and its directory entry are fsynced, so it survives
+  SIGKILL and power loss.
+- **Torn writes are never visible.** Payload files are written under `tmp/` and renamed
+  into place. A dead writer's leftovers are removed on the next open.
+- **Damage degrades to misses.** Damaged payload files, a damaged or missing Lance
+  metadata table, a missing manifest: the store still opens, rebuilds its index from the
+  self-describing payload headers, serves what is intact, and counts what it dropped.
+- **Bad input gets a typed error.** Malformed keys, path-unsafe names, wrong shapes,
+  dtypes and formats, zero-size and oversized values raise a `PersistingError` subclass,
+  or give a clean miss. Stored data is never touched.
+- **A full disk is a `CapacityError`.** Puts fail cleanly, reads go on, and writes work
+  again once space returns.
+- **Capacity holds for a directory as a whole**, across processes sharing it.
+
+## What it does not promise
+
+- A cache may lose what it can recompute. With `durability="async"` or `"evict"`, values
+  not yet written are lost in a crash, and `exists_in_put_tasks`/`on_complete` say which.
+- Pins and leases belong to the process that took them. Another process sharing the
+  directory may evict a chunk this one pinned; this one then sees a miss, never wrong data.
+- There is one copy: no replication across machines (yet).
+"""
+
+
+def _row(label: str, value: object) -> str:
+    return f"| {label} | {value} |"
+
+
+def render(results: dict[str, dict]) -> str:
+    lines = [
+        "# Reliability",
+        "",
+        "What Persisting promises, and the figures from the harnesses that check it.",
+        "Every figure below is rendered from the harnesses' own JSON output in",
+        "`docs/reliability/` by `tests/reliability/make_report.py`.",
+        "",
+        PROMISES,
+        "## Figures",
+        "",
+    ]
+    crash = results.get("kv_crash")
+    if crash:
+        lines += [
+            '### SIGKILL of a KV writer (`durability="sync"`)',
+            "",
+            "| measure | value |",
+            "|---|---|",
+            _row("kills survived", crash["kills"]),
+            _row("acknowledged writes", crash["acknowledged_writes"]),
+            _row("reads verified after restarts", crash["verified_reads"]),
+            _row("acknowledged writes lost", crash["lost_acknowledged"]),
+            _row("wrong reads", crash["wrong_reads"]),
+            _row("torn writes visible", crash["torn_visible"]),
+            _row("seconds", crash["seconds"]),
+            "",
+        ]
+    corr = results.get("kv_corruption")
+    if corr:
+        lines += [
+            "### Corruption injected into KV stores",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            _row("injections (kinds x rounds)", f"{corr['injections']} ({corr['kinds']} kinds)"),
+            _row("stores that opened after damage", corr["opened"]),
+            _row("wrong reads", corr["wrong_reads"]),
+            _row("damaged values turned into misses", corr["misses"]),
+            _row("intact values still served", corr["intact_hits"]),
+            _row("damage detections counted by the store", corr["detected"]),
+            _row("stores writable again after damage", corr["writable_after"]),
+            "",
+            "Kinds: " + ", ".join(sorted({o["injection"] for o in corr["per_injection"]})) + ".",
+            "",
+        ]
+    conc = results.get("kv_concurrency")
+    if conc:
+        lines += [
+            "### Concurrent processes on one KV directory",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            _row("processes x seconds", f"{conc['processes']} x {conc['seconds']}"),
+            _row("operations (put/get/pin/unpin/remove/refresh)", conc["operations"]),
+            _row("gets that hit", conc["hit"]),
+            _row("wrong reads", conc["wrong"]),
+            _row("undocumented errors", conc["other_errors"]),
+            _row(
+                "capacity held (peak payload bytes / capacity)",
+                f"{conc['capacity_held']} ({conc['peak_payload_bytes']} / "
+                f"{conc['capacity_bytes']})",
+            ),
+            "",
+        ]
+    fuzz = results.get("fuzz")
+    if fuzz:
+        lines += [
+            "### Hostile input (hypothesis)",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            _row("inputs fuzzed", fuzz["inputs_fuzzed"]),
+            _row("calls made", fuzz["calls"]),
+            _row("untyped errors", fuzz["untyped_errors"]),
+            _row("paths created outside the root", fuzz["paths_outside_root"]),
+            _row("stored data intact afterwards", fuzz["stored_data_intact"]),
+            "",
+            "Outcomes: " + ", ".join(f"{k} {v}" for k, v in fuzz["outcomes"].items()) + ".",
+            "",
+        ]
+    full = results.get("kv_diskfull")
+    if full:
+        lines += [
+            f"### A full filesystem (tmpfs of {full['filesystem_mib']} MiB)",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            _row("puts stored before full", full["puts_stored"]),
+            _row("puts refused with CapacityError", full["puts_refused_with_capacity_error"]),
+            _row("reads bit-exact while full", full["reads_ok_while_full"]),
+            _row("torn files visible", full["torn_files_visible"]),
+            _row("puts that worked after space returned", full["puts_ok_after_space_returned"]),
+            "",
+        ]
+    lines += ["## Reproduce", "", "```bash"]
+    for name, (script, args) in HARNESSES.items():
+        lines.append(
+            f".venv/bin/python tests/reliability/{script} {' '.join(args)} "
+            f"--json docs/reliability/{name}.json".replace("  ", " ")
+        )
+    lines += [
+        ".venv/bin/python tests/reliability/make_report.py --render",
+        "```",
+        "",
+        "The test suite runs the same harnesses, bounded, in `tests/reliability/`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def load_results() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--render", action="store_true", help="only re-render from saved JSON")
+    parser.add_argument("--only", nargs="*", default=None, help="harness names to run")
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if not args.render:
+        for name, (script, harness_args) in HARNESSES.items():
+            if args.only and name not in args.only:
+                continue
+            print(f"running {name} ...", flush=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(HERE / script),
+                    *harness_args,
+                    "--json",
+                    str(RESULTS / f"{name}.json"),
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+    (DOCS / "reliability.md").write_text(render(load_results()))
+    print(f"wrote {DOCS / 'reliability.md'}")
+
+
+if __name__ == "__main__":
+    main()

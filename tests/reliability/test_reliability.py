@@ -1,0 +1,66 @@
+"""The reliability harnesses, bounded for CI; the published figures come from their JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import harness_fuzz
+import harness_kv_concurrency
+import harness_kv_corruption
+import harness_kv_crash
+import harness_kv_diskfull
+import make_report
+import pytest
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_30_times_loses_no_acknowledged_write(tmp_path: Path) -> None:
+    r = harness_kv_crash.run(tmp_path, kills=30, seed=11, time_budget_s=200)
+    assert r["kills"] >= 30
+    assert r["acknowledged_writes"] > 30
+    assert (r["lost_acknowledged"], r["wrong_reads"], r["torn_visible"]) == (0, 0, 0)
+
+
+@pytest.mark.timeout(300)
+def test_every_kind_of_corruption_gives_misses_never_wrong_data() -> None:
+    r = harness_kv_corruption.run(rounds=1, seed=11)
+    assert r["opened"] == r["injections"] == r["kinds"]
+    assert r["wrong_reads"] == 0
+    assert r["writable_after"] == r["injections"]
+    assert r["misses"] > 0 and r["detected"] > 0
+    for o in r["per_injection"]:
+        if o["injection"].startswith("payload_") and o["injection"] != "payload_header_flip":
+            assert o["misses"] == 1, o  # exactly the damaged value is lost
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_processes_no_wrong_data_capacity_held() -> None:
+    r = harness_kv_concurrency.run(procs=3, seconds=10, seed=11)
+    assert r["operations"] > 500 and r["hit"] > 0
+    assert r["wrong"] == 0 and r["other_errors"] == 0
+    assert r["capacity_held"], r
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_hostile_input_gets_typed_errors() -> None:
+    r = harness_fuzz.run(examples=120, seed=11)
+    assert r["inputs_fuzzed"] >= 300
+    assert r["stored_data_intact"] and r["paths_outside_root"] == 0
+    assert any(k.startswith("typed:") for k in r["outcomes"])
+
+
+@pytest.mark.timeout(120)
+def test_disk_full_is_a_clean_capacity_error() -> None:
+    r = harness_kv_diskfull.run()
+    assert r["puts_refused_with_capacity_error"] > 0
+    assert r["reads_ok_while_full"] == r["puts_stored"] == r["reads_ok_after_reopen"]
+    assert r["torn_files_visible"] == 0 and r["puts_ok_after_space_returned"] == 5
+
+
+def test_published_doc_is_rendered_from_the_harness_json() -> None:
+    results = make_report.load_results()
+    assert set(results) == set(make_report.HARNESSES)
+    doc = (make_report.DOCS / "reliability.md").read_text()
+    assert doc == make_report.render(results)
+    assert results["kv_crash"]["kills"] >= 30
+    assert results["kv_crash"]["lost_acknowledged"] == 0
