@@ -73,6 +73,7 @@ class ServiceSettings(BaseModel):
     shm_arena_bytes: int = Field(default=256 * MiB, ge=0)
     member_retry_s: float = Field(default=2.0, gt=0)
     discovery_timeout_s: float = Field(default=10.0, gt=0)
+    event_batch_records: int = Field(default=64, gt=0)
 
 
 class PersistingSettings(BaseSettings):

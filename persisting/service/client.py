@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -44,10 +45,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pulsing
+import torch
 
 from persisting.config import PersistingSettings
 from persisting.errors import (
     InvalidKeyError,
+    InvalidValueError,
     PersistingError,
     ProtocolError,
     ServiceUnavailableError,
@@ -62,6 +65,10 @@ from persisting.service.routing import Membership, group_by_owner, rank_members
 from persisting.service.same_host import ClientArena, Region, read_file_into, shm_available
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+#: Pulsing's refusal to open one more connection to a peer (the ask was not sent).
+_POOL_EXHAUSTED = "Connection pool exhausted"
 
 #: Failures of the transport (not of the request): the member is treated as gone.
 _TRANSPORT_ERRORS = (RuntimeError, OSError, asyncio.TimeoutError, pulsing.PulsingError)
@@ -189,9 +196,11 @@ class KVCacheClient:
         while True:
             found = await self._instances()
             for addr, node_id in found.items():
-                if addr not in self._members:
+                known = self._members.get(addr)
+                if known is None or known.node_id != node_id:  # new, or restarted
                     with contextlib.suppress(_MemberFailed, PersistingError):
                         await self._attach(addr, node_id)
+                        self.membership.mark_up(addr)
             live = [a for a in found if a in self._members]
             self.membership.update(live)
             if len(live) >= min_members:
@@ -267,7 +276,8 @@ class KVCacheClient:
         return self._arena
 
     async def _keepalive(self) -> None:
-        """Renew every session well inside its TTL; pick up new members and revived ones."""
+        """Renew every session well inside its TTL, probe members that failed, and pick up
+        new or restarted members."""
         ttl = min(
             (float(m.info.get("lease_ttl_s", 30.0)) for m in self._members.values()), default=30.0
         )
@@ -276,11 +286,18 @@ class KVCacheClient:
             await asyncio.sleep(period)
             with contextlib.suppress(Exception):
                 await self._discover()
+            for addr in self.membership.probes_due():  # a success brings a member back
+                with contextlib.suppress(_MemberFailed, PersistingError):
+                    await self._call(self._members[addr], "renew")
             for member in list(self._members.values()):
                 if not self.membership.is_live(member.addr):
                     continue
-                with contextlib.suppress(_MemberFailed, PersistingError):
+                try:
                     await self._call(member, "renew")
+                except _MemberFailed as exc:
+                    self._failed(exc)
+                except PersistingError:
+                    pass
 
     async def close(self) -> None:
         """Say goodbye to every member (their sessions end now) and stop background work."""
@@ -313,11 +330,27 @@ class KVCacheClient:
     # -- requests -----------------------------------------------------------------------
 
     async def _ask(self, member: _Member, message: dict[str, Any]) -> Any:
-        ref = member.next_ref()
-        try:
-            reply = await _with_timeout(ref.ask(message), self.timeout_s)
-        except _TRANSPORT_ERRORS as exc:
-            raise _MemberFailed(member.addr, exc) from exc
+        """Send one message; a transport failure raises _MemberFailed.
+
+        Pulsing 0.1.2 refuses an ask outright ("Connection pool exhausted") when too many
+        connections to a peer are being opened at once -- from a cold start about 12, even
+        below its pool of 16. Such an ask was never sent, so it is retried after a pause
+        instead of being taken for a dead member.
+        """
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        pause = 0.002
+        while True:
+            ref = member.next_ref()
+            try:
+                reply = await _with_timeout(ref.ask(message), self.timeout_s)
+                break
+            except _TRANSPORT_ERRORS as exc:
+                if _POOL_EXHAUSTED in str(exc) and asyncio.get_running_loop().time() < deadline:
+                    self.counters["pool_exhausted_retries"] += 1
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, 0.1)
+                    continue
+                raise _MemberFailed(member.addr, exc) from exc
         payload = getattr(reply, "payload", None)
         if payload is not None and not isinstance(reply, dict):
             return safe_loads(payload)
@@ -362,18 +395,24 @@ class KVCacheClient:
     def _failed(self, exc: _MemberFailed) -> None:
         self.counters["member_failures"] += 1
         self.membership.mark_down(exc.member)
+        logger.warning(
+            "kv service member %s failed; treating it as gone for %.1fs: %s",
+            exc.member,
+            self.membership.retry_s,
+            exc,
+        )
 
     async def _on_owners(
         self,
         keys: list[str],
         fn: Callable[[_Member, list[int]], Awaitable[None]],
         on_lost: Callable[[list[int]], None] | None = None,
-        retry: bool = False,
     ) -> None:
         """Run ``fn(member, indices)`` for each owner's share of ``keys``, concurrently.
 
-        A member that fails is marked down; its share is either handed to ``on_lost``
-        (reads: misses) or, with ``retry``, placed again over the remaining members.
+        A member that fails is marked down and its share placed again over the members
+        still live (where a key lives while its owner is away). Keys no live member could
+        take go to ``on_lost`` (reads: misses), or raise ServiceUnavailableError.
         """
         live = self._live_members()
         if len(live) == 1 and keys:  # the common single-server case: no fan-out machinery
@@ -381,11 +420,9 @@ class KVCacheClient:
             if not failed:
                 return
         pending = list(range(len(keys)))
-        for _ in range(max(1, len(self._members)) + 1):
+        for _ in range(len(self._members) + 1):
             live = self._live_members()
-            if not pending:
-                return
-            if not live:
+            if not pending or not live:
                 break
             groups = group_by_owner([keys[i] for i in pending], live)
             jobs = [(member, [pending[j] for j in idx]) for member, idx in groups.items()]
@@ -393,8 +430,6 @@ class KVCacheClient:
                 *(self._run_share(self._members[m], share, fn) for m, share in jobs)
             )
             pending = [i for failed in outcomes for i in failed]
-            if pending and not retry:
-                break
         if pending:
             if on_lost is None:
                 raise ServiceUnavailableError(
@@ -458,7 +493,7 @@ class KVCacheClient:
                 for i, r in zip(part, stored, strict=True):
                     results[i] = r
 
-        await self._on_owners(texts, put_share, retry=True)
+        await self._on_owners(texts, put_share)
         return [r for r in results if r is not None]
 
     def _batch_bytes(self) -> int:
@@ -1024,16 +1059,14 @@ def _read_and_verify(path: str, offset: int, out: memoryview, digest: int) -> bo
 
 
 def _writable_bytes(out: Any) -> memoryview:
-    try:
-        import torch
-
-        if isinstance(out, torch.Tensor):
-            out = out.numpy()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    """A flat writable byte view of a get_into destination (as the local store accepts)."""
+    if isinstance(out, torch.Tensor):
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise InvalidValueError("get_into needs a contiguous CPU tensor")
+        out = out.view(-1).view(torch.uint8).numpy()
     view = memoryview(out)
     if view.readonly:
-        raise PersistingError("get_into needs a writable buffer")
+        raise InvalidValueError("get_into needs a writable buffer")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 

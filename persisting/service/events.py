@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from persisting.errors import InvalidKeyError, InvalidValueError
+from persisting.errors import InvalidKeyError, InvalidNameError, InvalidValueError
 from persisting.kv import TokenHasher
 from persisting.kv.keys import key_string
 from persisting.lance_store.names import validate_name
@@ -132,7 +132,10 @@ def parse_event(record: Mapping[str, Any]) -> KVEvent:
     op = record.get("op")
     if op not in EVENT_OPS:
         raise InvalidValueError(f"event op must be one of {EVENT_OPS}, got {op!r}")
-    model = validate_name(record.get("model"), "model")
+    try:
+        model = validate_name(record.get("model"), "model")
+    except InvalidNameError as exc:
+        raise InvalidValueError(f"bad event model: {exc}") from exc
     keys = _strings(record.get("keys"), "keys")
     tokens = _ints(record.get("tokens"), "tokens")
     if not keys and not tokens:

@@ -172,11 +172,12 @@ def is_plain(value: object, depth: int = 0) -> bool:
     """True if ``value`` holds only the plain types this protocol allows."""
     if depth > 16:
         return False
-    if isinstance(value, _PLAIN_TYPES):
+    kind = type(value)  # exact types: a subclass may carry behaviour
+    if kind in _PLAIN_TYPES:
         return True
-    if isinstance(value, list | tuple):
-        return all(is_plain(v, depth + 1) for v in value)
-    if isinstance(value, dict):
+    if kind in (list, tuple):
+        return all(is_plain(v, depth + 1) for v in value)  # type: ignore[attr-defined]
+    if kind is dict:
         return all(isinstance(k, str) and is_plain(v, depth + 1) for k, v in value.items())
     return False
 

@@ -7,7 +7,7 @@ are named by their stable address, so a node that restarts on the same address g
 keys, still on its disk, back.
 
 :class:`Membership` tracks which members are usable: a member that failed a request is
-left out for ``retry_s`` seconds, then tried again. It is pure bookkeeping (no Pulsing), so
+left out until a probe reaches it again. It is pure bookkeeping (no Pulsing), so
 placement and failover are testable without a cluster.
 """
 
@@ -46,32 +46,44 @@ def group_by_owner(keys: Sequence[str], members: Sequence[str]) -> dict[str, lis
 
 
 class Membership:
-    """Which storage members exist and which of them are currently usable."""
+    """Which storage members exist and which of them are currently usable.
+
+    A member that failed a request is left out of placement until a probe (the client's
+    keepalive, at most every ``retry_s`` seconds) reaches it again, so after the first
+    failure no request waits on a dead member.
+    """
 
     def __init__(self, retry_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
         self.retry_s = retry_s
         self._clock = clock
         self._members: set[str] = set()
-        self._down_until: dict[str, float] = {}
+        self._next_probe: dict[str, float] = {}  # down members -> when to probe them
 
     def update(self, members: Iterable[str]) -> None:
         """Replace the known member set (members that vanished are forgotten)."""
         self._members = set(members)
-        self._down_until = {m: t for m, t in self._down_until.items() if m in self._members}
+        self._next_probe = {m: t for m, t in self._next_probe.items() if m in self._members}
 
     def add(self, member: str) -> None:
         self._members.add(member)
 
     def mark_down(self, member: str) -> None:
-        """A request to ``member`` failed: leave it out until ``retry_s`` has passed."""
-        self._down_until[member] = self._clock() + self.retry_s
+        """A request to ``member`` failed: leave it out until a probe succeeds."""
+        self._next_probe[member] = self._clock() + self.retry_s
 
     def mark_up(self, member: str) -> None:
-        self._down_until.pop(member, None)
+        self._next_probe.pop(member, None)
 
     def is_live(self, member: str) -> bool:
-        until = self._down_until.get(member)
-        return member in self._members and (until is None or until <= self._clock())
+        return member in self._members and member not in self._next_probe
+
+    def probes_due(self) -> list[str]:
+        """Down members whose next probe time has come (each is rescheduled)."""
+        now = self._clock()
+        due = sorted(m for m, t in self._next_probe.items() if t <= now)
+        for member in due:
+            self._next_probe[member] = now + self.retry_s
+        return due
 
     @property
     def known(self) -> list[str]:

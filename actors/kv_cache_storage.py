@@ -1,0 +1,152 @@
+"""KVCacheStorageActor: a Pulsing actor serving the KV stores of the models it is set up for.
+
+Start it with ``persisting serve`` (see :mod:`actors.launch`) or with Pulsing's launcher::
+
+    PERSISTING_STORAGE_PATH=./data PERSISTING_MODELS=meta-llama/Llama-3-8B \\
+        pulsing actor actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
+        --addr 127.0.0.1:8610
+
+Pulsing 0.1.2's launcher passes no constructor arguments, so an actor built without any
+reads :class:`~persisting.config.PersistingSettings` (``PERSISTING_*`` variables or the TOML
+file named by ``PERSISTING_CONFIG``).
+
+Pulsing hands one actor one message at a time, so the actor also spawns ``lanes - 1``
+helper actors over the same stores; a client spreads its requests over all of them, and
+the store calls themselves run on a thread pool. The protocol lives in
+:class:`persisting.service.handler.StorageHandler`; this module only connects it to Pulsing
+and expires idle client sessions in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import pulsing
+
+from persisting.config import PersistingSettings
+from persisting.errors import ConfigError
+from persisting.kv import KVStore
+from persisting.lance_store import validate_name
+from persisting.service.handler import StorageHandler
+
+
+class _Lane(pulsing.Actor):
+    """A helper actor answering requests with its parent's handler (another mailbox)."""
+
+    def __init__(self, handler: StorageHandler):
+        self._handler = handler
+
+    async def receive(self, msg: Any) -> Any:
+        return await self._handler.handle(msg)
+
+
+class KVCacheStorageActor(pulsing.Actor):
+    """Serves one or more models' KV stores under one storage root (see module docstring)."""
+
+    def __init__(
+        self,
+        settings: PersistingSettings | None = None,
+        models: Sequence[str] | None = None,
+    ):
+        self.settings = settings if settings is not None else PersistingSettings.load()
+        names = list(models if models is not None else self.settings.models)
+        if not names:
+            raise ConfigError(
+                "no models to serve: set PERSISTING_MODELS (comma-separated) or settings.models"
+            )
+        for name in names:
+            validate_name(name, "model")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"models listed twice: {names}")
+        service = self.settings.service
+        self.stores: dict[str, KVStore] = {}
+        try:
+            for name in names:
+                self.stores[name] = KVStore.from_settings(self.settings, name)
+        except BaseException:
+            self._close_stores()
+            raise
+        self.handler = StorageHandler(
+            self.stores,
+            lease_ttl_s=service.lease_ttl_s,
+            chunk_bytes=service.message_chunk_bytes,
+            max_inflight=service.max_inflight,
+            threads=max(2, service.lanes),
+            node={
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "storage_path": str(self.settings.storage_path),
+            },
+        )
+        self._actor_id = f"{os.getpid()}"
+        self._started = False
+        self._start_lock: asyncio.Lock | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- Pulsing lifecycle ---------------------------------------------------------------
+
+    def on_start(self, actor_id: Any) -> None:
+        self._actor_id = str(actor_id)
+
+    def on_stop(self) -> None:
+        self.close()
+
+    def metadata(self) -> dict[str, str]:
+        return {"models": ",".join(sorted(self.stores)), "service": "persisting-kv"}
+
+    async def receive(self, msg: Any) -> Any:
+        if not self._started:
+            await self._start()
+        return await self.handler.handle(msg)
+
+    async def _start(self) -> None:
+        """Spawn the helper lanes and the session sweeper (needs the running system)."""
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._started:
+                return
+            system = pulsing.get_system()
+            lanes = []
+            for i in range(1, self.settings.service.lanes):
+                name = f"persisting_lane_{self._actor_id}_{i}"
+                await system.spawn(_Lane(self.handler), name=name, public=True)
+                lanes.append(name)
+            self.handler.lanes = lanes
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+            self._started = True
+
+    async def _sweep(self) -> None:
+        """Give back what crashed clients held, a few times per lease TTL."""
+        period = max(0.05, self.handler.lease_ttl_s / 4.0)
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            await asyncio.sleep(period)
+            with contextlib.suppress(Exception):
+                await loop.run_in_executor(None, self.handler.expire_sessions)
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop answering, give back every session's holdings and close the stores."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.handler.close()
+        self._close_stores()
+
+    def _close_stores(self) -> None:
+        for store in self.stores.values():
+            with contextlib.suppress(Exception):
+                store.close()
+
+
+__all__ = ["KVCacheStorageActor"]

@@ -1,0 +1,251 @@
+"""Client-side work for the cross-process service tests, run as its own OS process.
+
+``python tests/service/client_tasks.py <task> '<json args>'`` prints ``RESULT <json>`` and
+exits with ``os._exit`` (Pulsing 0.1.2 may crash at interpreter exit after a shutdown).
+Interactive tasks print ``READY <json>`` and wait for a line on stdin before going on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from service_helpers import MODEL, key, tensor
+
+from persisting.config import PersistingSettings
+from persisting.errors import PersistingError
+from persisting.kv import Layout, TokenHasher
+from persisting.service import KVCacheClient
+
+
+def _settings(args: dict[str, Any]) -> PersistingSettings:
+    service = {
+        "discovery_timeout_s": args.get("discovery_timeout_s", 15.0),
+        "member_retry_s": 0.5,
+        "request_timeout_s": 10.0,
+        "message_chunk_bytes": args.get("chunk_bytes", 256 << 10),
+    }
+    return PersistingSettings(models=[MODEL], service=service)
+
+
+async def _connect(args: dict[str, Any]) -> KVCacheClient:
+    return await KVCacheClient.connect(
+        seeds=args["seeds"],
+        name=args.get("name", "kvstore"),
+        model=args.get("model", MODEL),
+        passphrase=args.get("passphrase"),
+        settings=_settings(args),
+        same_host=args.get("same_host", True),
+        min_members=args.get("min_members", 1),
+    )
+
+
+async def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
+    """Store tensors of several sizes and kinds, read them back every way, bit-exact."""
+    client = await _connect(args)
+    base = args.get("base", 0)
+    try:
+        values = [
+            tensor(base + i, tokens=t, hidden=h)
+            for i, (t, h) in enumerate([(4, 32), (64, 1024), (256, 1024), (16, 64)])
+        ]
+        keys = [key(base + i) for i in range(len(values))]
+        puts = await client.batched_put(keys, values)
+        array = np.arange(3000, dtype=np.float32).reshape(2, 1, 1500, 1)
+        raw = bytes(range(256)) * 9000  # > one message chunk
+        await client.put(key(base + 10), array)
+        await client.put(key(base + 11), raw, fmt="binary")
+        single = [await client.get(k) for k in keys]
+        batched = await client.batched_get([*keys, key(base + 99)])
+        out = torch.empty_like(values[2])
+        layout = await client.get_into(keys[2], out)
+        wrong = Layout((2, 4, 4, 16), "bfloat16", "KV_2LTD", 1024)
+        errors: dict[str, str] = {}
+        try:
+            await client.put(key(base + 12), torch.zeros(2, 8, 1024, 1024, dtype=torch.bfloat16))
+        except PersistingError as exc:  # larger than the server's max_value_bytes
+            errors["too_large"] = type(exc).__name__
+        try:
+            await client.put("no-such-model@1@0@1@bfloat16", values[0])
+        except PersistingError as exc:
+            errors["foreign_key"] = type(exc).__name__
+        hasher = TokenHasher(model=MODEL, chunk_size=16)
+        tokens = list(range(base * 1000, base * 1000 + 64))
+        token_keys = [k for _s, _e, k in hasher.process_tokens(tokens)]
+        await client.batched_put(token_keys[:3], [tensor(i) for i in range(3)])
+        result = {
+            "stored": [p.stored for p in puts],
+            "single_exact": all(torch.equal(g, v) for g, v in zip(single, values, strict=True)),
+            "batched_exact": all(
+                torch.equal(g, v) for g, v in zip(batched[:-1], values, strict=True)
+            ),
+            "miss_is_none": batched[-1] is None,
+            "get_into_exact": layout is not None and torch.equal(out, values[2]),
+            "numpy_exact": bool(np.array_equal(await client.get(key(base + 10)), array)),
+            "bytes_exact": await client.get(key(base + 11)) == raw,
+            "expect_mismatch_is_miss": await client.get(keys[0], expect=wrong) is None,
+            "lookup_prefix": await client.lookup_prefix([*keys, key(base + 99), *keys]),
+            "lookup_tokens": await client.lookup_tokens(tokens, hasher=hasher),
+            "contains": [await client.contains(keys[0]), await client.contains(key(base + 99))],
+            "errors": errors,
+            "same_host": client.same_host(client.members[0]),
+            "client_counters": dict(client.counters),
+        }
+        result["removed"] = await client.remove(keys[3])
+        result["after_remove"] = await client.get(keys[3]) is None
+        return result
+    finally:
+        await client.close()
+
+
+async def connect_only(args: dict[str, Any]) -> dict[str, Any]:
+    try:
+        client = await _connect(args)
+    except PersistingError as exc:
+        return {"connected": False, "error": type(exc).__name__}
+    try:
+        value = tensor(5)
+        await client.put(key(500), value)
+        got = await client.get(key(500))
+        return {"connected": True, "exact": got is not None and torch.equal(got, value)}
+    finally:
+        await client.close()
+
+
+async def pin_and_hang(args: dict[str, Any]) -> dict[str, Any]:
+    """Pin a key, report, then hang until killed (a crashed client's pins must expire)."""
+    client = await _connect(args)
+    await client.put(key(700), tensor(700))
+    pinned = await client.pin(key(700))
+    print("READY " + json.dumps({"pinned": pinned}), flush=True)
+    await asyncio.sleep(3600)
+    return {}
+
+
+async def service_stats(args: dict[str, Any]) -> dict[str, Any]:
+    """The service counters of every member, optionally after waiting for a condition."""
+    client = await _connect(args)
+    try:
+        deadline = time.monotonic() + args.get("wait_s", 0)
+        while True:
+            stats = await client.stats()
+            member = next(iter(stats["members"].values()))
+            field, want = args.get("until", (None, None))
+            if field is None or member["service"].get(field) == want:
+                break
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        if "remove_unforced" in args:
+            member["removed_unforced"] = await client.remove(
+                key(args["remove_unforced"]), force=False
+            )
+        return member
+    finally:
+        await client.close()
+
+
+async def cluster(args: dict[str, Any]) -> dict[str, Any]:
+    """Spread keys over all members, wait while one is killed, then read everything back."""
+    client = await _connect(args)
+    n = args["keys"]
+    try:
+        keys = [key(i) for i in range(n)]
+        values = [tensor(i) for i in range(n)]
+        await client.batched_put(keys, values)
+        owners = {str(k): client.member_of(k) for k in keys}
+        print("READY " + json.dumps({"members": client.members, "owners": owners}), flush=True)
+        gone = sys.stdin.readline().strip()  # the test kills a member, then names it
+        got = await client.batched_get(keys)  # the dead member's keys: misses, no error
+        singles = [await client.get(k) for k in keys]
+        hits = {str(k): g is not None for k, g in zip(keys, got, strict=True)}
+        wrong = sum(
+            1
+            for g, v in zip(got + singles, values + values, strict=True)
+            if g is not None and not torch.equal(g, v)
+        )
+        prefix = await client.lookup_prefix(keys)
+        # New puts land on the survivors (the dead member is skipped) and read back.
+        fresh = [key(10_000 + i) for i in range(n)]
+        puts = await client.batched_put(fresh, [tensor(10_000 + i) for i in range(n)])
+        back = await client.batched_get(fresh)
+        return {
+            "gone": gone,
+            "hits": hits,
+            "single_hits": {str(k): g is not None for k, g in zip(keys, singles, strict=True)},
+            "wrong": wrong,
+            "lookup_prefix": prefix,
+            "fresh_stored": sum(p.stored for p in puts),
+            "fresh_back": sum(
+                b is not None and torch.equal(b, tensor(10_000 + i)) for i, b in enumerate(back)
+            ),
+            "live_after": client.members,
+            "fresh_owners": [client.member_of(k) for k in fresh],
+        }
+    finally:
+        await client.close()
+
+
+async def put_keys(args: dict[str, Any]) -> dict[str, Any]:
+    client = await _connect(args)
+    try:
+        keys = [key(i) for i in range(args["start"], args["stop"])]
+        puts = await client.batched_put(
+            keys, [tensor(i, tokens=4, hidden=16) for i in range(args["start"], args["stop"])]
+        )
+        return {"stored": sum(p.stored for p in puts)}
+    finally:
+        await client.close()
+
+
+async def present_keys(args: dict[str, Any]) -> dict[str, Any]:
+    client = await _connect(args)
+    try:
+        flags = [await client.contains(key(i)) for i in range(args["start"], args["stop"])]
+        stats = await client.stats()
+        member = next(iter(stats["members"].values()))
+        return {
+            "present": sum(flags),
+            "events": member.get("events", {}),
+            "store": member["stores"][MODEL],
+        }
+    finally:
+        await client.close()
+
+
+TASKS = {
+    "roundtrip": roundtrip,
+    "connect_only": connect_only,
+    "pin_and_hang": pin_and_hang,
+    "service_stats": service_stats,
+    "cluster": cluster,
+    "put_keys": put_keys,
+    "present_keys": present_keys,
+}
+
+
+def main() -> None:
+    task, raw = sys.argv[1], sys.argv[2]
+    try:
+        result = asyncio.run(TASKS[task](json.loads(raw)))
+        print("RESULT " + json.dumps(result), flush=True)
+        code = 0
+    except BaseException as exc:  # report, then exit without Pulsing's exit-time crash
+        print(f"FAILED {type(exc).__name__}: {exc}", flush=True)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

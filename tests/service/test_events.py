@@ -1,0 +1,73 @@
+"""Prewarm/evict event records: building, checking, and a trip through the real Lance queue."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from service_helpers import MODEL, OTHER_MODEL, key
+
+from actors.kv_events import publish_events
+from persisting.config import PersistingSettings
+from persisting.errors import InvalidValueError
+from persisting.kv import TokenHasher
+from persisting.queue import QueueConsumer
+from persisting.service.events import evict_event, make_event, parse_event, prewarm_event
+
+
+def test_events_by_key_and_by_tokens() -> None:
+    by_key = parse_event(evict_event(MODEL, [key(1), str(key(2))]))
+    assert by_key.op == "evict"
+    assert by_key.keys() == [str(key(1)), str(key(2))]
+    tokens = list(range(600))
+    by_tokens = make_event(
+        "prewarm", MODEL, tokens=tokens, chunk_size=256, world_size=2, worker_id=1, dtype="half"
+    )
+    hasher = TokenHasher(MODEL, chunk_size=256, world_size=2, worker_id=1, dtype="half")
+    assert by_tokens.keys() == [str(k) for _s, _e, k in hasher.process_tokens(tokens)]
+    assert len(by_tokens.keys()) == 2  # the partial chunk is not saved by default
+    record = by_tokens.to_record()
+    assert record["id"] == MODEL and parse_event(record) == by_tokens
+    numpy_tokens = dict(record, tokens=np.arange(600, dtype=np.int64))
+    assert parse_event(numpy_tokens).keys() == by_tokens.keys()
+
+
+@pytest.mark.parametrize(
+    ("record", "match"),
+    [
+        ({"op": "delete", "model": MODEL, "keys": ["x"]}, "op"),
+        ({"op": "evict", "model": "", "keys": [str(key(1))]}, "empty"),
+        ({"op": "evict", "model": MODEL}, "keys or tokens"),
+        ({"op": "evict", "model": MODEL, "keys": ["not-a-key"]}, "not a chunk key"),
+        ({"op": "evict", "model": MODEL, "keys": [str(key(1, OTHER_MODEL))]}, "not a key of"),
+        ({"op": "evict", "model": MODEL, "tokens": [1.5]}, "ints"),
+        ({"op": "evict", "model": MODEL, "tokens": [1], "chunk_size": 0}, "chunk_size"),
+        ({"op": "evict", "model": MODEL, "tokens": [1], "dtype": "complex"}, "hasher"),
+        ("evict", "dict"),
+    ],
+)
+def test_records_that_are_not_events_are_refused(record: object, match: str) -> None:
+    with pytest.raises(InvalidValueError, match=match):
+        parse_event(record)  # type: ignore[arg-type]
+
+
+def test_published_events_come_back_from_the_queue_in_order(tmp_path: Path) -> None:
+    settings = PersistingSettings(storage_path=tmp_path / "root", models=[MODEL])
+    records = [evict_event(MODEL, [key(1)]), prewarm_event(MODEL, tokens=list(range(512)))]
+    assert asyncio.run(publish_events(settings, records)) == 2
+    with pytest.raises(InvalidValueError):
+        asyncio.run(publish_events(settings, [{"op": "evict", "model": MODEL}]))
+
+    async def read() -> list[dict]:
+        consumer = QueueConsumer.open(settings.storage_path, "kv-events", 0, "t")
+        try:
+            return [r for _o, r in await consumer.poll(10)]
+        finally:
+            await consumer.close()
+
+    got = [parse_event(r) for r in asyncio.run(read())]
+    assert [e.op for e in got] == ["evict", "prewarm"]
+    assert got[0].keys() == [str(key(1))]
+    assert len(got[1].keys()) == 2

@@ -1,0 +1,232 @@
+"""The service across OS processes on loopback: servers and clients in separate processes.
+
+Every process runs in its own session and is killed (with its group) when the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from service_helpers import (
+    MODEL,
+    REPO,
+    free_port,
+    key,
+    kill_group,
+    processes,
+    run_client,
+    start_pulsing_actor,
+    start_serve,
+    wait_for_log,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def actor_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One server started by ``pulsing actor ...``, configured by environment variables."""
+    tmp = tmp_path_factory.mktemp("actor-server")
+    port = free_port()
+    with processes() as procs:
+        log = tmp / "server.log"
+        procs.append(
+            start_pulsing_actor(
+                tmp / "root", port, log, PERSISTING_KV__MAX_VALUE_BYTES=str(4 << 20)
+            )
+        )
+        wait_for_log(log, "Started at", procs[0])
+        yield f"127.0.0.1:{port}"
+
+
+def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
+    actor_server: str,
+) -> None:
+    for same_host, base in ((True, 0), (False, 100)):
+        result = run_client(
+            "roundtrip", {"seeds": [actor_server], "same_host": same_host, "base": base}
+        )
+        assert result["same_host"] is same_host
+        assert result["stored"] == [True, True, True, True]
+        for check in (
+            "single_exact",
+            "batched_exact",
+            "miss_is_none",
+            "get_into_exact",
+            "numpy_exact",
+            "bytes_exact",
+            "expect_mismatch_is_miss",
+            "removed",
+            "after_remove",
+        ):
+            assert result[check], (check, same_host)
+        assert result["lookup_prefix"] == 4  # stops at the missing fifth key
+        assert result["lookup_tokens"] == 48  # 3 stored chunks of 16 tokens
+        assert result["contains"] == [True, False]
+        assert result["errors"] == {"too_large": "CapacityError", "foreign_key": "InvalidKeyError"}
+        counters = result["client_counters"]
+        if same_host:  # payloads never rode in messages
+            assert counters["get_bytes_direct"] > 0 and counters["put_bytes_shm"] > 0
+            assert "get_bytes_message" not in counters and "put_bytes_message" not in counters
+        else:
+            assert counters["get_bytes_message"] > 0 and counters["put_bytes_message"] > 0
+            assert "get_bytes_direct" not in counters
+
+
+def test_pins_of_a_crashed_client_expire_after_the_lease_ttl(
+    actor_server: str, tmp_path: Path
+) -> None:
+    args = json.dumps({"seeds": [actor_server]})
+    with processes() as procs:
+        proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests/service/client_tasks.py"), "pin_and_hang", args],
+            cwd=REPO,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        procs.append(proc)  # type: ignore[arg-type]
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("READY") and json.loads(line[6:]) == {"pinned": True}
+        held = run_client("service_stats", {"seeds": [actor_server], "remove_unforced": 700})
+        assert held["service"]["pins"] == 1
+        assert held["removed_unforced"] is False  # the pin protects it
+        kill_group(proc)  # the client dies without unpinning
+    after = run_client(
+        "service_stats",
+        {"seeds": [actor_server], "until": ["pins", 0], "wait_s": 15, "remove_unforced": 700},
+    )
+    assert after["service"]["pins"] == 0
+    assert after["service"]["sessions_expired"] >= 1
+    assert after["removed_unforced"] is True  # nothing pins it any more
+
+
+def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
+    port = free_port()
+    with processes() as procs:
+        log = tmp_path / "server.log"
+        procs.append(
+            start_serve(tmp_path / "root", port, log, PERSISTING_SERVICE__PASSPHRASE="open-sesame")
+        )
+        wait_for_log(log, "persisting: serving", procs[0])
+        seeds = [f"127.0.0.1:{port}"]
+        quick = {"seeds": seeds, "discovery_timeout_s": 4.0}
+        assert run_client("connect_only", quick) == {
+            "connected": False,
+            "error": "ServiceUnavailableError",
+        }
+        assert run_client("connect_only", {**quick, "passphrase": "wrong"}) == {
+            "connected": False,
+            "error": "ServiceUnavailableError",
+        }
+        assert run_client("connect_only", {**quick, "passphrase": "open-sesame"}) == {
+            "connected": True,
+            "exact": True,
+        }
+
+
+def test_three_nodes_one_killed_survivors_keys_still_hit(tmp_path: Path) -> None:
+    ports = [free_port() for _ in range(3)]
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    n = 60
+    with processes() as procs:
+        for i, port in enumerate(ports):
+            log = tmp_path / f"node{i}.log"
+            procs.append(
+                start_pulsing_actor(tmp_path / f"root{i}", port, log, seeds=addrs[0] if i else None)
+            )
+            wait_for_log(log, "Started at", procs[-1])
+        args = json.dumps({"seeds": [addrs[0]], "keys": n, "min_members": 3})
+        client = subprocess.Popen(
+            [sys.executable, str(REPO / "tests/service/client_tasks.py"), "cluster", args],
+            cwd=REPO,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        procs.append(client)  # type: ignore[arg-type]
+        line = client.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("READY"), line
+        ready = json.loads(line[6:])
+        assert sorted(ready["members"]) == sorted(addrs)
+        owners = ready["owners"]
+        assert set(owners.values()) == set(addrs)  # every node holds some keys
+        victim = addrs[1]
+        kill_group(procs[1])  # mid-run: the client is connected and holds sessions
+        out, _ = client.communicate(victim + "\n", timeout=120)
+    result = next(json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT "))
+    assert result["wrong"] == 0
+    for k, member in owners.items():
+        expected = member != victim  # survivors' keys hit, the victim's are misses
+        assert result["hits"][k] is expected, (k, member)
+        assert result["single_hits"][k] is expected
+    victims_keys = [k for k, m in owners.items() if m == victim]
+    assert victims_keys
+    first_victim = min(i for i in range(n) if str(key(i)) in victims_keys)
+    assert result["lookup_prefix"] == first_victim
+    assert result["fresh_stored"] == n and result["fresh_back"] == n
+    assert victim not in result["fresh_owners"]
+
+
+def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -> None:
+    import asyncio
+
+    from actors.kv_events import publish_events
+    from persisting.config import PersistingSettings
+    from persisting.queue.positions import ConsumerPositions
+    from persisting.service.events import evict_event, prewarm_event
+
+    root = tmp_path / "root"
+    settings = PersistingSettings(storage_path=root, models=[MODEL])
+    port = free_port()
+    seeds = {"seeds": [f"127.0.0.1:{port}"]}
+    positions = ConsumerPositions(root / "queue" / "kv-events" / "bucket_0")
+    first, total = 150, 250
+    slow = {"PERSISTING_SERVICE__EVENT_BATCH_RECORDS": "1"}  # one commit per event
+
+    with processes() as procs:
+        log = tmp_path / "serve1.log"
+        procs.append(start_serve(root, port, log, **slow))
+        wait_for_log(log, "persisting: serving", procs[0])
+        assert run_client("put_keys", {**seeds, "start": 0, "stop": total + 10})["stored"] == 260
+        events = [evict_event(MODEL, [key(i)]) for i in range(first)]
+        asyncio.run(publish_events(settings, events))
+        deadline = time.monotonic() + 60
+        while (positions.get("kv-service/kvstore") or 0) < 20:
+            assert time.monotonic() < deadline, "the consumer made no progress"
+            time.sleep(0.05)
+        kill_group(procs[0])  # mid-stream: SIGKILL, no clean shutdown
+        killed_at = positions.get("kv-service/kvstore")
+        assert killed_at is not None and 20 <= killed_at < first
+        # More events arrive while the consumer is down.
+        events = [evict_event(MODEL, [key(i)]) for i in range(first, total)]
+        asyncio.run(publish_events(settings, events))
+        asyncio.run(
+            publish_events(
+                settings, [prewarm_event(MODEL, [key(i) for i in range(total, total + 10)])]
+            )
+        )
+
+        log = tmp_path / "serve2.log"
+        procs.append(start_serve(root, port, log, **slow))
+        wait_for_log(log, "persisting: serving", procs[-1])
+        deadline = time.monotonic() + 90
+        while positions.get("kv-service/kvstore") != total + 1:
+            assert time.monotonic() < deadline, positions.get("kv-service/kvstore")
+            time.sleep(0.1)
+        result = run_client("present_keys", {**seeds, "start": 0, "stop": total + 10})
+    assert result["present"] == 10  # every evicted key is gone, the prewarmed ones stay
+    events = result["events"]
+    assert int(events["resumed_from"]["0"]) >= killed_at  # resumed, did not replay
+    assert events["applied"] <= total + 1 - killed_at + 1  # at most one event twice
+    assert events["applied_prewarm"] == 1
+    assert result["store"]["memory_items"] >= 10  # prewarmed into the (restarted) memory tier
