@@ -1,0 +1,125 @@
+"""docs/operating.md does not rot: its shell and Python blocks run, in order, against a fresh
+storage root, and every metric its tables and PromQL name is one the exporter serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cli_ops_helpers import key, open_store, value
+
+from persisting.metrics import LATENCY_METRIC, QUEUE_LAG_METRIC, STORE_FIGURES, KVMetrics
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, KVMetrics]]:
+    """A live metrics endpoint over a real store that has seen traffic and a queue lag."""
+    metrics = KVMetrics()
+    store = open_store(tmp_path / "served-root")
+    metrics.attach(store)
+    store.put(key(1), value(1))
+    store.get(key(1))
+    store.get(key(2))
+    metrics.set_queue_lag("kv-events", 0, "prewarm", 3)
+    server = metrics.serve()
+    yield server.url, metrics
+    server.close()
+    metrics.detach(store)
+    store.close()
+
+
+def shell_env(metrics_url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["METRICS_URL"] = metrics_url
+    env["COLUMNS"] = "160"
+    return env
+
+
+def shims(env: dict[str, str]) -> str:
+    """Shell functions for `persisting` and `python` when this interpreter's directory lacks
+    them (pytest run by a Python other than the project's virtualenv)."""
+    out = ""
+    if shutil.which("persisting", path=env["PATH"]) is None:
+        out += f'persisting() {{ "{sys.executable}" -m persisting.cli "$@"; }}\n'
+    if shutil.which("python", path=env["PATH"]) is None:
+        out += f'python() {{ "{sys.executable}" "$@"; }}\n'
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_shell_blocks_run_in_order(tmp_path: Path, served: tuple[str, KVMetrics]) -> None:
+    url, _metrics = served
+    shell = blocks("bash")
+    assert len(shell) == 6
+    env = shell_env(url)
+    run = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", shims(env) + "\n".join(shell)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    inventory = json.loads((tmp_path / "inventory.json").read_text())
+    (model,) = inventory["models"]
+    assert model["model"] == "demo/llama" and model["chunks"] > 0
+    assert Path(inventory["root"]) == (tmp_path / "ops-demo").resolve()
+    lines = run.stdout.splitlines()
+    assert str(model["chunks"]) in lines  # the one-liner printed stats' disk items
+    assert f"server metrics at {url}" in run.stdout and "Latency of" in run.stdout
+    compaction = json.loads((tmp_path / "compaction.json").read_text())
+    assert [(d["kind"], d["name"], d["error"]) for d in compaction["datasets"]] == [
+        ("kv", "demo/llama", None)
+    ]
+    assert "Dropped demo/llama" in run.stdout
+    assert lines[-1].endswith("0 model(s), 0 queue topic(s).")  # the last inspect
+    assert not (tmp_path / "ops-demo" / "kv" / "demo%2Fllama").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_python_blocks_run(tmp_path: Path) -> None:
+    python = blocks("python")
+    assert python
+    for block in python:
+        run = subprocess.run(
+            [sys.executable, "-c", block],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=110,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_every_metric_is_documented_and_every_documented_metric_exists(
+    served: tuple[str, KVMetrics],
+) -> None:
+    _url, metrics = served
+    text = DOC.read_text()
+    table = set(re.findall(r"^\| `(persisting_[a-z_]+)` \|", text, flags=re.M))
+    exported = {f.sample_name for f in STORE_FIGURES} | {LATENCY_METRIC, QUEUE_LAG_METRIC}
+    assert table == exported
+    served_names = {
+        line.split("{")[0].split(" ")[0]
+        for line in metrics.render().splitlines()
+        if line.startswith("persisting_")
+    }
+    promql = blocks("promql")
+    assert len(promql) == 3
+    used = set(re.findall(r"persisting_[a-z_]+", "".join(promql)))
+    assert used and used <= served_names, used - served_names
