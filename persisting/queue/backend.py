@@ -473,7 +473,7 @@ class LanceBackend:
 
     def _read_lance(self, view: _View, start: int, end: int) -> list[dict[str, Any]]:
         try:
-            table = view.dataset.to_table(offset=start - view.first, limit=end - start)
+            table = self._scan(view, start, end)
         except Exception as exc:  # files of an old version cleaned up under us: retry fresh
             logger.debug("%s: read of an old version failed (%s); retrying", self.path, exc)
             self._refresh(True)  # a writer's own view is always current
@@ -485,7 +485,7 @@ class LanceBackend:
                     f"the earliest offset is {view.first}"
                 ) from exc
             end = min(end, view.next)
-            table = view.dataset.to_table(offset=start - view.first, limit=end - start)
+            table = self._scan(view, start, end)
         offsets = table.column(OFFSET)
         if (
             table.num_rows != end - start
@@ -494,6 +494,11 @@ class LanceBackend:
         ):
             raise CorruptValueError(f"{self.path}: rows at {start}..{end} have other offsets")
         return self._decoder(view.dataset.schema).decode_table(table)
+
+    @staticmethod
+    def _scan(view: _View, start: int, end: int) -> pa.Table:
+        columns = [name for name in view.dataset.schema.names if name != TIMESTAMP]
+        return view.dataset.to_table(columns=columns, offset=start - view.first, limit=end - start)
 
     def _decoder(self, schema: pa.Schema) -> RecordDecoder:
         cached = self._decoder_cache

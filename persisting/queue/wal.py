@@ -94,6 +94,7 @@ class WriteAheadLog:
         self._written = 0
         self._synced = 0
         self._sync_lock = threading.Lock()
+        self._directory_dirty = False
         self.fsyncs = 0
 
     # -- replay -----------------------------------------------------------------------------
@@ -180,10 +181,11 @@ class WriteAheadLog:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
                 _write_all(fd, MAGIC)
-                fsync_fd(fd)
             except OSError as exc:
                 raise StorageIOError(f"cannot create log segment {path}: {exc}") from exc
-            fsync_dir(self.directory)
+            # Made durable (file and directory entry) by the first sync of a record in it:
+            # until a record is acknowledged the segment holds nothing anyone relies on.
+            self._directory_dirty = True
             self._fd = fd
             self._active = (first_offset, path)
             self._active_frames = 0
@@ -209,15 +211,21 @@ class WriteAheadLog:
         with self._sync_lock:
             if upto is not None and self._synced >= upto:
                 return
-            target = self._written
-            if self._fd is None or self._synced >= target:
-                return
-            try:
-                fsync_fd(self._fd)
-            except OSError as exc:
-                raise StorageIOError(f"fsync of the log in {self.directory} failed: {exc}") from exc
-            self.fsyncs += 1
-            self._synced = target
+            self._sync_locked()
+
+    def _sync_locked(self) -> None:
+        target = self._written
+        if self._fd is None or self._synced >= target:
+            return
+        try:
+            fsync_fd(self._fd)
+            if self._directory_dirty:
+                fsync_dir(self.directory)
+                self._directory_dirty = False
+        except OSError as exc:
+            raise StorageIOError(f"fsync of the log in {self.directory} failed: {exc}") from exc
+        self.fsyncs += 1
+        self._synced = target
 
     @property
     def dirty(self) -> bool:
@@ -233,10 +241,7 @@ class WriteAheadLog:
         if self._fd is None:
             return
         try:
-            if self._synced < self._written:
-                fsync_fd(self._fd)
-                self.fsyncs += 1
-                self._synced = self._written
+            self._sync_locked()
         finally:
             os.close(self._fd)
             self._fd = None
@@ -258,6 +263,8 @@ class WriteAheadLog:
             ]
             if not doomed:
                 return 0
+            # No directory fsync: a deletion lost to a power cut only leaves records that
+            # replay skips (their offsets are already in Lance).
             for path in doomed:
                 try:
                     path.unlink()
@@ -265,7 +272,6 @@ class WriteAheadLog:
                     pass
                 except OSError as exc:
                     raise StorageIOError(f"cannot delete log segment {path}: {exc}") from exc
-            fsync_dir(self.directory)
             gone = set(doomed)
             self._closed = [(f, p) for f, p in self._closed if p not in gone]
             return len(doomed)
@@ -277,7 +283,6 @@ class WriteAheadLog:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             self._closed = []
-            fsync_dir(self.directory)
 
     # -- inspection -------------------------------------------------------------------------
 
@@ -295,19 +300,7 @@ class WriteAheadLog:
 
     def close(self) -> None:
         with self._sync_lock:
-            if self._fd is None:
-                return
-            try:
-                if self._synced < self._written:
-                    fsync_fd(self._fd)
-                    self.fsyncs += 1
-                    self._synced = self._written
-            finally:
-                os.close(self._fd)
-                self._fd = None
-            if self._active is not None:
-                self._closed.append(self._active)
-                self._active = None
+            self._close_active()
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -1,0 +1,291 @@
+"""Lance queue backend throughput and flush cost against baselines measured in the same run.
+
+    .venv/bin/python benchmarks/queue_bench.py [--large-rows 1000000] [--sections ...] [--json f]
+
+Baselines, run on the same records in the same process:
+
+- Pulsing's ``MemoryBackend`` (no persistence at all) for put and read throughput;
+- a *rewrite-everything* flush (each flush rewrites the whole dataset, as the earlier Lance
+  backend did) for flush cost.
+
+Sections:
+
+1. put throughput of small records: single ``put`` and ``put_batch(100)``, for
+   ``durability="wal"`` (fsync before every ack, group commit), ``"wal"`` with a 10 ms fsync
+   interval, and ``"flush"``; ratio against the memory backend.
+2. flush growth (the issue's check): 200k small records in 200 batches, one flush per batch;
+   median flush of the last 20 over the median of the first 20 (dataset creation excluded),
+   for LanceBackend and for the rewrite-everything baseline.
+3. steady-state flush latency (1000 records) at 10k rows and at ``--large-rows`` rows; ratio.
+4. read throughput: ``get(1000, offset)`` over 100k flushed records, against the memory
+   backend.
+
+Figures are medians; these machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lance
+import pyarrow as pa
+from pulsing.streaming import MemoryBackend
+
+from persisting.queue import LanceBackend
+
+
+def records(start: int, count: int) -> list[dict[str, Any]]:
+    return [
+        {"id": f"k{i}", "seq": i, "score": i * 0.5, "tag": "prewarm"}
+        for i in range(start, start + count)
+    ]
+
+
+def lance_backend(path: Path, **options: Any) -> LanceBackend:
+    options.setdefault("flush_interval_s", 0)
+    options.setdefault("compact_max_fragments", 32)
+    options.setdefault("batch_size", 10**9)  # flushes happen when the benchmark says
+    return LanceBackend(bucket_id=0, storage_path=path, **options)
+
+
+class RewriteEverythingBaseline:
+    """The earlier backend's flush: read the whole dataset, add the buffer, overwrite it all."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.buffer: list[dict[str, Any]] = []
+        self.count = 0
+
+    async def put_batch(self, rows: list[dict[str, Any]]) -> None:
+        self.buffer.extend(rows)
+
+    async def flush(self) -> None:
+        new = pa.Table.from_pylist(self.buffer)
+        if self.count:
+            new = pa.concat_tables([lance.dataset(str(self.path)).to_table(), new])
+        lance.write_dataset(new, str(self.path), mode="overwrite" if self.count else "create")
+        self.count = new.num_rows
+        self.buffer.clear()
+
+    def prefill(self, rows: int) -> None:
+        lance.write_dataset(pa.Table.from_pylist(records(0, rows)), str(self.path))
+        self.count = rows
+
+
+async def timed_flush(backend: Any) -> float:
+    started = time.perf_counter()
+    await backend.flush()
+    return time.perf_counter() - started
+
+
+# -- 1. puts ------------------------------------------------------------------------------------
+
+
+async def put_rate(backend: Any, singles: int, batches: int) -> tuple[float, float]:
+    started = time.perf_counter()
+    for i in range(singles):
+        await backend.put(records(i, 1)[0])
+    single = singles / (time.perf_counter() - started)
+    started = time.perf_counter()
+    for b in range(batches):
+        await backend.put_batch(records(singles + b * 100, 100))
+    batched = batches * 100 / (time.perf_counter() - started)
+    return single, batched
+
+
+async def bench_puts(workdir: Path, singles: int, batches: int) -> dict[str, Any]:
+    memory = await put_rate(MemoryBackend(bucket_id=0), singles, batches)
+    results = {"memory": memory}
+    variants = {
+        "lance wal (fsync per ack)": {"durability": "wal", "fsync_interval_ms": 0},
+        "lance wal (fsync 10 ms)": {"durability": "wal", "fsync_interval_ms": 10},
+        "lance flush": {"durability": "flush"},
+    }
+    for name, options in variants.items():
+        backend = lance_backend(workdir / f"puts-{len(results)}", batch_size=1000, **options)
+        try:
+            results[name] = await put_rate(backend, singles, batches)
+        finally:
+            backend.close()
+    print("\n1. put throughput, small records (records/s; ratio to Pulsing's memory backend)")
+    print(f"   {'backend':<28} {'put':>10} {'ratio':>7} {'put_batch(100)':>15} {'ratio':>7}")
+    for name, (single, batched) in results.items():
+        print(
+            f"   {name:<28} {single:>10.0f} {single / memory[0]:>7.2f} "
+            f"{batched:>15.0f} {batched / memory[1]:>7.2f}"
+        )
+    return {name: {"put": s, "put_batch": b} for name, (s, b) in results.items()}
+
+
+# -- 2. flush growth ----------------------------------------------------------------------------
+
+
+async def flush_series(backend: Any, batches: int, rows: int, start: int = 0) -> list[float]:
+    latencies = []
+    for b in range(batches):
+        await backend.put_batch(records(start + b * rows, rows))
+        latencies.append(await timed_flush(backend))
+    return latencies
+
+
+async def bench_growth(workdir: Path, batches: int, rows: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    lance_q = lance_backend(workdir / "growth")
+    try:
+        await lance_q.put_batch(records(0, 1))
+        await lance_q.flush()  # creates the columns: excluded, like dataset creation
+        latencies = await flush_series(lance_q, batches, rows, start=1)
+        stats = await lance_q.stats()
+    finally:
+        lance_q.close()
+    out["lance"] = latencies
+    baseline = RewriteEverythingBaseline(workdir / "growth-rewrite.lance")
+    await baseline.put_batch(records(0, 1))
+    await baseline.flush()  # dataset creation excluded
+    out["rewrite"] = await flush_series(baseline, batches, rows, start=1)
+
+    print(f"\n2. flush growth: {batches * rows} records in {batches} flushes of {rows}")
+    print(f"   {'flush':<24} {'first 20 ms':>12} {'last 20 ms':>11} {'last/first':>11}")
+    summary = {}
+    for name, series in (
+        ("LanceBackend (append)", out["lance"]),
+        ("rewrite everything", out["rewrite"]),
+    ):
+        first, last = statistics.median(series[:20]), statistics.median(series[-20:])
+        summary[name] = {"first20_ms": first * 1e3, "last20_ms": last * 1e3, "ratio": last / first}
+        print(f"   {name:<24} {first * 1e3:>12.1f} {last * 1e3:>11.1f} {last / first:>11.2f}")
+    print(
+        f"   LanceBackend ends with {stats['fragments']} fragments, {stats['versions']} versions, "
+        f"{stats['compactions']} compaction steps"
+    )
+    verdict = summary["LanceBackend (append)"]["ratio"] <= 1.5
+    print(f"   check: last-20 median <= 1.5x first-20 median: {'PASS' if verdict else 'FAIL'}")
+    summary["check_passed"] = verdict
+    return summary
+
+
+# -- 3. flush latency at 10k vs large -----------------------------------------------------------
+
+
+async def bench_steady(workdir: Path, large_rows: int) -> dict[str, Any]:
+    samples = 20
+    lance_q = lance_backend(workdir / "steady")
+    try:
+        await lance_q.put_batch(records(0, 10_000))
+        await lance_q.flush()
+        at_small = await flush_series(lance_q, samples, 1000, start=10_000)
+        filled = lance_q.total_count()
+        while filled < large_rows:
+            step = min(20_000, large_rows - filled)
+            await lance_q.put_batch(records(filled, step))
+            await lance_q.flush()
+            filled += step
+        time.sleep(1.0)  # let background compaction of the fill settle
+        at_large = await flush_series(lance_q, samples, 1000, start=filled)
+        stats = await lance_q.stats()
+    finally:
+        lance_q.close()
+
+    small_baseline = RewriteEverythingBaseline(workdir / "steady-rewrite-small.lance")
+    small_baseline.prefill(10_000)
+    base_small = await flush_series(small_baseline, 5, 1000, start=10_000)
+    large_baseline = RewriteEverythingBaseline(workdir / "steady-rewrite-large.lance")
+    large_baseline.prefill(large_rows)
+    base_large = await flush_series(large_baseline, 3, 1000, start=large_rows)
+
+    lance_small, lance_large = statistics.median(at_small), statistics.median(at_large)
+    rewrite_small, rewrite_large = statistics.median(base_small), statistics.median(base_large)
+    print(
+        f"\n3. steady-state flush of 1000 records at 10k rows and at {large_rows} rows (median ms)"
+    )
+    print(f"   {'flush':<24} {'at 10k':>8} {'at large':>9} {'large/10k':>10}")
+    print(
+        f"   {'LanceBackend (append)':<24} {lance_small * 1e3:>8.1f} {lance_large * 1e3:>9.1f} "
+        f"{lance_large / lance_small:>10.2f}"
+    )
+    print(
+        f"   {'rewrite everything':<24} {rewrite_small * 1e3:>8.1f} {rewrite_large * 1e3:>9.1f} "
+        f"{rewrite_large / rewrite_small:>10.2f}"
+    )
+    print(
+        f"   at {large_rows} rows LanceBackend flushes {rewrite_large / lance_large:.0f}x faster "
+        f"than rewriting; it holds {stats['fragments']} fragments, {stats['versions']} versions"
+    )
+    return {
+        "lance_ms": {"small": lance_small * 1e3, "large": lance_large * 1e3},
+        "rewrite_ms": {"small": rewrite_small * 1e3, "large": rewrite_large * 1e3},
+        "lance_ratio": lance_large / lance_small,
+        "rewrite_ratio": rewrite_large / rewrite_small,
+    }
+
+
+# -- 4. reads -----------------------------------------------------------------------------------
+
+
+async def read_rate(backend: Any, total: int) -> float:
+    started = time.perf_counter()
+    offset = 0
+    while offset < total:
+        offset += len(await backend.get(1000, offset))
+    return total / (time.perf_counter() - started)
+
+
+async def bench_reads(workdir: Path, total: int) -> dict[str, Any]:
+    memory = MemoryBackend(bucket_id=0)
+    lance_q = lance_backend(workdir / "reads")
+    try:
+        for start in range(0, total, 10_000):
+            await memory.put_batch(records(start, 10_000))
+            await lance_q.put_batch(records(start, 10_000))
+            await lance_q.flush()
+        memory_rate = statistics.median([await read_rate(memory, total) for _ in range(3)])
+        lance_rate = statistics.median([await read_rate(lance_q, total) for _ in range(3)])
+    finally:
+        lance_q.close()
+    print(f"\n4. read throughput, get(1000, offset) over {total} records (records/s)")
+    print(f"   memory backend {memory_rate:>12.0f}")
+    print(f"   LanceBackend   {lance_rate:>12.0f}   ratio {lance_rate / memory_rate:.3f}")
+    return {"memory": memory_rate, "lance": lance_rate}
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        workdir = Path(tmp)
+        print(f"queue benchmark in {workdir} (python {sys.version.split()[0]})")
+        sections = {
+            "puts": lambda: bench_puts(workdir, args.singles, args.put_batches),
+            "growth": lambda: bench_growth(workdir, args.batches, args.batch_rows),
+            "steady": lambda: bench_steady(workdir, args.large_rows),
+            "reads": lambda: bench_reads(workdir, args.read_rows),
+        }
+        return {name: await sections[name]() for name in args.sections}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--large-rows", type=int, default=1_000_000)
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--batch-rows", type=int, default=1000)
+    parser.add_argument("--singles", type=int, default=2000)
+    parser.add_argument("--put-batches", type=int, default=300)
+    parser.add_argument("--read-rows", type=int, default=100_000)
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["puts", "growth", "steady", "reads"],
+        choices=["puts", "growth", "steady", "reads"],
+    )
+    parser.add_argument("--dir", default=None, help="where to create the datasets")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    arguments = parser.parse_args()
+    results = asyncio.run(main(arguments))
+    if arguments.json:
+        Path(arguments.json).write_text(json.dumps(results, indent=2))
