@@ -1,0 +1,318 @@
+"""LMCache storage-backend I/O: LocalDiskBackend vs PersistingKVBackend, same workload.
+
+Modelled on LMCache's ``benchmarks/storage_backend_io/storage_backend_io_benchmark.py``
+(which does not ship in the lmcache wheel; this is an independent harness with the same
+method, not a copy): ``--num-ops`` chunks are submitted with ``batched_submit_put_task``
+from ``--concurrency`` threads (one slice each) and the write is timed until every key's
+``on_complete_callback`` has fired; the read times ``get_blocking`` of every key from the
+same number of threads, and each chunk read is then compared byte for byte with what was
+written (integrity errors are counted, misses included).
+
+Both backends get a ``LocalCPUBackend`` staging allocator, a fresh directory and fresh keys
+per round, and run alternately (the first backend swaps each round), so page-cache and
+disk state favour neither. The default chunk is LMCache's shape for ``kv_shape
+(28, 2, 256, 8, 128)`` bfloat16 (``[2, 28, 256, 1024]``, 28 MiB, KV_2LTD). Throughputs are
+medians over rounds; the ratio is Persisting / LocalDisk (> 1 means Persisting is faster).
+
+    .venv/bin/python benchmarks/lmcache_bench.py                 # default (~1-2 min)
+    .venv/bin/python benchmarks/lmcache_bench.py --shape 2,16,8,128 --fmt KV_T2D \\
+        --num-ops 256 --concurrency 16                           # LMCache's harness shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+from persisting.lmcache_backend import PersistingKVBackend
+
+MODEL = "meta-llama/Llama-3-8B"
+DTYPE = torch.bfloat16
+
+
+def _start_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="bench-loop", daemon=True)
+    thread.start()
+    return loop, thread
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def _metadata(kv_shape: tuple[int, int, int, int, int]) -> LMCacheMetadata:
+    return LMCacheMetadata(
+        model_name=MODEL,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=DTYPE,
+        kv_shape=kv_shape,
+    )
+
+
+def _make_backend(
+    name: str,
+    directory: Path,
+    metadata: LMCacheMetadata,
+    loop: asyncio.AbstractEventLoop,
+    persisting_options: dict[str, Any],
+) -> tuple[StorageBackendInterface, LocalCPUBackend]:
+    extra: dict[str, Any] = {}
+    config = LMCacheEngineConfig.from_defaults(
+        chunk_size=metadata.kv_shape[2],
+        local_cpu=True,
+        max_local_cpu_size=0.1,
+        lmcache_instance_id=f"bench_{name}_{time.time_ns()}",
+    )
+    if name == "local_disk":
+        config.local_disk = str(directory) + "/"
+        config.max_local_disk_size = 64.0
+    else:
+        extra = {"persisting.storage_path": str(directory), **persisting_options}
+    config.extra_config = extra
+    cpu = LocalCPUBackend(
+        config=config,
+        metadata=metadata,
+        dst_device="cpu",
+        memory_allocator=AdHocMemoryAllocator(device="cpu"),
+    )
+    backend: StorageBackendInterface
+    if name == "local_disk":
+        backend = LocalDiskBackend(
+            config=config, loop=loop, local_cpu_backend=cpu, dst_device="cpu", metadata=metadata
+        )
+    else:
+        backend = PersistingKVBackend(
+            config=config, dst_device="cpu", metadata=metadata, local_cpu_backend=cpu, loop=loop
+        )
+    return backend, cpu
+
+
+def _make_objects(n: int, shape: torch.Size, fmt: MemoryFormat, seed: int) -> list[MemoryObj]:
+    allocator = AdHocMemoryAllocator(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    objs = []
+    for _ in range(n):
+        obj = allocator.allocate([shape], [DTYPE], fmt=fmt)
+        assert obj is not None and obj.tensor is not None
+        obj.raw_data.copy_(
+            torch.randint(0, 256, obj.raw_data.shape, dtype=torch.uint8, generator=gen)
+        )
+        objs.append(obj)
+    return objs
+
+
+def _slices(n: int, parts: int) -> list[tuple[int, int]]:
+    size = max(1, -(-n // parts))
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _timed_writes(
+    backend: StorageBackendInterface,
+    keys: list[CacheEngineKey],
+    objs: list[MemoryObj],
+    concurrency: int,
+    timeout_s: float,
+) -> float:
+    done = threading.Event()
+    completed = 0
+    lock = threading.Lock()
+
+    def on_complete(_key: CacheEngineKey) -> None:
+        nonlocal completed
+        with lock:
+            completed += 1
+            if completed >= len(keys):
+                done.set()
+
+    def submit(span: tuple[int, int]) -> None:
+        a, b = span
+        backend.batched_submit_put_task(keys[a:b], objs[a:b], on_complete_callback=on_complete)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(submit, _slices(len(keys), concurrency)))
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"only {completed} of {len(keys)} puts completed in {timeout_s}s")
+    return time.perf_counter() - start
+
+
+def _timed_reads(
+    backend: StorageBackendInterface,
+    keys: list[CacheEngineKey],
+    concurrency: int,
+) -> tuple[float, list[MemoryObj | None]]:
+    results: list[MemoryObj | None] = [None] * len(keys)
+
+    def read(span: tuple[int, int]) -> None:
+        for i in range(*span):
+            results[i] = backend.get_blocking(keys[i])
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(read, _slices(len(keys), concurrency)))
+    return time.perf_counter() - start, results
+
+
+def _integrity_errors(objs: list[MemoryObj], got: list[MemoryObj | None]) -> int:
+    errors = 0
+    for want, have in zip(objs, got, strict=True):
+        if have is None or not torch.equal(have.raw_data[: want.get_size()], want.raw_data):
+            errors += 1
+        if have is not None:
+            have.ref_count_down()
+    return errors
+
+
+def run_one(
+    name: str,
+    args: argparse.Namespace,
+    round_no: int,
+    base: Path,
+    persisting_options: dict[str, Any],
+) -> dict[str, Any]:
+    """One backend, one round: fresh directory, fresh keys, write then read."""
+    shape = torch.Size(args.shape)
+    fmt = MemoryFormat[args.fmt]
+    kv_shape = (
+        (shape[1], shape[0], shape[2], 8, shape[3] // 8) if len(shape) == 4 else (4, 2, 256, 8, 128)
+    )
+    metadata = _metadata(kv_shape)  # type: ignore[arg-type]
+    directory = base / f"{name}-{round_no}"
+    directory.mkdir(parents=True)
+    loop, thread = _start_loop()
+    backend, cpu = _make_backend(name, directory, metadata, loop, persisting_options)
+    try:
+        keys = [
+            CacheEngineKey(MODEL, 1, 0, (round_no << 40) + i - (1 << 62), DTYPE)
+            for i in range(args.num_ops)
+        ]
+        objs = _make_objects(args.num_ops, shape, fmt, seed=round_no)
+        write_s = _timed_writes(backend, keys, objs, args.concurrency, args.timeout)
+        read_s, got = _timed_reads(backend, keys, args.concurrency)
+        errors = _integrity_errors(objs, got)
+        for obj in objs:
+            obj.ref_count_down()
+    finally:
+        backend.close()
+        cpu.close()
+        _stop_loop(loop, thread)
+        shutil.rmtree(directory, ignore_errors=True)
+    mib = args.num_ops * shape.numel() * DTYPE.itemsize / (1 << 20)
+    return {
+        "backend": name,
+        "round": round_no,
+        "write_s": write_s,
+        "read_s": read_s,
+        "write_ops_s": args.num_ops / write_s,
+        "read_ops_s": args.num_ops / read_s,
+        "write_mib_s": mib / write_s,
+        "read_mib_s": mib / read_s,
+        "integrity_errors": errors,
+    }
+
+
+def _summary(results: list[dict[str, Any]], name: str) -> dict[str, float]:
+    mine = [r for r in results if r["backend"] == name]
+    return {
+        "write_mib_s": statistics.median(r["write_mib_s"] for r in mine),
+        "read_mib_s": statistics.median(r["read_mib_s"] for r in mine),
+        "write_ops_s": statistics.median(r["write_ops_s"] for r in mine),
+        "read_ops_s": statistics.median(r["read_ops_s"] for r in mine),
+        "integrity_errors": sum(r["integrity_errors"] for r in mine),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-ops", type=int, default=24, help="chunks per round")
+    parser.add_argument("--concurrency", type=int, default=4, help="submitting/reading threads")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--shape",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=(2, 28, 256, 1024),
+        help="chunk shape (default: LMCache's KV_2LTD chunk of kv_shape (28,2,256,8,128))",
+    )
+    parser.add_argument("--fmt", default="KV_2LTD", choices=[f.name for f in MemoryFormat])
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--persisting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra_config for the plugin, e.g. --persisting persisting.memory_bytes=0",
+    )
+    parser.add_argument("--json", default=None, help="also write all results to this file")
+    args = parser.parse_args(argv)
+    persisting_options = dict(item.split("=", 1) for item in args.persisting)
+
+    base = Path(tempfile.mkdtemp(prefix="lmcache-bench-", dir=args.dir))
+    results: list[dict[str, Any]] = []
+    order = ["local_disk", "persisting"]
+    try:
+        for round_no in range(args.rounds):
+            for name in order if round_no % 2 == 0 else order[::-1]:
+                result = run_one(name, args, round_no, base, persisting_options)
+                results.append(result)
+                print(
+                    f"round {round_no} {name:>10}: write {result['write_mib_s']:8.1f} MiB/s "
+                    f"({result['write_ops_s']:7.1f} ops/s)  read {result['read_mib_s']:8.1f} "
+                    f"MiB/s ({result['read_ops_s']:7.1f} ops/s)  "
+                    f"integrity errors {result['integrity_errors']}",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    disk, ours = _summary(results, "local_disk"), _summary(results, "persisting")
+    print(
+        f"\nchunk {list(args.shape)} {args.fmt} bfloat16, {args.num_ops} ops x "
+        f"{args.rounds} rounds, concurrency {args.concurrency}, medians:"
+    )
+    for label, s in (("LocalDiskBackend", disk), ("PersistingKVBackend", ours)):
+        print(
+            f"  {label:<20} write {s['write_mib_s']:8.1f} MiB/s  read {s['read_mib_s']:8.1f} "
+            f"MiB/s  integrity errors {s['integrity_errors']}"
+        )
+    write_ratio = ours["write_mib_s"] / disk["write_mib_s"]
+    read_ratio = ours["read_mib_s"] / disk["read_mib_s"]
+    print(f"  ratio Persisting/LocalDisk: write {write_ratio:.2f}x  read {read_ratio:.2f}x")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"runs": results, "local_disk": disk, "persisting": ours}, indent=2)
+        )
+    return 1 if disk["integrity_errors"] or ours["integrity_errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The plugin's settings: extra_config ``persisting.*`` over TOML, environment and defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lmcache_harness import make_config, plugin_of, storage_manager
+
+from persisting.errors import ConfigError
+from persisting.lmcache_backend import settings_from_extra_config
+
+
+def test_extra_config_keys_override_the_store_settings(tmp_path: Path) -> None:
+    settings, options = settings_from_extra_config(
+        {
+            "persisting.storage_path": str(tmp_path),
+            "persisting.memory_bytes": "1048576",  # YAML and env give strings
+            "persisting.kv.disk_bytes": 1 << 30,
+            "persisting.durability": "sync",
+            "persisting.eviction": "prefix",
+            "persisting.io_threads": 2,
+            "storage_plugin.PersistingBackend.module_path": "ignored: not ours",
+            "use_odirect": True,
+        },
+        chunk_size=128,
+    )
+    assert settings.storage_path == tmp_path
+    assert settings.kv.memory_bytes == 1 << 20 and settings.kv.disk_bytes == 1 << 30
+    assert settings.kv.durability == "sync" and settings.kv.eviction == "prefix"
+    assert settings.kv.chunk_size == 128  # LMCache's chunk size
+    assert options.io_threads == 2
+
+
+def test_environment_and_toml_are_the_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    toml = tmp_path / "persisting.toml"
+    toml.write_text('storage_path = "/from/toml"\n[kv]\ndisk_bytes = 123456789\n')
+    monkeypatch.setenv("PERSISTING_KV__MEMORY_BYTES", "4096")
+    settings, _ = settings_from_extra_config({"persisting.config": str(toml)})
+    assert settings.storage_path == Path("/from/toml")
+    assert settings.kv.disk_bytes == 123456789 and settings.kv.memory_bytes == 4096
+    monkeypatch.setenv("PERSISTING_STORAGE_PATH", str(tmp_path / "env"))
+    settings, _ = settings_from_extra_config(None)
+    assert settings.storage_path == tmp_path / "env"
+
+
+def test_puts_complete_write_behind_unless_durability_is_configured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert settings_from_extra_config({})[0].kv.durability == "async"
+    # Without a memory tier there is nothing to write behind from.
+    assert settings_from_extra_config({"persisting.memory_bytes": 0})[0].kv.durability == "sync"
+    monkeypatch.setenv("PERSISTING_KV__DURABILITY", "sync")
+    assert settings_from_extra_config({})[0].kv.durability == "sync"
+    assert settings_from_extra_config({"persisting.durability": "evict"})[0].kv.durability == (
+        "evict"
+    )
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"persisting.no_such_thing": 1},
+        {"persisting.kv.storage_path": "/x"},
+        {"persisting.memory_bytes": -1},
+        {"persisting.durability": "sometimes"},
+        {"persisting.io_threads": 0},
+        {"persisting.io_threads": "many"},
+        {"persisting.config": "/no/such/file.toml"},
+    ],
+)
+def test_bad_settings_are_config_errors(extra: dict) -> None:
+    with pytest.raises(ConfigError):
+        settings_from_extra_config(extra)
+
+
+def test_the_plugin_reads_its_settings_from_the_lmcache_config(root: Path) -> None:
+    config = make_config(root, durability="sync", memory_bytes=0, io_threads=1)
+    with storage_manager(config) as manager:
+        plugin = plugin_of(manager)
+        assert plugin.options.io_threads == 1
+        store = plugin.stats()["stores"]
+        assert list(store) == ["meta-llama/Llama-3-8B"]
+        (only,) = store.values()
+        assert only["durability"] == "sync" and only["memory_capacity"] == 0
