@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from cli_ops_helpers import FILE_BYTES, MODEL, fill, key, open_store, same, value, write_queue
 from typer.testing import CliRunner, Result
 
@@ -148,3 +152,28 @@ def test_drop_rejects_unsafe_names_and_never_leaves_the_root(root: Path) -> None
         assert result.exit_code == 1 and "no model" in result.stderr
     assert (outside / "keep.txt").read_text() == "precious"
     assert LanceStore(root).list_models() == [MODEL]
+
+
+@pytest.mark.timeout(120)
+def test_drop_asks_on_a_terminal(root: Path) -> None:
+    fill(root, MODEL, 2)
+    for answer, code in ((b"n\n", 1), (b"y\n", 0)):
+        controller, terminal = pty.openpty()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "persisting.cli", "drop", MODEL, "--storage-path", root],
+                stdin=terminal,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            os.write(controller, answer)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            os.close(controller)
+            os.close(terminal)
+        assert proc.returncode == code, err
+        assert b"Drop model" in err and b"2 chunk(s)" in err
+        if code:
+            assert b"nothing dropped" in err and LanceStore(root).list_models() == [MODEL]
+        else:
+            assert b"Dropped" in out and LanceStore(root).list_models() == []
