@@ -23,14 +23,11 @@ see each flush as it is committed.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import fcntl
 import logging
 import os
 import statistics
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -38,12 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from pydantic import ValidationError
 
-from persisting.config import PersistingSettings, QueueSettings
 from persisting.errors import (
     AccessDeniedError,
-    ConfigError,
     CorruptValueError,
     InvalidValueError,
     OffsetTrimmedError,
@@ -55,8 +49,9 @@ from persisting.lance_store import LanceTable
 from persisting.lance_store.durable import makedirs_durable
 from persisting.lance_store.store import QUEUE_DATASET
 from persisting.lance_store.table import disk_usage
-from persisting.queue import maintenance
+from persisting.queue import maintenance, ownership, tensor_api
 from persisting.queue.codec import decode_record, encode_record
+from persisting.queue.options import resolve_options
 from persisting.queue.positions import ConsumerPositions
 from persisting.queue.schema import (
     OFFSET,
@@ -66,27 +61,14 @@ from persisting.queue.schema import (
     base_schema,
     normalize_record,
 )
+from persisting.queue.tensor_api import ConsumptionTracker, PutResult
 from persisting.queue.wal import WriteAheadLog, encode_frame, payload_crc
 
 logger = logging.getLogger(__name__)
 
 WAL_DIR = "wal"
-LOCK_FILE = "writer.lock"
 #: Dataset config key: every offset below it was trimmed (so offsets continue after it).
 TRIMMED_BEFORE = "persisting.queue.trimmed_before"
-
-#: Options beyond :class:`~persisting.config.QueueSettings` that the backend accepts.
-EXTRA_OPTIONS = {
-    "settings": None,
-    "read_only": False,
-    "max_buffer_records": 1_000_000,
-    "max_buffer_bytes": 256 << 20,
-    "poll_interval_s": 0.05,
-    "lock_timeout_s": 10.0,
-    "compact_target_rows": 1 << 20,
-    "read_batch_size": 1000,
-    "retention_interval_s": 5.0,
-}
 
 
 @dataclass(frozen=True)
@@ -102,18 +84,6 @@ class _View:
         return self.first + self.count
 
 
-@dataclass(frozen=True)
-class PutResult:
-    """What :meth:`LanceBackend.put_tensor` stored (the shape Pulsing's bucket inspects)."""
-
-    global_indexes: list[int]
-    field_names: list[str]
-
-    @property
-    def size(self) -> int:
-        return len(self.global_indexes)
-
-
 @dataclass
 class _Counters:
     puts: int = 0
@@ -123,7 +93,7 @@ class _Counters:
     cleanups: int = 0
     trimmed_records: int = 0
     errors: int = 0
-    flush_latency_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    flush_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))
 
 
 class _Notifier:
@@ -140,7 +110,7 @@ class _Notifier:
             self._waiters.append((loop, future))
         return future
 
-    async def wait(self, future: asyncio.Future, timeout: float | None) -> None:
+    async def wait(self, future: asyncio.Future, timeout: float) -> None:
         try:
             await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
@@ -172,13 +142,13 @@ class LanceBackend:
     """A queue bucket stored in Lance: the ``pulsing.streaming.StorageBackend`` protocol.
 
     Pulsing builds it as ``LanceBackend(bucket_id=, storage_path=, batch_size=, **options)``;
-    ``options`` are the fields of :class:`~persisting.config.QueueSettings` (``durability``,
-    ``fsync_interval_ms``, ``flush_interval_s``, ``compact_max_fragments``, ``retention_s``,
-    ``retain_until_consumed``, ``version_retention_s``; defaults from
-    :class:`~persisting.config.PersistingSettings`, i.e. ``PERSISTING_QUEUE__*``) and
-    ``read_only``, ``max_buffer_records``, ``max_buffer_bytes``, ``poll_interval_s``,
-    ``lock_timeout_s``, ``compact_target_rows``, ``read_batch_size``, ``retention_interval_s``
-    and ``settings`` (a PersistingSettings to take defaults from).
+    ``options`` are those of :class:`~persisting.queue.options.BackendOptions`: the fields of
+    :class:`~persisting.config.QueueSettings` (``durability``, ``fsync_interval_ms``,
+    ``flush_interval_s``, ``compact_max_fragments``, ``retention_s``, ``retain_until_consumed``,
+    ``version_retention_s``; defaults from ``PERSISTING_QUEUE__*``) and ``read_only``,
+    ``max_buffer_records``, ``max_buffer_bytes``, ``poll_interval_s``, ``lock_timeout_s``,
+    ``compact_target_rows``, ``read_batch_size``, ``retention_interval_s``; ``settings`` (a
+    PersistingSettings) replaces the environment as the source of defaults.
     """
 
     def __init__(
@@ -189,22 +159,18 @@ class LanceBackend:
         **options: Any,
     ):
         self.bucket_id = bucket_id
-        self.config, extra = _resolve_options(batch_size, options)
-        self.read_only: bool = bool(extra["read_only"])
+        self.config = resolve_options(batch_size, options)
+        self.read_only = self.config.read_only
         self.bucket_dir = Path(storage_path).expanduser().absolute()
         self.path = self.bucket_dir / QUEUE_DATASET
-        self._max_buffer_records = int(extra["max_buffer_records"])
-        self._max_buffer_bytes = int(extra["max_buffer_bytes"])
-        self._poll_interval_s = float(extra["poll_interval_s"])
-        self._compact_target_rows = int(extra["compact_target_rows"])
-        self._read_batch_size = int(extra["read_batch_size"])
-        self._retention_interval_s = float(extra["retention_interval_s"])
+        self.positions = ConsumerPositions(self.bucket_dir)
         self._use_wal = self.config.durability == "wal" and not self.read_only
 
         self._lock = threading.Lock()  # buffer, offsets, schema, view, log appends
         self._flush_lock = threading.Lock()  # one Lance writer at a time
         self._notifier = _Notifier()
         self._counters = _Counters()
+        self._consumption = ConsumptionTracker()
         self._buffer: list[dict[str, Any]] = []
         self._buffer_sizes: list[int] = []
         self._buffer_bytes = 0
@@ -216,16 +182,16 @@ class LanceBackend:
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._consumption: dict[str, tuple[int, set[int]]] = {}
-        self._decoder_cache: tuple[Any, RecordDecoder] | None = None
+        self._decoder_cache: tuple[pa.Schema, RecordDecoder] | None = None
         self._buffer_decoder: tuple[int, RecordDecoder] | None = None
         self._last_refresh = 0.0
-        self.positions = ConsumerPositions(self.bucket_dir)
 
         if not self.read_only:
-            _close_previous_writer(self)
+            ownership.close_previous_writer(self.bucket_dir)
             makedirs_durable(self.bucket_dir)
-            self._lock_fd = _acquire_writer_lock(self.bucket_dir, float(extra["lock_timeout_s"]))
+            self._lock_fd = ownership.acquire_writer_lock(
+                self.bucket_dir, self.config.lock_timeout_s
+            )
         try:
             self._table = LanceTable(self.path, base_schema())
             self._schema = RecordSchema(self._table.schema)
@@ -242,9 +208,7 @@ class LanceBackend:
         except BaseException:
             self._release_writer_lock()
             raise
-        _OPEN.add(self)
-        if not self.read_only:
-            _register_writer(self)
+        ownership.track(self, writer=not self.read_only)
 
     def __repr__(self) -> str:
         mode = "read-only" if self.read_only else self.config.durability
@@ -385,8 +349,8 @@ class LanceBackend:
             if len(self._buffer) >= self.config.batch_size:
                 self._wake.set()
             over_budget = (
-                len(self._buffer) >= self._max_buffer_records
-                or self._buffer_bytes >= self._max_buffer_bytes
+                len(self._buffer) >= self.config.max_buffer_records
+                or self._buffer_bytes >= self.config.max_buffer_bytes
             )
         return first, log_position, over_budget
 
@@ -485,7 +449,10 @@ class LanceBackend:
                     f"the earliest offset is {view.first}"
                 ) from exc
             end = min(end, view.next)
-            table = self._scan(view, start, end)
+            try:
+                table = self._scan(view, start, end)
+            except Exception as again:
+                raise StorageIOError(f"cannot read {self.path}: {again}") from again
         offsets = table.column(OFFSET)
         if (
             table.num_rows != end - start
@@ -523,7 +490,7 @@ class LanceBackend:
         """
         current, remaining = offset, limit
         while remaining > 0:
-            records = await self.get(min(remaining, self._read_batch_size), current)
+            records = await self.get(min(remaining, self.config.read_batch_size), current)
             if records:
                 yield records
                 current += len(records)
@@ -543,7 +510,7 @@ class LanceBackend:
                 await asyncio.to_thread(self._refresh, False)
             if self._visible_next() > offset:
                 return True
-            pause = self._poll_interval_s if self.read_only else 1.0
+            pause = self.config.poll_interval_s if self.read_only else 1.0
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -556,7 +523,8 @@ class LanceBackend:
             return self._view.next if self.read_only else self._next_offset
 
     def _refresh_due(self) -> bool:
-        return self.read_only and time.monotonic() - self._last_refresh >= self._poll_interval_s
+        elapsed = time.monotonic() - self._last_refresh
+        return self.read_only and elapsed >= self.config.poll_interval_s
 
     def _refresh(self, force: bool) -> None:
         """A reader's move to the newest committed version (rate-limited unless forced)."""
@@ -628,7 +596,7 @@ class LanceBackend:
         with self._lock:
             return self._view.first
 
-    # -- tensor-native methods ------------------------------------------------------------------
+    # -- tensor-native methods (records addressed by offset) ------------------------------------
 
     async def put_tensor(self, data: Any, **kwargs: Any) -> PutResult:
         """Store a record (or list of records) holding tensors; returns their offsets.
@@ -650,18 +618,12 @@ class LanceBackend:
 
     async def get_data(self, batch_meta: Any, fields: list[str] | None = None) -> Any:
         """The records at ``batch_meta``'s ``global_indexes`` (offsets), optionally projected."""
-        if isinstance(batch_meta, dict):
-            indexes = batch_meta.get("global_indexes") or [
-                s.get("global_index", -1) for s in batch_meta.get("samples", [])
-            ]
-        else:
-            indexes = getattr(batch_meta, "global_indexes", [])
         earliest, end = self.earliest_offset(), self._visible_next()
-        wanted = [int(i) for i in indexes if earliest <= int(i) < end]
+        wanted = [i for i in tensor_api.global_indexes(batch_meta) if earliest <= i < end]
         by_offset: dict[int, dict[str, Any]] = {}
-        for start, stop in _runs(sorted(set(wanted))):
-            for index, record in enumerate(await self.get(stop - start, start)):
-                by_offset[start + index] = record
+        for start, stop in tensor_api.contiguous_runs(wanted):
+            for index, record in enumerate(await self.get(stop - start, start), start):
+                by_offset[index] = record
         rows = [by_offset[i] for i in wanted if i in by_offset]
         if not fields:
             return rows
@@ -675,57 +637,23 @@ class LanceBackend:
         sampler: Any = None,
         **sampling_kwargs: Any,
     ) -> Any:
-        """Offsets not yet consumed by ``task_name`` (tracked in memory), as Pulsing expects."""
-        earliest, end = self.earliest_offset(), self._visible_next()
-        with self._lock:
-            cursor, consumed = self._consumption.get(task_name, (earliest, set()))
-            cursor = max(cursor, earliest)
-            while cursor in consumed:
-                consumed.discard(cursor)
-                cursor += 1
-            if sampler is None:
-                ready = []
-                index = cursor
-                while index < end and len(ready) < batch_size:
-                    if index not in consumed:
-                        ready.append(index)
-                    index += 1
-                sampled, marked = ready, ready
-            else:
-                ready = [i for i in range(cursor, end) if i not in consumed]
-                sampled, marked = sampler.sample(ready, batch_size, **sampling_kwargs)
-            consumed.update(marked)
-            self._consumption[task_name] = (cursor, consumed)
+        """Offsets ``task_name`` has not consumed yet (tracked in memory), as Pulsing expects."""
+        taken = self._consumption.take(
+            task_name,
+            batch_size,
+            self.earliest_offset(),
+            self._visible_next(),
+            sampler,
+            **sampling_kwargs,
+        )
         partition = sampling_kwargs.get("partition_id", "default")
-        return {
-            "samples": [
-                {
-                    "partition_id": partition,
-                    "global_index": index,
-                    "fields": {
-                        name: {
-                            "name": name,
-                            "dtype": None,
-                            "shape": None,
-                            "production_status": "ready",
-                        }
-                        for name in fields
-                    },
-                }
-                for index in sampled
-            ],
-            "global_indexes": list(sampled),
-        }
+        return tensor_api.batch_meta(taken, fields, partition)
 
     async def mark_consumed(self, task_name: str, global_indexes: list[int]) -> None:
-        with self._lock:
-            cursor, consumed = self._consumption.get(task_name, (0, set()))
-            consumed.update(int(i) for i in global_indexes)
-            self._consumption[task_name] = (cursor, consumed)
+        self._consumption.mark(task_name, global_indexes)
 
     async def reset_consumption(self, task_name: str) -> None:
-        with self._lock:
-            self._consumption.pop(task_name, None)
+        self._consumption.reset(task_name)
 
     # -- consumer positions and retention -------------------------------------------------------
 
@@ -812,7 +740,7 @@ class LanceBackend:
                     self._counters.cleanups += 1
                 if (
                     self.config.retention_s or self.config.retain_until_consumed
-                ) and now - last_retention >= self._retention_interval_s:
+                ) and now - last_retention >= self.config.retention_interval_s:
                     last_retention = now
                     self._apply_retention()
             except Exception:
@@ -829,7 +757,7 @@ class LanceBackend:
             if self._buffer and self.config.flush_interval_s > 0:
                 waits.append(self._oldest_buffered + self.config.flush_interval_s - now)
         if self.config.retention_s or self.config.retain_until_consumed:
-            waits.append(last_retention + self._retention_interval_s - now)
+            waits.append(last_retention + self.config.retention_interval_s - now)
         return max(0.0, min(waits))
 
     def _flush_due(self, now: float) -> bool:
@@ -848,7 +776,7 @@ class LanceBackend:
             steps = maintenance.compact(
                 self._table,
                 max_small=self.config.compact_max_fragments,
-                target_rows=self._compact_target_rows,
+                target_rows=self.config.compact_target_rows,
             )
             if steps:
                 with self._lock:
@@ -881,7 +809,7 @@ class LanceBackend:
                 self._wal.close()
             self._release_writer_lock()
             self._closed = True
-            _OPEN.discard(self)
+            ownership.untrack(self)
             self._notifier.notify_all()
 
     async def aclose(self) -> None:
@@ -899,68 +827,12 @@ class LanceBackend:
 
     def _release_writer_lock(self) -> None:
         if self._lock_fd is not None:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            finally:
-                os.close(self._lock_fd)
-                self._lock_fd = None
-
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def _resolve_options(batch_size: int, options: dict[str, Any]) -> tuple[QueueSettings, dict]:
-    known = set(QueueSettings.model_fields) | set(EXTRA_OPTIONS)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ConfigError(
-            f"unknown LanceBackend option(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-    extra = {name: options.get(name, default) for name, default in EXTRA_OPTIONS.items()}
-    settings = extra["settings"]
-    if settings is None:
-        base = PersistingSettings.load().queue
-    elif isinstance(settings, PersistingSettings):
-        base = settings.queue
-    elif isinstance(settings, QueueSettings):
-        base = settings
-    else:
-        raise ConfigError(f"settings must be PersistingSettings or QueueSettings, got {settings!r}")
-    merged = base.model_dump()
-    merged.update({k: v for k, v in options.items() if k in QueueSettings.model_fields})
-    merged["batch_size"] = batch_size
-    try:
-        config = QueueSettings(**merged)
-    except ValidationError as exc:
-        raise ConfigError(f"invalid LanceBackend options: {exc}") from exc
-    for name in ("max_buffer_records", "max_buffer_bytes", "compact_target_rows"):
-        if isinstance(extra[name], bool) or not isinstance(extra[name], int) or extra[name] <= 0:
-            raise ConfigError(f"{name} must be a positive int, got {extra[name]!r}")
-    if isinstance(extra["read_batch_size"], bool) or not isinstance(extra["read_batch_size"], int):
-        raise ConfigError(f"read_batch_size must be an int, got {extra['read_batch_size']!r}")
-    if extra["read_batch_size"] <= 0:
-        raise ConfigError(f"read_batch_size must be positive, got {extra['read_batch_size']}")
-    for name in ("poll_interval_s", "lock_timeout_s", "retention_interval_s"):
-        value = extra[name]
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
-    return config, extra
+            fd, self._lock_fd = self._lock_fd, None
+            ownership.release_writer_lock(fd)
 
 
 def _which(index: int, total: int) -> str:
     return f"record {index} of {total}: " if total > 1 else ""
-
-
-def _runs(indexes: list[int]) -> list[tuple[int, int]]:
-    """Sorted distinct ints as half-open runs of consecutive values."""
-    runs: list[tuple[int, int]] = []
-    for index in indexes:
-        if runs and runs[-1][1] == index:
-            runs[-1] = (runs[-1][0], index + 1)
-        else:
-            runs.append((index, index + 1))
-    return runs
 
 
 def _latency_summary(latencies: list[float]) -> dict[str, float | None]:
@@ -973,67 +845,6 @@ def _latency_summary(latencies: list[float]) -> dict[str, float | None]:
     }
 
 
-def _acquire_writer_lock(bucket_dir: Path, timeout_s: float) -> int:
-    """An exclusive ``flock`` on the bucket's lock file (the kernel drops it if we die)."""
-    path = bucket_dir / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise StorageIOError(f"cannot open {path}: {exc}") from exc
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise StorageIOError(
-                    f"queue bucket {bucket_dir} is being written by another process "
-                    f"(pid {holder}); open it with read_only=True to read it"
-                ) from None
-            time.sleep(0.05)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
+close_all = ownership.close_all
 
-
-# Open backends of this process: closed (flushed) at interpreter exit, or by close_all().
-_OPEN: weakref.WeakSet[LanceBackend] = weakref.WeakSet()
-_WRITERS: dict[Path, weakref.ref[LanceBackend]] = {}
-_WRITERS_LOCK = threading.Lock()
-
-
-def _close_previous_writer(backend: LanceBackend) -> None:
-    """Within one process the newest writer of a bucket wins: the old one is flushed first.
-
-    (Pulsing never closes a bucket's backend; a restarted actor system in the same process
-    must still be able to open the bucket again.)
-    """
-    with _WRITERS_LOCK:
-        ref = _WRITERS.get(backend.bucket_dir)
-    previous = ref() if ref is not None else None
-    if previous is not None and not previous.closed:
-        logger.warning("closing the previous writer of %s in this process", backend.bucket_dir)
-        previous.close()
-
-
-def _register_writer(backend: LanceBackend) -> None:
-    with _WRITERS_LOCK:
-        _WRITERS[backend.bucket_dir] = weakref.ref(backend)
-
-
-def close_all() -> None:
-    """Flush and close every backend open in this process (call before ``os._exit``)."""
-    for backend in list(_OPEN):
-        try:
-            backend.close()
-        except Exception:
-            logger.exception("closing %r failed", backend)
-
-
-atexit.register(close_all)
-
-
-__all__ = ["EXTRA_OPTIONS", "TRIMMED_BEFORE", "LanceBackend", "PutResult", "close_all"]
+__all__ = ["TRIMMED_BEFORE", "WAL_DIR", "LanceBackend", "PutResult", "close_all"]

@@ -12,7 +12,7 @@ import struct
 from typing import Any
 
 from persisting.errors import CorruptValueError
-from persisting.queue.schema import EncodedTensor
+from persisting.queue.tensors import EncodedTensor
 
 _NONE, _TRUE, _FALSE = b"N", b"T", b"F"
 _INT, _FLOAT, _STR, _BYTES = b"i", b"d", b"s", b"b"

@@ -19,14 +19,11 @@ them or with Lance's reserved names (see :func:`column_name`).
 from __future__ import annotations
 
 import json
-import math
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 from urllib.parse import unquote
 
-import numpy as np
 import pyarrow as pa
 
 from persisting.errors import (
@@ -35,21 +32,18 @@ from persisting.errors import (
     PersistingError,
     SchemaMismatchError,
 )
+from persisting.queue.tensors import (
+    EncodedTensor,
+    decode_tensor,
+    encode_tensor,
+    is_tensor_field,
+    tensor_field,
+)
 
 OFFSET = "_offset"
 TIMESTAMP = "_ts"
 KEYS = "_keys"
 RESERVED = frozenset((OFFSET, TIMESTAMP, KEYS))
-
-TENSOR_MARK = {b"persisting.type": b"tensor"}
-TENSOR_TYPE = pa.struct(
-    [
-        pa.field("kind", pa.string()),
-        pa.field("dtype", pa.string()),
-        pa.field("shape", pa.list_(pa.int64())),
-        pa.field("data", pa.large_binary()),
-    ]
-)
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -98,95 +92,6 @@ def key_name(column: str) -> str:
     if column == "%":
         return ""
     return unquote(column) if "%" in column else column
-
-
-# -- tensors ------------------------------------------------------------------------------
-
-
-class EncodedTensor(dict):
-    """A numpy array, numpy scalar or torch tensor as ``{kind, dtype, shape, data}``.
-
-    A ``dict`` so Arrow converts it straight into the tensor struct; its own type so the
-    schema and the log can tell it from a user's nested dict.
-    """
-
-
-def _torch_module() -> Any:
-    return sys.modules.get("torch")
-
-
-def encode_tensor(value: Any, path: str) -> EncodedTensor | None:
-    """``value`` as an :class:`EncodedTensor`, or None if it is not an array or tensor."""
-    if isinstance(value, np.ndarray | np.generic):
-        array = np.asarray(value)
-        if array.dtype.hasobject or array.dtype.fields is not None:
-            raise InvalidValueError(
-                f"field {path!r}: numpy dtype {array.dtype} cannot be stored without pickle "
-                "(object and structured dtypes are not supported)"
-            )
-        return EncodedTensor(
-            kind="numpy" if isinstance(value, np.ndarray) else "numpy_scalar",
-            dtype=array.dtype.str,
-            shape=list(array.shape),
-            data=array.tobytes(order="C"),
-        )
-    torch = _torch_module()
-    if torch is not None and isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.is_quantized:
-            raise InvalidValueError(
-                f"field {path!r}: only dense (strided, unquantized) torch tensors can be stored"
-            )
-        tensor = value.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        flat = tensor.contiguous().reshape(-1)
-        return EncodedTensor(
-            kind="torch",
-            dtype=str(tensor.dtype).removeprefix("torch."),
-            shape=list(tensor.shape),
-            data=flat.view(torch.uint8).numpy().tobytes(),
-        )
-    return None
-
-
-def decode_tensor(value: Mapping[str, Any]) -> Any:
-    """The numpy array, numpy scalar or torch tensor an :class:`EncodedTensor` describes."""
-    kind, dtype_name, shape, data = value["kind"], value["dtype"], value["shape"], value["data"]
-    shape = tuple(int(n) for n in shape)
-    count = math.prod(shape)
-    if kind in ("numpy", "numpy_scalar"):
-        dtype = np.dtype(dtype_name)
-        if len(data) != count * dtype.itemsize:
-            raise CorruptValueError(
-                f"tensor data is {len(data)} bytes, expected {count * dtype.itemsize} "
-                f"for {dtype} {list(shape)}"
-            )
-        array = np.frombuffer(data, dtype=dtype, count=count).reshape(shape).copy()
-        return array[()] if kind == "numpy_scalar" else array
-    if kind == "torch":
-        import torch
-
-        torch_dtype = getattr(torch, dtype_name, None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise CorruptValueError(f"unknown torch dtype {dtype_name!r}")
-        itemsize = torch.empty((), dtype=torch_dtype).element_size()
-        if len(data) != count * itemsize:
-            raise CorruptValueError(
-                f"tensor data is {len(data)} bytes, expected {count * itemsize} "
-                f"for {dtype_name} {list(shape)}"
-            )
-        if count == 0:
-            return torch.empty(shape, dtype=torch_dtype)
-        return torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(shape)
-    raise CorruptValueError(f"unknown tensor kind {kind!r}")
-
-
-def is_tensor_field(field: pa.Field) -> bool:
-    return field.metadata is not None and field.metadata.get(b"persisting.type") == b"tensor"
-
-
-def tensor_field(name: str) -> pa.Field:
-    return pa.field(name, TENSOR_TYPE, metadata=TENSOR_MARK)
 
 
 # -- normalizing values -------------------------------------------------------------------
@@ -410,6 +315,7 @@ class RecordSchema:
         self._fields: dict[str, pa.Field] = {f.name: f for f in schema if f.name not in RESERVED}
         self.generation = 0
         self._keys_cache: dict[tuple[str, ...], str] = {}
+        self._scalar_fits: dict[tuple[str, type], pa.Field] = {}
 
     def fields(self) -> list[pa.Field]:
         return list(self._fields.values())
@@ -443,10 +349,18 @@ class RecordSchema:
         row: dict[str, Any] = {}
         entries: list[Any] = []
         plain = True
+        fast = self._scalar_fits
         for key, value in record.items():
             column = column_name(key)
             old = fields.get(column)
+            kind = type(value)
+            if old is not None and fast.get((column, kind)) is old:
+                row[column] = value  # a scalar of a type this very column already took
+                entries.append(key)
+                continue
             new = widen(old, value, column, key)
+            if new is not None and kind in _SCALARS:
+                fast[(column, kind)] = new
             if new is None or (old is not None and new is old and _untyped(value)):
                 if value is None and old is not None:
                     entries.append(key)  # the column reads null: exactly None
@@ -489,6 +403,9 @@ def _as_user_value(value: Any) -> Any:
     if isinstance(value, dict):
         return {key_name(k): _as_user_value(v) for k, v in value.items()}
     return value
+
+
+_SCALARS = frozenset((bool, int, float, str, bytes))
 
 
 def _untyped(value: Any) -> bool:
@@ -611,13 +528,10 @@ __all__ = [
     "OFFSET",
     "RESERVED",
     "TIMESTAMP",
-    "EncodedTensor",
     "RecordDecoder",
     "RecordSchema",
     "base_schema",
     "column_name",
-    "decode_tensor",
-    "encode_tensor",
     "field_delta",
     "fit",
     "key_name",
