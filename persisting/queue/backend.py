@@ -440,7 +440,7 @@ class LanceBackend:
             table = self._scan(view, start, end)
         except Exception as exc:  # files of an old version cleaned up under us: retry fresh
             logger.debug("%s: read of an old version failed (%s); retrying", self.path, exc)
-            self._refresh(True)  # a writer's own view is always current
+            self._refresh(True)
             with self._lock:
                 view = self._view
             if start < view.first:
@@ -527,18 +527,28 @@ class LanceBackend:
         return self.read_only and elapsed >= self.config.poll_interval_s
 
     def _refresh(self, force: bool) -> None:
-        """A reader's move to the newest committed version (rate-limited unless forced)."""
-        if not self.read_only or (not force and not self._refresh_due()):
+        """Move to the newest committed version.
+
+        A reader does it to see new flushes (at most every ``poll_interval_s`` unless
+        forced); a writer only when forced, after the files of the version it read were
+        cleaned up by a compaction run elsewhere (``persisting compact``).
+        """
+        if not force and not self._refresh_due():
             return
         self._last_refresh = time.monotonic()
-        if not self._table.refresh() and not force:
-            return
-        view, last_ts = self._load_view()
-        with self._lock:
-            self._view = view
-            self._last_ts = max(self._last_ts, last_ts)
-            if self.read_only:
+        if self.read_only:
+            if not self._table.refresh() and not force:
+                return
+            view, _ = self._load_view()
+            with self._lock:
+                self._view = view
                 self._next_offset = view.next
+            return
+        with self._flush_lock:  # no flush may commit between the reload and the swap
+            self._table.refresh()
+            view, _ = self._load_view()
+            with self._lock:
+                self._view = view
 
     async def stats(self) -> dict[str, Any]:
         """Records, bytes, flushes and their latency, fragments, versions and log size."""

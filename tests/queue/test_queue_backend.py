@@ -299,3 +299,26 @@ def test_tensor_methods_use_offsets_as_global_indexes(open_backend) -> None:
             await backend.put_tensor("nope")
 
     asyncio.run(go())
+
+
+def test_a_compaction_run_elsewhere_under_a_live_writer_loses_nothing(open_backend) -> None:
+    from datetime import timedelta
+
+    from persisting.lance_store import LanceTable
+
+    backend = open_backend(compact_max_fragments=1000)
+
+    async def go() -> None:
+        for batch in range(6):
+            await backend.put_batch(small_records(batch * 10, 10))
+            await backend.flush()
+        other = LanceTable(backend.path, lance.dataset(str(backend.path)).schema)
+        other.compact()  # what `persisting compact` does to a bucket
+        other.cleanup(timedelta(0))  # the writer's current version's files are gone now
+        assert await backend.get(100, 0) == small_records(0, 60)
+        await backend.put_batch(small_records(60, 5))
+        await backend.flush()
+        assert await backend.get(100, 0) == small_records(0, 65)
+
+    asyncio.run(go())
+    assert offsets_in(backend) == list(range(65))
