@@ -47,7 +47,9 @@ def open_root(path: str | Path) -> LanceStore:
     """The storage root at ``path``; a path that does not exist is a ConfigError."""
     store = LanceStore(path)
     if not store.root.is_dir():
-        raise ConfigError(f"no storage root at {store.root} (check --storage-path)")
+        raise ConfigError(
+            f"no storage root at {store.root} (check --storage-path or PERSISTING_STORAGE_PATH)"
+        )
     return store
 
 
