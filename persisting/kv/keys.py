@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import xxhash
@@ -213,8 +214,17 @@ def key_string(key: object) -> str:
     """
     if isinstance(key, ChunkKey):
         return key.to_string()
-    parse_key(key)
-    return key  # type: ignore[return-value]
+    if not isinstance(key, str):
+        parse_key(key)  # raises the typed error
+    return _checked(key)  # type: ignore[arg-type]
+
+
+@lru_cache(maxsize=1 << 16)
+def _checked(text: str) -> str:
+    """``text`` once it parses; remembered, since the same keys are looked up again and again
+    (contains, then get, then pin...). Failures are not cached: they raise every time."""
+    parse_key(text)
+    return text
 
 
 class TokenHasher:

@@ -1,4 +1,4 @@
-"""Layouts another system defines (LMCache MemoryObjs) are stored as they are, on request."""
+"""What the LMCache plugin needs from the KV layer: foreign layouts, cheap repeated key checks."""
 
 from __future__ import annotations
 
@@ -37,3 +37,17 @@ def test_check_shape_false_keeps_a_foreign_layout_exactly(root: Path) -> None:
         assert torch.equal(store.get(KEY, expect=want), value)
         with pytest.raises(InvalidValueError):  # an unknown name is still refused
             store.put(KEY.replace("-2a", "-2b"), value, fmt="KV_9D", check_shape=False)
+
+
+def test_key_strings_are_validated_every_time_even_when_remembered() -> None:
+    from persisting.errors import InvalidKeyError
+    from persisting.kv import key_string
+
+    good = f"{MODEL}@2@1@-7f@half@7@t%v"
+    assert key_string(good) is good and key_string(good) is good  # verbatim, cached
+    for bad in (f"{MODEL}@2@2@1f@half", f"{MODEL}@1@0@xyz@half", "short@1"):
+        for _ in range(2):
+            with pytest.raises(InvalidKeyError):
+                key_string(bad)
+    with pytest.raises(InvalidKeyError):
+        key_string(12345)
