@@ -12,7 +12,9 @@ file named by ``PERSISTING_CONFIG``).
 
 Pulsing hands one actor one message at a time, so the actor also spawns ``lanes - 1``
 helper actors over the same stores; a client spreads its requests over all of them, and
-the store calls themselves run on a thread pool. The protocol lives in
+the store calls themselves run on a thread pool. Clients on the same host send their
+requests over a Unix socket instead (:mod:`persisting.service.local_channel`), once their
+session is open. The protocol lives in
 :class:`persisting.service.handler.StorageHandler`; this module only connects it to Pulsing
 and expires idle client sessions in the background.
 """
@@ -33,6 +35,7 @@ from persisting.errors import ConfigError
 from persisting.kv import KVStore
 from persisting.lance_store import validate_name
 from persisting.service.handler import StorageHandler
+from persisting.service.local_channel import LocalChannelServer
 
 
 class _Lane(pulsing.Actor):
@@ -87,6 +90,7 @@ class KVCacheStorageActor(pulsing.Actor):
         self._started = False
         self._start_lock: asyncio.Lock | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._channel: LocalChannelServer | None = None
         self._closed = False
 
     # -- Pulsing lifecycle ---------------------------------------------------------------
@@ -119,6 +123,11 @@ class KVCacheStorageActor(pulsing.Actor):
                 await system.spawn(_Lane(self.handler), name=name, public=True)
                 lanes.append(name)
             self.handler.lanes = lanes
+            try:  # same-host clients send requests here instead of through Pulsing
+                self._channel = LocalChannelServer(self.handler.handle)
+                self.handler.local_channel = await self._channel.start()
+            except OSError:
+                self._channel = None
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
             self._started = True
 
@@ -140,6 +149,8 @@ class KVCacheStorageActor(pulsing.Actor):
         self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._channel is not None:
+            self._channel.close()
         self.handler.close()
         self._close_stores()
 

@@ -80,26 +80,32 @@ def _wait_ready(proc: Any) -> None:
 
 
 async def _paired(
-    baseline: Callable[[], Awaitable[int]],
-    candidate: Callable[[], Awaitable[int]],
+    units: list[tuple[Callable[[], Awaitable[int]], Callable[[], Awaitable[int]]]],
     rounds: int,
 ) -> tuple[float, float, float]:
-    """Median MB/s of both, and the median per-round ratio candidate/baseline.
+    """MB/s of the baseline and the candidate, and the median per-unit time ratio.
 
-    Rounds alternate between the two (after one warm-up round each), so load from other
-    processes on the machine hits both alike.
+    A unit is one get (or one batch) done both ways, back to back, so load from other
+    processes on the machine falls on both alike; the ratio is the median over all units
+    of baseline time / candidate time (> 1: the candidate is faster).
     """
-    await baseline()
-    await candidate()
-    base_rates: list[float] = []
-    cand_rates: list[float] = []
+    for baseline, candidate in units:  # warm-up
+        await baseline()
+        await candidate()
+    base_time = cand_time = 0.0
+    nbytes = 0
+    ratios: list[float] = []
     for _ in range(rounds):
-        for fn, rates in ((baseline, base_rates), (candidate, cand_rates)):
+        for baseline, candidate in units:
             start = time.perf_counter()
-            nbytes = await fn()
-            rates.append(nbytes / (time.perf_counter() - start) / 1e6)
-    ratios = [c / b for b, c in zip(base_rates, cand_rates, strict=True)]
-    return statistics.median(base_rates), statistics.median(cand_rates), statistics.median(ratios)
+            nbytes += await baseline()
+            middle = time.perf_counter()
+            await candidate()
+            end = time.perf_counter()
+            base_time += middle - start
+            cand_time += end - middle
+            ratios.append((middle - start) / (end - middle))
+    return nbytes / base_time / 1e6, nbytes / cand_time / 1e6, statistics.median(ratios)
 
 
 async def _check_exact(
@@ -159,30 +165,34 @@ async def _bench(args: argparse.Namespace) -> None:
                 store, client, message = local[tier], clients[tier], clients[tier + "/message"]
                 await _check_exact(tier, store, client, message, keys, values)
 
-                async def local_gets(store: KVStore = store) -> int:
-                    return sum(store.get(k).numel() * 2 for k in keys)
+                def one(fn: Callable[..., Any], arg: Any) -> Callable[[], Awaitable[int]]:
+                    async def unit() -> int:
+                        got = fn(arg)
+                        if asyncio.iscoroutine(got):
+                            got = await got
+                        return sum(v.numel() * 2 for v in (got if isinstance(got, list) else [got]))
 
-                async def local_batched(store: KVStore = store) -> int:
-                    return sum(v.numel() * 2 for run in runs for v in store.batched_get(run))
+                    return unit
 
-                async def service_gets(client: KVCacheClient = client) -> int:
-                    return sum([(await client.get(k)).numel() * 2 for k in keys])
-
-                async def service_batched(client: KVCacheClient = client) -> int:
-                    return sum([v.numel() * 2 for r in runs for v in await client.batched_get(r)])
-
-                async def message_gets(client: KVCacheClient = message) -> int:
-                    return sum([(await client.get(k)).numel() * 2 for k in keys])
-
-                for label, baseline, candidate, rounds in (
-                    ("get", local_gets, service_gets, args.rounds),
-                    (f"batched_get({args.batch})", local_batched, service_batched, args.rounds),
-                    ("get, message path", local_gets, message_gets, 1),
-                ):
-                    base, cand, ratio = await _paired(baseline, candidate, rounds)
+                cases = (
+                    ("get", [(one(store.get, k), one(client.get, k)) for k in keys], args.rounds),
+                    (
+                        f"batched_get({args.batch})",
+                        [(one(store.batched_get, r), one(client.batched_get, r)) for r in runs],
+                        args.rounds,
+                    ),
+                    (
+                        "get, message path",
+                        [(one(store.get, k), one(message.get, k)) for k in keys[:4]],
+                        1,
+                    ),
+                )
+                for label, units, rounds in cases:
+                    base, cand, ratio = await _paired(units, rounds)
                     print(
                         f"{tier:6s} {label:22s} in-process {base:7.0f} MB/s   "
-                        f"service {cand:7.0f} MB/s   ratio {ratio:5.2f}x"
+                        f"service {cand:7.0f} MB/s   ratio {cand / base:5.2f}x "
+                        f"(median per op {ratio:4.2f}x)"
                     )
         finally:
             for client in clients.values():

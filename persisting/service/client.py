@@ -60,9 +60,16 @@ from persisting.errors import (
 from persisting.kv import Layout, TokenHasher
 from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.layout import aligned_buffer, checksum, decode_value, encode_value
+from persisting.service.local_channel import LocalChannel
 from persisting.service.protocol import make_request, safe_loads, unwrap_reply
 from persisting.service.routing import Membership, group_by_owner, rank_members
-from persisting.service.same_host import ClientArena, Region, read_file_into, shm_available
+from persisting.service.same_host import (
+    PAGE,
+    ClientArena,
+    Region,
+    read_file_into,
+    shm_available,
+)
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -104,6 +111,7 @@ class _Member:
     info: dict[str, Any] = field(default_factory=dict)
     shm: bool = False
     direct: bool = False
+    channel: LocalChannel | None = None
     pending_release: list[str] = field(default_factory=list)
     lane: itertools.count = field(default_factory=itertools.count)
     hello_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -138,6 +146,7 @@ class KVCacheClient:
         self._members: dict[str, _Member] = {}
         self._arena: ClientArena | None = None
         self._arena_tried = False
+        self._largest_value = 0
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-read")
         self._tasks: list[asyncio.Task[Any]] = []
         self._closed = False
@@ -231,6 +240,10 @@ class KVCacheClient:
         member = _Member(
             addr=addr, node_id=node_id, refs=[ref], semaphore=asyncio.Semaphore(self.max_inflight)
         )
+        previous = self._members.get(addr)
+        if previous is not None and previous.channel is not None:  # it restarted
+            await previous.channel.close()
+            previous.channel = None
         await self._hello(member)
         if self.model not in member.info.get("models", ()):
             raise ServiceUnavailableError(f"{addr} does not serve {self.model!r}")
@@ -262,6 +275,14 @@ class KVCacheClient:
             min(self.max_inflight, int(info.get("max_inflight", 16)))
         )
         self.chunk_bytes = min(self.chunk_bytes, int(info.get("chunk_bytes", self.chunk_bytes)))
+        if member.channel is not None:
+            await member.channel.close()
+            member.channel = None
+        if member.shm and info.get("local_channel"):
+            try:
+                member.channel = await LocalChannel.open(str(info["local_channel"]))
+            except OSError:
+                member.channel = None  # e.g. another mount namespace: stay on Pulsing
 
     def _get_arena(self) -> ClientArena | None:
         if self._arena_tried:
@@ -314,6 +335,9 @@ class KVCacheClient:
                 continue
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._call(member, "bye"), timeout=2.0)
+        for member in self._members.values():
+            if member.channel is not None:
+                await member.channel.close()
         self._readers.shutdown(wait=False)
         if self._arena is not None:
             self._arena.close()
@@ -337,6 +361,12 @@ class KVCacheClient:
         below its pool of 16. Such an ask was never sent, so it is retried after a pause
         instead of being taken for a dead member.
         """
+        channel = member.channel
+        if channel is not None and message.get("op") != "hello":
+            try:
+                return await _with_timeout(channel.ask(message), self.timeout_s)
+            except (ServiceUnavailableError, *_TRANSPORT_ERRORS) as exc:
+                raise _MemberFailed(member.addr, exc) from exc
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         pause = 0.002
         while True:
@@ -595,23 +625,50 @@ class KVCacheClient:
         expect: Layout | None,
         outs: list[memoryview] | None,
     ) -> list[Any]:
-        """Fetch ``keys`` from one member; with ``outs``, fill them and return layouts."""
+        """Fetch ``keys`` from one member; with ``outs``, fill them and return layouts.
+
+        On the same-host path the request offers a window of the arena: values the server
+        copies there are returned without another copy (they own their pages until they
+        are dropped). Values that did not fit come as file locations the client reads.
+        """
         expect_wire = None if expect is None else expect.to_dict()
-        entries = await self._call(
-            member, "get", keys=keys, expect=expect_wire, direct=member.direct
-        )
+        window = self._window(member, len(keys), expect) if outs is None else None
+        args: dict[str, Any] = {"keys": keys, "expect": expect_wire, "direct": member.direct}
+        if window is not None:
+            args["arena"] = [window.offset, window.capacity]
+        try:
+            entries = await self._call(member, "get", **args)
+        except _MemberFailed:
+            if window is not None:  # the server may still write there: never reuse it
+                self.counters["arena_quarantined_bytes"] += window.capacity
+            raise
+        except BaseException:
+            if window is not None:
+                self._arena.free(window)  # type: ignore[union-attr]
+            raise
         results: list[Any] = [None] * len(keys)
         located: list[int] = []
         in_memory: list[int] = []
-        for i, entry in enumerate(entries):
-            if entry is None:
-                continue
-            if "loc" in entry:
-                located.append(i)
-            elif entry.get("memory"):
-                in_memory.append(i)
-            else:
-                results[i] = await self._receive_message(member, entry, outs[i] if outs else None)
+        kept: list[tuple[int, int]] = []
+        try:
+            for i, entry in enumerate(entries):
+                if entry is None:
+                    continue
+                self._largest_value = max(self._largest_value, int(entry["layout"]["nbytes"]))
+                if "shm" in entry:
+                    results[i] = self._from_arena(entry)
+                    kept.append((entry["shm"], int(entry["layout"]["nbytes"])))
+                elif "loc" in entry:
+                    located.append(i)
+                elif entry.get("memory"):
+                    in_memory.append(i)
+                else:
+                    results[i] = await self._receive_message(
+                        member, entry, outs[i] if outs else None
+                    )
+        finally:
+            if window is not None:
+                self._free_unused(window, kept)
         if located:
             inline = len(located) == 1
             read = await asyncio.gather(
@@ -621,13 +678,11 @@ class KVCacheClient:
                 )
             )
             member.pending_release.extend(keys[i] for i in located)
-            retry: list[int] = []
             for i, value in zip(located, read, strict=True):
                 if value is _EVICTED:
-                    retry.append(i)
+                    in_memory.append(i)
                 else:
                     results[i] = value
-            in_memory.extend(retry)
         if in_memory:
             more = await self._get_via_arena(
                 member,
@@ -639,36 +694,70 @@ class KVCacheClient:
                 results[i] = value
         return results
 
+    def _window(self, member: _Member, count: int, expect: Layout | None) -> Region | None:
+        """Arena room for ``count`` values (sized from ``expect`` or the largest seen)."""
+        if not member.shm or self._arena is None:
+            return None
+        each = expect.nbytes if expect is not None else (self._largest_value or _FIRST_GUESS)
+        want = min(count * (-(-each // PAGE) * PAGE), self._arena.size // 4)
+        return self._arena.allocate(want)
+
+    def _from_arena(self, entry: dict[str, Any]) -> Any:
+        layout = Layout.from_dict(entry["layout"])
+        self.counters["get_bytes_shm"] += layout.nbytes
+        return decode_value(layout, self._arena.hand_out(entry["shm"], layout.nbytes))  # type: ignore[union-attr]
+
+    def _free_unused(self, window: Region, kept: list[tuple[int, int]]) -> None:
+        """Give back the parts of ``window`` that no returned value lives in."""
+        assert self._arena is not None
+        cursor = window.offset
+        for offset, nbytes in sorted(kept):
+            self._arena.free_range(cursor, offset - cursor)
+            cursor = offset + -(-max(nbytes, 1) // PAGE) * PAGE
+        self._arena.free_range(cursor, window.offset + window.capacity - cursor)
+
     async def _read_located(
         self, entry: dict[str, Any], out: memoryview | None, inline: bool = False
     ) -> Any:
+        """Read a leased payload file ourselves and verify its checksum.
+
+        The bytes land in ``out``, else in arena pages (already mapped: no page faults, and
+        the value owns them until it is dropped), else in a fresh buffer.
+        """
         layout = Layout.from_dict(entry["layout"])
         path, offset, nbytes, digest = entry["loc"]
-        loop = asyncio.get_running_loop()
-        buffer = None
-        if out is None:
-            buffer = aligned_buffer(nbytes)
-            target = memoryview(buffer)
-        else:
+        region = None
+        if out is not None:
             if len(out) != nbytes:
                 raise PersistingError(f"get_into needs a buffer of {nbytes} bytes, got {len(out)}")
             target = out
+        elif self._arena is not None and (region := self._arena.allocate(nbytes)) is not None:
+            target = self._arena.region_view(region)
+        else:
+            buffer = aligned_buffer(nbytes)
+            target = memoryview(buffer)
         try:
             if inline:  # a lone read is faster without the thread hop
                 ok = _read_and_verify(path, offset, target, digest)
             else:  # several reads: spread them over threads (and cores)
-                ok = await loop.run_in_executor(
+                ok = await asyncio.get_running_loop().run_in_executor(
                     self._readers, _read_and_verify, path, offset, target, digest
                 )
-        except FileNotFoundError:
-            return _EVICTED
-        except StorageIOError:
-            return _EVICTED
+        except (FileNotFoundError, StorageIOError):
+            ok = None
         if not ok:
+            if region is not None:
+                self._arena.free(region)  # type: ignore[union-attr]
+            if ok is None:
+                return _EVICTED  # gone before we opened it: ask the server again
             self.counters["checksum_misses"] += 1
             return None
         self.counters["get_bytes_direct"] += nbytes
-        return layout if out is not None else decode_value(layout, buffer)
+        if out is not None:
+            return layout
+        if region is not None:
+            return decode_value(layout, self._arena.hand_out(region.offset, nbytes))  # type: ignore[union-attr]
+        return decode_value(layout, buffer)
 
     async def _get_via_arena(
         self,
@@ -677,57 +766,57 @@ class KVCacheClient:
         expect: Layout | None,
         outs: list[memoryview] | None,
     ) -> list[Any]:
-        """Values only in the server's memory tier: copied into our arena, else messages."""
+        """Values that were not read yet: asked for again with room sized to each one, or
+        (no arena, or no room) over the message path."""
         results: list[Any] = [None] * len(keys)
         expect_wire = None if expect is None else expect.to_dict()
         layouts = await self._call(member, "layout", keys=keys)
         for i, (key, wire_layout) in enumerate(zip(keys, layouts, strict=True)):
             if wire_layout is None:
                 continue
+            out = outs[i] if outs else None
             nbytes = int(wire_layout["nbytes"])
-            region = (
-                self._arena.allocate(nbytes) if member.shm and self._arena is not None else None
-            )
+            region = None
+            if member.shm and self._arena is not None:
+                region = self._arena.allocate(nbytes)
             if region is None:
                 entries = await self._call(member, "get", keys=[key], expect=expect_wire)
                 if entries[0] is not None:
-                    results[i] = await self._receive_message(
-                        member, entries[0], outs[i] if outs else None
-                    )
+                    results[i] = await self._receive_message(member, entries[0], out)
                 continue
+            args = {
+                "keys": [key],
+                "expect": expect_wire,
+                "direct": True,
+                "arena": [region.offset, region.capacity],
+            }
             try:
-                entries = await self._call(
-                    member,
-                    "get",
-                    keys=[key],
-                    expect=expect_wire,
-                    direct=True,
-                    arena=[region.offset, region.capacity],
-                )
-                entry = entries[0]
-                if entry is None:
-                    continue
-                if "shm" in entry:
-                    layout = Layout.from_dict(entry["layout"])
-                    view = self._arena.view[entry["shm"] : entry["shm"] + layout.nbytes]
-                    if outs:
-                        await self._copy(outs[i], view)
-                        results[i] = layout
-                    else:
-                        buffer = aligned_buffer(layout.nbytes)
-                        await self._copy(memoryview(buffer), view)
-                        results[i] = decode_value(layout, buffer)
-                    self.counters["get_bytes_shm"] += layout.nbytes
-                elif "loc" in entry:  # it reached the disk meanwhile
-                    value = await self._read_located(entry, outs[i] if outs else None)
-                    member.pending_release.append(key)
-                    results[i] = None if value is _EVICTED else value
-                else:
-                    results[i] = await self._receive_message(
-                        member, entry, outs[i] if outs else None
-                    )
-            finally:
+                entry = (await self._call(member, "get", **args))[0]
+            except _MemberFailed:
+                self.counters["arena_quarantined_bytes"] += region.capacity
+                raise
+            except BaseException:
                 self._arena.free(region)
+                raise
+            if entry is not None and "shm" in entry:
+                if out is not None:
+                    shared = self._arena.view[entry["shm"] : entry["shm"] + nbytes]
+                    await self._copy(out, shared)
+                    self._arena.free(region)
+                    results[i] = Layout.from_dict(entry["layout"])
+                else:
+                    results[i] = self._from_arena(entry)
+                    self._free_unused(region, [(entry["shm"], nbytes)])
+                continue
+            self._arena.free(region)
+            if entry is None:
+                continue
+            if "loc" in entry:  # it reached the disk meanwhile
+                value = await self._read_located(entry, out)
+                member.pending_release.append(key)
+                results[i] = None if value is _EVICTED else value
+            else:
+                results[i] = await self._receive_message(member, entry, out)
         return results
 
     async def _receive_message(
@@ -1022,6 +1111,9 @@ class SyncKVCacheClient:
 # -- helpers ------------------------------------------------------------------------------
 
 _EVICTED = object()
+
+#: Arena room offered per value before the client has seen any value's size.
+_FIRST_GUESS = 8 << 20
 
 
 async def _with_timeout(awaitable: Awaitable[T], timeout_s: float) -> T:

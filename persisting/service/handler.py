@@ -72,6 +72,8 @@ class StorageHandler:
         self.node.setdefault("host", socket.gethostname())
         self.node.setdefault("pid", os.getpid())
         self.lanes: list[str] = []
+        #: Path of the Unix socket same-host clients may send requests to (set by the actor).
+        self.local_channel: str | None = None
         #: Named callables whose plain-dict results join the ``stats`` reply (e.g. "events").
         self.extra_stats: dict[str, Callable[[], dict[str, Any]]] = {}
         kwargs = {"clock": clock} if clock is not None else {}
@@ -196,6 +198,7 @@ class StorageHandler:
             "max_inflight": self.max_inflight,
             "shm": mapping is not None,
             "shm_error": shm_error,
+            "local_channel": self.local_channel if mapping is not None else None,
         }
 
     def _bye(self, request: Request, session: Session | None) -> bool:
@@ -327,39 +330,49 @@ class StorageHandler:
     # -- gets ---------------------------------------------------------------------------
 
     def _get(self, request: Request, session: Session | None) -> list[dict[str, Any] | None]:
-        """Per key: None (miss), a file location under a read lease, a value copied into the
-        client's arena, or message-path bytes (inline, or a transfer to read in parts)."""
+        """Per key: None (a miss), or where the value is.
+
+        A same-host client (``direct``) gets a memory-tier value copied into the window of
+        its arena it offers (``arena: [offset, capacity]``) while room lasts; otherwise the
+        payload file's location under a read lease, for the client to read itself; then, for
+        a value only in the memory tier, a ``memory`` marker (it asks again with room for
+        it). So a same-host get does no file I/O here, and runs on the event loop. Any other
+        client gets the bytes in messages: inline, or a transfer to read in chunks.
+        """
         assert session is not None
         store = self._store(request.model)
         keys: list[str] = request.args["keys"]
         expect = _optional_layout(request.args.get("expect"))
         direct = bool(request.args.get("direct")) and _arena_of(session, required=False) is not None
-        arena_region = request.args.get("arena")  # [offset, capacity] for memory-only values
-        arena_used = 0
+        window = request.args.get("arena")
+        if window is not None and not (
+            isinstance(window, list)
+            and len(window) == 2
+            and all(isinstance(x, int) for x in window)
+        ):
+            raise ProtocolError("arena must be [offset, capacity]")
+        window_used = 0
         budget = self.chunk_bytes
         entries: list[dict[str, Any] | None] = []
         for key in keys:
-            entry: dict[str, Any] | None = None
-            located = (
-                self._get_located(store, session, request.model, key, expect) if direct else None
-            )
-            if located is _LAYOUT_MISS:
-                entry = None
-            elif located is not None:
-                entry = located
-            elif direct and arena_region is None:
-                # Only in the memory tier: the client reserves arena room and asks again.
-                layout = store.layout(key)
-                entry = None if layout is None else {"layout": layout.to_dict(), "memory": True}
+            entry: Any = None
+            if not direct:
+                entry, sent = self._get_message(store, session, key, expect, budget)
+                budget -= sent
             else:
-                if direct:
+                if window is not None and _in_memory(store, key):
                     entry, used = self._get_into_arena(
-                        store, session, key, expect, arena_region, arena_used
+                        store, session, key, expect, window, window_used
                     )
-                    arena_used += used
+                    window_used += used
                 if entry is None:
-                    entry, sent = self._get_message(store, session, key, expect, budget)
-                    budget -= sent
+                    entry = self._get_located(store, session, request.model, key, expect)
+                if entry is None:
+                    layout = store.layout(key)
+                    if layout is not None and (expect is None or layout.matches(expect)):
+                        entry = {"layout": layout.to_dict(), "memory": True}
+            if entry is _LAYOUT_MISS:
+                entry = None
             entries.append(entry)
             self.counters["get_hits" if entry is not None else "get_misses"] += 1
         return entries
@@ -397,19 +410,22 @@ class StorageHandler:
         session: Session,
         key: str,
         expect: Layout | None,
-        region: object,
+        window: list[int],
         used: int,
-    ) -> tuple[dict[str, Any] | None, int]:
+    ) -> tuple[dict[str, Any] | object | None, int]:
+        """Copy ``key``'s value into the client's window after ``used`` bytes (page-aligned);
+        (None, 0) when it is absent or does not fit, (_LAYOUT_MISS, 0) on a layout mismatch."""
         layout = store.layout(key)
         if layout is None:
             return None, 0
-        if not (isinstance(region, list) and len(region) == 2):
-            raise ProtocolError("arena must be [offset, capacity]")
-        offset, capacity = region
-        start = offset + used
+        if expect is not None and not layout.matches(expect):
+            self.counters["layout_misses"] += 1
+            return _LAYOUT_MISS, 0
+        offset, capacity = window
         need = -(-layout.nbytes // 4096) * 4096
         if used + need > capacity:
-            return None, 0  # no room: the message path serves it
+            return None, 0  # no room left in the window
+        start = offset + used
         view = _arena_of(session).region(start, layout.nbytes)
         got = store.get_into(key, np.frombuffer(view, np.uint8), expect=expect)
         if got is None:
@@ -571,15 +587,23 @@ _LIGHT_OPS = frozenset(
 
 
 def _is_light(request: Request) -> bool:
-    """True for requests that move no payload bytes and do no file I/O."""
+    """True for requests that do no file I/O (a memory copy at most)."""
     if request.op in _LIGHT_OPS:
         return True
-    # A same-host get without arena room only takes leases (bytes are read by the client).
-    return (
-        request.op == "get"
-        and bool(request.args.get("direct"))
-        and (request.args.get("arena") is None)
-    )
+    # A same-host get copies memory-tier values into the client's arena and leases the
+    # rest, whose bytes the client reads itself.
+    return request.op == "get" and bool(request.args.get("direct"))
+
+
+def _in_memory(store: KVStore, key: str) -> bool:
+    """Whether ``key`` is in the store's memory tier (a hint: it may leave at any time).
+
+    KVStore has no public call for this yet, so this looks at its memory index.
+    """
+    try:
+        return key in store.memory.index
+    except (AttributeError, TypeError):
+        return False
 
 
 def _arena_of(session: Session, required: bool = True) -> ServerArenaMapping | None:

@@ -27,8 +27,12 @@ import mmap
 import os
 import secrets
 import stat
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from persisting.errors import CorruptValueError, ProtocolError, StorageIOError
 
@@ -52,7 +56,19 @@ class Region:
 
 
 class ClientArena:
-    """A client's shared-memory arena and a first-fit allocator over it (one event loop)."""
+    """A client's shared-memory arena and a first-fit allocator over it.
+
+    Pages are committed with ``posix_fallocate`` before a region that reaches them is handed
+    out, so a full ``/dev/shm`` shows up here as a failed allocation (and the client uses
+    another path) instead of a SIGBUS in the server that writes into the page.
+
+    :meth:`hand_out` turns a region the server filled into a numpy array that owns it: the
+    region returns to the allocator when the array (and every tensor or view made from it)
+    is garbage. Allocation and freeing are thread-safe, since that can happen on any thread.
+    """
+
+    #: Pages are committed in steps of at least this many bytes.
+    COMMIT_STEP = 16 << 20
 
     def __init__(self, size: int, directory: Path = DEFAULT_SHM_DIR):
         if size < 2 * PAGE:
@@ -60,17 +76,20 @@ class ClientArena:
         self.size = _round_up(size)
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.path = Path(directory) / f"persisting-arena-{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, self.size)  # sparse: pages cost memory only once touched
-            self._map = mmap.mmap(fd, self.size)
+            os.ftruncate(self._fd, self.size)  # sparse: pages cost memory once committed
+            os.posix_fallocate(self._fd, 0, PAGE)
+            self._map = mmap.mmap(self._fd, self.size)
         except OSError:
-            os.close(fd)
+            os.close(self._fd)
             self.unlink()
             raise
-        os.close(fd)
         self._map[:NONCE_BYTES] = self.nonce
         self.view = memoryview(self._map)
+        self._lock = threading.Lock()
+        self._committed = PAGE
+        self._closed = False
         # Free ranges as sorted (offset, length) lists, coalesced on free.
         self._free_offsets: list[int] = [PAGE]
         self._free_lengths: list[int] = [self.size - PAGE]
@@ -83,21 +102,48 @@ class ClientArena:
     def allocate(self, nbytes: int) -> Region | None:
         """A region of at least ``nbytes``, or None when the arena has no room for it."""
         want = _round_up(max(nbytes, 1))
-        for i, length in enumerate(self._free_lengths):
-            if length >= want:
-                offset = self._free_offsets[i]
-                if length == want:
-                    del self._free_offsets[i], self._free_lengths[i]
-                else:
-                    self._free_offsets[i] += want
-                    self._free_lengths[i] -= want
-                return Region(offset, nbytes, want)
+        with self._lock:
+            if self._closed:
+                return None
+            for i, length in enumerate(self._free_lengths):
+                if length >= want:
+                    offset = self._free_offsets[i]
+                    if not self._commit(offset + want):
+                        return None
+                    if length == want:
+                        del self._free_offsets[i], self._free_lengths[i]
+                    else:
+                        self._free_offsets[i] += want
+                        self._free_lengths[i] -= want
+                    return Region(offset, nbytes, want)
         return None
 
+    def _commit(self, end: int) -> bool:
+        """Make sure every page below ``end`` exists (caller holds the lock)."""
+        if end <= self._committed:
+            return True
+        target = min(self.size, max(end, self._committed + self.COMMIT_STEP))
+        try:
+            os.posix_fallocate(self._fd, self._committed, target - self._committed)
+        except OSError:
+            return False
+        self._committed = target
+        return True
+
     def free(self, region: Region) -> None:
-        i = bisect.bisect_left(self._free_offsets, region.offset)
-        self._free_offsets.insert(i, region.offset)
-        self._free_lengths.insert(i, region.capacity)
+        """Give back a region, or any page-aligned part of one."""
+        with self._lock:
+            self._free_locked(region.offset, region.capacity)
+
+    def free_range(self, offset: int, length: int) -> None:
+        if length > 0:
+            with self._lock:
+                self._free_locked(offset, length)
+
+    def _free_locked(self, offset: int, length: int) -> None:
+        i = bisect.bisect_left(self._free_offsets, offset)
+        self._free_offsets.insert(i, offset)
+        self._free_lengths.insert(i, length)
         # Merge with the next, then the previous range.
         if i + 1 < len(self._free_offsets) and (
             self._free_offsets[i] + self._free_lengths[i] == self._free_offsets[i + 1]
@@ -108,17 +154,30 @@ class ClientArena:
             self._free_lengths[i - 1] += self._free_lengths.pop(i)
             self._free_offsets.pop(i)
 
+    def hand_out(self, offset: int, nbytes: int) -> np.ndarray:
+        """The ``nbytes`` at ``offset`` as an array that frees their pages when it dies."""
+        array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
+        weakref.finalize(array, self.free_range, offset, _round_up(max(nbytes, 1)))
+        return array
+
     @property
     def free_bytes(self) -> int:
-        return sum(self._free_lengths)
+        with self._lock:
+            return sum(self._free_lengths)
 
     def region_view(self, region: Region) -> memoryview:
         return self.view[region.offset : region.offset + region.nbytes]
 
     def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.unlink()
         self.view.release()
-        # A caller still holds a view; the mapping dies with it.
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        # Values handed out still use the mapping; it then lives until they are gone.
         with contextlib.suppress(BufferError):
             self._map.close()
 

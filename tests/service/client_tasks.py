@@ -21,7 +21,7 @@ from service_helpers import MODEL, key, tensor
 from persisting.config import PersistingSettings
 from persisting.errors import PersistingError
 from persisting.kv import Layout, TokenHasher
-from persisting.service import KVCacheClient
+from persisting.service import KVCacheClient, SyncKVCacheClient
 
 
 def _settings(args: dict[str, Any]) -> PersistingSettings:
@@ -219,7 +219,34 @@ async def present_keys(args: dict[str, Any]) -> dict[str, Any]:
         await client.close()
 
 
+async def sync_roundtrip(args: dict[str, Any]) -> dict[str, Any]:
+    """The blocking client, driven from a worker thread (it runs its own event loop)."""
+
+    def work() -> dict[str, Any]:
+        client = SyncKVCacheClient.connect(
+            seeds=args["seeds"], model=MODEL, settings=_settings(args)
+        )
+        try:
+            values = [tensor(800 + i) for i in range(3)]
+            keys = [key(800 + i) for i in range(3)]
+            client.batched_put(keys, values)
+            pinned = client.pin(keys[0]) and client.unpin(keys[0])
+            return {
+                "exact": all(
+                    torch.equal(g, v) for g, v in zip(client.batched_get(keys), values, strict=True)
+                ),
+                "lookup": client.lookup_prefix(keys),
+                "pinned": pinned,
+                "members": client.members,
+            }
+        finally:
+            client.close()
+
+    return await asyncio.to_thread(work)
+
+
 TASKS = {
+    "sync_roundtrip": sync_roundtrip,
     "roundtrip": roundtrip,
     "connect_only": connect_only,
     "pin_and_hang": pin_and_hang,

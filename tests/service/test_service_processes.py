@@ -72,11 +72,46 @@ def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
         assert result["errors"] == {"too_large": "CapacityError", "foreign_key": "InvalidKeyError"}
         counters = result["client_counters"]
         if same_host:  # payloads never rode in messages
-            assert counters["get_bytes_direct"] > 0 and counters["put_bytes_shm"] > 0
+            shared = counters.get("get_bytes_shm", 0) + counters.get("get_bytes_direct", 0)
+            assert shared > 0 and counters["put_bytes_shm"] > 0
             assert "get_bytes_message" not in counters and "put_bytes_message" not in counters
         else:
             assert counters["get_bytes_message"] > 0 and counters["put_bytes_message"] > 0
             assert "get_bytes_direct" not in counters
+
+
+def test_the_blocking_client_works_without_an_event_loop(actor_server: str) -> None:
+    result = run_client("sync_roundtrip", {"seeds": [actor_server]})
+    assert result == {"exact": True, "lookup": 3, "pinned": True, "members": [actor_server]}
+
+
+def test_the_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
+    code = (
+        "import json, os\n"
+        "from actors.launch import run_demo\n"
+        "from persisting.config import PersistingSettings\n"
+        "print('RESULT ' + json.dumps(run_demo(PersistingSettings.load())), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    for _run in range(2):  # a second run finds the first one's data and events
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        report = json.loads(line[7:])
+        assert report["storage_path"] == str(tmp_path / "persisting-data")
+        assert report["bit_exact"] and report["same_host_path"]
+        assert report["lookup_tokens"] == 1024
+        assert report["lookup_tokens_after_evict"] == 768
+        assert report["prewarmed_chunks"] == 3
+        assert report["events_applied"] == 2  # only this run's events: the position held
+        assert report["service"]["get_bytes_message"] == 0
 
 
 def test_pins_of_a_crashed_client_expire_after_the_lease_ttl(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -10,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persisting.errors import CapacityError, CorruptValueError, ProtocolError, SessionExpiredError
+from persisting.errors import (
+    CapacityError,
+    CorruptValueError,
+    ProtocolError,
+    ServiceUnavailableError,
+    SessionExpiredError,
+)
 from persisting.service.same_host import PAGE, ClientArena, ServerArenaMapping, read_file_into
 from persisting.service.sessions import SessionTable, Staged
 
@@ -123,3 +130,45 @@ def test_read_file_into_reads_exactly_or_fails_clearly(tmp_path: Path) -> None:
     os.unlink(path)
     with pytest.raises(FileNotFoundError):
         read_file_into(str(path), 0, memoryview(bytearray(1)))
+
+
+def test_local_channel_needs_a_session_and_answers_concurrent_requests(tmp_path: Path) -> None:
+    from persisting.kv import open_kv_store
+    from persisting.service.handler import StorageHandler
+    from persisting.service.local_channel import LocalChannel, LocalChannelServer
+    from persisting.service.protocol import make_request, unwrap_reply
+
+    async def scenario(handler: StorageHandler) -> None:
+        server = LocalChannelServer(handler.handle)
+        path = await server.start()
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        channel = await LocalChannel.open(path)
+        try:
+            with pytest.raises(ProtocolError, match="through the actor"):
+                unwrap_reply(await channel.ask(make_request("hello", model="m/a")))
+            with pytest.raises(ProtocolError, match="need a session"):
+                unwrap_reply(await channel.ask(make_request("stats", model="m/a")))
+            sid = unwrap_reply(await handler.handle(make_request("hello", model="m/a")))["sid"]
+            keys = [f"m/a@1@0@{i:x}@bfloat16" for i in range(40)]
+            replies = await asyncio.gather(
+                *(
+                    channel.ask(make_request("contains", sid=sid, model="m/a", keys=[k]))
+                    for k in keys
+                )
+            )
+            assert [unwrap_reply(r) for r in replies] == [[False]] * 40
+            with pytest.raises(SessionExpiredError):
+                unwrap_reply(await channel.ask(make_request("stats", sid="0" * 32, model="m/a")))
+        finally:
+            server.close()
+        assert not os.path.exists(path)
+        with pytest.raises(ServiceUnavailableError):  # the server is gone
+            await asyncio.wait_for(channel.ask(make_request("stats", sid="x", model="m/a")), 5)
+        await channel.close()
+
+    with open_kv_store(tmp_path / "root", "m/a", memory_bytes=1 << 20, disk_bytes=1 << 24) as st:
+        handler = StorageHandler({"m/a": st})
+        try:
+            asyncio.run(scenario(handler))
+        finally:
+            handler.close()
