@@ -207,6 +207,31 @@ class LanceTable:
                 self.sync()
             return self._dataset.version
 
+    def overwrite(self, rows: pa.Table, *, durable: bool = False) -> int:
+        """Replace every row with ``rows`` (same schema) as one commit; keeps the config.
+
+        Old files stay until :meth:`cleanup`; returns the new version.
+        """
+        with self._lock:
+            config = dict(self._dataset.config())
+            try:
+                lance.write_dataset(
+                    rows,
+                    str(self.path),
+                    schema=rows.schema,
+                    mode="overwrite",
+                    data_storage_version=DATA_STORAGE_VERSION,
+                    allow_external_blob_outside_bases=self._has_blobs,
+                )
+                if config:
+                    self._private_handle().update_config(config)
+            except Exception as exc:
+                raise StorageIOError(f"overwrite of {self.path} failed: {exc}") from exc
+            self._dataset = lance.dataset(str(self.path))
+            if durable:
+                self.sync()
+            return self._dataset.version
+
     def _as_table(self, rows: Rows) -> pa.Table:
         schema = self._dataset.schema
         if isinstance(rows, pa.RecordBatch):
@@ -244,7 +269,12 @@ class LanceTable:
                 for entry in entries:
                     if entry.path in self._synced or not entry.is_file():
                         continue
-                    fsync_file(entry.path)
+                    try:
+                        fsync_file(entry.path)
+                    except StorageIOError:
+                        if not os.path.exists(entry.path):
+                            continue  # removed meanwhile: a concurrent cleanup or a temp file
+                        raise
                     self._synced.add(entry.path)
                     dirty_dirs.add(directory)
             for directory in sorted(dirty_dirs):

@@ -30,11 +30,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persisting.errors import (
     AccessDeniedError,
@@ -73,11 +75,17 @@ TRIMMED_BEFORE = "persisting.queue.trimmed_before"
 
 @dataclass(frozen=True)
 class _View:
-    """A committed dataset version and the offsets it holds: [first, first + count)."""
+    """A committed dataset version and the offsets it holds: [first, first + count).
+
+    ``ordered`` while rows sit in offset order, so offset ``o`` is row ``o - first``. Only a
+    compaction run elsewhere over a live writer's appends breaks that (Lance then puts the
+    merged fragments last); reads then find rows by filtering on ``_offset`` instead.
+    """
 
     dataset: Any
     first: int
     count: int
+    ordered: bool = True
 
     @property
     def next(self) -> int:
@@ -167,7 +175,9 @@ class LanceBackend:
         self._use_wal = self.config.durability == "wal" and not self.read_only
 
         self._lock = threading.Lock()  # buffer, offsets, schema, view, log appends
-        self._flush_lock = threading.Lock()  # one Lance writer at a time
+        self._flush_lock = threading.Lock()  # one flush (or trim) at a time
+        self._maintenance_lock = threading.Lock()  # one compaction, cleanup or trim at a time
+        self._maintenance: LanceTable | None = None
         self._notifier = _Notifier()
         self._counters = _Counters()
         self._consumption = ConsumptionTracker()
@@ -223,15 +233,21 @@ class LanceBackend:
         floor = int(self._table.config().get(TRIMMED_BEFORE, "0"))
         if count == 0:
             return _View(dataset, floor, 0), 0
-        first = dataset.take([0], columns=[OFFSET]).column(OFFSET)[0].as_py()
-        last_row = dataset.take([count - 1], columns=[OFFSET, TIMESTAMP])
-        last = last_row.column(OFFSET)[0].as_py()
-        if last - first + 1 != count:
+        edges = dataset.take([0, count - 1], columns=[OFFSET, TIMESTAMP])
+        first, last = edges.column(OFFSET).to_pylist()
+        last_ts = edges.column(TIMESTAMP).cast(pa.int64())[1].as_py() or 0
+        if last - first + 1 == count:
+            return _View(dataset, first, count), last_ts
+        scanned = dataset.to_table(columns=[OFFSET, TIMESTAMP])  # rows out of offset order
+        offsets = scanned.column(OFFSET)
+        low, high = pc.min(offsets).as_py(), pc.max(offsets).as_py()
+        if high - low + 1 != count:
             raise CorruptValueError(
-                f"{self.path}: offsets {first}..{last} do not match its {count} rows"
+                f"{self.path}: offsets {low}..{high} do not match its {count} rows"
             )
-        last_ts = last_row.column(TIMESTAMP).cast(pa.int64())[0].as_py() or 0
-        return _View(dataset, first, count), last_ts
+        last_ts = pc.max(scanned.column(TIMESTAMP).cast(pa.int64())).as_py() or 0
+        logger.warning("%s: rows are out of offset order; reading by filter", self.path)
+        return _View(dataset, low, count, ordered=False), last_ts
 
     def _recover(self) -> None:
         """Replay the log into Lance (skipping what a flush already stored), then start it."""
@@ -384,12 +400,16 @@ class LanceBackend:
                 if self._buffer:
                     self._oldest_buffered = time.monotonic()
                 view = self._view
-                self._view = _View(self._table.dataset, view.first, view.count + count)
+                self._view = _View(
+                    self._table.dataset, view.first, view.count + count, view.ordered
+                )
                 self._counters.flushes += 1
                 self._counters.flushed_records += count
                 self._counters.flush_latency_s.append(elapsed)
             if self._wal is not None:
                 self._wal.drop_flushed(self._view.next)
+            if len(self._table.dataset.get_fragments()) > self.config.compact_max_fragments:
+                self._wake.set()  # compaction is due: don't let fragments pile up until the tick
             return count
 
     # -- the StorageBackend protocol: reading --------------------------------------------------
@@ -453,19 +473,30 @@ class LanceBackend:
                 table = self._scan(view, start, end)
             except Exception as again:
                 raise StorageIOError(f"cannot read {self.path}: {again}") from again
-        offsets = table.column(OFFSET)
-        if (
-            table.num_rows != end - start
-            or offsets[0].as_py() != start
-            or offsets[table.num_rows - 1].as_py() != end - 1
-        ):
-            raise CorruptValueError(f"{self.path}: rows at {start}..{end} have other offsets")
+        if not _holds_exactly(table, start, end):
+            if not view.ordered:
+                raise CorruptValueError(f"{self.path}: offsets {start}..{end} are not all there")
+            self._mark_unordered(view)
+            return self._read_lance(replace(view, ordered=False), start, end)
         return self._decoder(view.dataset.schema).decode_table(table)
+
+    def _mark_unordered(self, view: _View) -> None:
+        logger.warning("%s: rows are out of offset order; reading by filter", self.path)
+        with self._lock:
+            if self._view.dataset is view.dataset:
+                self._view = replace(self._view, ordered=False)
 
     @staticmethod
     def _scan(view: _View, start: int, end: int) -> pa.Table:
         columns = [name for name in view.dataset.schema.names if name != TIMESTAMP]
-        return view.dataset.to_table(columns=columns, offset=start - view.first, limit=end - start)
+        if view.ordered:
+            return view.dataset.to_table(
+                columns=columns, offset=start - view.first, limit=end - start
+            )
+        found = view.dataset.to_table(
+            columns=columns, filter=f"{OFFSET} >= {start} AND {OFFSET} < {end}"
+        )
+        return found.sort_by(OFFSET)
 
     def _decoder(self, schema: pa.Schema) -> RecordDecoder:
         cached = self._decoder_cache
@@ -687,7 +718,7 @@ class LanceBackend:
         return await asyncio.to_thread(self._trim_sync, before)
 
     def _trim_sync(self, before: int) -> int:
-        with self._flush_lock:
+        with self._flush_lock, self._maintenance_lock:  # a delete conflicts with a compaction
             with self._lock:
                 view = self._view
             before = min(int(before), view.next)
@@ -699,7 +730,9 @@ class LanceBackend:
             removed = before - view.first
             with self._lock:
                 current = self._view
-                self._view = _View(self._table.dataset, before, current.next - before)
+                self._view = _View(
+                    self._table.dataset, before, current.next - before, current.ordered
+                )
                 self._counters.trimmed_records += removed
             return removed
 
@@ -745,9 +778,8 @@ class LanceBackend:
                 compacted = self._compact_if_needed()
                 flushes = self._counters.flushes
                 if compacted or flushes - flushes_at_cleanup >= self.config.compact_max_fragments:
-                    maintenance.cleanup_versions(self._table, self.config.version_retention_s)
+                    self._cleanup_versions()
                     flushes_at_cleanup = flushes
-                    self._counters.cleanups += 1
                 if (
                     self.config.retention_s or self.config.retain_until_consumed
                 ) and now - last_retention >= self.config.retention_interval_s:
@@ -780,9 +812,11 @@ class LanceBackend:
             return interval > 0 and now - self._oldest_buffered >= interval
 
     def _compact_if_needed(self) -> bool:
+        """Compact while no flush runs: a compaction committed over appends made meanwhile
+        would put the merged fragments after them and break the offset order of rows."""
         if len(self._table.dataset.get_fragments()) <= self.config.compact_max_fragments:
             return False
-        with self._flush_lock:
+        with self._flush_lock, self._maintenance_lock:
             steps = maintenance.compact(
                 self._table,
                 max_small=self.config.compact_max_fragments,
@@ -791,9 +825,20 @@ class LanceBackend:
             if steps:
                 with self._lock:
                     view = self._view
-                    self._view = _View(self._table.dataset, view.first, view.count)
+                    self._view = _View(self._table.dataset, view.first, view.count, view.ordered)
                     self._counters.compactions += steps
         return steps > 0
+
+    def _cleanup_versions(self) -> None:
+        """Delete old versions through a handle of its own: flushes need not wait for it."""
+        with self._maintenance_lock:
+            maintenance.cleanup_versions(self._maintenance_table(), self.config.version_retention_s)
+        self._counters.cleanups += 1
+
+    def _maintenance_table(self) -> LanceTable:
+        if self._maintenance is None:
+            self._maintenance = LanceTable(self.path, base_schema())
+        return self._maintenance
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -839,6 +884,12 @@ class LanceBackend:
         if self._lock_fd is not None:
             fd, self._lock_fd = self._lock_fd, None
             ownership.release_writer_lock(fd)
+
+
+def _holds_exactly(table: pa.Table, start: int, end: int) -> bool:
+    """True if ``table``'s offsets are exactly ``start, start + 1, ..., end - 1``."""
+    offsets = table.column(OFFSET).to_numpy()
+    return len(offsets) == end - start and bool(np.array_equal(offsets, np.arange(start, end)))
 
 
 def _which(index: int, total: int) -> str:

@@ -15,13 +15,19 @@ more fragments and commits would list ever more versions, so a background worker
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from persisting.lance_store import LanceTable
-from persisting.queue.schema import TIMESTAMP
+from persisting.lance_store.store import QUEUE_DATASET
+from persisting.queue import ownership
+from persisting.queue.schema import OFFSET, TIMESTAMP, base_schema
 
 #: How many fragments of one level are merged into the next.
 FANOUT = 8
@@ -110,6 +116,42 @@ def cleanup_versions(table: LanceTable, older_than_s: float) -> int:
     return table.cleanup(timedelta(seconds=older_than_s), keep_versions=1)
 
 
+def compact_bucket(
+    bucket_dir: str | os.PathLike[str],
+    *,
+    target_rows: int = 1 << 20,
+    max_small: int = 8,
+    older_than_s: float = 10.0,
+    lock_timeout_s: float = 0.0,
+) -> int:
+    """Compact one queue bucket from outside its writer (an operator's ``compact``).
+
+    Runs under the bucket's writer lock: a compaction committed over a live writer's appends
+    would put the merged fragments after them, out of offset order (the backend still reads
+    such a bucket correctly, by filter, but slower). Raises StorageIOError while a writer
+    holds the bucket: a live writer compacts its bucket itself. Rows found out of offset
+    order are rewritten in order. Returns the compaction steps run.
+    """
+    bucket = Path(bucket_dir)
+    fd = ownership.acquire_writer_lock(bucket, lock_timeout_s)
+    try:
+        table = LanceTable(bucket / QUEUE_DATASET, base_schema())
+        offsets = table.dataset.to_table(columns=[OFFSET]).column(OFFSET).to_numpy()
+        steps = 0
+        if len(offsets) and not bool(np.all(offsets[1:] > offsets[:-1])):
+            _rewrite_in_order(table)
+            steps += 1
+        steps += compact(table, max_small=max_small, target_rows=target_rows)
+        cleanup_versions(table, older_than_s)
+        return steps
+    finally:
+        ownership.release_writer_lock(fd)
+
+
+def _rewrite_in_order(table: LanceTable) -> None:
+    table.overwrite(table.dataset.to_table().sort_by(OFFSET), durable=True)
+
+
 def age_cutoff(dataset: Any, first_offset: int, retention_s: float, now_us: int) -> int:
     """The first offset retention by age keeps (``_ts`` never decreases with the offset)."""
     cut = now_us - int(retention_s * 1_000_000)
@@ -129,6 +171,7 @@ __all__ = [
     "age_cutoff",
     "cleanup_versions",
     "compact",
+    "compact_bucket",
     "compaction_levels",
     "consumer_cutoff",
     "fragment_stats",

@@ -90,3 +90,15 @@ def test_maintenance_does_not_disturb_readers_in_other_threads(tmp_path: Path) -
         reader.join()
     assert failures == []
     assert t.count_rows() == 35
+
+
+def test_overwrite_replaces_the_rows_and_keeps_schema_metadata_and_config(tmp_path: Path) -> None:
+    marked = BASE.append(pa.field("t", pa.int64(), metadata={"k": "v"}))
+    t = LanceTable(tmp_path / "d.lance", marked)
+    t.append([{"id": i} for i in (3, 1, 2)])
+    t.set_config({"watermark": "1"})
+    t.overwrite(t.dataset.to_table().sort_by("id"), durable=True)
+    again = LanceTable(tmp_path / "d.lance", marked)
+    assert again.scan(["id"]).column("id").to_pylist() == [1, 2, 3]
+    assert again.config()["watermark"] == "1"
+    assert again.schema.field("t").metadata == {b"k": b"v"}

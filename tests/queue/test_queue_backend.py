@@ -322,3 +322,44 @@ def test_a_compaction_run_elsewhere_under_a_live_writer_loses_nothing(open_backe
 
     asyncio.run(go())
     assert offsets_in(backend) == list(range(65))
+
+
+def test_rows_put_out_of_order_by_an_unsafe_compaction_are_still_read_right(
+    bucket_dir, open_backend
+) -> None:
+    from lance.optimize import Compaction, CompactionOptions
+
+    from persisting.errors import StorageIOError
+    from persisting.queue.maintenance import compact_bucket
+
+    writer = open_backend(compact_max_fragments=1000)
+
+    async def fill(first: int, batches: int) -> None:
+        for batch in range(first, first + batches):
+            await writer.put_batch(small_records(batch * 10, 10))
+            await writer.flush()
+
+    asyncio.run(fill(0, 8))
+    # A compaction run elsewhere, committed after the writer appended more (what an
+    # operator's compaction over a live writer does): Lance puts the merged rows last.
+    stale = lance.dataset(str(writer.path))
+    plan = Compaction.plan(stale, CompactionOptions(target_rows_per_fragment=1000))
+    rewrites = [task.execute(stale) for task in plan.tasks]
+    asyncio.run(fill(8, 4))
+    Compaction.commit(stale, rewrites)
+    assert offsets_in(writer) != list(range(120))  # the rows really are out of order now
+
+    reader = open_backend(read_only=True)
+    assert asyncio.run(reader.get(200, 0)) == small_records(0, 120)
+    assert asyncio.run(reader.get(15, 75)) == small_records(75, 15)
+    writer._refresh(True)  # as after the cleanup of the version it read
+    assert asyncio.run(writer.get(200, 0)) == small_records(0, 120)
+    asyncio.run(fill(12, 1))
+    assert asyncio.run(writer.get(200, 0)) == small_records(0, 130)
+
+    with pytest.raises(StorageIOError, match="being written by another process"):
+        compact_bucket(bucket_dir)  # not while a writer is live
+    writer.close()
+    assert compact_bucket(bucket_dir) >= 1  # the repair: rows rewritten in offset order
+    assert offsets_in(writer) == list(range(130))
+    assert asyncio.run(open_backend(read_only=True).get(200, 0)) == small_records(0, 130)
