@@ -16,7 +16,8 @@ the store calls themselves run on a thread pool. Clients on the same host send t
 requests over a Unix socket instead (:mod:`persisting.service.local_channel`), once their
 session is open. The protocol lives in
 :class:`persisting.service.handler.StorageHandler`; this module only connects it to Pulsing
-and expires idle client sessions in the background.
+and expires idle client sessions in the background. With ``service.metrics_port`` set it
+also serves Prometheus metrics of its stores (:mod:`persisting.metrics`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.kv import KVStore
 from persisting.lance_store import validate_name
+from persisting.metrics import KVMetrics, MetricsServer
 from persisting.service.handler import StorageHandler
 from persisting.service.local_channel import LocalChannelServer
 
@@ -86,12 +88,25 @@ class KVCacheStorageActor(pulsing.Actor):
                 "storage_path": str(self.settings.storage_path),
             },
         )
+        self.metrics_server: MetricsServer | None = None
+        if service.metrics_port is not None:
+            self._serve_metrics(service.metrics_port)
         self._actor_id = f"{os.getpid()}"
         self._started = False
         self._start_lock: asyncio.Lock | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._channel: LocalChannelServer | None = None
         self._closed = False
+
+    def _serve_metrics(self, port: int) -> None:
+        """Prometheus figures of every served store and the event consumer's lag."""
+        metrics = KVMetrics()
+        for store in self.stores.values():
+            metrics.attach(store)
+        metrics.track_queue_lag(self.settings.storage_path, [self.settings.service.event_topic])
+        host = self.settings.service.addr.rpartition(":")[0] or "127.0.0.1"
+        self.metrics = metrics
+        self.metrics_server = metrics.serve(port, host)
 
     # -- Pulsing lifecycle ---------------------------------------------------------------
 
@@ -151,6 +166,8 @@ class KVCacheStorageActor(pulsing.Actor):
             self._sweeper.cancel()
         if self._channel is not None:
             self._channel.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.handler.close()
         self._close_stores()
 

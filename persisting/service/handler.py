@@ -324,8 +324,9 @@ class StorageHandler:
         ):
             raise ProtocolError("upload part is outside its upload or larger than a chunk")
         staged.buffer[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
-        staged.received += len(data)
-        return staged.received
+        with self._lock:  # parts arrive on several threads at once
+            staged.received += len(data)
+            return staged.received
 
     # -- gets ---------------------------------------------------------------------------
 
@@ -476,9 +477,9 @@ class StorageHandler:
         ):
             raise ProtocolError("read_part is outside its transfer or larger than a chunk")
         data = staged.buffer[offset : offset + length].tobytes()
-        staged.received += length
-        if staged.received >= staged.nbytes:
-            with self._lock:
+        with self._lock:  # parts are read on several threads at once
+            staged.received += length
+            if staged.received >= staged.nbytes:
                 self.sessions.unstage(session, transfer)
         return data
 

@@ -175,7 +175,7 @@ async def cluster(args: dict[str, Any]) -> dict[str, Any]:
         fresh = [key(10_000 + i) for i in range(n)]
         puts = await client.batched_put(fresh, [tensor(10_000 + i) for i in range(n)])
         back = await client.batched_get(fresh)
-        return {
+        phase1 = {
             "gone": gone,
             "hits": hits,
             "single_hits": {str(k): g is not None for k, g in zip(keys, singles, strict=True)},
@@ -188,6 +188,18 @@ async def cluster(args: dict[str, Any]) -> dict[str, Any]:
             "live_after": client.members,
             "fresh_owners": [client.member_of(k) for k in fresh],
         }
+        print("PHASE1 " + json.dumps(phase1), flush=True)
+        sys.stdin.readline()  # the test restarted the member on the same address and disk
+        deadline = time.monotonic() + 30
+        while True:
+            back = await client.batched_get(keys)
+            recovered = sum(
+                g is not None and torch.equal(g, v) for g, v in zip(back, values, strict=True)
+            )
+            if recovered == n or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.25)
+        return {"recovered": recovered, "members": client.members}
     finally:
         await client.close()
 

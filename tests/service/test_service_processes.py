@@ -29,6 +29,9 @@ from service_helpers import (
 pytestmark = pytest.mark.timeout(240)
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def actor_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One server started by ``pulsing actor ...``, configured by environment variables."""
@@ -38,7 +41,11 @@ def actor_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log = tmp / "server.log"
         procs.append(
             start_pulsing_actor(
-                tmp / "root", port, log, PERSISTING_KV__MAX_VALUE_BYTES=str(4 << 20)
+                tmp / "root",
+                port,
+                log,
+                PERSISTING_KV__MAX_VALUE_BYTES=str(4 << 20),
+                PERSISTING_SERVICE__METRICS_PORT=str(METRICS_PORT),
             )
         )
         wait_for_log(log, "Started at", procs[0])
@@ -78,6 +85,16 @@ def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
         else:
             assert counters["get_bytes_message"] > 0 and counters["put_bytes_message"] > 0
             assert "get_bytes_direct" not in counters
+
+
+def test_the_server_exports_prometheus_metrics_of_its_stores(actor_server: str) -> None:
+    import urllib.request
+
+    run_client("put_keys", {"seeds": [actor_server], "start": 9000, "stop": 9004})
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert f'model="{MODEL}"' in text
+    assert "persisting_kv" in text
 
 
 def test_the_blocking_client_works_without_an_event_loop(actor_server: str) -> None:
@@ -167,7 +184,9 @@ def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
         }
 
 
-def test_three_nodes_one_killed_survivors_keys_still_hit(tmp_path: Path) -> None:
+def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with_it(
+    tmp_path: Path,
+) -> None:
     ports = [free_port() for _ in range(3)]
     addrs = [f"127.0.0.1:{p}" for p in ports]
     n = 60
@@ -197,8 +216,19 @@ def test_three_nodes_one_killed_survivors_keys_still_hit(tmp_path: Path) -> None
         assert set(owners.values()) == set(addrs)  # every node holds some keys
         victim = addrs[1]
         kill_group(procs[1])  # mid-run: the client is connected and holds sessions
-        out, _ = client.communicate(victim + "\n", timeout=120)
-    result = next(json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT "))
+        client.stdin.write(victim + "\n")  # type: ignore[union-attr]
+        client.stdin.flush()  # type: ignore[union-attr]
+        line = client.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("PHASE1 "), line
+        result = json.loads(line[7:])
+        # The victim comes back on the same address and disk: its keys hit again.
+        log = tmp_path / "node1-again.log"
+        procs.append(start_pulsing_actor(tmp_path / "root1", ports[1], log, seeds=addrs[0]))
+        wait_for_log(log, "Started at", procs[-1])
+        out, _ = client.communicate("restarted\n", timeout=120)
+    final = next(json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT "))
+    assert final["recovered"] == n
+    assert sorted(final["members"]) == sorted(addrs)
     assert result["wrong"] == 0
     for k, member in owners.items():
         expected = member != victim  # survivors' keys hit, the victim's are misses
