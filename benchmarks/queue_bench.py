@@ -188,7 +188,7 @@ async def bench_steady(workdir: Path, large_rows: int) -> dict[str, Any]:
             await lance_q.put_batch(records(filled, step))
             await lance_q.flush()
             filled += step
-        time.sleep(1.0)  # let background compaction of the fill settle
+        await lance_q.maintain()  # steady state: the fill's compaction is done
         at_large = await flush_series(lance_q, samples, 1000, start=filled)
         stats = await lance_q.stats()
     finally:

@@ -754,6 +754,24 @@ class LanceBackend:
             return 0
         return self._trim_sync(max(cutoffs))
 
+    async def maintain(self) -> dict[str, int]:
+        """Run the background maintenance now: compaction (while due), old-version cleanup
+        and retention. Returns the compaction steps run and the records trimmed."""
+        if self.read_only:
+            raise AccessDeniedError(f"{self!r} is read-only")
+        self._check_open()
+
+        def run() -> dict[str, int]:
+            before = self._counters.compactions
+            for _ in range(16):  # each round runs up to a few steps; stop once nothing is due
+                if not self._compact_if_needed():
+                    break
+            self._cleanup_versions()
+            trimmed = self._apply_retention()
+            return {"compaction_steps": self._counters.compactions - before, "trimmed": trimmed}
+
+        return await asyncio.to_thread(run)
+
     # -- background work ------------------------------------------------------------------------
 
     def _run_worker(self) -> None:

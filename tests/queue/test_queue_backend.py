@@ -363,3 +363,28 @@ def test_rows_put_out_of_order_by_an_unsafe_compaction_are_still_read_right(
     assert compact_bucket(bucket_dir) >= 1  # the repair: rows rewritten in offset order
     assert offsets_in(writer) == list(range(130))
     assert asyncio.run(open_backend(read_only=True).get(200, 0)) == small_records(0, 130)
+
+
+def test_maintain_runs_compaction_cleanup_and_retention_now(open_backend) -> None:
+    backend = open_backend(
+        compact_max_fragments=4,
+        version_retention_s=0,
+        retain_until_consumed=True,
+        retention_interval_s=3600,  # the background worker will not trim during the test
+    )
+
+    async def go() -> None:
+        for batch in range(12):
+            await backend.put_batch(small_records(batch * 10, 10))
+            await backend.flush()
+        await backend.commit_position("only", 25)
+        done = await backend.maintain()
+        assert done["trimmed"] == 25
+        stats = await backend.stats()
+        assert stats["compactions"] >= 1
+        assert stats["fragments"] <= 4 and stats["versions"] <= 3
+        assert await backend.get(200, 25) == small_records(25, 95)
+
+    asyncio.run(go())
+    with pytest.raises(AccessDeniedError):
+        asyncio.run(open_backend(read_only=True).maintain())
