@@ -218,6 +218,11 @@ def run_one(
         ]
         objs = _make_objects(args.num_ops, shape, fmt, seed=round_no)
         write_s = _timed_writes(backend, keys, objs, args.concurrency, args.timeout)
+        settle_s = 0.0
+        if args.settle and isinstance(backend, PersistingKVBackend):
+            start = time.perf_counter()
+            backend.flush()  # let write-behind reach the disk before reading (not timed)
+            settle_s = time.perf_counter() - start
         read_s, got = _timed_reads(backend, keys, args.concurrency)
         errors = _integrity_errors(objs, got)
         for obj in objs:
@@ -238,6 +243,7 @@ def run_one(
         "write_mib_s": mib / write_s,
         "read_mib_s": mib / read_s,
         "integrity_errors": errors,
+        "settle_s": settle_s,
     }
 
 
@@ -272,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="extra_config for the plugin, e.g. --persisting persisting.memory_bytes=0",
+    )
+    parser.add_argument(
+        "--settle",
+        action="store_true",
+        help="wait (untimed) for the plugin's write-behind to reach disk before reading",
     )
     parser.add_argument("--json", default=None, help="also write all results to this file")
     args = parser.parse_args(argv)

@@ -52,13 +52,15 @@ def format_name(fmt: MemoryFormat) -> str:
     return fmt.name
 
 
+_MEMORY_FORMATS: dict[str, MemoryFormat] = {
+    **MemoryFormat.__members__,
+    "binary": MemoryFormat.BINARY,
+}
+
+
 def memory_format(name: str) -> MemoryFormat | None:
     """The LMCache ``MemoryFormat`` of a stored format name, or None if LMCache has none."""
-    if name in MemoryFormat.__members__:
-        return MemoryFormat[name]
-    if name == "binary":
-        return MemoryFormat.BINARY
-    return None
+    return _MEMORY_FORMATS.get(name)
 
 
 def key_dtype_name(key: CacheEngineKey) -> str:
