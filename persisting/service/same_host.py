@@ -40,6 +40,7 @@ PAGE = mmap.PAGESIZE
 #: The first page of an arena holds the nonce that proves a mapping; data starts after it.
 NONCE_BYTES = 16
 DEFAULT_SHM_DIR = Path("/dev/shm")
+ARENA_PREFIX = "persisting-arena-"
 
 
 def _round_up(n: int) -> int:
@@ -75,7 +76,8 @@ class ClientArena:
             raise ProtocolError(f"a shared-memory arena needs at least {2 * PAGE} bytes")
         self.size = _round_up(size)
         self.nonce = secrets.token_bytes(NONCE_BYTES)
-        self.path = Path(directory) / f"persisting-arena-{os.getpid()}-{secrets.token_hex(8)}"
+        remove_orphaned_arenas(Path(directory))  # arenas of clients that crashed earlier
+        self.path = Path(directory) / f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(self._fd, self.size)  # sparse: pages cost memory once committed
@@ -187,7 +189,8 @@ class ServerArenaMapping:
 
     def __init__(self, path: str, size: int, nonce: bytes):
         resolved = Path(path)
-        if not resolved.name.startswith("persisting-arena-"):
+        self.path = resolved
+        if not resolved.name.startswith(ARENA_PREFIX):
             raise ProtocolError(f"{path} is not a Persisting shared-memory arena")
         try:
             fd = os.open(resolved, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
@@ -220,10 +223,48 @@ class ServerArenaMapping:
         return self.view[offset : offset + nbytes]
 
     def close(self) -> None:
+        """Unmap; and if the client died without cleaning up, remove its arena file too."""
         self.view.release()
         # A store call still holds a view; the mapping dies with it.
         with contextlib.suppress(BufferError):
             self._map.close()
+        remove_orphaned_arenas(self.path.parent, only=self.path.name)
+
+
+def _arena_owner(name: str) -> int | None:
+    """The pid in ``persisting-arena-<pid>-<random>``, or None for other names."""
+    parts = name[len(ARENA_PREFIX) :].split("-")
+    if not name.startswith(ARENA_PREFIX) or len(parts) != 2 or not parts[0].isdigit():
+        return None
+    return int(parts[0])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_orphaned_arenas(directory: Path = DEFAULT_SHM_DIR, only: str | None = None) -> int:
+    """Unlink arena files whose client process is gone (a crashed client leaves its arena
+    in ``/dev/shm``, where it holds memory); returns how many were removed."""
+    try:
+        names = [only] if only is not None else os.listdir(directory)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        pid = _arena_owner(name)
+        if pid is None or pid == os.getpid() or _pid_alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            os.unlink(directory / name)
+            removed += 1
+    return removed
 
 
 def read_file_into(path: str, offset: int, out: memoryview) -> None:
@@ -260,5 +301,6 @@ __all__ = [
     "Region",
     "ServerArenaMapping",
     "read_file_into",
+    "remove_orphaned_arenas",
     "shm_available",
 ]

@@ -172,3 +172,27 @@ def test_local_channel_needs_a_session_and_answers_concurrent_requests(tmp_path:
             asyncio.run(scenario(handler))
         finally:
             handler.close()
+
+
+def test_arenas_of_dead_clients_are_removed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from persisting.service.same_host import remove_orphaned_arenas
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan = tmp_path / f"persisting-arena-{int(dead.stdout)}-0123456789abcdef"
+    mine = tmp_path / f"persisting-arena-{os.getpid()}-0123456789abcdef"
+    other = tmp_path / "persisting-arena-notes.txt"
+    for path in (orphan, mine, other):
+        path.write_bytes(b"x")
+    assert remove_orphaned_arenas(tmp_path) == 1
+    assert not orphan.exists() and mine.exists() and other.exists()
+    arena = ClientArena(4 * PAGE, directory=tmp_path)  # creating one sweeps as well
+    arena.close()
+    assert not arena.path.exists()
