@@ -5,7 +5,8 @@
 session and same-host modules do not import Pulsing; only the client does.
 """
 
-from persisting.service.client import KVCacheClient, PutResult, SyncKVCacheClient
+from persisting.service.client import KVCacheClient, PutResult
 from persisting.service.protocol import PROTOCOL_VERSION
+from persisting.service.sync_client import SyncKVCacheClient
 
 __all__ = ["PROTOCOL_VERSION", "KVCacheClient", "PutResult", "SyncKVCacheClient"]

@@ -9,20 +9,24 @@
     hit_chunks = await client.lookup_prefix(keys)
 
 The method names and results are those of the local :class:`persisting.kv.KVStore`;
-:class:`SyncKVCacheClient` offers the same methods without ``await``.
+:class:`~persisting.service.sync_client.SyncKVCacheClient` offers the same methods
+without ``await``.
 
 How it works:
 
 * **Placement**: every storage actor registered under ``name`` is a member; each key goes
   to one member by rendezvous hashing (:mod:`persisting.service.routing`). A member that
-  fails a request is left out for a while: its keys are misses (recompute) and its puts go
-  to the next member in the key's ranking. Nothing is replicated.
+  fails a request is left out until a probe reaches it again: its keys are misses
+  (recompute) and its puts go to the next member in the key's ranking. Nothing is
+  replicated.
 * **Flow control**: at most ``max_inflight`` (<= 16, Pulsing's connection pool) requests are
   in flight per member, spread over the member's lanes (actors that share its stores).
-* **Bulk data**: a client on the server's host reads stored payload files directly under a
-  read lease and moves puts through a shared-memory arena
-  (:mod:`persisting.service.same_host`); other clients use the message path, in chunks of
-  at most ``message_chunk_bytes``.
+* **Same host** (:mod:`persisting.service.same_host`, :mod:`~.local_channel`): requests go
+  over the server's Unix socket; memory-tier values are copied by the server into this
+  client's shared-memory arena and returned without another copy; disk values are read by
+  the client from their payload files under a read lease, checksum verified; puts go
+  through the arena. Other clients use the message path, in chunks of at most
+  ``message_chunk_bytes``.
 * **Errors** come back as the same :mod:`persisting.errors` types the store raises.
 * **Sessions**: pins and read leases belong to the client's session on each member; the
   client renews it every ``lease_ttl_s / 3`` seconds, so a crashed client's pins expire.
@@ -36,12 +40,11 @@ import itertools
 import logging
 import os
 import socket
-import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pulsing
@@ -49,6 +52,7 @@ import torch
 
 from persisting.config import PersistingSettings
 from persisting.errors import (
+    ConfigError,
     InvalidKeyError,
     InvalidValueError,
     PersistingError,
@@ -57,7 +61,7 @@ from persisting.errors import (
     SessionExpiredError,
     StorageIOError,
 )
-from persisting.kv import Layout, TokenHasher
+from persisting.kv import Layout, PutResult, TokenHasher
 from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.layout import aligned_buffer, checksum, decode_value, encode_value
 from persisting.service.local_channel import LocalChannel
@@ -70,6 +74,9 @@ from persisting.service.same_host import (
     read_file_into,
     shm_available,
 )
+
+if TYPE_CHECKING:
+    from persisting.service.sync_client import SyncKVCacheClient
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -87,16 +94,6 @@ class _MemberFailed(Exception):
     def __init__(self, member: str, cause: BaseException):
         super().__init__(f"{member}: {type(cause).__name__}: {cause}")
         self.member = member
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    """What a put through the service did (the fields of persisting.kv's PutResult)."""
-
-    key: str
-    tier: str
-    durable: bool
-    stored: bool
 
 
 @dataclass
@@ -175,7 +172,7 @@ class KVCacheClient:
         name = name or service.name
         if model is None:
             if not settings.models:
-                raise InvalidKeyError("connect needs model= (or settings.models)")
+                raise ConfigError("connect needs model= (or settings.models)")
             model = settings.models[0]
         owns = False
         if not pulsing.is_initialized():
@@ -426,7 +423,7 @@ class KVCacheClient:
         self.counters["member_failures"] += 1
         self.membership.mark_down(exc.member)
         logger.warning(
-            "kv service member %s failed; treating it as gone for %.1fs: %s",
+            "kv service member %s failed; left out until a probe (every %.1fs) reaches it: %s",
             exc.member,
             self.membership.retry_s,
             exc,
@@ -597,7 +594,8 @@ class KVCacheClient:
             for part in _batches(share, [1] * len(share), 64):
                 got = await self._get_values(member, [texts[i] for i in part], expect, None)
                 for i, v in zip(part, got, strict=True):
-                    values[i] = v
+                    if v is not None:  # a retry elsewhere never undoes a hit
+                        values[i] = v
 
         await self._on_owners(texts, get_share, on_lost=self._count_lost)
         return values
@@ -610,7 +608,7 @@ class KVCacheClient:
 
         async def share_fn(member: _Member, share: list[int]) -> None:
             got = await self._get_values(member, [text], expect, [target])
-            box[0] = got[0]
+            box[0] = box[0] or got[0]
 
         await self._on_owners([text], share_fn, on_lost=self._count_lost)
         return box[0]
@@ -870,7 +868,7 @@ class KVCacheClient:
             for part in _batches(share, [1] * len(share), 1024):
                 flags = await self._call(member, "contains", keys=[keys[i] for i in part])
                 for i, flag in zip(part, flags, strict=True):
-                    found[i] = bool(flag)
+                    found[i] = found[i] or bool(flag)
 
         await self._on_owners(keys, ask, on_lost=self._count_lost)
         return found
@@ -1005,107 +1003,10 @@ class KVCacheClient:
 
     @staticmethod
     def connect_sync(*args: Any, **kwargs: Any) -> SyncKVCacheClient:
+        """:meth:`connect` for code without an event loop (see SyncKVCacheClient)."""
+        from persisting.service.sync_client import SyncKVCacheClient
+
         return SyncKVCacheClient.connect(*args, **kwargs)
-
-
-# -- the blocking client -------------------------------------------------------------------
-
-
-class SyncKVCacheClient:
-    """The same client for code without an event loop: it runs one on its own thread."""
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: KVCacheClient
-    ):
-        self._loop = loop
-        self._thread = thread
-        self.client = client
-
-    @classmethod
-    def connect(cls, *args: Any, **kwargs: Any) -> SyncKVCacheClient:
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="kv-client-loop", daemon=True)
-        thread.start()
-        try:
-            client = asyncio.run_coroutine_threadsafe(
-                KVCacheClient.connect(*args, **kwargs), loop
-            ).result()
-        except BaseException:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
-            raise
-        return cls(loop, thread, client)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def put(self, key: Any, value: Any, fmt: str = "KV_2LTD", parent: Any = None) -> PutResult:
-        return self._run(self.client.put(key, value, fmt=fmt, parent=parent))
-
-    def batched_put(
-        self,
-        keys: Sequence[Any],
-        values: Sequence[Any],
-        fmt: str = "KV_2LTD",
-        parents: Sequence[Any] | None = None,
-    ) -> list[PutResult]:
-        return self._run(self.client.batched_put(keys, values, fmt=fmt, parents=parents))
-
-    def get(self, key: Any, expect: Layout | None = None) -> Any:
-        return self._run(self.client.get(key, expect=expect))
-
-    def batched_get(self, keys: Sequence[Any], expect: Layout | None = None) -> list[Any]:
-        return self._run(self.client.batched_get(keys, expect=expect))
-
-    def get_into(self, key: Any, out: Any, expect: Layout | None = None) -> Layout | None:
-        return self._run(self.client.get_into(key, out, expect=expect))
-
-    def layout(self, key: Any) -> Layout | None:
-        return self._run(self.client.layout(key))
-
-    def contains(self, key: Any) -> bool:
-        return self._run(self.client.contains(key))
-
-    def lookup_prefix(self, keys: Sequence[Any]) -> int:
-        return self._run(self.client.lookup_prefix(keys))
-
-    def lookup_tokens(self, tokens: Any, hasher: TokenHasher | None = None) -> int:
-        return self._run(self.client.lookup_tokens(tokens, hasher=hasher))
-
-    def remove(self, key: Any, force: bool = True) -> bool:
-        return self._run(self.client.remove(key, force=force))
-
-    def batched_remove(self, keys: Sequence[Any], force: bool = True) -> int:
-        return self._run(self.client.batched_remove(keys, force=force))
-
-    def pin(self, key: Any) -> bool:
-        return self._run(self.client.pin(key))
-
-    def unpin(self, key: Any) -> bool:
-        return self._run(self.client.unpin(key))
-
-    def prefetch(self, keys: Sequence[Any]) -> int:
-        return self._run(self.client.prefetch(keys))
-
-    def stats(self) -> dict[str, Any]:
-        return self._run(self.client.stats())
-
-    @property
-    def members(self) -> list[str]:
-        return self.client.members
-
-    def close(self) -> None:
-        try:
-            self._run(self.client.close())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-
-    def __enter__(self) -> SyncKVCacheClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -1162,4 +1063,4 @@ def _writable_bytes(out: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-__all__ = ["KVCacheClient", "PutResult", "SyncKVCacheClient"]
+__all__ = ["KVCacheClient", "PutResult"]
