@@ -20,6 +20,7 @@ from persisting.queue.api import (
     topic_storage_path,
 )
 from persisting.queue.backend import LanceBackend, PutResult, close_all
+from persisting.queue.maintenance import compact_bucket
 
 __all__ = [
     "BACKEND_NAMES",
@@ -27,6 +28,7 @@ __all__ = [
     "PutResult",
     "QueueConsumer",
     "close_all",
+    "compact_bucket",
     "open_bucket",
     "open_reader",
     "open_writer",
