@@ -81,7 +81,7 @@ def tensor_of(obj: MemoryObj) -> torch.Tensor:
         )
     tensor = obj.tensor
     if tensor is None:
-        raise InvalidValueError("MemoryObj has been invalidated; nothing to store")
+        raise InvalidValueError("MemoryObj has no tensor payload (invalidated, or a byte buffer)")
     return tensor
 
 
