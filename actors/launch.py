@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +52,12 @@ class RunningService:
     addr: str | None
     settings: PersistingSettings
     consumer: EventConsumer | None = None
-    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     owns_system: bool = False
 
     async def stop(self) -> None:
         """Stop the consumer, the actor and (if this started it) the actor system."""
         if self.consumer is not None:
             await self.consumer.stop()
-        for task in self.tasks:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
         system = pulsing.get_system() if pulsing.is_initialized() else None
         if system is not None:
             with contextlib.suppress(Exception):
@@ -102,11 +97,13 @@ async def start_service(
         )
         owns = True
     system = pulsing.get_system()
-    actor = KVCacheStorageActor(settings, models)
+    actor: KVCacheStorageActor | None = None
     try:
+        actor = KVCacheStorageActor(settings, models)
         await system.spawn(actor, name=name, public=True)
     except BaseException:
-        actor.close()
+        if actor is not None:
+            actor.close()
         if owns:
             await pulsing.shutdown()
         raise

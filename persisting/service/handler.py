@@ -119,10 +119,9 @@ class StorageHandler:
     def handle_sync(self, request: Request) -> dict[str, Any]:
         self.counters[f"op_{request.op}"] += 1
         try:
-            with self._lock:
-                self._expire_locked()
-                session = None
-                if request.op not in ("hello", "stats") or request.sid is not None:
+            session = None
+            if request.op not in ("hello", "stats") or request.sid is not None:
+                with self._lock:  # an expired session is refused here; the sweeper frees it
                     session = self.sessions.touch(request.sid)
             if session is not None and request.args.get("release"):
                 self._release(session, request.model, request.args["release"])

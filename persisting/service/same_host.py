@@ -190,7 +190,7 @@ class ServerArenaMapping:
     def __init__(self, path: str, size: int, nonce: bytes):
         resolved = Path(path)
         self.path = resolved
-        if not resolved.name.startswith(ARENA_PREFIX):
+        if resolved.parent != DEFAULT_SHM_DIR or not resolved.name.startswith(ARENA_PREFIX):
             raise ProtocolError(f"{path} is not a Persisting shared-memory arena")
         try:
             fd = os.open(resolved, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))

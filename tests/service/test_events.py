@@ -71,3 +71,27 @@ def test_published_events_come_back_from_the_queue_in_order(tmp_path: Path) -> N
     assert [e.op for e in got] == ["evict", "prewarm"]
     assert got[0].keys() == [str(key(1))]
     assert len(got[1].keys()) == 2
+
+
+def test_prewarm_helper_publishes_one_checked_event(tmp_path: Path) -> None:
+    from actors.kv_events import prewarm
+
+    settings = PersistingSettings(
+        storage_path=tmp_path / "root", models=[MODEL], kv={"chunk_size": 16}
+    )
+    assert prewarm(settings, MODEL, tokens=list(range(40))) == 1
+    assert prewarm(settings, MODEL, keys=[key(3)], op="evict") == 1
+    with pytest.raises(InvalidValueError):
+        prewarm(settings, MODEL, op="drop", keys=[key(3)])
+
+    async def read() -> list[dict]:
+        consumer = QueueConsumer.open(settings.storage_path, "kv-events", 0, "t")
+        try:
+            return [r for _o, r in await consumer.poll(10)]
+        finally:
+            await consumer.close()
+
+    first, second = (parse_event(r) for r in asyncio.run(read()))
+    hasher = TokenHasher(MODEL, chunk_size=16)  # the settings' chunk size is the default
+    assert first.keys() == [str(k) for _s, _e, k in hasher.process_tokens(list(range(40)))]
+    assert (second.op, second.keys()) == ("evict", [str(key(3))])

@@ -108,10 +108,10 @@ def test_server_maps_only_a_real_arena_with_the_clients_nonce(tmp_path: Path) ->
             ServerArenaMapping(str(arena.path), arena.size, b"0" * 16)
         with pytest.raises(ProtocolError, match="bytes"):
             ServerArenaMapping(str(arena.path), arena.size * 2, arena.nonce)
-        other = tmp_path / "secrets.txt"
-        other.write_bytes(b"x" * arena.size)
-        with pytest.raises(ProtocolError, match="not a Persisting"):
-            ServerArenaMapping(str(other), arena.size, arena.nonce)
+        for other in (tmp_path / "secrets.txt", tmp_path / arena.path.name):
+            other.write_bytes(arena.nonce + b"x" * (arena.size - len(arena.nonce)))
+            with pytest.raises(ProtocolError, match="not a Persisting"):
+                ServerArenaMapping(str(other), arena.size, arena.nonce)
         arena.unlink()
         with pytest.raises(ProtocolError, match="cannot open"):
             ServerArenaMapping(str(arena.path), arena.size, arena.nonce)
