@@ -329,7 +329,11 @@ class LanceBackend:
             await asyncio.to_thread(self._wal.sync, log_position)  # type: ignore[union-attr]
         self._notifier.notify_all()
         if over_budget:
-            await asyncio.to_thread(self._flush_sync)
+            try:
+                await asyncio.to_thread(self._flush_sync)
+            except Exception:  # the put itself succeeded: its records are buffered (and logged)
+                self._counters.errors += 1
+                logger.exception("%s: flush for a full buffer failed; will retry", self.path)
         return first
 
     def _enqueue(

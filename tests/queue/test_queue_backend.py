@@ -388,3 +388,12 @@ def test_maintain_runs_compaction_cleanup_and_retention_now(open_backend) -> Non
     asyncio.run(go())
     with pytest.raises(AccessDeniedError):
         asyncio.run(open_backend(read_only=True).maintain())
+
+
+def test_a_full_buffer_makes_the_put_flush_first(open_backend) -> None:
+    backend = open_backend(max_buffer_records=10)  # no size or interval flush otherwise
+    asyncio.run(backend.put_batch(small_records(0, 4)))
+    assert asyncio.run(backend.stats())["persisted_count"] == 0
+    asyncio.run(backend.put_batch(small_records(4, 8)))
+    stats = asyncio.run(backend.stats())
+    assert (stats["persisted_count"], stats["buffer_size"]) == (12, 0)
