@@ -61,6 +61,17 @@ _DEFAULT_IO_THREADS = 4
 UNREPRESENTABLE = (InvalidKeyError, InvalidNameError)
 
 
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """One chunk being written: its key, key string, parent chunk, object and future."""
+
+    key: CacheEngineKey
+    text: str
+    parent: str | None
+    obj: MemoryObj
+    future: Future[None]
+
+
 @dataclass(frozen=True)
 class PluginOptions:
     """Settings of the plugin itself (not of the store)."""
@@ -303,14 +314,18 @@ class PersistingKVBackend(StoragePluginInterface):
         if len(keys) != len(objs):
             raise InvalidValueError(f"{len(keys)} keys but {len(objs)} memory objects")
         futures: list[Future[None]] = []
-        batch: list[tuple[CacheEngineKey, str, MemoryObj, Future[None]]] = []
+        batch: list[_Put] = []
         already_stored: list[CacheEngineKey] = []
         joined: list[tuple[Future[None], CacheEngineKey]] = []
         with self._lock:
             if self._closed:
                 raise StoreClosedError("PersistingKVBackend is closed")
+            previous: tuple[str, str] | None = None  # (model, key string) of the last key
             for key, obj in zip(keys, objs, strict=True):
                 text = key.to_string()
+                same_model = previous is not None and previous[0] == key.model_name
+                parent = previous[1] if previous is not None and same_model else None
+                previous = (key.model_name, text)
                 pending = self._inflight.get(text)
                 if pending is not None:
                     futures.append(pending)
@@ -320,6 +335,7 @@ class PersistingKVBackend(StoragePluginInterface):
                     present = self.store_for(key).contains(text)
                 except UNREPRESENTABLE as exc:
                     futures.append(self._refused(text, exc))
+                    previous = None  # never a parent: it cannot be stored
                     continue
                 if present:
                     already_stored.append(key)
@@ -328,7 +344,7 @@ class PersistingKVBackend(StoragePluginInterface):
                 future.set_running_or_notify_cancel()
                 self._inflight[text] = future
                 obj.ref_count_up()
-                batch.append((key, text, obj, future))
+                batch.append(_Put(key, text, parent, obj, future))
                 futures.append(future)
             if batch:
                 self._writer.submit(self._write, batch, on_complete_callback)
@@ -348,52 +364,48 @@ class PersistingKVBackend(StoragePluginInterface):
         future.set_exception(exc)
         return future
 
-    def _write(
-        self,
-        batch: list[tuple[CacheEngineKey, str, MemoryObj, Future[None]]],
-        on_complete: CompletionCallback | None,
-    ) -> None:
+    def _write(self, batch: list[_Put], on_complete: CompletionCallback | None) -> None:
         """Writer thread: store one submitted batch, then release and report every key."""
         outcomes: list[BaseException | None] = [None] * len(batch)
         groups: dict[tuple[str, str], list[int]] = {}
-        for i, (key, _text, obj, _future) in enumerate(batch):
-            groups.setdefault((key.model_name, format_name(obj.metadata.fmt)), []).append(i)
+        for i, put in enumerate(batch):
+            groups.setdefault((put.key.model_name, format_name(put.obj.metadata.fmt)), []).append(i)
         for (model, fmt), members in groups.items():
             try:
                 self._write_group(model, fmt, [batch[i] for i in members], members, outcomes)
             except Exception as exc:  # an I/O failure must not leak references or futures
                 for i in members:
-                    outcomes[i] = outcomes[i] or exc
-        for (key, text, obj, future), outcome in zip(batch, outcomes, strict=True):
-            obj.ref_count_down()
+                    outcomes[i] = exc
+        for put, outcome in zip(batch, outcomes, strict=True):
+            put.obj.ref_count_down()
             with self._lock:
-                self._inflight.pop(text, None)
+                self._inflight.pop(put.text, None)
             if outcome is None:
-                future.set_result(None)
-                _notify(on_complete, key)
+                put.future.set_result(None)
+                _notify(on_complete, put.key)
             else:
                 self._count("put_failed")
-                logger.warning("Persisting put of %s failed: %s", text, outcome)
-                future.set_exception(outcome)
+                logger.warning("Persisting put of %s failed: %s", put.text, outcome)
+                put.future.set_exception(outcome)
 
     def _write_group(
         self,
         model: str,
         fmt: str,
-        items: list[tuple[CacheEngineKey, str, MemoryObj, Future[None]]],
+        items: list[_Put],
         positions: list[int],
         outcomes: list[BaseException | None],
     ) -> None:
         """Store items of one model and format in one batch (one by one if one is bad)."""
         store = self._store(model)
         try:
-            tensors = [tensor_of(obj) for _k, _t, obj, _f in items]
-            # A submitted batch is one request's consecutive chunks: chain them as parents.
             store.batched_put(
-                [text for _k, text, _o, _f in items],
-                tensors,
+                [put.text for put in items],
+                [tensor_of(put.obj) for put in items],
                 fmt=fmt,
-                chain=True,
+                # A submitted batch is one request's chunks in order: each one's parent is
+                # the chunk submitted before it (prefix-aware eviction drops suffixes first).
+                parents=[put.parent for put in items],
                 check_shape=False,  # LMCache owns its layouts; store them as they are
             )
             return
@@ -401,10 +413,12 @@ class PersistingKVBackend(StoragePluginInterface):
             if len(items) == 1:
                 outcomes[positions[0]] = exc
                 return
-        for (_key, text, obj, _future), pos in zip(items, positions, strict=True):
+        for put, pos in zip(items, positions, strict=True):
             try:
-                store.put(text, tensor_of(obj), fmt=fmt, check_shape=False)
-            except PersistingError as exc:
+                store.put(
+                    put.text, tensor_of(put.obj), fmt=fmt, parent=put.parent, check_shape=False
+                )
+            except Exception as exc:
                 outcomes[pos] = exc
 
     # -- gets ---------------------------------------------------------------------------

@@ -326,3 +326,14 @@ def test_closing_lmcache_with_puts_in_flight_writes_them_before_the_pool_is_free
             assert obj is not None
             assert same_bytes(obj.tensor, payload(40 + i, obj.tensor.shape, obj.tensor.dtype))
             obj.ref_count_down()
+
+
+def test_a_batch_is_stored_as_a_chain_so_prefix_eviction_drops_suffixes_first(
+    root: Path,
+) -> None:
+    with storage_manager(make_config(root, eviction="prefix", durability="sync")) as manager:
+        keys = [key(i) for i in range(4)]
+        put_and_wait(manager, keys, [filled(manager, i) for i in range(4)])
+        disk = plugin_of(manager).store_for(keys[0]).disk
+        parents = [disk.entry(k.to_string()).parent for k in keys]
+        assert parents == [None, *[k.to_string() for k in keys[:3]]]
