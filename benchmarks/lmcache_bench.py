@@ -6,7 +6,8 @@ method, not a copy): ``--num-ops`` chunks are submitted with ``batched_submit_pu
 from ``--concurrency`` threads (one slice each) and the write is timed until every key's
 ``on_complete_callback`` has fired; the read times ``get_blocking`` of every key from the
 same number of threads, and each chunk read is then compared byte for byte with what was
-written (integrity errors are counted, misses included).
+written (integrity errors are counted, misses included). Each round then opens a new backend
+on the same directory and counts the chunks it still finds ("found after restart").
 
 Both backends get a ``LocalCPUBackend`` staging allocator, a fresh directory and fresh keys
 per round, and run alternately (the first backend swaps each round), so page-cache and
@@ -217,6 +218,7 @@ def run_one(
             for i in range(args.num_ops)
         ]
         objs = _make_objects(args.num_ops, shape, fmt, seed=round_no)
+        first = objs[0].raw_data.clone()
         write_s = _timed_writes(backend, keys, objs, args.concurrency, args.timeout)
         settle_s = 0.0
         if args.settle and isinstance(backend, PersistingKVBackend):
@@ -231,6 +233,11 @@ def run_one(
         backend.close()
         cpu.close()
         _stop_loop(loop, thread)
+    try:
+        recovered = _recovered_after_restart(
+            name, directory, metadata, persisting_options, keys, first
+        )
+    finally:
         shutil.rmtree(directory, ignore_errors=True)
     mib = args.num_ops * shape.numel() * DTYPE.itemsize / (1 << 20)
     return {
@@ -244,7 +251,34 @@ def run_one(
         "read_mib_s": mib / read_s,
         "integrity_errors": errors,
         "settle_s": settle_s,
+        "recovered_after_restart": recovered,
     }
+
+
+def _recovered_after_restart(
+    name: str,
+    directory: Path,
+    metadata: LMCacheMetadata,
+    persisting_options: dict[str, Any],
+    keys: list[CacheEngineKey],
+    first: torch.Tensor,
+) -> int:
+    """Chunks a new backend on the same directory finds (the first one checked bit-exact)."""
+    loop, thread = _start_loop()
+    backend, cpu = _make_backend(name, directory, metadata, loop, persisting_options)
+    try:
+        found = sum(backend.contains(k) for k in keys)
+        if found:
+            obj = backend.get_blocking(keys[0])
+            if obj is None or not torch.equal(obj.raw_data[: first.numel()], first):
+                found = -1  # found but wrong: reported as a failure
+            if obj is not None:
+                obj.ref_count_down()
+        return found
+    finally:
+        backend.close()
+        cpu.close()
+        _stop_loop(loop, thread)
 
 
 def _summary(results: list[dict[str, Any]], name: str) -> dict[str, float]:
@@ -255,6 +289,7 @@ def _summary(results: list[dict[str, Any]], name: str) -> dict[str, float]:
         "write_ops_s": statistics.median(r["write_ops_s"] for r in mine),
         "read_ops_s": statistics.median(r["read_ops_s"] for r in mine),
         "integrity_errors": sum(r["integrity_errors"] for r in mine),
+        "recovered_after_restart": min(r["recovered_after_restart"] for r in mine),
     }
 
 
@@ -300,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"round {round_no} {name:>10}: write {result['write_mib_s']:8.1f} MiB/s "
                     f"({result['write_ops_s']:7.1f} ops/s)  read {result['read_mib_s']:8.1f} "
                     f"MiB/s ({result['read_ops_s']:7.1f} ops/s)  "
-                    f"integrity errors {result['integrity_errors']}",
+                    f"integrity errors {result['integrity_errors']}  "
+                    f"found after restart {result['recovered_after_restart']}/{args.num_ops}",
                     flush=True,
                 )
     finally:
@@ -313,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, s in (("LocalDiskBackend", disk), ("PersistingKVBackend", ours)):
         print(
             f"  {label:<20} write {s['write_mib_s']:8.1f} MiB/s  read {s['read_mib_s']:8.1f} "
-            f"MiB/s  integrity errors {s['integrity_errors']}"
+            f"MiB/s  integrity errors {s['integrity_errors']}  "
+            f"found after restart {s['recovered_after_restart']}/{args.num_ops}"
         )
     write_ratio = ours["write_mib_s"] / disk["write_mib_s"]
     read_ratio = ours["read_mib_s"] / disk["read_mib_s"]
@@ -322,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(
             json.dumps({"runs": results, "local_disk": disk, "persisting": ours}, indent=2)
         )
-    return 1 if disk["integrity_errors"] or ours["integrity_errors"] else 0
+    failed = disk["integrity_errors"] or ours["integrity_errors"]
+    return 1 if failed or ours["recovered_after_restart"] != args.num_ops else 0
 
 
 if __name__ == "__main__":
