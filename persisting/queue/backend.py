@@ -255,19 +255,27 @@ class LanceBackend:
             if any((self.bucket_dir / WAL_DIR).glob("*.wal")):
                 # Switching from "wal" to "flush" must not strand acknowledged records.
                 self._wal = WriteAheadLog(self.bucket_dir / WAL_DIR)
-                self._replay(self._wal)
-                self._wal.drop_all_closed()
+                self._settle_log(self._wal)
                 self._wal = None
             return
         self._wal = WriteAheadLog(self.bucket_dir / WAL_DIR)
-        self._replay(self._wal)
-        self._wal.drop_all_closed()
+        self._settle_log(self._wal)
         self._wal.start(self._next_offset)
 
-    def _replay(self, wal: WriteAheadLog) -> None:
+    def _settle_log(self, wal: WriteAheadLog) -> None:
+        """Replay the log, flush what it held, then delete it; a log that cannot be replayed
+        completely is set aside (``wal/unreplayed/``), never deleted."""
+        if self._replay(wal):
+            wal.drop_all_closed()
+            return
+        aside = wal.set_aside_closed()
+        logger.error("%s: log segments that could not be replayed moved to %s", self.path, aside)
+
+    def _replay(self, wal: WriteAheadLog) -> bool:
+        """Buffer and flush the log's records not yet in Lance; False if some could not be."""
         entries = [e for e in wal.replay() if e.offset >= self._view.next]
         if not entries:
-            return
+            return True
         if entries[0].offset != self._view.next:
             logger.error(
                 "%s: the log starts at offset %d but the dataset ends at %d; not replaying",
@@ -275,13 +283,15 @@ class LanceBackend:
                 entries[0].offset,
                 self._view.next,
             )
-            return
+            return False
+        complete = True
         records = []
         for entry in entries:
             try:
                 records.append((entry, decode_record(entry.payload)))
             except CorruptValueError:
                 logger.error("%s: unreadable log record at offset %d", self.path, entry.offset)
+                complete = False
                 break
         with self._lock:
             for entry, record in records:
@@ -289,6 +299,7 @@ class LanceBackend:
                     (row,) = self._schema.admit([record])
                 except PersistingError as exc:  # cannot happen for a record admitted before
                     logger.error("%s: log record %d rejected: %s", self.path, entry.offset, exc)
+                    complete = False
                     break
                 row[OFFSET] = entry.offset
                 row[TIMESTAMP] = entry.timestamp_us
@@ -299,6 +310,7 @@ class LanceBackend:
                 self._last_ts = max(self._last_ts, entry.timestamp_us)
         logger.info("%s: replayed %d records from the log", self.path, len(self._buffer))
         self._flush_sync()
+        return complete
 
     # -- the StorageBackend protocol: writing --------------------------------------------------
 

@@ -22,6 +22,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"PQWAL001"
 SUFFIX = ".wal"
+UNREPLAYED_DIR = "unreplayed"
 _HEADER = struct.Struct("<IIqq")
 _TAIL = struct.Struct("<qq")
 HEADER_SIZE = _HEADER.size
@@ -283,6 +285,22 @@ class WriteAheadLog:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             self._closed = []
+
+    def set_aside_closed(self) -> Path | None:
+        """Move every closed segment into ``unreplayed/`` (kept for a person to look at,
+        never replayed again); returns that directory, or None if there was nothing."""
+        with self._sync_lock:
+            if not self._closed:
+                return None
+            aside = self.directory / UNREPLAYED_DIR
+            makedirs_durable(aside)
+            for _, path in self._closed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(path, aside / f"{int(time.time())}-{path.name}")
+            self._closed = []
+            fsync_dir(aside)
+            fsync_dir(self.directory)
+            return aside
 
     # -- inspection -------------------------------------------------------------------------
 

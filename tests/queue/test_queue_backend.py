@@ -397,3 +397,21 @@ def test_a_full_buffer_makes_the_put_flush_first(open_backend) -> None:
     asyncio.run(backend.put_batch(small_records(4, 8)))
     stats = asyncio.run(backend.stats())
     assert (stats["persisted_count"], stats["buffer_size"]) == (12, 0)
+
+
+def test_a_log_that_cannot_be_replayed_is_set_aside_not_deleted(bucket_dir, open_backend) -> None:
+    from persisting.queue.codec import encode_record
+    from persisting.queue.wal import UNREPLAYED_DIR, WriteAheadLog, encode_frame
+
+    log = WriteAheadLog(bucket_dir / WAL_DIR)
+    log.start(5)  # offsets 5.. while the dataset holds nothing: 0..4 are missing
+    for offset in range(5, 8):
+        log.append(encode_frame(offset, 0, encode_record({"id": f"k{offset}"})), 1)
+    log.close()
+    backend = open_backend()
+    assert backend.total_count() == 0
+    kept = list((bucket_dir / WAL_DIR / UNREPLAYED_DIR).glob("*.wal"))
+    assert len(kept) == 1 and kept[0].stat().st_size > 3 * 20
+    asyncio.run(backend.put({"id": "fresh"}))
+    asyncio.run(backend.flush())
+    assert asyncio.run(backend.get(10, 0)) == [{"id": "fresh"}]
