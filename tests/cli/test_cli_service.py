@@ -1,0 +1,159 @@
+"""`persisting demo`, `serve` and `prewarm` through the real console script and processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+from service_helpers import (
+    MODEL,
+    REPO,
+    free_port,
+    key,
+    kill_group,
+    processes,
+    run_client,
+    server_env,
+    spawn,
+    wait_for_log,
+)
+
+PERSISTING = str(Path(sys.executable).with_name("persisting"))
+
+
+@pytest.mark.timeout(180)
+def test_demo_runs_a_bounded_session_and_exits(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [PERSISTING, "demo", "--json", "--storage-path", str(tmp_path / "root")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["bit_exact"] is True
+    assert report["lookup_tokens"] > report["lookup_tokens_after_evict"] > 0
+    assert report["prewarmed_chunks"] > 0
+    assert (tmp_path / "root" / "kv").is_dir() and (tmp_path / "root" / "queue").is_dir()
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+@pytest.mark.timeout(240)
+def test_serve_answers_clients_exposes_metrics_and_takes_prewarm_events(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    env = server_env(root)
+    with processes() as procs:
+        server = spawn(
+            [
+                PERSISTING,
+                "serve",
+                "--storage-path",
+                str(root),
+                "-m",
+                MODEL,
+                "--addr",
+                f"127.0.0.1:{port}",
+                "--metrics-port",
+                str(metrics_port),
+            ],
+            env,
+            log,
+        )
+        procs.append(server)
+        wait_for_log(log, "serving", server)
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        before = _scrape(metrics_url)
+        seeds = [f"127.0.0.1:{port}"]
+        result = run_client("roundtrip", {"seeds": seeds})
+        assert result["single_exact"] and result["batched_exact"], result
+        after = _scrape(metrics_url)
+        assert "persisting_kv" in after and after != before
+
+        assert run_client("put_keys", {"seeds": seeds, "start": 100, "stop": 104})["stored"] == 4
+        published = subprocess.run(
+            [
+                PERSISTING,
+                "prewarm",
+                MODEL,
+                "--evict",
+                "--json",
+                "--storage-path",
+                str(root),
+                *[arg for i in (100, 101) for arg in ("--key", str(key(i)))],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=REPO,
+        )
+        assert published.returncode == 0, published.stderr
+        assert json.loads(published.stdout) == {
+            "model": MODEL,
+            "op": "evict",
+            "published": 1,
+            "topic": "kv-events",
+        }
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            present = run_client("present_keys", {"seeds": seeds, "start": 100, "stop": 104})
+            if present["present"] == 2:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the evict event published by `persisting prewarm` was never applied")
+        tokens = subprocess.run(
+            [
+                PERSISTING,
+                "prewarm",
+                MODEL,
+                "--json",
+                "--storage-path",
+                str(root),
+                "--tokens",
+                str(_tokens(tmp_path)),
+                "--chunk-size",
+                "16",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=REPO,
+        )
+        assert tokens.returncode == 0 and json.loads(tokens.stdout)["published"] == 1
+
+        bad = subprocess.run(
+            [PERSISTING, "prewarm", MODEL, "--storage-path", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=REPO,
+        )
+        assert bad.returncode == 2 and "--key" in bad.stderr
+
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+        kill_group(server)
+
+
+def _tokens(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.txt"
+    path.write_text(" ".join(str(t) for t in range(1024)))
+    return path
