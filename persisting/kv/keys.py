@@ -75,9 +75,12 @@ class ChunkKey:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidKeyError(f"{name} must be an int, got {value!r}")
-        if self.world_size < 1 or not 0 <= self.worker_id < self.world_size:
+        # LMCache does not require worker_id < world_size (some deployments number workers
+        # globally), so neither do we: keys it writes must round-trip.
+        if self.world_size < 1 or self.worker_id < 0:
             raise InvalidKeyError(
-                f"worker_id {self.worker_id} is not a rank of world_size {self.world_size}"
+                f"world_size must be >= 1 and worker_id >= 0, got {self.world_size}, "
+                f"{self.worker_id}"
             )
         if self.dtype not in KEY_DTYPES:
             raise InvalidKeyError(f"unknown key dtype {self.dtype!r}")

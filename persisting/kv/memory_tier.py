@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from persisting.kv.index import LruIndex, MemoryEntry
-from persisting.kv.layout import Layout, aligned_buffer
+from persisting.kv.layout import Layout
 from persisting.kv.policy import EvictionPolicy
 
 DirtyEvictHandler = Callable[[str, MemoryEntry], None]
@@ -67,14 +67,14 @@ class MemoryTier:
         self,
         key: str,
         layout: Layout,
-        data: memoryview | np.ndarray,
+        buffer: np.ndarray,
         checksum: int,
         parent: str | None,
         *,
         dirty: bool,
-        own: bool = False,
     ) -> tuple[bool, list[tuple[str, MemoryEntry]]]:
-        """Copy ``data`` in (or adopt it when ``own``); returns (inserted, evicted entries)."""
+        """Adopt ``buffer`` (a private copy the caller made outside any lock); returns
+        (inserted, evicted entries)."""
         if key in self.index or not self.fits(layout.nbytes):
             return False, []
         if self.index.bytes + layout.nbytes > self.capacity:
@@ -83,11 +83,6 @@ class MemoryTier:
                 return False, []
         else:
             evicted = []
-        if own and isinstance(data, np.ndarray):
-            buffer = data
-        else:
-            buffer = aligned_buffer(layout.nbytes)
-            buffer[:] = np.frombuffer(data, dtype=np.uint8)
         self.index.add(key, MemoryEntry(layout, checksum, parent, buffer, dirty))
         return True, evicted
 

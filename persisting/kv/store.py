@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +36,15 @@ from persisting.errors import (
 from persisting.kv.disk_tier import DiskTier, Location, WriteItem
 from persisting.kv.index import MemoryEntry
 from persisting.kv.keys import ChunkKey, TokenHasher, key_string
-from persisting.kv.layout import Layout, aligned_buffer, checksum, decode_value, encode_value
+from persisting.kv.layout import (
+    Layout,
+    aligned_buffer,
+    checksum,
+    copy_bytes,
+    decode_value,
+    encode_value,
+    owned_copy,
+)
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.policy import (
     AdmissionPolicy,
@@ -45,6 +53,7 @@ from persisting.kv.policy import (
     eviction_policy,
 )
 from persisting.kv.stats import StoreStats
+from persisting.kv.write_behind import WriteBehind
 from persisting.lance_store import LanceStore, validate_name
 
 Durability = Literal["sync", "async", "evict"]
@@ -106,8 +115,9 @@ class KVStore:
         self.disk = DiskTier(self.directory, disk_bytes, policy) if disk_bytes > 0 else None
         self.stats_ = StoreStats()
         self._lock = threading.RLock()
-        self._pending: dict[str, Future[PutResult]] = {}
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="persisting-kv-writeback")
+        self._pending: dict[str, Future[bool]] = {}
+        self._callbacks: dict[str, OnComplete] = {}
+        self._writer = WriteBehind(self.disk, self._written) if self.disk is not None else None
         self._closed = False
 
     @classmethod
@@ -237,69 +247,71 @@ class KVStore:
         if to_disk:
             assert self.disk is not None
             self.disk.write(to_disk, durable=True)
+        # Copies for the memory tier are made outside the lock (they are the big cost).
+        copies = {
+            i: owned_copy(it.data)
+            for i, it in enumerate(items)
+            if i not in results and self.memory.fits(it.layout.nbytes)
+        }
         with self._lock:
             for i, it in enumerate(items):
                 if i in results:
                     continue
-                inserted, _ = self.memory.insert(
-                    it.key, it.layout, it.data, it.checksum, it.parent, dirty=False
-                )
+                inserted = False
+                if i in copies:
+                    inserted, _ = self.memory.insert(
+                        it.key, it.layout, copies[i], it.checksum, it.parent, dirty=False
+                    )
                 on_disk = self._on_disk(it.key)
                 results[i] = PutResult(
                     it.key, "disk" if on_disk else "memory", on_disk, stored=inserted or on_disk
                 )
         return [results[i] for i in range(len(items))]
 
+    def _present_result(self, key: str) -> PutResult | None:
+        """The no-op result of putting a key that is already stored or being written."""
+        if self._on_disk(key):
+            return PutResult(key, "disk", True, stored=False)
+        if key in self.memory.index or key in self._pending:
+            return PutResult(key, "memory", False, stored=False)
+        return None
+
     def _put_memory_first(self, it: WriteItem, on_complete: OnComplete | None) -> PutResult:
         with self._lock:
-            if self._on_disk(it.key):
-                return PutResult(it.key, "disk", True, stored=False)
-            if it.key in self.memory.index or it.key in self._pending:
-                return PutResult(it.key, "memory", False, stored=False)
+            present = self._present_result(it.key)
+        if present is not None:
+            return present
+        buffer = owned_copy(it.data)  # outside the lock: the copy is the big cost
+        with self._lock:
+            present = self._present_result(it.key)
+            if present is not None:
+                return present
             inserted, evicted = self.memory.insert(
-                it.key, it.layout, it.data, it.checksum, it.parent, dirty=True
+                it.key, it.layout, buffer, it.checksum, it.parent, dirty=True
             )
-            entry = self.memory.index.get(it.key)
-            if self.durability == "async" or not inserted:
-                # Write-behind (or write-back of a value memory could not hold).
-                buffer = entry.buffer if entry is not None else _copy(it)
-                self._submit_write(it.key, it.layout, buffer, it.checksum, it.parent, on_complete)
+            if self._writer is not None and (self.durability == "async" or not inserted):
+                # Write-behind (or straight to disk: memory could not hold the value).
+                if on_complete is not None:
+                    self._callbacks[it.key] = on_complete
+                self._pending[it.key] = self._writer.submit(
+                    WriteItem(it.key, it.layout, memoryview(buffer), it.checksum, it.parent)
+                )
         self._write_back(evicted)
         return PutResult(it.key, "memory", False)
 
-    def _submit_write(
-        self,
-        key: str,
-        layout: Layout,
-        buffer: np.ndarray,
-        ck: int,
-        parent: str | None,
-        on_complete: OnComplete | None,
-    ) -> None:
-        def job() -> PutResult:
-            try:
-                assert self.disk is not None
-                self.disk.write(
-                    [WriteItem(key, layout, memoryview(buffer), ck, parent)], durable=True
-                )
-                result = PutResult(key, "disk", True)
-                with self._lock:
-                    entry = self.memory.index.get(key)
-                    if entry is not None:
-                        entry.dirty = False
-            except Exception:
-                self.stats_.count("writeback_failures")
-                result = PutResult(key, "memory", False, stored=False)
-            finally:
-                with self._lock:
-                    self._pending.pop(key, None)
-            if on_complete is not None:
-                on_complete(result)
-            return result
-
-        if self.disk is None:
-            return
-        self._pending[key] = self._writer.submit(job)
+    def _written(self, item: WriteItem, stored: bool) -> None:
+        """Called by the write-behind thread once ``item`` is durable (or failed)."""
+        with self._lock:
+            entry = self.memory.index.get(item.key)
+            if entry is not None and (stored or self._on_disk(item.key)):
+                entry.dirty = False
+            self._pending.pop(item.key, None)
+            callback = self._callbacks.pop(item.key, None)
+        if not stored:
+            self.stats_.count("writeback_failures")
+        if callback is not None:
+            durable = stored or self._on_disk(item.key)
+            callback(PutResult(item.key, "disk" if durable else "memory", durable, stored=stored))
 
     def _write_back(self, evicted: list[tuple[str, MemoryEntry]]) -> None:
         """Write evicted dirty entries to disk (write-back mode); clean ones just go."""
@@ -374,7 +386,7 @@ class KVStore:
                 entry.readers += 1
         if entry is not None:
             try:
-                np.frombuffer(view, dtype=np.uint8)[:] = entry.buffer
+                copy_bytes(np.frombuffer(view, dtype=np.uint8), entry.buffer)
             finally:
                 with self._lock:
                     entry.readers -= 1
@@ -521,7 +533,7 @@ class KVStore:
                 continue
             with self._lock:
                 inserted, evicted = self.memory.insert(
-                    text, layout, buffer, entry.checksum, entry.parent, dirty=False, own=True
+                    text, layout, buffer, entry.checksum, entry.parent, dirty=False
                 )
             self._write_back(evicted)
             in_memory += inserted or text in self.memory.index
@@ -585,7 +597,8 @@ class KVStore:
             with self._lock:
                 dirty = [(k, e) for k, e in self.memory.index.items() if e.dirty]
             self._write_back(dirty)
-        self._writer.shutdown(wait=True)
+        if self._writer is not None:
+            self._writer.close()
         self._closed = True
         if self.disk is not None:
             self.disk.close()
@@ -623,12 +636,6 @@ class KVStore:
 
     async def aprefetch(self, keys: Sequence[KeyLike]) -> int:
         return await asyncio.to_thread(self.prefetch, keys)
-
-
-def _copy(it: WriteItem) -> np.ndarray:
-    buffer = aligned_buffer(it.layout.nbytes)
-    buffer[:] = np.frombuffer(it.data, dtype=np.uint8)
-    return buffer
 
 
 def _writable_view(out: Any) -> memoryview:

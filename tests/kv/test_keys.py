@@ -65,7 +65,7 @@ def test_round_trip_is_lossless(world, data, h, dtype, tags, layer) -> None:
         "m@x@0@ff@half",
         "m@1@0@zz@half",
         "m@1@0@ff@float128",
-        "m@1@1@ff@half",  # worker outside world
+        "m@1@-1@ff@half",  # negative worker
         "m@0@0@ff@half",
         "m@1@0@ff@half@notag",
         "m@1@0@@half",
@@ -130,6 +130,6 @@ def test_hasher_is_deterministic_across_processes() -> None:
 
 
 def test_hasher_validates_its_settings() -> None:
-    for kwargs in ({"chunk_size": 0}, {"dtype": "float128"}, {"worker_id": 3, "world_size": 2}):
+    for kwargs in ({"chunk_size": 0}, {"dtype": "float128"}, {"worker_id": -1}):
         with pytest.raises(InvalidKeyError):
             TokenHasher("m", **kwargs)

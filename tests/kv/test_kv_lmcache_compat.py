@@ -45,7 +45,7 @@ def test_key_strings_are_validated_every_time_even_when_remembered() -> None:
 
     good = f"{MODEL}@2@1@-7f@half@7@t%v"
     assert key_string(good) is good and key_string(good) is good  # verbatim, cached
-    for bad in (f"{MODEL}@2@2@1f@half", f"{MODEL}@1@0@xyz@half", "short@1"):
+    for bad in (f"{MODEL}@2@-2@1f@half", f"{MODEL}@1@0@xyz@half", "short@1"):
         for _ in range(2):
             with pytest.raises(InvalidKeyError):
                 key_string(bad)

@@ -183,20 +183,34 @@ def test_remove_respects_pins_unless_forced(root: Path) -> None:
 
 def test_async_mode_writes_behind_with_callbacks(root: Path) -> None:
     done: list = []
-    gate = threading.Event()
     with open_store(root, durability="async") as store:
-        # Hold the background writer so the put is observably in flight.
-        store._writer.submit(gate.wait)
-        res = store.put(key(1), tensor(1), on_complete=done.append)
-        assert (res.tier, res.durable) == ("memory", False)
-        assert store.exists_in_put_tasks(key(1))
-        assert torch.equal(store.get(key(1)), tensor(1))  # readable from memory already
-        gate.set()
+        # Holding the directory's usage lock stalls the background writer at its reservation,
+        # so the put is observably in flight.
+        with store.disk.usage.locked():
+            res = store.put(key(1), tensor(1), on_complete=done.append)
+            assert (res.tier, res.durable) == ("memory", False)
+            assert store.exists_in_put_tasks(key(1))
+            assert torch.equal(store.get(key(1)), tensor(1))  # readable from memory already
+            assert done == []
         store.flush()
         assert not store.exists_in_put_tasks(key(1))
         assert [(r.tier, r.durable) for r in done] == [("disk", True)]
     with open_store(root, memory_bytes=0) as reopened:
         assert torch.equal(reopened.get(key(1)), tensor(1))
+
+
+def test_async_burst_is_written_behind_in_batches(root: Path) -> None:
+    done: list = []
+    with open_store(root, durability="async", memory_bytes=64 * MiB) as store:
+        with store.disk.usage.locked():
+            for i in range(20):
+                store.put(key(i), tensor(i), on_complete=done.append)
+        store.flush()
+        assert sorted(r.key for r in done) == sorted(str(key(i)) for i in range(20))
+        assert all(r.durable for r in done)
+        assert store.stats()["disk_items"] == 20
+    with open_store(root, memory_bytes=0) as reopened:
+        assert all(torch.equal(reopened.get(key(i)), tensor(i)) for i in range(20))
 
 
 def test_evict_mode_writes_back_on_eviction_and_close(root: Path) -> None:

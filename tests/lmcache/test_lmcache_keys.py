@@ -80,6 +80,14 @@ def test_any_lmcache_key_round_trips(world, data, chunk_hash, dtype, tags, layer
     assert cache_engine_key_of(ours) == lm
 
 
+def test_globally_numbered_workers_round_trip() -> None:
+    # LMCache does not require worker_id < world_size; neither does Persisting.
+    lm = CacheEngineKey(MODEL, 2, 5, -1, torch.bfloat16)
+    ours = chunk_key_of(lm)
+    assert (ours.world_size, ours.worker_id) == (2, 5)
+    assert cache_engine_key_of(ours) == lm
+
+
 def test_keys_persisting_cannot_represent_are_refused_not_mangled() -> None:
-    with pytest.raises(ValueError, match="world_size"):
-        chunk_key_of(CacheEngineKey(MODEL, 2, 5, 1, torch.bfloat16))
+    with pytest.raises(ValueError):  # the '@' shifts every field: no silent mangling
+        chunk_key_of(CacheEngineKey("org@evil/model", 1, 0, 1, torch.bfloat16))
