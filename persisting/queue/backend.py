@@ -632,6 +632,7 @@ class LanceBackend:
             "fragments": len(view.dataset.get_fragments()),
             "versions": len(view.dataset.versions()),
             "compactions": counters.compactions,
+            "cleanups": counters.cleanups,
             "trimmed_records": counters.trimmed_records,
             "wal_bytes": self._wal.size_bytes() if self._wal is not None else 0,
             "wal_segments": self._wal.segment_count() if self._wal is not None else 0,

@@ -320,9 +320,6 @@ class RecordSchema:
     def fields(self) -> list[pa.Field]:
         return list(self._fields.values())
 
-    def arrow_schema(self) -> pa.Schema:
-        return pa.schema([*base_schema(), *self._fields.values()])
-
     def admit(self, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Rows (column name -> value, plus ``_keys``) for normalized ``records``.
 
