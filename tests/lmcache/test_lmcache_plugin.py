@@ -178,8 +178,8 @@ def test_a_failed_put_releases_its_reference_and_fires_no_callback(
         [torch.bfloat16, torch.bfloat16],
     )
     good = filled(cpu_of(manager), 7)
-    # worker_id >= world_size: a key Persisting cannot represent, refused up front.
-    odd = key(9, worker_id=3, world_size=2)
+    # A model name with '@' shifts every field of the key string: refused up front.
+    odd = key(9, model="org@odd/model")
     completed: list = []
     futures = plugin.batched_submit_put_task(
         [key(8), key(7), odd], [bad, good, good], on_complete_callback=completed.append
@@ -188,7 +188,7 @@ def test_a_failed_put_releases_its_reference_and_fires_no_callback(
     with pytest.raises(Exception, match="layer groups"):
         futures[0].result(timeout=30)
     assert futures[1].result(timeout=30) is None
-    with pytest.raises(Exception, match="world_size"):
+    with pytest.raises(Exception, match="key"):
         futures[2].result(timeout=30)
     wait_until(lambda: bad.get_ref_count() == 1 and good.get_ref_count() == 1, what="release")
     assert [k.chunk_hash for k in completed] == [key(7).chunk_hash]
