@@ -504,14 +504,10 @@ class LanceBackend:
 
     @staticmethod
     def _scan(view: _View, start: int, end: int) -> pa.Table:
-        columns = [name for name in view.dataset.schema.names if name != TIMESTAMP]
+        # Every column, unprojected: a projection list would parse a user's column named "*".
         if view.ordered:
-            return view.dataset.to_table(
-                columns=columns, offset=start - view.first, limit=end - start
-            )
-        found = view.dataset.to_table(
-            columns=columns, filter=f"{OFFSET} >= {start} AND {OFFSET} < {end}"
-        )
+            return view.dataset.to_table(offset=start - view.first, limit=end - start)
+        found = view.dataset.to_table(filter=f"{OFFSET} >= {start} AND {OFFSET} < {end}")
         return found.sort_by(OFFSET)
 
     def _decoder(self, schema: pa.Schema) -> RecordDecoder:

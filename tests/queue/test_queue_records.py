@@ -223,7 +223,7 @@ def test_awkward_keys_round_trip_and_never_hit_reserved_columns(open_backend) ->
     records = [
         {"_offset": "mine", "_ts": 1, "_keys": [1], "_rowid": 2, "a.b": 3, "%2E": 4, "": 5},
         {"nested": {"a.b": {"_x": 1}, "%": 2, "": 3, "`q`": 4, "nul\x00": 5}, "%": 6},
-        {"a b/c:d[0]": 1, "é💥": 2, "`": 3},
+        {"a b/c:d[0]": 1, "é💥": 2, "`": 3, "*": 4, "SELECT": 5, "a,b": 6},
     ]
     for got in put_and_read(open_backend(), records):
         assert got == records
