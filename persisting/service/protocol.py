@@ -103,9 +103,15 @@ def parse_request(message: object) -> Request:
     missing = [name for name in OPS[op] if name not in args]
     if missing:
         raise ProtocolError(f"operation {op!r} is missing {', '.join(missing)}")
-    keys = args.get("keys")
-    if keys is not None:
-        _check_keys(keys)
+    if "keys" in args:  # required by most operations
+        _check_keys(args["keys"])
+    release = args.get("release")  # leases a request gives back on its way (optional)
+    if release is not None and not (
+        isinstance(release, list)
+        and len(release) <= MAX_KEYS_PER_REQUEST
+        and all(isinstance(k, str) for k in release)
+    ):
+        raise ProtocolError("release must be a list of key strings")
     return Request(op=op, sid=sid, model=model, args=args)
 
 

@@ -191,7 +191,9 @@ class SessionTable:
             raise ProtocolError(f"no upload or transfer {staged_id!r} in this session")
         return session.staged[staged_id]
 
-    def unstage(self, session: Session, staged_id: str) -> Staged | None:
+    def unstage(self, session: Session, staged_id: object) -> Staged | None:
+        if not isinstance(staged_id, str):
+            raise ProtocolError(f"no upload or transfer {staged_id!r} in this session")
         staged = session.staged.pop(staged_id, None)
         if staged is not None:
             session.staged_bytes -= staged.nbytes
