@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -104,7 +105,6 @@ def run(examples: int, seed: int) -> dict:
         cfg = settings(
             max_examples=examples,
             deadline=None,
-            derandomize=True,
             database=None,
             suppress_health_check=list(HealthCheck),
         )
@@ -118,6 +118,7 @@ def run(examples: int, seed: int) -> dict:
             outcomes["miss" if result in (None, False, 0) else "accepted"] += 1
 
         @cfg
+        @hypothesis_seed(seed)
         @given(HOSTILE_TEXT)
         def hostile_keys(text: str) -> None:
             outcomes["inputs"] += 1
@@ -127,6 +128,7 @@ def run(examples: int, seed: int) -> dict:
             record(lambda: store.remove(text))
 
         @cfg
+        @hypothesis_seed(seed)
         @given(HOSTILE_TEXT)
         def hostile_names(name: str) -> None:
             outcomes["inputs"] += 1
@@ -134,6 +136,7 @@ def run(examples: int, seed: int) -> dict:
             record(lambda: LanceStore(root).queue_path(name, 0).relative_to(root))
 
         @cfg
+        @hypothesis_seed(seed)
         @given(_values(), st.sampled_from(FORMATS))
         def hostile_values(val, fmt) -> None:
             outcomes["inputs"] += 1

@@ -22,9 +22,14 @@ RESULTS = DOCS / "reliability"
 #: name -> (script, arguments): the settings the published figures come from.
 HARNESSES: dict[str, tuple[str, list[str]]] = {
     "kv_crash": ("harness_kv_crash.py", ["--kills", "40", "--seed", "7"]),
+    "queue_crash": ("harness_queue_crash.py", ["--kills", "40", "--seed", "7"]),
     "kv_corruption": ("harness_kv_corruption.py", ["--rounds", "3", "--seed", "7"]),
     "kv_concurrency": ("harness_kv_concurrency.py", ["--procs", "4", "--seconds", "30"]),
-    "fuzz": ("harness_fuzz.py", ["--examples", "400"]),
+    "fuzz": ("harness_fuzz.py", ["--examples", "400", "--seed", "7"]),
+    "protocol_fuzz": (
+        "harness_protocol_fuzz.py",
+        ["--examples", "3000", "--raw", "60", "--seed", "7"],
+    ),
     "kv_diskfull": ("harness_kv_diskfull.py", []),
 }
 
@@ -45,6 +50,10 @@ PROMISES = """\
 - **Bad input gets a typed error.** Malformed keys, path-unsafe names, wrong shapes,
   dtypes and formats, zero-size and oversized values raise a `PersistingError` subclass,
   or give a clean miss. Stored data is never touched.
+- **Acknowledged queue records survive a crash.** With the default `durability="wal"`, a
+  put returns once its record is in a CRC-checked, fsynced log that is replayed on restart.
+- **The service answers garbage with typed errors and keeps serving.** Every request is
+  checked before use; every failure comes back as a structured reply with an error code.
 - **A full disk is a `CapacityError`.** Puts fail cleanly, reads go on, and writes work
   again once space returns.
 - **Capacity holds for a directory as a whole**, across processes sharing it.
@@ -89,6 +98,22 @@ def render(results: dict[str, dict]) -> str:
             _row("wrong reads", crash["wrong_reads"]),
             _row("torn writes visible", crash["torn_visible"]),
             _row("seconds", crash["seconds"]),
+            "",
+        ]
+    qcrash = results.get("queue_crash")
+    if qcrash:
+        lines += [
+            "### SIGKILL of the process hosting a WAL-backed queue bucket",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            _row("kills survived", qcrash["kills"]),
+            _row("acknowledged records", qcrash["acknowledged_records"]),
+            _row("records verified after restarts", qcrash["records_verified"]),
+            _row("acknowledged records lost", qcrash["lost_acknowledged"]),
+            _row("wrong records", qcrash["wrong_records"]),
+            _row("duplicated records", qcrash["duplicated_records"]),
+            _row("seconds", qcrash["seconds"]),
             "",
         ]
     corr = results.get("kv_corruption")
@@ -142,6 +167,29 @@ def render(results: dict[str, dict]) -> str:
             _row("stored data intact afterwards", fuzz["stored_data_intact"]),
             "",
             "Outcomes: " + ", ".join(f"{k} {v}" for k, v in fuzz["outcomes"].items()) + ".",
+            "",
+        ]
+    proto = results.get("protocol_fuzz")
+    if proto:
+        lines += [
+            "### Garbage over the actor protocol",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            _row("hypothesis-made messages to the request handler", proto["messages"]),
+            _row("raw garbage messages through Pulsing to a server process", proto["raw_messages"]),
+            _row("replies that were not structured or not typed", proto["bad_replies"]),
+            _row(
+                "server still serving a real client afterwards",
+                proto["served_after_garbage"] and proto["server_alive_after"],
+            ),
+            _row("stored data intact afterwards", proto["stored_data_intact"]),
+            "",
+            "Handler outcomes: "
+            + ", ".join(f"{k} {v}" for k, v in proto["outcomes"].items())
+            + ". Raw outcomes: "
+            + ", ".join(f"{k} {v}" for k, v in proto["raw_outcomes"].items())
+            + ".",
             "",
         ]
     full = results.get("kv_diskfull")

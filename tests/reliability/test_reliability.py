@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import harness_fuzz
@@ -9,6 +12,7 @@ import harness_kv_concurrency
 import harness_kv_corruption
 import harness_kv_crash
 import harness_kv_diskfull
+import harness_queue_crash
 import make_report
 import pytest
 
@@ -19,6 +23,40 @@ def test_sigkill_30_times_loses_no_acknowledged_write(tmp_path: Path) -> None:
     assert r["kills"] >= 30
     assert r["acknowledged_writes"] > 30
     assert (r["lost_acknowledged"], r["wrong_reads"], r["torn_visible"]) == (0, 0, 0)
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_30_times_loses_no_acknowledged_queue_record(tmp_path: Path) -> None:
+    r = harness_queue_crash.run(tmp_path, kills=30, seed=11, time_budget_s=200)
+    assert r["kills"] >= 30
+    assert r["acknowledged_records"] > 30
+    assert (r["lost_acknowledged"], r["wrong_records"], r["duplicated_records"]) == (0, 0, 0)
+
+
+@pytest.mark.timeout(300)
+def test_garbage_over_the_protocol_gets_typed_replies_and_service_keeps_serving() -> None:
+    # Its own process: it starts a Pulsing system, which may crash at interpreter exit.
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "harness_protocol_fuzz.py"),
+            "--examples",
+            "600",
+            "--raw",
+            "26",
+            "--seed",
+            "11",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    assert r["messages"] == 600 and r["raw_messages"] == 26
+    assert r["bad_replies"] == 0
+    assert r["served_after_garbage"] and r["server_alive_after"] and r["stored_data_intact"]
+    assert r["outcomes"].get("ok", 0) > 0  # fuzzing reached real operations too
 
 
 @pytest.mark.timeout(300)
