@@ -307,8 +307,19 @@ def compact_dataset(
             result.error = "not a Lance dataset"
             return result
         result.fragments_before, result.versions_before = _shape(table)
-        table.compact()
-        result.removed_bytes = table.cleanup(older_than, keep_versions=1)
+        if target.kind == "queue":
+            # Under the bucket's writer lock: a plain compaction beside a live writer's
+            # appends would put rows out of offset order (refused while a writer runs).
+            from persisting.queue import compact_bucket
+
+            compact_bucket(
+                target.path.parent, max_small=1, older_than_s=older_than.total_seconds()
+            )
+            result.removed_bytes = max(0, before - disk_usage(target.path))
+        else:
+            table.compact()
+            result.removed_bytes = table.cleanup(older_than, keep_versions=1)
+        table.refresh()
         result.fragments_after, result.versions_after = _shape(table)
     except _DATASET_ERRORS as exc:
         result.error = str(exc) or type(exc).__name__

@@ -455,6 +455,13 @@ class KVStore:
         self.stats_.count("lookup_hit_tokens", hit_tokens)
         return hit_tokens
 
+    def in_memory(self, key: KeyLike) -> bool:
+        """Whether ``key`` is in the memory tier now (a hint: it may be evicted any time)."""
+        self._check_open()
+        text = self._key(key)
+        with self._lock:
+            return text in self.memory.index
+
     def exists_in_put_tasks(self, key: KeyLike) -> bool:
         return self._key(key) in self._pending
 

@@ -596,13 +596,10 @@ def _is_light(request: Request) -> bool:
 
 
 def _in_memory(store: KVStore, key: str) -> bool:
-    """Whether ``key`` is in the store's memory tier (a hint: it may leave at any time).
-
-    KVStore has no public call for this yet, so this looks at its memory index.
-    """
+    """Whether ``key`` is in the store's memory tier (a hint: it may leave at any time)."""
     try:
-        return key in store.memory.index
-    except (AttributeError, TypeError):
+        return store.in_memory(key)
+    except PersistingError:
         return False
 
 
