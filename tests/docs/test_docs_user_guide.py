@@ -114,6 +114,7 @@ def test_the_guide_runs_in_order(tmp_path: Path) -> None:
         return by_text[code]
 
     assert "torch 2.13.0" in output_of("torch.version.cuda")
+    assert "refused: kv.durability" in output_of("PERSISTING_CONFIG")
     assert "chunks on disk" in output_of("batched_put(keys, values, chain=True)")
     assert "memory False" in output_of('durability="async"')
     assert "disk True" in output_of("KVCacheClient.connect(seeds=[")
