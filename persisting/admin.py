@@ -312,9 +312,7 @@ def compact_dataset(
             # appends would put rows out of offset order (refused while a writer runs).
             from persisting.queue import compact_bucket
 
-            compact_bucket(
-                target.path.parent, max_small=1, older_than_s=older_than.total_seconds()
-            )
+            compact_bucket(target.path.parent, max_small=1, older_than_s=older_than.total_seconds())
             result.removed_bytes = max(0, before - disk_usage(target.path))
         else:
             table.compact()

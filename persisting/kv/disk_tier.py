@@ -24,10 +24,10 @@ from persisting.kv.payload_files import (
     PayloadFiles,
     file_size,
     key_hash,
-    pid_alive,
 )
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.shared_usage import SharedUsage
+from persisting.lance_store.files import pid_alive
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ import xxhash
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.layout import Layout
 from persisting.lance_store.durable import fsync_dir, fsync_fd
+from persisting.lance_store.files import read_file_range
 
 MAGIC = b"PKVCHNK1"
 HEADER_BYTES = 4096
@@ -160,16 +161,7 @@ class PayloadFiles:
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
         """
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            done, size = 0, len(out)
-            while done < size:
-                n = os.preadv(fd, [out[done:]], HEADER_BYTES + done)
-                if n == 0:
-                    raise CorruptValueError(f"{path.name} is truncated")
-                done += n
-        finally:
-            os.close(fd)
+        read_file_range(path, HEADER_BYTES, out)
 
     @staticmethod
     def read_header(path: Path) -> FileHeader:
@@ -243,14 +235,4 @@ def _unlink_quietly(path: Path) -> None:
         os.unlink(path)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-__all__ = ["HEADER_BYTES", "FileHeader", "PayloadFiles", "file_size", "key_hash", "pid_alive"]
+__all__ = ["HEADER_BYTES", "FileHeader", "PayloadFiles", "file_size", "key_hash"]

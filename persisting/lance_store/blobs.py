@@ -1,9 +1,9 @@
 """Blob columns: payload bytes stored by Lance's blob encoding v2, or by reference.
 
 A blob column may hold bytes Lance writes itself (``.blob`` files beside the fragment) or
-references to byte ranges of files the caller wrote (``Blob.from_uri``). Readers of the hot
-path use :func:`read_file_range` on the referenced file directly, skipping Lance's per-call
-overhead.
+references to byte ranges of files the caller wrote (``Blob.from_uri``). Hot-path readers
+use :func:`~persisting.lance_store.files.read_file_range` on the referenced file directly,
+skipping Lance's per-call overhead.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from pathlib import Path
 import pyarrow as pa
 from lance.blob import Blob, blob_array
 from lance.blob import blob_field as _lance_blob_field
-
-from persisting.errors import StorageIOError
 
 
 def blob_field(name: str, *, nullable: bool = True) -> pa.Field:
@@ -41,24 +39,4 @@ def blob_values(values: Sequence[bytes | None]) -> pa.ExtensionArray:
     return blob_array(list(values))
 
 
-def read_file_range(path: str | os.PathLike[str], offset: int, out: memoryview) -> None:
-    """Fill ``out`` with ``len(out)`` bytes of ``path`` from ``offset`` (positioned reads)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise StorageIOError(f"cannot open {path}: {exc}") from exc
-    try:
-        done = 0
-        size = len(out)
-        while done < size:
-            n = os.preadv(fd, [out[done:]], offset + done)
-            if n == 0:
-                raise StorageIOError(
-                    f"{path} is shorter than expected ({offset + done} < {offset + size})"
-                )
-            done += n
-    finally:
-        os.close(fd)
-
-
-__all__ = ["blob_field", "blob_references", "blob_values", "read_file_range"]
+__all__ = ["blob_field", "blob_references", "blob_values"]

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from persisting.errors import CorruptValueError, ProtocolError, StorageIOError
+from persisting.errors import ProtocolError
+from persisting.lance_store import pid_alive, read_file_range
 
 PAGE = mmap.PAGESIZE
 #: The first page of an arena holds the nonce that proves a mapping; data starts after it.
@@ -239,16 +240,6 @@ def _arena_owner(name: str) -> int | None:
     return int(parts[0])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_orphaned_arenas(directory: Path = DEFAULT_SHM_DIR, only: str | None = None) -> int:
     """Unlink arena files whose client process is gone (a crashed client leaves its arena
     in ``/dev/shm``, where it holds memory); returns how many were removed."""
@@ -259,7 +250,7 @@ def remove_orphaned_arenas(directory: Path = DEFAULT_SHM_DIR, only: str | None =
     removed = 0
     for name in names:
         pid = _arena_owner(name)
-        if pid is None or pid == os.getpid() or _pid_alive(pid):
+        if pid is None or pid == os.getpid() or pid_alive(pid):
             continue
         with contextlib.suppress(FileNotFoundError, PermissionError):
             os.unlink(directory / name)
@@ -268,28 +259,9 @@ def remove_orphaned_arenas(directory: Path = DEFAULT_SHM_DIR, only: str | None =
 
 
 def read_file_into(path: str, offset: int, out: memoryview) -> None:
-    """Read exactly ``len(out)`` bytes at ``offset`` of ``path`` into ``out``.
-
-    FileNotFoundError propagates (the payload was evicted before it could be opened);
-    a short file is a CorruptValueError, any other failure a StorageIOError.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise StorageIOError(f"cannot open {path}: {exc}") from exc
-    try:
-        done, size = 0, len(out)
-        while done < size:
-            n = os.preadv(fd, [out[done:]], offset + done)
-            if n == 0:
-                raise CorruptValueError(f"{path} is shorter than its recorded payload")
-            done += n
-    except OSError as exc:
-        raise StorageIOError(f"reading {path} failed: {exc}") from exc
-    finally:
-        os.close(fd)
+    """Read exactly ``len(out)`` bytes at ``offset`` of ``path`` into ``out`` (the client's
+    read of a leased payload; see :func:`persisting.lance_store.read_file_range`)."""
+    read_file_range(path, offset, out)
 
 
 def shm_available(directory: Path = DEFAULT_SHM_DIR) -> bool:

@@ -12,7 +12,8 @@ import pytest
 
 from persisting.errors import InvalidNameError, SchemaMismatchError
 from persisting.lance_store import LanceStore, LanceTable, blob_field, durable
-from persisting.lance_store.blobs import blob_references, blob_values, read_file_range
+from persisting.lance_store.blobs import blob_references, blob_values
+from persisting.lance_store.files import read_file_range
 
 SCHEMA = pa.schema([pa.field("id", pa.int64()), pa.field("name", pa.string())])
 
