@@ -911,9 +911,19 @@ class KVCacheClient:
                 return i
         return len(texts)
 
+    @property
+    def chunk_size(self) -> int:
+        """The token chunk size the servers hash this model with (from their hello)."""
+        for member in self._members.values():
+            size = (member.info.get("chunk_sizes") or {}).get(self.model)
+            if isinstance(size, int) and size > 0:
+                return size
+        return self.settings.kv.chunk_size
+
     async def lookup_tokens(self, tokens: Any, hasher: TokenHasher | None = None) -> int:
-        """Leading tokens whose chunks are all stored."""
-        hasher = hasher or TokenHasher(model=self.model, chunk_size=self.settings.kv.chunk_size)
+        """Leading tokens whose chunks are all stored (hashed with the servers' chunk size
+        unless a ``hasher`` is given)."""
+        hasher = hasher or TokenHasher(model=self.model, chunk_size=self.chunk_size)
         chunks = hasher.process_tokens(tokens)
         hits = await self.lookup_prefix([key for _s, _e, key in chunks])
         return chunks[hits - 1][1] if hits else 0

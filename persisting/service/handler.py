@@ -190,6 +190,8 @@ class StorageHandler:
             "sid": session.sid,
             "protocol": PROTOCOL_VERSION,
             "models": sorted(self.stores),
+            # Token hashing must use the store's chunk size, or lookups quietly miss.
+            "chunk_sizes": {m: getattr(s, "chunk_size", None) for m, s in self.stores.items()},
             "node": self.node,
             "lanes": list(self.lanes),
             "lease_ttl_s": self.lease_ttl_s,

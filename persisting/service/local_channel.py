@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from persisting.errors import ProtocolError, ServiceUnavailableError
+from persisting.lance_store import pid_alive
 from persisting.service.protocol import error_reply, safe_loads
 
 _HEADER = struct.Struct("<IQ")
@@ -51,6 +52,28 @@ async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, Any]:
     return request_id, safe_loads(await reader.readexactly(length))
 
 
+CHANNEL_PREFIX = "persisting-kv-"
+
+
+def remove_orphaned_channels(directory: str | None = None) -> int:
+    """Remove socket folders of servers that died without closing (SIGKILL); returns how
+    many. Only folders named ``persisting-kv-<pid>-...`` whose pid is gone are touched."""
+    base = Path(directory or tempfile.gettempdir())
+    removed = 0
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
+    for name in names:
+        pid_text = name[len(CHANNEL_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(CHANNEL_PREFIX) or not pid_text.isdigit():
+            continue
+        if int(pid_text) != os.getpid() and not pid_alive(int(pid_text)):
+            shutil.rmtree(base / name, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 class LocalChannelServer:
     """Answers protocol requests arriving on a private Unix socket with ``handler``."""
 
@@ -62,7 +85,9 @@ class LocalChannelServer:
         self.path: str | None = None
 
     async def start(self) -> str:
-        self._directory = Path(tempfile.mkdtemp(prefix="persisting-kv-"))  # mode 0700
+        remove_orphaned_channels()
+        # mode 0700; the pid in the name lets a later server remove it if this one is killed
+        self._directory = Path(tempfile.mkdtemp(prefix=f"{CHANNEL_PREFIX}{os.getpid()}-"))
         path = self._directory / "service.sock"
         self._server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
         os.chmod(path, 0o600)

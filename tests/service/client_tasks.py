@@ -96,6 +96,7 @@ async def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
             "errors": errors,
             "same_host": client.same_host(client.members[0]),
             "client_counters": dict(client.counters),
+            "server_chunk_size": client.chunk_size,
         }
         result["removed"] = await client.remove(keys[3])
         result["after_remove"] = await client.get(keys[3]) is None

@@ -45,6 +45,7 @@ def actor_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 port,
                 log,
                 PERSISTING_KV__MAX_VALUE_BYTES=str(4 << 20),
+                PERSISTING_KV__CHUNK_SIZE="64",
                 PERSISTING_SERVICE__METRICS_PORT=str(METRICS_PORT),
             )
         )
@@ -61,6 +62,7 @@ def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
         )
         assert result["same_host"] is same_host
         assert result["stored"] == [True, True, True, True]
+        assert result["server_chunk_size"] == 64  # the server's, not this client's default
         for check in (
             "single_exact",
             "batched_exact",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -196,3 +198,18 @@ def test_arenas_of_dead_clients_are_removed(tmp_path: Path) -> None:
     arena = ClientArena(4 * PAGE, directory=tmp_path)  # creating one sweeps as well
     arena.close()
     assert not arena.path.exists()
+
+
+def test_socket_folders_of_killed_servers_are_removed(tmp_path: Path) -> None:
+    from persisting.service.local_channel import remove_orphaned_channels
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"persisting-kv-{dead.pid}-abc"
+    mine = tmp_path / f"persisting-kv-{os.getpid()}-def"
+    other = tmp_path / "persisting-kv-notapid"
+    for d in (orphan, mine, other):
+        d.mkdir()
+        (d / "service.sock").write_bytes(b"")
+    assert remove_orphaned_channels(str(tmp_path)) == 1
+    assert not orphan.exists() and mine.exists() and other.exists()
