@@ -9,6 +9,7 @@ arguments, ``PERSISTING_*`` environment variables (nested sections with ``__``, 
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -114,51 +115,30 @@ class PersistingSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        toml_file = os.environ.get("PERSISTING_CONFIG")
+        toml_file = _TOML_FILE.get() or os.environ.get("PERSISTING_CONFIG")
         if toml_file:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
         return tuple(sources)
 
     @classmethod
     def load(cls, toml_file: str | Path | None = None, **overrides: Any) -> PersistingSettings:
-        """Settings from a TOML file (if given), the environment and ``overrides``.
-
-        Invalid settings raise :class:`~persisting.errors.ConfigError`.
-        """
+        """Settings from a TOML file (if given; else ``PERSISTING_CONFIG``), the environment
+        and ``overrides``. Invalid settings raise :class:`~persisting.errors.ConfigError`."""
+        if toml_file is not None and not Path(toml_file).is_file():
+            raise ConfigError(f"settings file not found: {toml_file}")
+        token = _TOML_FILE.set(str(toml_file) if toml_file is not None else None)
         try:
-            if toml_file is None:
-                return cls(**overrides)
-            path = Path(toml_file)
-            if not path.is_file():
-                raise ConfigError(f"settings file not found: {path}")
-            return _with_toml(path)(**overrides)
+            return cls(**overrides)
         except ValidationError as exc:
             raise ConfigError(str(exc)) from exc
+        finally:
+            _TOML_FILE.reset(token)
 
     from_toml = load
 
 
-def _with_toml(path: Path) -> type[PersistingSettings]:
-    """A settings class that also reads ``path`` (below env and keyword arguments)."""
-
-    class _TomlSettings(PersistingSettings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (
-                init_settings,
-                env_settings,
-                TomlConfigSettingsSource(settings_cls, toml_file=path),
-            )
-
-    _TomlSettings.__name__ = "PersistingSettings"
-    return _TomlSettings
+#: The TOML file of the :meth:`PersistingSettings.load` call in progress (below env).
+_TOML_FILE: ContextVar[str | None] = ContextVar("persisting_toml_file", default=None)
 
 
 __all__ = ["KVSettings", "PersistingSettings", "QueueSettings", "ServiceSettings"]

@@ -239,6 +239,23 @@ def copy_bytes(dst: np.ndarray, src: Any) -> None:
         dst[:] = source
 
 
+def writable_bytes(out: Any) -> memoryview:
+    """A flat writable byte view of a caller's destination buffer (a contiguous CPU tensor,
+    a numpy array, a bytearray...): what ``get_into`` fills."""
+    torch = _loaded_torch()
+    if torch is not None and isinstance(out, torch.Tensor):
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise InvalidValueError("get_into needs a contiguous CPU tensor")
+        out = out.view(-1).view(torch.uint8).numpy()
+    try:
+        view = memoryview(out)
+    except TypeError as exc:
+        raise InvalidValueError(f"get_into needs a buffer, not {type(out).__name__}") from exc
+    if view.readonly:
+        raise InvalidValueError("get_into needs a writable buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
 def owned_copy(data: Any) -> np.ndarray:
     """A page-aligned private copy of a byte buffer."""
     view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else data
@@ -274,4 +291,5 @@ __all__ = [
     "encode_value",
     "owned_copy",
     "torch_dtype",
+    "writable_bytes",
 ]

@@ -14,7 +14,6 @@ Content-addressed keys never change value: putting an existing key is a no-op su
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +43,7 @@ from persisting.kv.layout import (
     decode_value,
     encode_value,
     owned_copy,
+    writable_bytes,
 )
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.policy import (
@@ -354,7 +354,7 @@ class KVStore:
         """Copy ``key``'s payload into the writable buffer ``out`` (exactly nbytes long)."""
         self._check_open()
         text = self._key(key)
-        view = _writable_view(out)
+        view = writable_bytes(out)
         layout = self._layout_of(text)
         if layout is None or not self._layout_ok(layout, expect) or layout.nbytes != len(view):
             self.stats_.record("get", "", 0.0, 0, "miss")
@@ -643,18 +643,6 @@ class KVStore:
 
     async def aprefetch(self, keys: Sequence[KeyLike]) -> int:
         return await asyncio.to_thread(self.prefetch, keys)
-
-
-def _writable_view(out: Any) -> memoryview:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(out, torch.Tensor):
-        if not out.is_contiguous() or out.device.type != "cpu":
-            raise InvalidValueError("get_into needs a contiguous CPU tensor")
-        out = out.view(-1).view(torch.uint8).numpy()
-    view = memoryview(out)
-    if view.readonly:
-        raise InvalidValueError("get_into needs a writable buffer")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def open_kv_store(

@@ -48,13 +48,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pulsing
-import torch
 
 from persisting.config import PersistingSettings
 from persisting.errors import (
     ConfigError,
     InvalidKeyError,
-    InvalidValueError,
     PersistingError,
     ProtocolError,
     ServiceUnavailableError,
@@ -63,7 +61,14 @@ from persisting.errors import (
 )
 from persisting.kv import Layout, PutResult, TokenHasher
 from persisting.kv.keys import ChunkKey, key_string
-from persisting.kv.layout import aligned_buffer, checksum, decode_value, encode_value
+from persisting.kv.layout import (
+    aligned_buffer,
+    checksum,
+    copy_bytes,
+    decode_value,
+    encode_value,
+    writable_bytes,
+)
 from persisting.service.local_channel import LocalChannel
 from persisting.service.protocol import make_request, safe_loads, unwrap_reply
 from persisting.service.routing import Membership, group_by_owner, rank_members
@@ -557,9 +562,9 @@ class KVCacheClient:
 
     async def _copy(self, dst: memoryview, src: memoryview) -> None:
         if len(src) >= (1 << 20):
-            await asyncio.get_running_loop().run_in_executor(self._readers, _copy_bytes, dst, src)
+            await asyncio.get_running_loop().run_in_executor(self._readers, _copy_into, dst, src)
         else:
-            _copy_bytes(dst, src)
+            _copy_into(dst, src)
 
     async def _upload(self, member: _Member, data: memoryview) -> dict[str, Any]:
         if len(data) <= self.chunk_bytes:
@@ -603,7 +608,7 @@ class KVCacheClient:
     async def get_into(self, key: Any, out: Any, expect: Layout | None = None) -> Layout | None:
         """Copy the payload of ``key`` into ``out`` (a writable buffer of exactly its size)."""
         text = self._key(key)
-        target = _writable_bytes(out)
+        target = writable_bytes(out)
         box: list[Layout | None] = [None]
 
         async def share_fn(member: _Member, share: list[int]) -> None:
@@ -852,7 +857,7 @@ class KVCacheClient:
                 raise PersistingError(
                     f"get_into needs a buffer of {layout.nbytes} bytes, got {len(out)}"
                 )
-            _copy_bytes(out, memoryview(buffer))
+            _copy_into(out, memoryview(buffer))
             return layout
         return decode_value(layout, buffer)
 
@@ -1052,25 +1057,13 @@ def _batches(indices: list[int], sizes: list[int], limit: int) -> list[list[int]
     return out
 
 
-def _copy_bytes(dst: memoryview, src: memoryview) -> None:
-    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+def _copy_into(dst: memoryview, src: memoryview) -> None:
+    copy_bytes(np.frombuffer(dst, np.uint8), src)
 
 
 def _read_and_verify(path: str, offset: int, out: memoryview, digest: int) -> bool:
     read_file_into(path, offset, out)
     return checksum(out) == digest
-
-
-def _writable_bytes(out: Any) -> memoryview:
-    """A flat writable byte view of a get_into destination (as the local store accepts)."""
-    if isinstance(out, torch.Tensor):
-        if not out.is_contiguous() or out.device.type != "cpu":
-            raise InvalidValueError("get_into needs a contiguous CPU tensor")
-        out = out.view(-1).view(torch.uint8).numpy()
-    view = memoryview(out)
-    if view.readonly:
-        raise InvalidValueError("get_into needs a writable buffer")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 __all__ = ["KVCacheClient", "PutResult"]
