@@ -247,6 +247,15 @@ async def _demo(settings: PersistingSettings, chunks: int) -> dict[str, Any]:
                 "get_bytes_message",
             )
         }
+        if running.consumer is not None:
+            consumer = running.consumer
+
+            async def applied() -> int:
+                return consumer.applied
+
+            # The consumer counts a batch after applying it: the effects seen above can come
+            # a moment before the count of both events this session published.
+            await _until(applied, expect=lambda n: n >= 2, timeout_s=10.0)
         report["events_applied"] = running.consumer.applied if running.consumer else 0
     finally:
         if client is not None:
