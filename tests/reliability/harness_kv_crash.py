@@ -12,21 +12,16 @@ that no half-written file is visible.
 from __future__ import annotations
 
 import argparse
-import os
-import queue
 import random
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import MODEL, emit, key_text, value
+from rel_common import MODEL, emit, key_text, run_and_kill, value
 
 from persisting.kv import open_kv_store
 
@@ -45,11 +40,6 @@ while True:
 """
 
 
-def _pump(stream, lines: queue.Queue[str]) -> None:
-    for line in stream:
-        lines.put(line)
-
-
 def run(root: Path, kills: int, seed: int, time_budget_s: float = 240.0) -> dict:
     rng = random.Random(seed)
     acked: list[int] = []
@@ -60,24 +50,10 @@ def run(root: Path, kills: int, seed: int, time_budget_s: float = 240.0) -> dict
     for _ in range(kills):
         if time.monotonic() - started > time_budget_s:
             break
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(root), str(Path(__file__).parent), str(next_i)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-        lines: queue.Queue[str] = queue.Queue()
-        reader = threading.Thread(target=_pump, args=(proc.stdout, lines))
-        reader.start()
-        time.sleep(rng.uniform(0.05, 0.6))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        reader.join(30)
-        last = next_i - 1
-        while not lines.empty():  # everything printed was acknowledged before the kill
-            last = int(lines.get())
-            acked.append(last)
+        writer = [sys.executable, "-c", WRITER, str(root), str(Path(__file__).parent), str(next_i)]
+        new = run_and_kill(writer, rng.uniform(0.05, 0.6))
+        acked.extend(new)
+        last = new[-1] if new else next_i - 1
         rounds += 1
         in_flight.append(last + 1)
         next_i = last + 2  # never re-put the key that may have been mid-write

@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import queue
 import random
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import emit
+from rel_common import emit, run_and_kill
 
 from persisting.queue import open_bucket
 
@@ -47,11 +43,6 @@ async def main(root, start, flush_every):
 
 asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 """.replace("TOPIC", repr(TOPIC))
-
-
-def _pump(stream, lines: queue.Queue[str]) -> None:
-    for line in stream:
-        lines.put(line)
 
 
 def expected(i: int) -> dict:
@@ -89,24 +80,10 @@ def run(root: Path, kills: int, seed: int, time_budget_s: float = 240.0) -> dict
         if time.monotonic() - started > time_budget_s:
             break
         flush_every = rng.choice([0, 0, 7, 50])
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(root), str(next_i), str(flush_every)],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-        lines: queue.Queue[str] = queue.Queue()
-        reader = threading.Thread(target=_pump, args=(proc.stdout, lines))
-        reader.start()
-        time.sleep(rng.uniform(0.02, 0.4))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-        reader.join(30)
-        last = next_i - 1
-        while not lines.empty():
-            last = int(lines.get())
-            acked.add(last)
+        writer = [sys.executable, "-c", WRITER, str(root), str(next_i), str(flush_every)]
+        new = run_and_kill(writer, rng.uniform(0.02, 0.4))
+        acked.update(new)
+        last = new[-1] if new else next_i - 1
         rounds += 1
         next_i = last + 2  # the id that may have been mid-put is never reused
         records = asyncio.run(_read_all(root))

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import queue
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,25 @@ def value(i: int, max_kib: int = 1024) -> np.ndarray:
     rng = np.random.default_rng(i)
     n = int(rng.integers(1, max_kib // 4 + 1)) * 2048
     return rng.standard_normal(n).astype(np.float16).reshape(2, -1, 64)  # KV_2TD
+
+
+def run_and_kill(args: list[str], delay_s: float) -> list[int]:
+    """Start a writer that prints ``ready`` and then one acknowledged number per line,
+    SIGKILL it ``delay_s`` seconds later, and return every number it acknowledged."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout])  # type: ignore[union-attr]
+    reader.start()
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    reader.join(30)  # what was printed before the kill was acknowledged before it
+    acked = []
+    while not lines.empty():
+        acked.append(int(lines.get()))
+    return acked
 
 
 def emit(result: dict[str, Any], out: str | None) -> None:
