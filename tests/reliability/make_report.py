@@ -72,6 +72,12 @@ def _row(label: str, value: object) -> str:
     return f"| {label} | {value} |"
 
 
+def _section(title: str, rows: list[tuple[str, object]], note: str | None = None) -> list[str]:
+    """One harness's figures: a heading, a two-column table, and an optional note."""
+    lines = [title, "", "| measure | value |", "|---|---|", *(_row(k, v) for k, v in rows), ""]
+    return [*lines, note, ""] if note is not None else lines
+
+
 def render(results: dict[str, dict]) -> str:
     lines = [
         "# Reliability",
@@ -86,126 +92,109 @@ def render(results: dict[str, dict]) -> str:
     ]
     crash = results.get("kv_crash")
     if crash:
-        lines += [
+        lines += _section(
             '### SIGKILL of a KV writer (`durability="sync"`)',
-            "",
-            "| measure | value |",
-            "|---|---|",
-            _row("kills survived", crash["kills"]),
-            _row("acknowledged writes", crash["acknowledged_writes"]),
-            _row("reads verified after restarts", crash["verified_reads"]),
-            _row("acknowledged writes lost", crash["lost_acknowledged"]),
-            _row("wrong reads", crash["wrong_reads"]),
-            _row("torn writes visible", crash["torn_visible"]),
-            _row("seconds", crash["seconds"]),
-            "",
-        ]
+            [
+                ("kills survived", crash["kills"]),
+                ("acknowledged writes", crash["acknowledged_writes"]),
+                ("reads verified after restarts", crash["verified_reads"]),
+                ("acknowledged writes lost", crash["lost_acknowledged"]),
+                ("wrong reads", crash["wrong_reads"]),
+                ("torn writes visible", crash["torn_visible"]),
+                ("seconds", crash["seconds"]),
+            ],
+        )
     qcrash = results.get("queue_crash")
     if qcrash:
-        lines += [
+        lines += _section(
             "### SIGKILL of the process hosting a WAL-backed queue bucket",
-            "",
-            "| measure | value |",
-            "|---|---|",
-            _row("kills survived", qcrash["kills"]),
-            _row("acknowledged records", qcrash["acknowledged_records"]),
-            _row("records verified after restarts", qcrash["records_verified"]),
-            _row("acknowledged records lost", qcrash["lost_acknowledged"]),
-            _row("wrong records", qcrash["wrong_records"]),
-            _row("duplicated records", qcrash["duplicated_records"]),
-            _row("seconds", qcrash["seconds"]),
-            "",
-        ]
+            [
+                ("kills survived", qcrash["kills"]),
+                ("acknowledged records", qcrash["acknowledged_records"]),
+                ("records verified after restarts", qcrash["records_verified"]),
+                ("acknowledged records lost", qcrash["lost_acknowledged"]),
+                ("wrong records", qcrash["wrong_records"]),
+                ("duplicated records", qcrash["duplicated_records"]),
+                ("seconds", qcrash["seconds"]),
+            ],
+        )
     corr = results.get("kv_corruption")
     if corr:
-        lines += [
+        lines += _section(
             "### Corruption injected into KV stores",
-            "",
-            "| measure | value |",
-            "|---|---|",
-            _row("injections (kinds x rounds)", f"{corr['injections']} ({corr['kinds']} kinds)"),
-            _row("stores that opened after damage", corr["opened"]),
-            _row("wrong reads", corr["wrong_reads"]),
-            _row("damaged values turned into misses", corr["misses"]),
-            _row("intact values still served", corr["intact_hits"]),
-            _row("damage detections counted by the store", corr["detected"]),
-            _row("stores writable again after damage", corr["writable_after"]),
-            "",
+            [
+                ("injections (kinds x rounds)", f"{corr['injections']} ({corr['kinds']} kinds)"),
+                ("stores that opened after damage", corr["opened"]),
+                ("wrong reads", corr["wrong_reads"]),
+                ("damaged values turned into misses", corr["misses"]),
+                ("intact values still served", corr["intact_hits"]),
+                ("damage detections counted by the store", corr["detected"]),
+                ("stores writable again after damage", corr["writable_after"]),
+            ],
             "Kinds: " + ", ".join(sorted({o["injection"] for o in corr["per_injection"]})) + ".",
-            "",
-        ]
+        )
     conc = results.get("kv_concurrency")
     if conc:
-        lines += [
+        lines += _section(
             "### Concurrent processes on one KV directory",
-            "",
-            "| measure | value |",
-            "|---|---|",
-            _row("processes x seconds", f"{conc['processes']} x {conc['seconds']}"),
-            _row("operations (put/get/pin/unpin/remove/refresh)", conc["operations"]),
-            _row("gets that hit", conc["hit"]),
-            _row("wrong reads", conc["wrong"]),
-            _row("undocumented errors", conc["other_errors"]),
-            _row(
-                "capacity held (peak payload bytes / capacity)",
-                f"{conc['capacity_held']} ({conc['peak_payload_bytes']} / "
-                f"{conc['capacity_bytes']})",
-            ),
-            "",
-        ]
+            [
+                ("processes x seconds", f"{conc['processes']} x {conc['seconds']}"),
+                ("operations (put/get/pin/unpin/remove/refresh)", conc["operations"]),
+                ("gets that hit", conc["hit"]),
+                ("wrong reads", conc["wrong"]),
+                ("undocumented errors", conc["other_errors"]),
+                (
+                    "capacity held (peak payload bytes / capacity)",
+                    f"{conc['capacity_held']} ({conc['peak_payload_bytes']} / "
+                    f"{conc['capacity_bytes']})",
+                ),
+            ],
+        )
     fuzz = results.get("fuzz")
     if fuzz:
-        lines += [
+        lines += _section(
             "### Hostile input (hypothesis)",
-            "",
-            "| measure | value |",
-            "|---|---|",
-            _row("inputs fuzzed", fuzz["inputs_fuzzed"]),
-            _row("calls made", fuzz["calls"]),
-            _row("untyped errors", fuzz["untyped_errors"]),
-            _row("paths created outside the root", fuzz["paths_outside_root"]),
-            _row("stored data intact afterwards", fuzz["stored_data_intact"]),
-            "",
+            [
+                ("inputs fuzzed", fuzz["inputs_fuzzed"]),
+                ("calls made", fuzz["calls"]),
+                ("untyped errors", fuzz["untyped_errors"]),
+                ("paths created outside the root", fuzz["paths_outside_root"]),
+                ("stored data intact afterwards", fuzz["stored_data_intact"]),
+            ],
             "Outcomes: " + ", ".join(f"{k} {v}" for k, v in fuzz["outcomes"].items()) + ".",
-            "",
-        ]
+        )
     proto = results.get("protocol_fuzz")
     if proto:
-        lines += [
+        lines += _section(
             "### Garbage over the actor protocol",
-            "",
-            "| measure | value |",
-            "|---|---|",
-            _row("hypothesis-made messages to the request handler", proto["messages"]),
-            _row("raw garbage messages through Pulsing to a server process", proto["raw_messages"]),
-            _row("replies that were not structured or not typed", proto["bad_replies"]),
-            _row(
-                "server still serving a real client afterwards",
-                proto["served_after_garbage"] and proto["server_alive_after"],
-            ),
-            _row("stored data intact afterwards", proto["stored_data_intact"]),
-            "",
+            [
+                ("hypothesis-made messages to the request handler", proto["messages"]),
+                ("raw garbage messages through Pulsing to a server process", proto["raw_messages"]),
+                ("replies that were not structured or not typed", proto["bad_replies"]),
+                (
+                    "server still serving a real client afterwards",
+                    proto["served_after_garbage"] and proto["server_alive_after"],
+                ),
+                ("stored data intact afterwards", proto["stored_data_intact"]),
+            ],
             "Handler outcomes: "
             + ", ".join(f"{k} {v}" for k, v in proto["outcomes"].items())
             + ". Raw outcomes: "
             + ", ".join(f"{k} {v}" for k, v in proto["raw_outcomes"].items())
             + ".",
-            "",
-        ]
+        )
     full = results.get("kv_diskfull")
     if full:
-        lines += [
+        lines += _section(
             f"### A full filesystem (tmpfs of {full['filesystem_mib']} MiB)",
-            "",
-            "| measure | value |",
-            "|---|---|",
-            _row("puts stored before full", full["puts_stored"]),
-            _row("puts refused with CapacityError", full["puts_refused_with_capacity_error"]),
-            _row("reads bit-exact while full", full["reads_ok_while_full"]),
-            _row("torn files visible", full["torn_files_visible"]),
-            _row("puts that worked after space returned", full["puts_ok_after_space_returned"]),
-            "",
-        ]
+            [
+                ("puts stored before full", full["puts_stored"]),
+                ("puts refused with CapacityError", full["puts_refused_with_capacity_error"]),
+                ("reads bit-exact while full", full["reads_ok_while_full"]),
+                ("torn files visible", full["torn_files_visible"]),
+                ("puts that worked after space returned", full["puts_ok_after_space_returned"]),
+            ],
+        )
     lines += ["## Reproduce", "", "```bash"]
     for name, (script, args) in HARNESSES.items():
         lines.append(
