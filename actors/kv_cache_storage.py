@@ -72,7 +72,9 @@ class KVCacheStorageActor(pulsing.Actor):
         self.stores: dict[str, KVStore] = {}
         try:
             for name in names:
-                self.stores[name] = KVStore.from_settings(self.settings, name)
+                self.stores[name] = KVStore.from_settings(
+                    self.settings, name, shared_memory=service.shared_memory_tier
+                )
         except BaseException:
             self._close_stores()
             raise
@@ -139,8 +141,10 @@ class KVCacheStorageActor(pulsing.Actor):
                 lanes.append(name)
             self.handler.lanes = lanes
             try:  # same-host clients send requests here instead of through Pulsing
-                self._channel = LocalChannelServer(self.handler.handle)
-                self.handler.local_channel = await self._channel.start()
+                self._channel = LocalChannelServer(
+                    self.handler.answer, self.handler.is_light, self.handler.executor
+                )
+                self.handler.local_channel = self._channel.start()
             except OSError:
                 self._channel = None
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())

@@ -72,6 +72,8 @@ class ServiceSettings(BaseModel):
     request_timeout_s: float = Field(default=30.0, gt=0)
     lanes: int = Field(default=4, gt=0, le=16)
     shm_arena_bytes: int = Field(default=256 * MiB, ge=0)
+    #: Keep the memory tier in shared memory, so same-host clients copy hits out themselves.
+    shared_memory_tier: bool = True
     member_retry_s: float = Field(default=2.0, gt=0)
     discovery_timeout_s: float = Field(default=10.0, gt=0)
     event_batch_records: int = Field(default=64, gt=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import mmap
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -256,10 +257,10 @@ def writable_bytes(out: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def owned_copy(data: Any) -> np.ndarray:
-    """A page-aligned private copy of a byte buffer."""
+def owned_copy(data: Any, allocate: Callable[[int], np.ndarray] = aligned_buffer) -> np.ndarray:
+    """A page-aligned private copy of a byte buffer, in memory from ``allocate(nbytes)``."""
     view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else data
-    out = aligned_buffer(len(view) if not isinstance(view, np.ndarray) else view.nbytes)
+    out = allocate(len(view) if not isinstance(view, np.ndarray) else view.nbytes)
     copy_bytes(out, view)
     return out
 

@@ -52,6 +52,7 @@ from persisting.kv.policy import (
     admission_policy,
     eviction_policy,
 )
+from persisting.kv.shm_pool import SharedPool, seqlock_safe
 from persisting.kv.stats import StoreStats
 from persisting.kv.write_behind import WriteBehind
 from persisting.lance_store import LanceStore, validate_name
@@ -73,6 +74,26 @@ class PutResult:
     stored: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class SharedLocation:
+    """A memory-tier value in the store's shared pool: its layout, byte offset in the
+    pool file, and the generation the reader must still see after copying it."""
+
+    layout: Layout
+    offset: int
+    generation: int
+
+
+def _open_pool(memory_bytes: int) -> SharedPool | None:
+    """A shared pool for the memory tier, where this host allows one (else None)."""
+    if memory_bytes <= 0 or not seqlock_safe():
+        return None
+    try:
+        return SharedPool(memory_bytes)
+    except OSError:  # no /dev/shm, or no room for the pool's header
+        return None
+
+
 class KVStore:
     """A model namespace's KV chunks: memory tier over a Lance-indexed disk tier.
 
@@ -91,6 +112,7 @@ class KVStore:
         admission: str | AdmissionPolicy = "always",
         max_value_bytes: int | None = None,
         chunk_size: int = 256,
+        shared_memory: bool = False,
     ):
         validate_name(model, "model")
         if "@" in model:
@@ -112,6 +134,8 @@ class KVStore:
         policy = eviction_policy(eviction)
         self.admission = admission_policy(admission)
         self.memory = MemoryTier(memory_bytes, policy)
+        #: Memory-tier buffers readable by same-host processes (see :meth:`shared_location`).
+        self.pool = _open_pool(memory_bytes) if shared_memory else None
         self.disk = DiskTier(self.directory, disk_bytes, policy) if disk_bytes > 0 else None
         self.stats_ = StoreStats()
         self._lock = threading.RLock()
@@ -157,6 +181,15 @@ class KVStore:
         if layout.nbytes > max(self.memory.capacity, self.disk.capacity if self.disk else 0):
             raise CapacityError(f"value of {layout.nbytes} bytes cannot fit any tier")
         return layout, view
+
+    def _memory_buffer(self, nbytes: int) -> np.ndarray:
+        """Room for a memory-tier value: in the shared pool while it has room, else private."""
+        if self.pool is not None:
+            buffer = self.pool.allocate(nbytes)
+            if buffer is not None:
+                return buffer
+            self.stats_.count("pool_full")
+        return aligned_buffer(nbytes)
 
     def _on_disk(self, key: str) -> bool:
         return self.disk is not None and key in self.disk
@@ -249,7 +282,7 @@ class KVStore:
             self.disk.write(to_disk, durable=True)
         # Copies for the memory tier are made outside the lock (they are the big cost).
         copies = {
-            i: owned_copy(it.data)
+            i: owned_copy(it.data, self._memory_buffer)
             for i, it in enumerate(items)
             if i not in results and self.memory.fits(it.layout.nbytes)
         }
@@ -281,7 +314,8 @@ class KVStore:
             present = self._present_result(it.key)
         if present is not None:
             return present
-        buffer = owned_copy(it.data)  # outside the lock: the copy is the big cost
+        # Outside the lock: the copy is the big cost.
+        buffer = owned_copy(it.data, self._memory_buffer)
         with self._lock:
             present = self._present_result(it.key)
             if present is not None:
@@ -360,6 +394,29 @@ class KVStore:
             self.stats_.record("get", "", 0.0, 0, "miss")
             return None
         return self._read(text, view, expect)
+
+    def shared_location(
+        self, key: KeyLike, *, expect: Layout | None = None
+    ) -> SharedLocation | None:
+        """Where a memory-tier value lies in :attr:`pool`, for a same-host reader to copy
+        itself (:class:`~persisting.kv.shm_pool.SharedPoolReader`); None when it is not in
+        memory, not in the pool, or laid out differently from ``expect``.
+
+        Counts as a memory hit. No lease is taken: the reader checks the generation.
+        """
+        self._check_open()
+        if self.pool is None:
+            return None
+        text = self._key(key)
+        with self._lock:
+            entry = self.memory.index.get(text, touch=True)
+            if entry is None or not self._layout_ok(entry.layout, expect):
+                return None
+            found = self.pool.locate(entry.buffer)
+        if found is None:
+            return None
+        self.stats_.record("get", "memory", 0.0, entry.layout.nbytes, "hit")
+        return SharedLocation(entry.layout, found[0], found[1])
 
     def _layout_ok(self, layout: Layout, expect: Layout | None) -> bool:
         if expect is None or layout.matches(expect):
@@ -533,7 +590,7 @@ class KVStore:
                 entry = self.disk.entry(text) if self.disk is not None else None
             if entry is None or not self.memory.fits(entry.layout.nbytes):
                 continue
-            buffer = aligned_buffer(entry.layout.nbytes)
+            buffer = self._memory_buffer(entry.layout.nbytes)
             assert self.disk is not None
             layout = self.disk.read_into(text, memoryview(buffer))
             if layout is None:
@@ -609,6 +666,8 @@ class KVStore:
         self._closed = True
         if self.disk is not None:
             self.disk.close()
+        if self.pool is not None:
+            self.pool.close()
 
     def __enter__(self) -> KVStore:
         return self
@@ -671,4 +730,4 @@ def open_kv_store(
     return KVStore.from_settings(settings, model, **overrides)
 
 
-__all__ = ["Durability", "KVStore", "PutResult", "Tier", "open_kv_store"]
+__all__ = ["Durability", "KVStore", "PutResult", "SharedLocation", "Tier", "open_kv_store"]

@@ -22,11 +22,11 @@ How it works:
 * **Flow control**: at most ``max_inflight`` (<= 16, Pulsing's connection pool) requests are
   in flight per member, spread over the member's lanes (actors that share its stores).
 * **Same host** (:mod:`persisting.service.same_host`, :mod:`~.local_channel`): requests go
-  over the server's Unix socket; memory-tier values are copied by the server into this
-  client's shared-memory arena and returned without another copy; disk values are read by
-  the client from their payload files under a read lease, checksum verified; puts go
-  through the arena. Other clients use the message path, in chunks of at most
-  ``message_chunk_bytes``.
+  over the server's Unix socket; memory-tier values are copied by the client straight out
+  of the server's shared memory pool (mapped read-only), into pages of this client's
+  shared-memory arena that the value then owns; disk values are read by the client from
+  their payload files under a read lease, checksum verified; puts go through the arena.
+  Other clients use the message path, in chunks of at most ``message_chunk_bytes``.
 * **Errors** come back as the same :mod:`persisting.errors` types the store raises.
 * **Sessions**: pins and read leases belong to the client's session on each member; the
   client renews it every ``lease_ttl_s / 3`` seconds, so a crashed client's pins expire.
@@ -69,6 +69,7 @@ from persisting.kv.layout import (
     encode_value,
     writable_bytes,
 )
+from persisting.kv.shm_pool import SharedPoolReader
 from persisting.service.local_channel import LocalChannel
 from persisting.service.protocol import make_request, safe_loads, unwrap_reply
 from persisting.service.routing import Membership, group_by_owner, rank_members
@@ -114,6 +115,7 @@ class _Member:
     shm: bool = False
     direct: bool = False
     channel: LocalChannel | None = None
+    pool: SharedPoolReader | None = None
     pending_release: list[str] = field(default_factory=list)
     lane: itertools.count = field(default_factory=itertools.count)
     hello_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -280,11 +282,24 @@ class KVCacheClient:
         if member.channel is not None:
             await member.channel.close()
             member.channel = None
+        self._map_pool(member, info.get("pool"))
         if member.shm and info.get("local_channel"):
             try:
                 member.channel = await LocalChannel.open(str(info["local_channel"]))
             except OSError:
                 member.channel = None  # e.g. another mount namespace: stay on Pulsing
+
+    def _map_pool(self, member: _Member, pool: Any) -> None:
+        """Map the member's shared memory pool (its memory tier) read-only, if it has one."""
+        if member.pool is not None:
+            member.pool.close()
+            member.pool = None
+        if not member.shm or not isinstance(pool, dict):
+            return
+        try:
+            member.pool = SharedPoolReader(str(pool["path"]), int(pool["size"]))
+        except (StorageIOError, KeyError, TypeError, ValueError):
+            member.pool = None  # e.g. another mount namespace: the arena path still works
 
     def _get_arena(self) -> ClientArena | None:
         if self._arena_tried:
@@ -340,6 +355,8 @@ class KVCacheClient:
         for member in self._members.values():
             if member.channel is not None:
                 await member.channel.close()
+            if member.pool is not None:
+                member.pool.close()
         self._readers.shutdown(wait=False)
         if self._arena is not None:
             self._arena.close()
@@ -630,13 +647,19 @@ class KVCacheClient:
     ) -> list[Any]:
         """Fetch ``keys`` from one member; with ``outs``, fill them and return layouts.
 
-        On the same-host path the request offers a window of the arena: values the server
-        copies there are returned without another copy (they own their pages until they
-        are dropped). Values that did not fit come as file locations the client reads.
+        On the same-host path, memory-tier values come as places in the server's shared
+        pool, which the client copies out itself; without a pool the request offers a
+        window of the arena, and values the server copies there are returned without
+        another copy (they own their pages until they are dropped). Disk values come as
+        file locations the client reads.
         """
         expect_wire = None if expect is None else expect.to_dict()
-        window = self._window(member, len(keys), expect) if outs is None else None
+        window = None
+        if outs is None and member.pool is None:
+            window = self._window(member, len(keys), expect)
         args: dict[str, Any] = {"keys": keys, "expect": expect_wire, "direct": member.direct}
+        if member.pool is not None:
+            args["pool"] = True
         if window is not None:
             args["arena"] = [window.offset, window.capacity]
         try:
@@ -651,6 +674,7 @@ class KVCacheClient:
             raise
         results: list[Any] = [None] * len(keys)
         located: list[int] = []
+        pooled: list[int] = []
         in_memory: list[int] = []
         kept: list[tuple[int, int]] = []
         try:
@@ -663,6 +687,8 @@ class KVCacheClient:
                     kept.append((entry["shm"], int(entry["layout"]["nbytes"])))
                 elif "loc" in entry:
                     located.append(i)
+                elif "pool" in entry and member.pool is not None:
+                    pooled.append(i)
                 elif entry.get("memory"):
                     in_memory.append(i)
                 else:
@@ -672,6 +698,12 @@ class KVCacheClient:
         finally:
             if window is not None:
                 self._free_unused(window, kept)
+        for i in pooled:
+            value = self._read_pooled(member.pool, entries[i], outs[i] if outs else None)
+            if value is _EVICTED:
+                in_memory.append(i)
+            else:
+                results[i] = value
         if located:
             inline = len(located) == 1
             read = await asyncio.gather(
@@ -729,16 +761,7 @@ class KVCacheClient:
         """
         layout = Layout.from_dict(entry["layout"])
         path, offset, nbytes, digest = entry["loc"]
-        region = None
-        if out is not None:
-            if len(out) != nbytes:
-                raise PersistingError(f"get_into needs a buffer of {nbytes} bytes, got {len(out)}")
-            target = out
-        elif self._arena is not None and (region := self._arena.allocate(nbytes)) is not None:
-            target = self._arena.region_view(region)
-        else:
-            buffer = aligned_buffer(nbytes)
-            target = memoryview(buffer)
+        target, region, buffer = self._destination(nbytes, out)
         try:
             if inline:  # a lone read is faster without the thread hop
                 ok = _read_and_verify(path, offset, target, digest)
@@ -756,10 +779,53 @@ class KVCacheClient:
             self.counters["checksum_misses"] += 1
             return None
         self.counters["get_bytes_direct"] += nbytes
+        return self._value_in(layout, out, region, buffer)
+
+    def _read_pooled(
+        self, pool: SharedPoolReader | None, entry: dict[str, Any], out: memoryview | None
+    ) -> Any:
+        """Copy a memory-tier value out of the server's shared pool; _EVICTED when it was
+        freed before or during the copy (then it is asked for again)."""
+        layout = Layout.from_dict(entry["layout"])
+        offset, generation = entry["pool"]
+        target, region, buffer = self._destination(layout.nbytes, out)
+        assert pool is not None
+        if not pool.read_into(offset, layout.nbytes, generation, np.frombuffer(target, np.uint8)):
+            if region is not None:
+                self._arena.free(region)  # type: ignore[union-attr]
+            self.counters["pool_retries"] += 1
+            return _EVICTED
+        self.counters["get_bytes_pool"] += layout.nbytes
+        return self._value_in(layout, out, region, buffer)
+
+    def _destination(
+        self, nbytes: int, out: memoryview | None
+    ) -> tuple[memoryview, Region | None, np.ndarray | None]:
+        """Where a value read by this client goes: the caller's ``out``, else arena pages
+        (already mapped: no page faults, and the value owns them until it is dropped), else
+        a fresh buffer. Returns (target, arena region or None, fresh buffer or None)."""
+        if out is not None:
+            if len(out) != nbytes:
+                raise PersistingError(f"get_into needs a buffer of {nbytes} bytes, got {len(out)}")
+            return out, None, None
+        if self._arena is not None and (region := self._arena.allocate(nbytes)) is not None:
+            return self._arena.region_view(region), region, None
+        buffer = aligned_buffer(nbytes)
+        return memoryview(buffer), None, buffer
+
+    def _value_in(
+        self,
+        layout: Layout,
+        out: memoryview | None,
+        region: Region | None,
+        buffer: np.ndarray | None,
+    ) -> Any:
+        """What a get returns once the bytes are in the place :meth:`_destination` chose."""
         if out is not None:
             return layout
         if region is not None:
-            return decode_value(layout, self._arena.hand_out(region.offset, nbytes))  # type: ignore[union-attr]
+            return decode_value(layout, self._arena.hand_out(region.offset, layout.nbytes))  # type: ignore[union-attr]
+        assert buffer is not None
         return decode_value(layout, buffer)
 
     async def _get_via_arena(

@@ -105,16 +105,38 @@ class StorageHandler:
     # -- entry points -------------------------------------------------------------------
 
     async def handle(self, message: object) -> dict[str, Any]:
-        """Answer one request; every failure becomes a structured error reply."""
+        """Answer one request; every failure becomes a structured error reply. Requests
+        that may do file I/O run on the handler's threads, off the event loop."""
+        if self.is_light(message):
+            return self.answer(message)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.answer, message)
+
+    def answer(self, message: object) -> dict[str, Any]:
+        """:meth:`handle` on the calling thread (the local channel's threads use this)."""
         try:
             request = parse_request(message)
         except PersistingError as exc:
             self.counters["errors"] += 1
             return error_reply(exc)
-        if _is_light(request):
-            return self.handle_sync(request)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.handle_sync, request)
+        return self.handle_sync(request)
+
+    @staticmethod
+    def is_light(message: object) -> bool:
+        """True for requests that do no file I/O (a memory copy at most), and for
+        malformed ones (refusing them is quick)."""
+        if not isinstance(message, dict):
+            return True
+        if message.get("op") in _LIGHT_OPS:
+            return True
+        # A same-host get copies memory-tier values into the client's arena (or just says
+        # where they are) and leases the rest, whose bytes the client reads itself.
+        return message.get("op") == "get" and bool(message.get("direct"))
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The threads that run requests doing file I/O."""
+        return self._pool
 
     def handle_sync(self, request: Request) -> dict[str, Any]:
         self.counters[f"op_{request.op}"] += 1
@@ -200,7 +222,14 @@ class StorageHandler:
             "shm": mapping is not None,
             "shm_error": shm_error,
             "local_channel": self.local_channel if mapping is not None else None,
+            "pool": self._pool_of(request.model) if mapping is not None else None,
         }
+
+    def _pool_of(self, model: str | None) -> dict[str, Any] | None:
+        """Where a same-host client maps ``model``'s memory tier (None: no shared pool)."""
+        store = self.stores.get(model) if model is not None else None
+        pool = store.pool if store is not None else None
+        return None if pool is None else {"path": str(pool.path), "size": pool.size}
 
     def _bye(self, request: Request, session: Session | None) -> bool:
         with self._lock:
@@ -334,9 +363,11 @@ class StorageHandler:
     def _get(self, request: Request, session: Session | None) -> list[dict[str, Any] | None]:
         """Per key: None (a miss), or where the value is.
 
-        A same-host client (``direct``) gets a memory-tier value copied into the window of
-        its arena it offers (``arena: [offset, capacity]``) while room lasts; otherwise the
-        payload file's location under a read lease, for the client to read itself; then, for
+        A same-host client (``direct``) that mapped the store's shared pool (``pool``) gets
+        a memory-tier value's place there, to copy it out itself. Failing that, a memory-tier
+        value is copied into the window of its arena it offers (``arena: [offset,
+        capacity]``) while room lasts; otherwise the payload file's location under a read
+        lease, for the client to read itself; then, for
         a value only in the memory tier, a ``memory`` marker (it asks again with room for
         it). So a same-host get does no file I/O here, and runs on the event loop. Any other
         client gets the bytes in messages: inline, or a transfer to read in chunks.
@@ -353,6 +384,7 @@ class StorageHandler:
             and all(isinstance(x, int) for x in window)
         ):
             raise ProtocolError("arena must be [offset, capacity]")
+        pooled = direct and bool(request.args.get("pool")) and store.pool is not None
         window_used = 0
         budget = self.chunk_bytes
         entries: list[dict[str, Any] | None] = []
@@ -362,7 +394,9 @@ class StorageHandler:
                 entry, sent = self._get_message(store, session, key, expect, budget)
                 budget -= sent
             else:
-                if window is not None and _in_memory(store, key):
+                if pooled:
+                    entry = self._get_pooled(store, key, expect)
+                if entry is None and window is not None and _in_memory(store, key):
                     entry, used = self._get_into_arena(
                         store, session, key, expect, window, window_used
                     )
@@ -378,6 +412,15 @@ class StorageHandler:
             entries.append(entry)
             self.counters["get_hits" if entry is not None else "get_misses"] += 1
         return entries
+
+    def _get_pooled(self, store: KVStore, key: str, expect: Layout | None) -> dict[str, Any] | None:
+        """A memory-tier value's place in the shared pool (the client copies it out); None
+        otherwise, and the other paths (which also judge a layout mismatch) take over."""
+        found = store.shared_location(key, expect=expect)
+        if found is None:
+            return None
+        self.counters["get_bytes_pool"] += found.layout.nbytes
+        return {"layout": found.layout.to_dict(), "pool": [found.offset, found.generation]}
 
     def _get_located(
         self,
@@ -586,15 +629,6 @@ _LIGHT_OPS = frozenset(
         "stats",
     }
 )
-
-
-def _is_light(request: Request) -> bool:
-    """True for requests that do no file I/O (a memory copy at most)."""
-    if request.op in _LIGHT_OPS:
-        return True
-    # A same-host get copies memory-tier values into the client's arena and leases the
-    # rest, whose bytes the client reads itself.
-    return request.op == "get" and bool(request.args.get("direct"))
 
 
 def _in_memory(store: KVStore, key: str) -> bool:

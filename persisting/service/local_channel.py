@@ -10,7 +10,8 @@ The socket is created mode 0600 in a fresh private directory, so only the server
 can connect, and it refuses ``hello``: every request must carry a session id that a
 ``hello`` through Pulsing handed out. Frames are ``<u32 length><u64 request id><pickle>``,
 and both sides decode them with :func:`~persisting.service.protocol.safe_loads` (plain
-values only). Requests are answered concurrently and matched to callers by id.
+values only). Requests are answered concurrently and matched to callers by id. The
+server side runs on its own threads (blocking sockets); the client side is asyncio.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import contextlib
 import os
 import pickle
 import shutil
+import socket
 import struct
 import tempfile
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from persisting.errors import ProtocolError, ServiceUnavailableError
 from persisting.lance_store import pid_alive
@@ -33,8 +37,6 @@ from persisting.service.protocol import error_reply, safe_loads
 _HEADER = struct.Struct("<IQ")
 #: Largest frame either side accepts (message-path replies carry at most one chunk).
 MAX_FRAME_BYTES = 64 << 20
-
-Handler = Callable[[Any], Awaitable[dict[str, Any]]]
 
 
 def _frame(request_id: int, message: Any) -> bytes:
@@ -75,65 +77,128 @@ def remove_orphaned_channels(directory: str | None = None) -> int:
 
 
 class LocalChannelServer:
-    """Answers protocol requests arriving on a private Unix socket with ``handler``."""
+    """Answers protocol requests arriving on a private Unix socket.
 
-    def __init__(self, handler: Handler):
-        self._handler = handler
-        self._server: asyncio.AbstractServer | None = None
+    Served by plain threads on blocking sockets rather than by the actor's event loop: a
+    request then costs one thread wake-up here instead of several event-loop turns, which
+    cuts the same-host round trip by more than half on a small host. Light requests
+    (``light(message)``: no file I/O) are answered on the connection's thread; the others
+    run on ``executor`` and their replies go out as they finish, under the connection's
+    send lock, so one slow request does not hold up the rest.
+    """
+
+    def __init__(
+        self,
+        answer: Callable[[Any], dict[str, Any]],
+        light: Callable[[Any], bool],
+        executor: Executor,
+    ):
+        self._answer = answer
+        self._light = light
+        self._executor = executor
+        self._listener: socket.socket | None = None
         self._directory: Path | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._closed = False
         self.path: str | None = None
 
-    async def start(self) -> str:
+    def start(self) -> str:
+        """Listen (mode 0600 socket in a fresh private folder); returns the socket's path."""
         remove_orphaned_channels()
         # mode 0700; the pid in the name lets a later server remove it if this one is killed
         self._directory = Path(tempfile.mkdtemp(prefix=f"{CHANNEL_PREFIX}{os.getpid()}-"))
         path = self._directory / "service.sock"
-        self._server = await asyncio.start_unix_server(self._serve_connection, path=str(path))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))
         os.chmod(path, 0o600)
+        listener.listen(64)
+        self._listener = listener
         self.path = str(path)
+        threading.Thread(target=self._accept, name="kv-channel", daemon=True).start()
         return self.path
 
     def close(self) -> None:
-        """Stop listening, drop every connection and remove the socket (no await needed)."""
-        if self._server is not None:
-            self._server.close()
-            for task in list(self._connections):
-                task.cancel()
+        """Stop listening, drop every connection and remove the socket."""
+        with self._lock:
+            self._closed = True
+            sockets = list(self._connections)
+            self._connections.clear()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+            self._listener.close()
+        for conn in sockets:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
 
-    async def _serve_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._connections.add(task)
-        pending: set[asyncio.Task[None]] = set()
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._connections.add(conn)
+            threading.Thread(
+                target=self._serve_connection, args=(conn,), name="kv-channel-conn", daemon=True
+            ).start()
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        reader = conn.makefile("rb")
+        send_lock = threading.Lock()
         try:
             while True:
-                request_id, message = await _read_frame(reader)
-                job = asyncio.ensure_future(self._answer(request_id, message, writer))
-                pending.add(job)
-                job.add_done_callback(pending.discard)
-        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError):
-            pass  # the client went away, or spoke garbage: drop the connection
+                request_id, message = _read_frame_blocking(reader)
+                if self._light(message):
+                    self._reply(conn, send_lock, request_id, message)
+                else:
+                    self._executor.submit(self._reply, conn, send_lock, request_id, message)
+        except (EOFError, OSError, ProtocolError, RuntimeError):
+            pass  # the client went away or spoke garbage, or we are closing
         finally:
-            for job in pending:
-                job.cancel()
-            writer.close()
-            if task is not None:
-                self._connections.discard(task)
+            with self._lock:
+                self._connections.discard(conn)
+            reader.close()
+            conn.close()
 
-    async def _answer(self, request_id: int, message: Any, writer: asyncio.StreamWriter) -> None:
+    def _reply(
+        self, conn: socket.socket, send_lock: threading.Lock, request_id: int, message: Any
+    ) -> None:
         if isinstance(message, dict) and message.get("op") == "hello":
             reply = error_reply(ProtocolError("open a session through the actor, not here"))
         elif isinstance(message, dict) and message.get("sid") is None:
             reply = error_reply(ProtocolError("requests on the local channel need a session"))
         else:
-            reply = await self._handler(message)
-        with contextlib.suppress(ConnectionError):
-            writer.write(_frame(request_id, reply))
+            reply = self._answer(message)
+        try:
+            frame = _frame(request_id, reply)
+        except ProtocolError as exc:
+            frame = _frame(request_id, error_reply(exc))
+        with send_lock, contextlib.suppress(OSError):
+            conn.sendall(frame)
+
+
+def _read_frame_blocking(reader: BinaryIO) -> tuple[int, Any]:
+    header = _read_exactly(reader, _HEADER.size)
+    length, request_id = _HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a {length}-byte frame exceeds the channel's limit")
+    return request_id, safe_loads(_read_exactly(reader, length))
+
+
+def _read_exactly(reader: BinaryIO, n: int) -> bytes:
+    data = reader.read(n)
+    if data is None or len(data) < n:
+        raise EOFError("the peer closed the channel")
+    return data
 
 
 class LocalChannel:

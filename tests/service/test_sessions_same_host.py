@@ -141,8 +141,8 @@ def test_local_channel_needs_a_session_and_answers_concurrent_requests(tmp_path:
     from persisting.service.protocol import make_request, unwrap_reply
 
     async def scenario(handler: StorageHandler) -> None:
-        server = LocalChannelServer(handler.handle)
-        path = await server.start()
+        server = LocalChannelServer(handler.answer, handler.is_light, handler.executor)
+        path = server.start()
         assert os.stat(path).st_mode & 0o777 == 0o600
         channel = await LocalChannel.open(path)
         try:
