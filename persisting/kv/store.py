@@ -418,6 +418,25 @@ class KVStore:
         self.stats_.record("get", "memory", 0.0, entry.layout.nbytes, "hit")
         return SharedLocation(entry.layout, found[0], found[1])
 
+    def touch(self, keys: Sequence[KeyLike]) -> int:
+        """Count reads that happened elsewhere: each key still in the memory tier becomes
+        its most recently used and counts as a memory hit. Returns how many were there.
+
+        Same-host readers that copy values out of :attr:`pool` by a remembered location
+        report their hits this way, so eviction still sees what is being read.
+        """
+        self._check_open()
+        texts = [self._key(key) for key in keys]
+        sizes: list[int] = []
+        with self._lock:
+            for text in texts:
+                entry = self.memory.index.get(text, touch=True)
+                if entry is not None:
+                    sizes.append(entry.layout.nbytes)
+        for nbytes in sizes:
+            self.stats_.record("get", "memory", 0.0, nbytes, "hit")
+        return len(sizes)
+
     def _layout_ok(self, layout: Layout, expect: Layout | None) -> bool:
         if expect is None or layout.matches(expect):
             return True

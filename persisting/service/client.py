@@ -40,7 +40,7 @@ import itertools
 import logging
 import os
 import socket
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -90,6 +90,12 @@ logger = logging.getLogger(__name__)
 #: Pulsing's refusal to open one more connection to a peer (the ask was not sent).
 _POOL_EXHAUSTED = "Connection pool exhausted"
 
+#: Remembered pool places per member (about 100 bytes each).
+_MAX_SPOTS = 1 << 16
+#: Hits served from remembered places that are reported in one ``touch`` when no other
+#: request is going out to carry them.
+_TOUCH_BATCH = 256
+
 #: Failures of the transport (not of the request): the member is treated as gone.
 _TRANSPORT_ERRORS = (RuntimeError, OSError, asyncio.TimeoutError, pulsing.PulsingError)
 
@@ -116,6 +122,11 @@ class _Member:
     direct: bool = False
     channel: LocalChannel | None = None
     pool: SharedPoolReader | None = None
+    #: Where memory-tier values lie in ``pool``, as last reported: key -> (layout, offset,
+    #: generation). A hit here needs no request; the generation check proves it current.
+    spots: OrderedDict[str, tuple[Layout, int, int]] = field(default_factory=OrderedDict)
+    #: Keys read through ``spots`` that the server has not been told of yet (recency).
+    touched: list[str] = field(default_factory=list)
     pending_release: list[str] = field(default_factory=list)
     lane: itertools.count = field(default_factory=itertools.count)
     hello_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -294,6 +305,8 @@ class KVCacheClient:
         if member.pool is not None:
             member.pool.close()
             member.pool = None
+        member.spots.clear()
+        member.touched.clear()
         if not member.shm or not isinstance(pool, dict):
             return
         try:
@@ -412,6 +425,8 @@ class KVCacheClient:
             async with member.semaphore:
                 if member.pending_release and op != "hello":
                     args["release"], member.pending_release = member.pending_release, []
+                if member.touched and op != "hello":
+                    args["touch"], member.touched = member.touched, []
                 message = make_request(op, sid=member.sid, model=self.model, **args)
                 reply = await self._ask(member, message)
             try:
@@ -645,7 +660,66 @@ class KVCacheClient:
         expect: Layout | None,
         outs: list[memoryview] | None,
     ) -> list[Any]:
-        """Fetch ``keys`` from one member; with ``outs``, fill them and return layouts.
+        """Values of ``keys`` from one member; with ``outs``, fill them and return layouts.
+
+        Memory-tier values whose place in the member's shared pool is remembered are
+        copied out without asking (their generation proves them current); the rest are
+        fetched.
+        """
+        results: list[Any] = [None] * len(keys)
+        ask: list[int] = []
+        for i, key in enumerate(keys):
+            value = self._read_remembered(member, key, expect, outs[i] if outs else None)
+            if value is None:
+                ask.append(i)
+            else:
+                results[i] = value
+        if ask:
+            fetched = await self._fetch_values(
+                member,
+                [keys[i] for i in ask],
+                expect,
+                [outs[i] for i in ask] if outs else None,
+            )
+            for i, value in zip(ask, fetched, strict=True):
+                results[i] = value
+        elif len(member.touched) >= _TOUCH_BATCH:
+            await self._call(member, "touch", keys=[])  # carries the touches along
+        return results
+
+    def _read_remembered(
+        self, member: _Member, key: str, expect: Layout | None, out: memoryview | None
+    ) -> Any:
+        """``key``'s value copied from its remembered place in the pool, or None."""
+        spot = member.spots.get(key)
+        if spot is None or member.pool is None:
+            return None
+        layout, offset, generation = spot
+        if expect is not None and not layout.matches(expect):
+            return None  # the server judges the mismatch
+        value = self._read_pooled(member.pool, layout, offset, generation, out)
+        if value is _EVICTED:
+            member.spots.pop(key, None)
+            return None
+        member.spots.move_to_end(key)
+        member.touched.append(key)
+        self.counters["get_hits_remembered"] += 1
+        return value
+
+    def _remember(self, member: _Member, key: str, layout: Layout, spot: list[int]) -> None:
+        member.spots[key] = (layout, int(spot[0]), int(spot[1]))
+        member.spots.move_to_end(key)
+        if len(member.spots) > _MAX_SPOTS:
+            member.spots.popitem(last=False)
+
+    async def _fetch_values(
+        self,
+        member: _Member,
+        keys: list[str],
+        expect: Layout | None,
+        outs: list[memoryview] | None,
+    ) -> list[Any]:
+        """Ask one member for ``keys``; with ``outs``, fill them and return layouts.
 
         On the same-host path, memory-tier values come as places in the server's shared
         pool, which the client copies out itself; without a pool the request offers a
@@ -699,11 +773,15 @@ class KVCacheClient:
             if window is not None:
                 self._free_unused(window, kept)
         for i in pooled:
-            value = self._read_pooled(member.pool, entries[i], outs[i] if outs else None)
+            layout = Layout.from_dict(entries[i]["layout"])
+            offset, generation = entries[i]["pool"]
+            out = outs[i] if outs else None
+            value = self._read_pooled(member.pool, layout, offset, generation, out)
             if value is _EVICTED:
                 in_memory.append(i)
             else:
                 results[i] = value
+                self._remember(member, keys[i], layout, entries[i]["pool"])
         if located:
             inline = len(located) == 1
             read = await asyncio.gather(
@@ -782,12 +860,15 @@ class KVCacheClient:
         return self._value_in(layout, out, region, buffer)
 
     def _read_pooled(
-        self, pool: SharedPoolReader | None, entry: dict[str, Any], out: memoryview | None
+        self,
+        pool: SharedPoolReader | None,
+        layout: Layout,
+        offset: int,
+        generation: int,
+        out: memoryview | None,
     ) -> Any:
         """Copy a memory-tier value out of the server's shared pool; _EVICTED when it was
         freed before or during the copy (then it is asked for again)."""
-        layout = Layout.from_dict(entry["layout"])
-        offset, generation = entry["pool"]
         target, region, buffer = self._destination(layout.nbytes, out)
         assert pool is not None
         if not pool.read_into(offset, layout.nbytes, generation, np.frombuffer(target, np.uint8)):
@@ -1009,6 +1090,8 @@ class KVCacheClient:
         removed = [False] * len(texts)
 
         async def on(member: _Member) -> None:
+            for text in texts:
+                member.spots.pop(text, None)
             try:
                 flags = await self._call(member, "remove", keys=texts, force=force)
             except _MemberFailed as exc:

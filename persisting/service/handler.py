@@ -33,6 +33,7 @@ from persisting.kv import KVStore, Layout
 from persisting.kv.layout import aligned_buffer, checksum, decode_value
 from persisting.lance_store.names import validate_name
 from persisting.service.protocol import (
+    MAX_KEYS_PER_REQUEST,
     PROTOCOL_VERSION,
     Request,
     error_reply,
@@ -99,6 +100,7 @@ class StorageHandler:
             "pin": self._pin,
             "unpin": self._unpin,
             "prefetch": self._prefetch,
+            "touch": self._touch,
             "stats": self._stats,
         }
 
@@ -147,6 +149,9 @@ class StorageHandler:
                     session = self.sessions.touch(request.sid)
             if session is not None and request.args.get("release"):
                 self._release(session, request.model, request.args["release"])
+            if session is not None and request.args.get("touch"):
+                # a hint riding along: a bad one must not fail the request it came with
+                _quietly(self._touch_keys, request.model, request.args["touch"])
             return ok_reply(self._ops[request.op](request, session))
         except PersistingError as exc:
             self.counters["errors"] += 1
@@ -549,6 +554,18 @@ class StorageHandler:
             released += 1
         return released
 
+    def _touch(self, request: Request, _session: Session | None) -> int:
+        return self._touch_keys(request.model, request.args["keys"])
+
+    def _touch_keys(self, model: str | None, keys: object) -> int:
+        """Hits a same-host client served itself from remembered pool locations."""
+        if not isinstance(keys, list) or len(keys) > MAX_KEYS_PER_REQUEST:
+            raise ProtocolError("touch needs a list of at most MAX_KEYS_PER_REQUEST keys")
+        found = self._store(model).touch(keys)
+        self.counters["get_hits"] += found
+        self.counters["get_hits_remembered"] += found
+        return found
+
     # -- index operations ----------------------------------------------------------------
 
     def _contains(self, request: Request, _session: Session | None) -> list[bool]:
@@ -625,6 +642,7 @@ _LIGHT_OPS = frozenset(
         "pin",
         "unpin",
         "release",
+        "touch",
         "end_transfer",
         "stats",
     }

@@ -46,6 +46,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "pin": ("keys",),
     "unpin": ("keys",),
     "prefetch": ("keys",),
+    "touch": ("keys",),
     "stats": (),
 }
 
