@@ -258,7 +258,46 @@ async def sync_roundtrip(args: dict[str, Any]) -> dict[str, Any]:
     return await asyncio.to_thread(work)
 
 
+async def remembered_places(args: dict[str, Any]) -> dict[str, Any]:
+    """Memory hits served from remembered pool places: exact, never stale, reported."""
+    reader = await _connect(args)
+    other = await _connect(args)  # a second session, as another client would have
+    base = args["base"]
+    try:
+        keys = [key(base + i) for i in range(4)]
+        values = [tensor(base + i, tokens=64, hidden=256) for i in range(4)]
+        await reader.batched_put(keys, values)
+        first = [await reader.get(k) for k in keys]  # asked: the places are learned
+        asked_hits = reader.counters["get_hits_remembered"]
+        again = [await reader.get(k) for k in keys]  # served without asking
+        remembered = reader.counters["get_hits_remembered"] - asked_hits
+        out = torch.empty_like(values[1])
+        into = await reader.get_into(keys[1], out)
+
+        await other.remove(keys[0])  # another client removes a value this one remembers
+        after_remove = await reader.get(keys[0])
+
+        for _ in range(300):  # enough remembered hits for a touch report of their own
+            await reader.get(keys[2])
+        server = (await reader.stats())["members"]
+        service = next(iter(server.values()))["service"]
+        return {
+            "exact": all(
+                torch.equal(a, b) for a, b in zip(first + again, values + values, strict=True)
+            ),
+            "remembered": remembered,
+            "get_into_exact": into is not None and torch.equal(out, values[1]),
+            "after_remove_is_miss": after_remove is None,
+            "stale_places_dropped": reader.counters["pool_retries"],
+            "server_saw_remembered_hits": service.get("get_hits_remembered", 0),
+        }
+    finally:
+        await other.close()
+        await reader.close()
+
+
 TASKS = {
+    "remembered_places": remembered_places,
     "sync_roundtrip": sync_roundtrip,
     "roundtrip": roundtrip,
     "connect_only": connect_only,

@@ -310,3 +310,48 @@ def test_index_operations(handler: StorageHandler) -> None:
     stats = call(handler, "stats", sid)
     assert stats["stores"][MODEL]["prefetched"] == 3
     assert stats["service"]["op_remove"] == 1
+
+
+def test_same_host_memory_hits_are_places_in_the_shared_pool(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    from persisting.kv.shm_pool import SharedPoolReader
+
+    with KVStore(
+        tmp_path / "pooled", MODEL, memory_bytes=8 << 20, disk_bytes=64 << 20, shared_memory=True
+    ) as store:
+        handler = StorageHandler({MODEL: store}, clock=clock)
+        arena = ClientArena(4 << 20)
+        try:
+            client = {
+                "pid": 1,
+                "arena": {"path": str(arena.path), "size": arena.size, "nonce": arena.nonce},
+            }
+            info = call(handler, "hello", client=client)
+            assert store.pool is not None
+            assert info["pool"] == {"path": str(store.pool.path), "size": store.pool.size}
+            sid = info["sid"]
+            value = tensor(9, tokens=64, hidden=256)
+            put_inline(handler, sid, 9, value)
+            entries = call(
+                handler, "get", sid, keys=[str(key(9)), str(key(10))], direct=True, pool=True
+            )
+            assert entries[1] is None
+            offset, generation = entries[0]["pool"]
+            layout = Layout.from_dict(entries[0]["layout"])
+            reader = SharedPoolReader(info["pool"]["path"], info["pool"]["size"])
+            out = np.empty(layout.nbytes, np.uint8)
+            assert reader.read_into(offset, layout.nbytes, generation, out)
+            assert torch.equal(decode_value(layout, out), value)
+            reader.close()
+            # Hits a client served itself are reported with touch, alone or riding along;
+            # a malformed report riding along does not fail the request that carries it.
+            assert call(handler, "touch", sid, keys=[str(key(9)), str(key(10))]) == 1
+            assert call(handler, "contains", sid, keys=[str(key(9))], touch=[str(key(9))])
+            assert call(handler, "contains", sid, keys=[str(key(9))], touch=["garbage"]) == [True]
+            assert handler.counters["get_hits_remembered"] == 2
+            with pytest.raises(InvalidKeyError):
+                call(handler, "touch", sid, keys=["garbage"])
+        finally:
+            arena.close()
+            handler.close()

@@ -297,3 +297,15 @@ def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -
     assert events["applied"] <= total + 1 - killed_at + 1  # at most one event twice
     assert events["applied_prewarm"] == 1
     assert result["store"]["memory_items"] >= 10  # prewarmed into the (restarted) memory tier
+
+
+def test_memory_hits_come_from_remembered_pool_places_and_are_never_stale(
+    actor_server: str,
+) -> None:
+    result = run_client("remembered_places", {"seeds": [actor_server], "base": 700})
+    assert result["exact"] and result["get_into_exact"]
+    assert result["remembered"] == 4  # the second pass asked the server nothing
+    assert result["after_remove_is_miss"]  # removed elsewhere: the old place is not used
+    assert result["stale_places_dropped"] >= 1
+    # hits the server never saw as requests still reached its counters (and its LRU)
+    assert result["server_saw_remembered_hits"] >= 300

@@ -1,0 +1,181 @@
+"""The memory tier's shared pool: generations, read-only readers, fallback, cleanup."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from persisting.errors import StorageIOError
+from persisting.kv import ChunkKey, KVStore
+from persisting.kv.shm_pool import (
+    DEFAULT_SHM_DIR,
+    PAGE,
+    POOL_PREFIX,
+    SharedPool,
+    SharedPoolReader,
+    open_shm_file,
+    remove_orphaned_files,
+)
+
+MODEL = "pool/test"
+
+
+def _bytes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_a_reader_copies_live_values_and_detects_freed_ones() -> None:
+    pool = SharedPool(1 << 20)
+    reader = SharedPoolReader(str(pool.path), pool.size)
+    try:
+        first = pool.allocate(3 * PAGE + 5)
+        assert first is not None
+        first[:] = _bytes(first.nbytes, 1)
+        offset, generation = pool.locate(first)  # type: ignore[misc]
+        out = np.empty(first.nbytes, np.uint8)
+        assert reader.read_into(offset, first.nbytes, generation, out)
+        assert np.array_equal(out, first)
+
+        del first  # the tier dropped it: its pages get a new generation...
+        gc.collect()
+        second = pool.allocate(3 * PAGE + 5)  # ...before they are handed out again
+        assert second is not None and pool.locate(second)[0] == offset  # type: ignore[index]
+        second[:] = _bytes(second.nbytes, 2)
+        assert not reader.read_into(offset, second.nbytes, generation, out)
+        assert pool.locate(second)[1] != generation  # type: ignore[index]
+    finally:
+        reader.close()
+        pool.close()
+
+
+def test_a_view_of_a_pool_buffer_keeps_its_range_allocated() -> None:
+    """A write-behind or a reader holding a view keeps the bytes from being reused."""
+    pool = SharedPool(4 * PAGE)
+    try:
+        buffer = pool.allocate(4 * PAGE)
+        assert buffer is not None
+        view = memoryview(buffer)
+        del buffer
+        gc.collect()
+        assert pool.allocate(PAGE) is None  # still taken through the view
+        view.release()
+        del view
+        gc.collect()
+        assert pool.allocate(PAGE) is not None
+    finally:
+        pool.close()
+
+
+def test_the_reader_cannot_write_and_foreign_files_are_refused(tmp_path: Path) -> None:
+    pool = SharedPool(1 << 20)
+    try:
+        mapping = open_shm_file(str(pool.path), POOL_PREFIX, pool.size, writable=False)
+        with pytest.raises(TypeError):
+            mapping[PAGE] = 1  # read-only: a client cannot change what is stored
+        mapping.close()
+        with pytest.raises(StorageIOError, match="its owner said"):
+            SharedPoolReader(str(pool.path), pool.size + PAGE)
+        outside = tmp_path / f"{POOL_PREFIX}1-ab"
+        outside.write_bytes(b"\0" * pool.size)
+        with pytest.raises(StorageIOError, match="not a Persisting"):
+            SharedPoolReader(str(outside), pool.size)
+        reader = SharedPoolReader(str(pool.path), pool.size)
+        with pytest.raises(StorageIOError, match="not inside"):
+            reader.read_into(pool.size - PAGE, 2 * PAGE, 0, np.empty(2 * PAGE, np.uint8))
+        reader.close()
+    finally:
+        pool.close()
+    assert not pool.path.exists()
+
+
+def test_files_of_dead_processes_are_removed() -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    pid = int(dead.stdout)
+    orphan = DEFAULT_SHM_DIR / f"{POOL_PREFIX}{pid}-0123456789abcdef"
+    mine = DEFAULT_SHM_DIR / f"{POOL_PREFIX}{os.getpid()}-0123456789abcdef"
+    unrelated = DEFAULT_SHM_DIR / f"{POOL_PREFIX}notapid"
+    for path in (orphan, mine, unrelated):
+        path.write_bytes(b"x")
+    try:
+        assert remove_orphaned_files(POOL_PREFIX) >= 1
+        assert not orphan.exists() and mine.exists() and unrelated.exists()
+    finally:
+        for path in (orphan, mine, unrelated):
+            path.unlink(missing_ok=True)
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(MODEL, 1, 0, i, "bfloat16")
+
+
+def _value(i: int) -> torch.Tensor:
+    return torch.full((2, 2, 16, 1024), float(i), dtype=torch.bfloat16)  # 128 KiB
+
+
+def test_store_memory_tier_in_the_pool_read_by_place(tmp_path: Path) -> None:
+    nbytes = _value(0).numel() * 2
+    with KVStore(
+        tmp_path, MODEL, memory_bytes=3 * nbytes, disk_bytes=64 * nbytes, shared_memory=True
+    ) as store:
+        assert store.pool is not None and store.pool.path.exists()
+        reader = SharedPoolReader(str(store.pool.path), store.pool.size)
+        for i in range(3):
+            store.put(_key(i), _value(i))
+        spot = store.shared_location(_key(0))
+        assert spot is not None and spot.layout.nbytes == nbytes
+        out = np.empty(nbytes, np.uint8)
+        assert reader.read_into(spot.offset, nbytes, spot.generation, out)
+        assert torch.equal(
+            torch.from_numpy(out).view(torch.bfloat16).reshape(2, 2, 16, 1024), _value(0)
+        )
+        other = store.layout(_key(0))
+        assert other is not None
+        wrong = type(other)((4, 2, 16, 512), other.dtype, other.fmt, other.nbytes, other.kind)
+        assert store.shared_location(_key(0), expect=wrong) is None  # a layout mismatch
+
+        # Reads reported with touch() count for LRU: key 1 was never read, so it goes first.
+        assert store.touch([_key(0), _key(2), _key(99)]) == 2
+        store.put(_key(3), _value(3))
+        assert store.in_memory(_key(0)) and not store.in_memory(_key(1))
+        assert store.shared_location(_key(1)) is None  # evicted to disk: no place in memory
+        assert torch.equal(store.get(_key(1)), _value(1))
+
+        # Evicting key 0 frees its pages: a reader still holding its old place notices.
+        spot0 = store.shared_location(_key(0))
+        assert spot0 is not None
+        store.remove(_key(0))
+        gc.collect()
+        store.put(_key(4), _value(4))
+        assert not reader.read_into(spot0.offset, nbytes, spot0.generation, out)
+        reader.close()
+        path = store.pool.path
+    assert not path.exists()  # closing the store removes the pool file
+
+
+def test_a_full_pool_falls_back_to_private_memory(tmp_path: Path) -> None:
+    nbytes = _value(0).numel() * 2
+    with KVStore(
+        tmp_path, MODEL, memory_bytes=4 * nbytes, disk_bytes=64 * nbytes, shared_memory=True
+    ) as store:
+        assert store.pool is not None
+        hog = store.pool.allocate(3 * nbytes)  # e.g. buffers still held by readers
+        for i in range(3):
+            store.put(_key(i), _value(i))
+        assert store.stats().get("pool_full", 0) >= 1
+        for i in range(3):
+            assert torch.equal(store.get(_key(i)), _value(i))
+        placed = [store.shared_location(_key(i)) is not None for i in range(3)]
+        assert placed.count(True) == 1  # one fit beside the hog; the others are private
+        del hog
