@@ -2,7 +2,8 @@
 
 One client gets 8 MiB chunks (default) from a ``KVCacheStorageActor`` running in another
 process on this host, for memory-tier hits and for disk hits, over the same-host path
-(direct reads of the stored bytes under a read lease) and over the message path (chunked
+(memory hits copied by the client out of the server's shared pool, disk hits read by the
+client from the payload file under a read lease) and over the message path (chunked
 actor messages, what a remote client uses). The baseline is the same gets on a
 ``KVStore`` opened in this process with the same settings, measured in the same run.
 Every value read is checked bit-exact against what was stored, in the first round.
@@ -76,6 +77,7 @@ def _server(root: Path, name: str, addr: str, memory_bytes: int, seeds: str | No
 def _wait_ready(proc: Any) -> None:
     line = proc.stdout.readline()
     if "serving" not in line:
+        proc.kill()  # so reading the rest of its output cannot block
         raise RuntimeError(f"server did not start: {line}{proc.stdout.read()}")
 
 

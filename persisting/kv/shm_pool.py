@@ -46,6 +46,8 @@ PAGE = mmap.PAGESIZE
 DEFAULT_SHM_DIR = Path("/dev/shm")
 POOL_PREFIX = "persisting-pool-"
 _MAGIC = b"PKVPOOL1"
+#: One per page; 64-bit, so a remembered generation can never come round again.
+_GENERATION = np.dtype(np.uint64)
 #: magic, file size, offset of the generation table, offset of the data area, page size
 _HEADER = struct.Struct("<8sQQQQ")
 
@@ -212,7 +214,7 @@ class SharedPool:
     def __init__(self, capacity: int, directory: Path = DEFAULT_SHM_DIR):
         data_pages = max(1, round_to_page(capacity) // PAGE)
         gen_offset = PAGE
-        data_offset = gen_offset + round_to_page(4 * data_pages)
+        data_offset = gen_offset + round_to_page(_GENERATION.itemsize * data_pages)
         self.size = data_offset + data_pages * PAGE
         self.data_offset = data_offset
         self.path, fd = create_shm_file(POOL_PREFIX, self.size, directory)
@@ -225,7 +227,7 @@ class SharedPool:
             raise
         self._fd = fd
         self._map[: _HEADER.size] = _HEADER.pack(_MAGIC, self.size, gen_offset, data_offset, PAGE)
-        self._gens = np.frombuffer(self._map, np.uint32, count=data_pages, offset=gen_offset)
+        self._gens = np.frombuffer(self._map, _GENERATION, count=data_pages, offset=gen_offset)
         self._address = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
         self._pages = PageAllocator(fd, data_offset, self.size)
 
@@ -279,7 +281,7 @@ class SharedPoolReader:
         self.size = size
         self.data_offset = data_offset
         pages = (size - data_offset) // PAGE
-        self._gens = np.frombuffer(self._map, np.uint32, count=pages, offset=gen_offset)
+        self._gens = np.frombuffer(self._map, _GENERATION, count=pages, offset=gen_offset)
         self._copy = _copier(np.frombuffer(self._map, np.uint8))
 
     def read_into(self, offset: int, nbytes: int, generation: int, out: np.ndarray) -> bool:
