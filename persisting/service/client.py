@@ -44,6 +44,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -675,14 +676,9 @@ class KVCacheClient:
             else:
                 results[i] = value
         if ask:
-            fetched = await self._fetch_values(
-                member,
-                [keys[i] for i in ask],
-                expect,
-                [outs[i] for i in ask] if outs else None,
+            await _fill(
+                results, ask, keys, outs, partial(self._fetch_values, member, expect=expect)
             )
-            for i, value in zip(ask, fetched, strict=True):
-                results[i] = value
         elif len(member.touched) >= _TOUCH_BATCH:
             await self._call(member, "touch", keys=[])  # carries the touches along
         return results
@@ -797,14 +793,8 @@ class KVCacheClient:
                 else:
                     results[i] = value
         if in_memory:
-            more = await self._get_via_arena(
-                member,
-                [keys[i] for i in in_memory],
-                expect,
-                [outs[i] for i in in_memory] if outs else None,
-            )
-            for i, value in zip(in_memory, more, strict=True):
-                results[i] = value
+            fetch = partial(self._get_via_arena, member, expect=expect)
+            await _fill(results, in_memory, keys, outs, fetch)
         return results
 
     def _window(self, member: _Member, count: int, expect: Layout | None) -> Region | None:
@@ -1188,6 +1178,22 @@ async def _with_timeout(awaitable: Awaitable[T], timeout_s: float) -> T:
         return await asyncio.wait_for(awaitable, timeout_s)
     async with timeout(timeout_s):
         return await awaitable
+
+
+async def _fill(
+    results: list[Any],
+    indices: list[int],
+    keys: list[str],
+    outs: list[memoryview] | None,
+    fetch: Callable[..., Awaitable[list[Any]]],
+) -> None:
+    """``results[i] = value`` for each ``i`` in ``indices``, fetched in one call as
+    ``fetch(keys=..., outs=...)`` for just those keys (and their ``outs``)."""
+    got = await fetch(
+        keys=[keys[i] for i in indices], outs=[outs[i] for i in indices] if outs else None
+    )
+    for i, value in zip(indices, got, strict=True):
+        results[i] = value
 
 
 def _batches(indices: list[int], sizes: list[int], limit: int) -> list[list[int]]:
