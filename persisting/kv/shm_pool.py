@@ -230,6 +230,8 @@ class SharedPool:
         self._gens = np.frombuffer(self._map, _GENERATION, count=data_pages, offset=gen_offset)
         self._address = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
         self._pages = PageAllocator(fd, data_offset, self.size)
+        # Removes the file at interpreter exit too, should the owner never call close().
+        self._unlinker = weakref.finalize(self, _unlink_quietly, self.path)
 
     def allocate(self, nbytes: int) -> np.ndarray | None:
         """A buffer of ``nbytes`` in the pool, or None when it has no room (or is closed)."""
@@ -258,15 +260,19 @@ class SharedPool:
         return self._pages.free_bytes
 
     def unlink(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        _unlink_quietly(self.path)
 
     def close(self) -> None:
         """Remove the file and stop allocating; the mapping lives on while buffers do."""
         self._pages.close()
-        self.unlink()
+        self._unlinker()
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class SharedPoolReader:

@@ -134,9 +134,9 @@ class KVStore:
         policy = eviction_policy(eviction)
         self.admission = admission_policy(admission)
         self.memory = MemoryTier(memory_bytes, policy)
+        self.disk = DiskTier(self.directory, disk_bytes, policy) if disk_bytes > 0 else None
         #: Memory-tier buffers readable by same-host processes (see :meth:`shared_location`).
         self.pool = _open_pool(memory_bytes) if shared_memory else None
-        self.disk = DiskTier(self.directory, disk_bytes, policy) if disk_bytes > 0 else None
         self.stats_ = StoreStats()
         self._lock = threading.RLock()
         self._pending: dict[str, Future[bool]] = {}

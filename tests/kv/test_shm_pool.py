@@ -179,3 +179,20 @@ def test_a_full_pool_falls_back_to_private_memory(tmp_path: Path) -> None:
         placed = [store.shared_location(_key(i)) is not None for i in range(3)]
         assert placed.count(True) == 1  # one fit beside the hog; the others are private
         del hog
+
+
+def test_a_process_that_never_closes_its_pool_still_removes_it_at_exit(tmp_path: Path) -> None:
+    code = (
+        "from persisting.kv.shm_pool import SharedPool\n"
+        "pool = SharedPool(1 << 20)\n"
+        "print(pool.path, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert not Path(done.stdout.strip()).exists()
