@@ -71,6 +71,7 @@ from persisting.kv.layout import (
     writable_bytes,
 )
 from persisting.kv.shm_pool import SharedPoolReader
+from persisting.lance_store import pid_alive
 from persisting.service.local_channel import LocalChannel
 from persisting.service.protocol import make_request, safe_loads, unwrap_reply
 from persisting.service.routing import Membership, group_by_owner, rank_members
@@ -128,6 +129,8 @@ class _Member:
     spots: OrderedDict[str, tuple[Layout, int, int]] = field(default_factory=OrderedDict)
     #: Keys read through ``spots`` that the server has not been told of yet (recency).
     touched: list[str] = field(default_factory=list)
+    #: The pool was unmapped when the member failed; map it again when it answers.
+    remap_pool: bool = False
     pending_release: list[str] = field(default_factory=list)
     lane: itertools.count = field(default_factory=itertools.count)
     hello_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -303,17 +306,33 @@ class KVCacheClient:
 
     def _map_pool(self, member: _Member, pool: Any) -> None:
         """Map the member's shared memory pool (its memory tier) read-only, if it has one."""
-        if member.pool is not None:
-            member.pool.close()
-            member.pool = None
-        member.spots.clear()
-        member.touched.clear()
+        self._forget_pool(member)
+        member.remap_pool = False
         if not member.shm or not isinstance(pool, dict):
             return
         try:
             member.pool = SharedPoolReader(str(pool["path"]), int(pool["size"]))
         except (StorageIOError, KeyError, TypeError, ValueError):
             member.pool = None  # e.g. another mount namespace: the arena path still works
+
+    @staticmethod
+    def _forget_pool(member: _Member) -> None:
+        """Unmap the member's pool and forget every place in it (it failed, or restarted)."""
+        if member.pool is not None:
+            member.pool.close()
+            member.pool = None
+        member.spots.clear()
+        member.touched.clear()
+
+    def _server_gone(self, member: _Member) -> bool:
+        """True when the member is a process on this host that no longer exists.
+
+        Remembered places are read without asking, so a server killed meanwhile would go
+        unnoticed until the next keepalive; checking its pid (one syscall) keeps its keys
+        the misses they should be, and frees its pool's memory here at once.
+        """
+        pid = member.info.get("node", {}).get("pid")
+        return isinstance(pid, int) and not pid_alive(pid)
 
     def _get_arena(self) -> ClientArena | None:
         if self._arena_tried:
@@ -443,6 +462,9 @@ class KVCacheClient:
                     return None
                 continue
             self.membership.mark_up(member.addr)
+            if member.remap_pool and op != "bye":  # back after a failure
+                member.remap_pool = False
+                self._map_pool(member, member.info.get("pool"))
             return result
         raise ProtocolError("unreachable")  # pragma: no cover
 
@@ -460,6 +482,10 @@ class KVCacheClient:
     def _failed(self, exc: _MemberFailed) -> None:
         self.counters["member_failures"] += 1
         self.membership.mark_down(exc.member)
+        member = self._members.get(exc.member)
+        if member is not None and member.pool is not None:
+            self._forget_pool(member)
+            member.remap_pool = True  # once it answers again
         logger.warning(
             "kv service member %s failed; left out until a probe (every %.1fs) reaches it: %s",
             exc.member,
@@ -669,6 +695,8 @@ class KVCacheClient:
         """
         results: list[Any] = [None] * len(keys)
         ask: list[int] = []
+        if member.spots and self._server_gone(member):
+            self._forget_pool(member)  # the request below then fails: the keys are misses
         for i, key in enumerate(keys):
             value = self._read_remembered(member, key, expect, outs[i] if outs else None)
             if value is None:

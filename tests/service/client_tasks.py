@@ -160,6 +160,10 @@ async def cluster(args: dict[str, Any]) -> dict[str, Any]:
         keys = [key(i) for i in range(n)]
         values = [tensor(i) for i in range(n)]
         await client.batched_put(keys, values)
+        # Read once: the client now remembers where every value lies in its server's pool,
+        # and must still notice that a server is gone (its keys become misses).
+        learned = await client.batched_get(keys)
+        assert all(v is not None for v in learned)
         owners = {str(k): client.member_of(k) for k in keys}
         print("READY " + json.dumps({"members": client.members, "owners": owners}), flush=True)
         gone = sys.stdin.readline().strip()  # the test kills a member, then names it
@@ -187,6 +191,7 @@ async def cluster(args: dict[str, Any]) -> dict[str, Any]:
                 b is not None and torch.equal(b, tensor(10_000 + i)) for i, b in enumerate(back)
             ),
             "live_after": client.members,
+            "remembered_hits": client.counters["get_hits_remembered"],
             "fresh_owners": [client.member_of(k) for k in fresh],
         }
         print("PHASE1 " + json.dumps(phase1), flush=True)

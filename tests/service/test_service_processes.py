@@ -232,6 +232,7 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
     assert final["recovered"] == n
     assert sorted(final["members"]) == sorted(addrs)
     assert result["wrong"] == 0
+    assert result["remembered_hits"] > 0  # survivors' keys came from remembered places
     for k, member in owners.items():
         expected = member != victim  # survivors' keys hit, the victim's are misses
         assert result["hits"][k] is expected, (k, member)
