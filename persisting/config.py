@@ -41,7 +41,8 @@ class KVSettings(BaseModel):
     max_value_bytes: int = Field(default=1 * GiB, gt=0)
     eviction: Literal["lru", "prefix"] = "lru"
     admission: Literal["always", "second_sighting"] = "always"
-    group_commit_ms: float = Field(default=0.0, ge=0)
+    #: Pages reused for the values ``get`` returns (in-process); 0: a fresh array each time.
+    result_buffer_bytes: int = Field(default=256 * MiB, ge=0)
 
 
 class QueueSettings(BaseModel):

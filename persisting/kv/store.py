@@ -52,7 +52,7 @@ from persisting.kv.policy import (
     admission_policy,
     eviction_policy,
 )
-from persisting.kv.shm_pool import SharedPool, seqlock_safe
+from persisting.kv.shm_pool import RecycledBuffers, SharedPool, seqlock_safe
 from persisting.kv.stats import StoreStats
 from persisting.kv.write_behind import WriteBehind
 from persisting.lance_store import LanceStore, validate_name
@@ -113,6 +113,7 @@ class KVStore:
         max_value_bytes: int | None = None,
         chunk_size: int = 256,
         shared_memory: bool = False,
+        result_buffer_bytes: int = 256 << 20,
     ):
         validate_name(model, "model")
         if "@" in model:
@@ -137,6 +138,7 @@ class KVStore:
         self.disk = DiskTier(self.directory, disk_bytes, policy) if disk_bytes > 0 else None
         #: Memory-tier buffers readable by same-host processes (see :meth:`shared_location`).
         self.pool = _open_pool(memory_bytes) if shared_memory else None
+        self._results = RecycledBuffers(result_buffer_bytes) if result_buffer_bytes > 0 else None
         self.stats_ = StoreStats()
         self._lock = threading.RLock()
         self._pending: dict[str, Future[bool]] = {}
@@ -155,6 +157,7 @@ class KVStore:
             admission=kv.admission,
             max_value_bytes=kv.max_value_bytes,
             chunk_size=kv.chunk_size,
+            result_buffer_bytes=kv.result_buffer_bytes,
         )
         options.update(overrides)
         return cls(settings.storage_path, model, **options)
@@ -190,6 +193,11 @@ class KVStore:
                 return buffer
             self.stats_.count("pool_full")
         return aligned_buffer(nbytes)
+
+    def _result_buffer(self, nbytes: int) -> np.ndarray:
+        """Room for a value :meth:`get` returns: reused pages while there are any free."""
+        buffer = self._results.take(nbytes) if self._results is not None else None
+        return buffer if buffer is not None else aligned_buffer(nbytes)
 
     def _on_disk(self, key: str) -> bool:
         return self.disk is not None and key in self.disk
@@ -379,7 +387,7 @@ class KVStore:
                 self.stats_.record("get", "", 0.0, 0, "miss")
                 out.append(None)
                 continue
-            buffer = aligned_buffer(layout.nbytes)
+            buffer = self._result_buffer(layout.nbytes)
             got = self._read(text, memoryview(buffer), expect)
             out.append(decode_value(got, buffer) if got is not None else None)
         return out

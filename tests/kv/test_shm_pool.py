@@ -196,3 +196,51 @@ def test_a_process_that_never_closes_its_pool_still_removes_it_at_exit(tmp_path:
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert not Path(done.stdout.strip()).exists()
+
+
+def test_recycled_buffers_reuse_the_pages_of_dead_values() -> None:
+    from persisting.kv.shm_pool import RecycledBuffers
+
+    buffers = RecycledBuffers(4 * PAGE)
+    first = buffers.take(2 * PAGE)
+    assert first is not None and first.ctypes.data % PAGE == 0
+    address = first.ctypes.data
+    view = torch.from_numpy(first)  # a tensor made from it keeps the range taken
+    del first
+    gc.collect()
+    second = buffers.take(2 * PAGE)
+    assert second is not None and second.ctypes.data != address
+    assert buffers.take(PAGE) is None  # full: the caller falls back to a fresh array
+    del view, second
+    gc.collect()
+    again = buffers.take(4 * PAGE)
+    assert again is not None and again.ctypes.data == address  # the same, mapped pages
+    assert buffers.take(8 * PAGE) is None  # larger than the whole capacity
+
+
+def test_store_gets_come_from_recycled_pages_and_fall_back_when_they_run_out(
+    tmp_path: Path,
+) -> None:
+    nbytes = _value(0).numel() * 2
+    with KVStore(
+        tmp_path,
+        MODEL,
+        memory_bytes=8 * nbytes,
+        disk_bytes=64 * nbytes,
+        result_buffer_bytes=2 * nbytes,
+    ) as store:
+        for i in range(4):
+            store.put(_key(i), _value(i))
+        got = store.batched_get([_key(i) for i in range(4)])  # two recycled, two fresh
+        assert all(torch.equal(g, _value(i)) for i, g in enumerate(got))
+        got[0].fill_(-1.0)  # a returned value is the caller's copy
+        assert torch.equal(store.get(_key(0)), _value(0))
+        addresses = {g.data_ptr() for g in got}
+        del got
+        gc.collect()
+        again = store.get(_key(3))
+        assert again.data_ptr() in addresses  # pages of an earlier, dropped value
+    with KVStore(
+        tmp_path, MODEL, memory_bytes=8 * nbytes, disk_bytes=64 * nbytes, result_buffer_bytes=0
+    ) as store:
+        assert torch.equal(store.get(_key(1)), _value(1))
