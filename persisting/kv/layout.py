@@ -55,7 +55,7 @@ _TORCH_NAMES = {
 }
 
 
-def _loaded_torch() -> Any:
+def loaded_torch() -> Any:
     """torch if the process already imported it (a caller holding a tensor has), else None.
 
     persisting.kv does not import torch itself: start-up stays light for numpy-only users.
@@ -165,7 +165,7 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
     ``check_shape=False`` keeps the format name but skips its shape rule, for layouts that
     another system defines (LMCache's own tests and benchmarks label 4-D blobs KV_T2D).
     """
-    torch = _loaded_torch()
+    torch = loaded_torch()
     if torch is not None and isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             value = value.to("cpu")
@@ -233,7 +233,7 @@ def copy_bytes(dst: np.ndarray, src: Any) -> None:
     than numpy's single-threaded one here); numpy-only processes keep numpy.
     """
     source = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
-    torch = _loaded_torch()
+    torch = loaded_torch()
     if torch is not None and dst.nbytes >= _PARALLEL_COPY_BYTES:
         torch.from_numpy(dst).copy_(torch.from_numpy(source))
     else:
@@ -243,7 +243,7 @@ def copy_bytes(dst: np.ndarray, src: Any) -> None:
 def writable_bytes(out: Any) -> memoryview:
     """A flat writable byte view of a caller's destination buffer (a contiguous CPU tensor,
     a numpy array, a bytearray...): what ``get_into`` fills."""
-    torch = _loaded_torch()
+    torch = loaded_torch()
     if torch is not None and isinstance(out, torch.Tensor):
         if not out.is_contiguous() or out.device.type != "cpu":
             raise InvalidValueError("get_into needs a contiguous CPU tensor")
@@ -290,6 +290,7 @@ __all__ = [
     "copy_bytes",
     "decode_value",
     "encode_value",
+    "loaded_torch",
     "owned_copy",
     "torch_dtype",
     "writable_bytes",

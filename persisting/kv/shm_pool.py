@@ -29,17 +29,17 @@ import platform
 import secrets
 import stat
 import struct
-import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from persisting.errors import StorageIOError
-from persisting.kv.layout import copy_bytes
+from persisting.kv.layout import copy_bytes, loaded_torch
 from persisting.lance_store import pid_alive
 
 PAGE = mmap.PAGESIZE
@@ -59,6 +59,17 @@ def round_to_page(n: int) -> int:
 def seqlock_safe() -> bool:
     """Whether lease-free reads of a pool are sound on this CPU (x86-64 ordering)."""
     return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def owning_array(
+    mapping: mmap.mmap, offset: int, nbytes: int, release: Callable[..., None], *args: Any
+) -> np.ndarray:
+    """``nbytes`` of ``mapping`` at ``offset`` as a uint8 array that owns them:
+    ``release(*args)`` runs once the array and every view or tensor made from it are
+    garbage (how every range handed out of a page allocator goes back to it)."""
+    array = np.frombuffer(mapping, np.uint8, count=nbytes, offset=offset)
+    weakref.finalize(array, release, *args)
+    return array
 
 
 class PageAllocator:
@@ -240,9 +251,7 @@ class SharedPool:
         if got is None:
             return None
         offset, capacity = got
-        array = np.frombuffer(self._map, np.uint8, count=nbytes, offset=offset)
-        weakref.finalize(array, self._release, offset, capacity)
-        return array
+        return owning_array(self._map, offset, nbytes, self._release, offset, capacity)
 
     def _release(self, offset: int, capacity: int) -> None:
         first = (offset - self.data_offset) // PAGE
@@ -302,9 +311,8 @@ class RecycledBuffers:
         got = self._pages.allocate(nbytes)
         if got is None:
             return None
-        array = np.frombuffer(self._map, np.uint8, count=nbytes, offset=got[0])  # type: ignore[arg-type]
-        weakref.finalize(array, self._pages.free, got[0], got[1])
-        return array
+        assert self._map is not None
+        return owning_array(self._map, got[0], nbytes, self._pages.free, *got)
 
 
 def _unlink_quietly(path: Path) -> None:
@@ -351,7 +359,7 @@ def _copier(source: np.ndarray) -> Callable[[np.ndarray, int, int], None]:
     torch warns (once per process) that it cannot make a read-only tensor writable; we
     never write through it, so that warning is silenced here, at setup.
     """
-    torch = sys.modules.get("torch")
+    torch = loaded_torch()
     if torch is None:
 
         def copy(out: np.ndarray, offset: int, nbytes: int) -> None:
@@ -377,6 +385,7 @@ __all__ = [
     "SharedPoolReader",
     "create_shm_file",
     "open_shm_file",
+    "owning_array",
     "remove_orphaned_files",
     "round_to_page",
     "seqlock_safe",

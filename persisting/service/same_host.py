@@ -30,7 +30,6 @@ import contextlib
 import mmap
 import os
 import secrets
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from persisting.kv.shm_pool import (
     PageAllocator,
     create_shm_file,
     open_shm_file,
+    owning_array,
     remove_orphaned_files,
     round_to_page,
 )
@@ -112,9 +112,8 @@ class ClientArena:
 
     def hand_out(self, offset: int, nbytes: int) -> np.ndarray:
         """The ``nbytes`` at ``offset`` as an array that frees their pages when it dies."""
-        array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
-        weakref.finalize(array, self.free_range, offset, round_to_page(max(nbytes, 1)))
-        return array
+        capacity = round_to_page(max(nbytes, 1))
+        return owning_array(self._map, offset, nbytes, self.free_range, offset, capacity)
 
     @property
     def free_bytes(self) -> int:
