@@ -32,7 +32,7 @@ from typing import Any
 
 from persisting.config import PersistingSettings
 from persisting.errors import PersistingError, ServiceUnavailableError, StoreClosedError
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 from persisting.queue import QueueConsumer, open_bucket
 from persisting.service import KVCacheClient
 from persisting.service.events import KVEvent, make_event, parse_event
@@ -66,7 +66,7 @@ class EventConsumer:
         self.batch_records = batch_records or settings.service.event_batch_records
         self.poll_interval_s = poll_interval_s
         self.retry_s = retry_s
-        self.store = LanceStore(settings.storage_path)
+        self.store = StorageRoot(settings.storage_path)
         self.counters: Counter[str] = Counter()
         self.resumed_from: dict[int, int] = {}
         self._consumers: dict[int, QueueConsumer] = {}

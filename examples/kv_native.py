@@ -122,10 +122,10 @@ def durability_modes(root: Path) -> None:
         done.wait(timeout=30)
         print(f"async: on_complete -> tier={completed[0].tier} durable={completed[0].durable}")
 
-    # write-back ("evict"): the value stays in memory; it reaches disk only when the memory
+    # write-back ("write_back"): the value stays in memory; it reaches disk only when the memory
     # tier evicts it, or when the store closes.
     with open_kv_store(
-        root, "demo/write-back", memory_bytes=8 * MiB, disk_bytes=64 * MiB, durability="evict"
+        root, "demo/write-back", memory_bytes=8 * MiB, disk_bytes=64 * MiB, durability="write_back"
     ) as store:
         result = store.put(first_chunk_key("demo/write-back"), value)
         print(f"evict: put -> tier={result.tier} durable={result.durable}")

@@ -26,7 +26,7 @@ from persisting.errors import (
     ProtocolError,
     ServiceUnavailableError,
 )
-from persisting.lance_store import LanceStore, LanceTable, disk_usage, validate_name
+from persisting.lance_store import LanceTable, StorageRoot, disk_usage, validate_name
 from persisting.metrics import (
     LATENCY_METRIC,
     QUEUE_LAG_METRIC,
@@ -43,9 +43,9 @@ KV_METADATA = "meta.lance"
 _DATASET_ERRORS = (PersistingError, OSError, ValueError, RuntimeError)
 
 
-def open_root(path: str | Path) -> LanceStore:
+def open_root(path: str | Path) -> StorageRoot:
     """The storage root at ``path``; a path that does not exist is a ConfigError."""
-    store = LanceStore(path)
+    store = StorageRoot(path)
     if not store.root.is_dir():
         raise ConfigError(
             f"no storage root at {store.root} (check --storage-path or PERSISTING_STORAGE_PATH)"
@@ -106,7 +106,7 @@ class RootInfo:
     topics: list[TopicInfo]
 
 
-def inspect_model(store: LanceStore, model: str) -> ModelInfo:
+def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
     """Count a model's payload files and describe its metadata table, changing nothing."""
     from persisting.kv.payload_files import PayloadFiles
 
@@ -143,7 +143,7 @@ def inspect_model(store: LanceStore, model: str) -> ModelInfo:
     )
 
 
-def inspect_bucket(store: LanceStore, topic: str, bucket: int) -> BucketInfo:
+def inspect_bucket(store: StorageRoot, topic: str, bucket: int) -> BucketInfo:
     """Describe one queue bucket and the lag of its committed consumers, changing nothing."""
     from persisting.queue import open_bucket
     from persisting.queue.positions import ConsumerPositions
@@ -179,13 +179,13 @@ def inspect_bucket(store: LanceStore, topic: str, bucket: int) -> BucketInfo:
     )
 
 
-def inspect_items(store: LanceStore) -> tuple[list[str], list[tuple[str, int]]]:
+def inspect_items(store: StorageRoot) -> tuple[list[str], list[tuple[str, int]]]:
     """The models and the ``(topic, bucket)`` pairs of a root (what inspect will visit)."""
     buckets = [(t, b) for t in store.list_topics() for b in store.list_buckets(t)]
     return store.list_models(), buckets
 
 
-def inspect_root(store: LanceStore, on_item: Callable[[], None] | None = None) -> RootInfo:
+def inspect_root(store: StorageRoot, on_item: Callable[[], None] | None = None) -> RootInfo:
     """Every model and queue topic of a root; ``on_item`` is called after each one."""
     models, buckets = inspect_items(store)
     model_infos = []
@@ -219,7 +219,7 @@ class DropResult:
     dropped: bool
 
 
-def drop_model(store: LanceStore, model: str) -> DropResult:
+def drop_model(store: StorageRoot, model: str) -> DropResult:
     """Remove a model's namespace whole (what it held is reported); dropped=False if absent."""
     path = store.kv_path(model)
     if not path.exists():
@@ -261,7 +261,7 @@ class CompactionResult:
 
 
 def compaction_targets(
-    store: LanceStore, models: Sequence[str] = (), topics: Sequence[str] = ()
+    store: StorageRoot, models: Sequence[str] = (), topics: Sequence[str] = ()
 ) -> list[CompactionTarget]:
     """The datasets to compact: of ``models`` and ``topics``, or of everything if both are
     empty. A named model or topic the root does not hold is an InvalidNameError."""
@@ -283,7 +283,7 @@ def compaction_targets(
     return [t for t in targets if t.path.exists()]
 
 
-def _require(name: str, known: list[str], kind: str, store: LanceStore) -> None:
+def _require(name: str, known: list[str], kind: str, store: StorageRoot) -> None:
     """InvalidNameError unless ``name`` is a valid name the root holds."""
     validate_name(name, kind)
     if name not in known:
@@ -292,7 +292,7 @@ def _require(name: str, known: list[str], kind: str, store: LanceStore) -> None:
 
 
 def compact_dataset(
-    store: LanceStore, target: CompactionTarget, older_than: timedelta
+    store: StorageRoot, target: CompactionTarget, older_than: timedelta
 ) -> CompactionResult:
     """Merge the dataset's fragments, then delete versions older than ``older_than`` (the
     newest is always kept). Failures (a damaged table, a conflicting concurrent commit) are
@@ -393,7 +393,7 @@ def figures_from_stats(model: str, stats: dict[str, Any]) -> ModelFigures:
 
 
 def model_stats(
-    store: LanceStore, model: str, settings: PersistingSettings | None = None
+    store: StorageRoot, model: str, settings: PersistingSettings | None = None
 ) -> ModelFigures:
     """Open ``model``'s KV store (disk tier only, as configured) and read its figures.
 
@@ -413,7 +413,7 @@ def model_stats(
 
 
 def root_stats(
-    store: LanceStore,
+    store: StorageRoot,
     settings: PersistingSettings | None = None,
     on_model: Callable[[], None] | None = None,
 ) -> StatsReport:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from persisting.bench.replay import ReplayResult
     from persisting.bench.report import ReplayReport
     from persisting.config import PersistingSettings
-    from persisting.lance_store import LanceStore
+    from persisting.lance_store import StorageRoot
     from persisting.metrics import ConsumerLag
     from persisting.planner import CapacityPlan
 
@@ -390,7 +390,8 @@ def bench_replay(
         int | None, typer.Option(help="Disk tier budget in bytes (default: settings).")
     ] = None,
     durability: Annotated[
-        str | None, typer.Option(help="Put completion: sync, async or evict (default: settings).")
+        str | None,
+        typer.Option(help="Put completion: sync, async or write_back (default: settings)."),
     ] = None,
     chunk_size: Annotated[
         int | None, typer.Option(help="Tokens per chunk (default: settings).")
@@ -519,7 +520,7 @@ StoragePathOption = Annotated[
 ]
 
 
-def open_storage_root(storage_path: Path | None, config: Path | None) -> LanceStore:
+def open_storage_root(storage_path: Path | None, config: Path | None) -> StorageRoot:
     """The root named by ``--storage-path``, else by the settings; it must exist."""
     from persisting.admin import open_root
 

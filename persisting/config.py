@@ -27,7 +27,9 @@ from persisting.errors import ConfigError
 GiB = 1 << 30
 MiB = 1 << 20
 
-KVDurability = Literal["sync", "async", "evict"]
+KVDurability = Literal["sync", "async", "write_back"]
+#: Earlier names of durability modes, still accepted.
+DURABILITY_ALIASES = {"evict": "write_back"}
 QueueDurability = Literal["wal", "flush"]
 
 
@@ -43,6 +45,11 @@ class KVSettings(BaseModel):
     admission: Literal["always", "second_sighting"] = "always"
     #: Pages reused for the values ``get`` returns (in-process); 0: a fresh array each time.
     result_buffer_bytes: int = Field(default=256 * MiB, ge=0)
+
+    @field_validator("durability", mode="before")
+    @classmethod
+    def _old_durability_names(cls, value: Any) -> Any:
+        return DURABILITY_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 class QueueSettings(BaseModel):
@@ -144,4 +151,10 @@ class PersistingSettings(BaseSettings):
 _TOML_FILE: ContextVar[str | None] = ContextVar("persisting_toml_file", default=None)
 
 
-__all__ = ["KVSettings", "PersistingSettings", "QueueSettings", "ServiceSettings"]
+__all__ = [
+    "DURABILITY_ALIASES",
+    "KVSettings",
+    "PersistingSettings",
+    "QueueSettings",
+    "ServiceSettings",
+]

@@ -35,7 +35,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from persisting.errors import ConfigError, PersistingError
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 
 if TYPE_CHECKING:
     from persisting.kv import KVStore
@@ -261,7 +261,7 @@ def consumer_lags(
     from persisting.queue import open_bucket
     from persisting.queue.positions import ConsumerPositions
 
-    store = LanceStore(storage_root)
+    store = StorageRoot(storage_root)
     out: list[ConsumerLag] = []
     for topic in topics if topics is not None else store.list_topics():
         for bucket in store.list_buckets(topic):

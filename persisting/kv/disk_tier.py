@@ -20,14 +20,16 @@ from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout, checksum
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
+    HEADER_BYTES,
     FileHeader,
     PayloadFiles,
     file_size,
     key_hash,
+    round_to_block,
 )
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.shared_usage import SharedUsage
-from persisting.lance_store.files import pid_alive
+from persisting.shm import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +156,7 @@ class DiskTier:
         except FileNotFoundError:
             return
         if self.files.unlink(path):
-            self.usage.add(-(-(-size // 4096) * 4096))
+            self.usage.add(-round_to_block(size))
 
     def _recompute_usage(self) -> None:
         """Set the shared counter from the files actually present (held under the lock)."""
@@ -167,7 +169,7 @@ class DiskTier:
                 self.files.unlink(tmp)  # a write that died mid-way: never visible
         for path, _h, _tag in self.files.scan():
             try:
-                total += -(-os.stat(path).st_size // 4096) * 4096
+                total += round_to_block(os.stat(path).st_size)
             except FileNotFoundError:
                 continue
         self.usage.set(total)
@@ -387,7 +389,7 @@ class DiskTier:
             entry.lease_until = max(entry.lease_until, time.monotonic() + ttl_s)
             return Location(
                 str(self.files.path(key, entry.tag)),
-                4096,
+                HEADER_BYTES,
                 entry.layout.nbytes,
                 entry.layout,
                 entry.checksum,

@@ -8,8 +8,6 @@ rebuilds the same kind of array over a page-aligned buffer without copying again
 from __future__ import annotations
 
 import functools
-import mmap
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,6 +16,7 @@ import numpy as np
 import xxhash
 
 from persisting.errors import InvalidValueError
+from persisting.shm.pages import aligned_buffer, copy_bytes, loaded_torch
 
 ValueKind = Literal["torch", "numpy", "bytes"]
 
@@ -55,14 +54,6 @@ _TORCH_NAMES = {
 }
 
 
-def loaded_torch() -> Any:
-    """torch if the process already imported it (a caller holding a tensor has), else None.
-
-    persisting.kv does not import torch itself: start-up stays light for numpy-only users.
-    """
-    return sys.modules.get("torch")
-
-
 @functools.cache
 def _torch_to_name() -> dict[Any, str]:
     import torch
@@ -92,8 +83,6 @@ _NUMPY_TO_NAME: dict[np.dtype, str] = {
     np.dtype(np.bool_): "bool",
 }
 NAME_TO_NUMPY: dict[str, np.dtype] = {v: k for k, v in _NUMPY_TO_NAME.items()}
-
-PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,31 +204,6 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
     return layout, view
 
 
-def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A writable uint8 array of ``nbytes`` starting on a page boundary (faster I/O, memcpy)."""
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    start = (-raw.ctypes.data) % PAGE
-    return raw[start : start + nbytes]
-
-
-#: Copies at least this large go through torch (multi-threaded) when torch is loaded.
-_PARALLEL_COPY_BYTES = 1 << 20
-
-
-def copy_bytes(dst: np.ndarray, src: Any) -> None:
-    """Copy the bytes of ``src`` into the uint8 array ``dst`` (same length).
-
-    Large copies use torch's parallel copy when torch is already loaded (several GB/s more
-    than numpy's single-threaded one here); numpy-only processes keep numpy.
-    """
-    source = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
-    torch = loaded_torch()
-    if torch is not None and dst.nbytes >= _PARALLEL_COPY_BYTES:
-        torch.from_numpy(dst).copy_(torch.from_numpy(source))
-    else:
-        dst[:] = source
-
-
 def writable_bytes(out: Any) -> memoryview:
     """A flat writable byte view of a caller's destination buffer (a contiguous CPU tensor,
     a numpy array, a bytearray...): what ``get_into`` fills."""
@@ -285,12 +249,9 @@ __all__ = [
     "MEMORY_FORMATS",
     "NAME_TO_NUMPY",
     "Layout",
-    "aligned_buffer",
     "checksum",
-    "copy_bytes",
     "decode_value",
     "encode_value",
-    "loaded_torch",
     "owned_copy",
     "torch_dtype",
     "writable_bytes",

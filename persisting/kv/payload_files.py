@@ -25,10 +25,13 @@ import xxhash
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.layout import Layout
 from persisting.lance_store.durable import fsync_dir, fsync_fd
-from persisting.lance_store.files import read_file_range
 
 MAGIC = b"PKVCHNK1"
-HEADER_BYTES = 4096
+#: The payload format's block: header size and payload alignment, and the unit disk use is
+#: counted in. Part of the file format, so it does not follow the host's memory page size
+#: (files move between hosts); 4 KiB is also what O_DIRECT and most filesystems want.
+BLOCK = 4096
+HEADER_BYTES = BLOCK
 _PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
 
 
@@ -36,9 +39,42 @@ def key_hash(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode("utf-8"))
 
 
+def round_to_block(n: int) -> int:
+    """``n`` rounded up to whole :data:`BLOCK` s (how disk use is counted)."""
+    return -(-n // BLOCK) * BLOCK
+
+
 def file_size(nbytes: int) -> int:
-    """Bytes a payload file of ``nbytes`` occupies on disk (header + payload, page-rounded)."""
-    return HEADER_BYTES + -(-nbytes // 4096) * 4096
+    """Bytes a payload file of ``nbytes`` occupies on disk (header + payload, block-rounded)."""
+    return HEADER_BYTES + round_to_block(nbytes)
+
+
+def read_file_range(path: str | os.PathLike[str], offset: int, out: memoryview) -> None:
+    """Fill ``out`` with exactly ``len(out)`` bytes of ``path`` from ``offset``.
+
+    One open and positioned reads straight into the destination: no intermediate buffer.
+    FileNotFoundError propagates (the file was removed, e.g. evicted: a miss to the caller);
+    a file shorter than the range is a CorruptValueError; any other failure a StorageIOError.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise StorageIOError(f"cannot open {path}: {exc}") from exc
+    try:
+        done, size = 0, len(out)
+        while done < size:
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise CorruptValueError(
+                    f"{path} is shorter than expected ({offset + done} < {offset + size})"
+                )
+            done += n
+    except OSError as exc:
+        raise StorageIOError(f"reading {path} failed: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,4 +271,13 @@ def _unlink_quietly(path: Path) -> None:
         os.unlink(path)
 
 
-__all__ = ["HEADER_BYTES", "FileHeader", "PayloadFiles", "file_size", "key_hash"]
+__all__ = [
+    "BLOCK",
+    "HEADER_BYTES",
+    "FileHeader",
+    "PayloadFiles",
+    "file_size",
+    "key_hash",
+    "read_file_range",
+    "round_to_block",
+]

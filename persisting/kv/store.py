@@ -5,7 +5,7 @@ Completion modes (``durability``):
 - ``"sync"``  (write-through): a put returns once the bytes are fsynced on disk.
 - ``"async"`` (write-behind):  a put returns once the value is in memory; a background
   writer makes it durable, ``exists_in_put_tasks`` is true until then, ``on_complete`` fires.
-- ``"evict"`` (write-back):    the value stays in memory and is written to disk only when
+- ``"write_back"``:             the value stays in memory and is written to disk only when
   the memory tier evicts it (or on close).
 
 Content-addressed keys never change value: putting an existing key is a no-op success.
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from persisting.config import KVSettings, PersistingSettings
+from persisting.config import DURABILITY_ALIASES, KVSettings, PersistingSettings
 from persisting.errors import (
     CapacityError,
     ConfigError,
@@ -37,9 +37,7 @@ from persisting.kv.index import MemoryEntry
 from persisting.kv.keys import ChunkKey, TokenHasher, key_string
 from persisting.kv.layout import (
     Layout,
-    aligned_buffer,
     checksum,
-    copy_bytes,
     decode_value,
     encode_value,
     owned_copy,
@@ -52,12 +50,12 @@ from persisting.kv.policy import (
     admission_policy,
     eviction_policy,
 )
-from persisting.kv.shm_pool import RecycledBuffers, SharedPool, seqlock_safe
 from persisting.kv.stats import StoreStats
 from persisting.kv.write_behind import WriteBehind
-from persisting.lance_store import LanceStore, validate_name
+from persisting.lance_store import StorageRoot, validate_name
+from persisting.shm import RecycledBuffers, SharedPool, aligned_buffer, copy_bytes, seqlock_safe
 
-Durability = Literal["sync", "async", "evict"]
+Durability = Literal["sync", "async", "write_back"]
 Tier = Literal["memory", "disk"]
 KeyLike = ChunkKey | str
 OnComplete = Callable[["PutResult"], None]
@@ -120,8 +118,9 @@ class KVStore:
             raise InvalidKeyError(
                 f"model name {model!r} must not contain '@' (it separates key parts)"
             )
-        if durability not in ("sync", "async", "evict"):
-            raise ConfigError(f"durability must be sync, async or evict, not {durability!r}")
+        durability = DURABILITY_ALIASES.get(durability, durability)  # type: ignore[assignment]
+        if durability not in ("sync", "async", "write_back"):
+            raise ConfigError(f"durability must be sync, async or write_back, not {durability!r}")
         if memory_bytes < 0 or disk_bytes < 0:
             raise ConfigError("tier capacities must not be negative")
         if durability != "sync" and memory_bytes == 0:
@@ -130,7 +129,7 @@ class KVStore:
         self.durability: Durability = durability
         self.chunk_size = chunk_size
         self.max_value_bytes = max_value_bytes or max(memory_bytes, disk_bytes)
-        self.root = LanceStore(storage_path)
+        self.root = StorageRoot(storage_path)
         self.directory = self.root.kv_path(model)
         policy = eviction_policy(eviction)
         self.admission = admission_policy(admission)
@@ -407,7 +406,7 @@ class KVStore:
         self, key: KeyLike, *, expect: Layout | None = None
     ) -> SharedLocation | None:
         """Where a memory-tier value lies in :attr:`pool`, for a same-host reader to copy
-        itself (:class:`~persisting.kv.shm_pool.SharedPoolReader`); None when it is not in
+        itself (:class:`~persisting.shm.SharedPoolReader`); None when it is not in
         memory, not in the pool, or laid out differently from ``expect``.
 
         Counts as a memory hit. No lease is taken: the reader checks the generation.
@@ -684,7 +683,7 @@ class KVStore:
         if self._closed:
             return
         self.flush()
-        if self.durability == "evict" and self.disk is not None:
+        if self.durability == "write_back" and self.disk is not None:
             with self._lock:
                 dirty = [(k, e) for k, e in self.memory.index.items() if e.dirty]
             self._write_back(dirty)

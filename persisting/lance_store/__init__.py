@@ -6,14 +6,13 @@ queues or KV caches.
 
 from persisting.lance_store.blobs import blob_field, blob_references
 from persisting.lance_store.durable import fsync_dir, fsync_file
-from persisting.lance_store.files import pid_alive, read_file_range
 from persisting.lance_store.names import decode_name, encode_name, validate_name
-from persisting.lance_store.store import LanceStore
+from persisting.lance_store.root import StorageRoot
 from persisting.lance_store.table import LanceTable, disk_usage
 
 __all__ = [
-    "LanceStore",
     "LanceTable",
+    "StorageRoot",
     "blob_field",
     "blob_references",
     "decode_name",
@@ -21,7 +20,5 @@ __all__ = [
     "encode_name",
     "fsync_dir",
     "fsync_file",
-    "pid_alive",
-    "read_file_range",
     "validate_name",
 ]

@@ -2,8 +2,8 @@
 
 A blob column may hold bytes Lance writes itself (``.blob`` files beside the fragment) or
 references to byte ranges of files the caller wrote (``Blob.from_uri``). Hot-path readers
-use :func:`~persisting.lance_store.files.read_file_range` on the referenced file directly,
-skipping Lance's per-call overhead.
+read the referenced file directly with a positioned read, skipping Lance's per-call
+overhead.
 """
 
 from __future__ import annotations

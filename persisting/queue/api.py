@@ -3,7 +3,7 @@
 Pulsing gives a bucket's backend ``storage_path=<storage_path>/bucket_<id>``, without the
 topic, so :func:`open_writer` and :func:`open_reader` pass
 ``<root>/queue/<encoded topic>`` and every bucket lands at
-``<root>/queue/<topic>/bucket_<id>/data.lance``, the layout of :class:`LanceStore`.
+``<root>/queue/<topic>/bucket_<id>/data.lance``, the layout of :class:`StorageRoot`.
 
 :class:`QueueConsumer` reads one bucket directly (no actor system needed) from its committed
 position and commits progress durably, for consumers that must resume where they stopped.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError, OffsetTrimmedError
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 from persisting.queue.backend import LanceBackend
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def _root(storage_root: str | os.PathLike[str] | None) -> Path:
 
 def topic_storage_path(storage_root: str | os.PathLike[str] | None, topic: str) -> str:
     """What to pass to Pulsing as ``storage_path`` for ``topic``: ``<root>/queue/<topic>``."""
-    return str(LanceStore(_root(storage_root)).topic_dir(topic))
+    return str(StorageRoot(_root(storage_root)).topic_dir(topic))
 
 
 async def open_writer(
@@ -117,7 +117,7 @@ def open_bucket(
     storage_root: str | os.PathLike[str] | None, topic: str, bucket_id: int, **options: Any
 ) -> LanceBackend:
     """One bucket of ``topic`` opened directly: its writer, or a reader with ``read_only=True``."""
-    store = LanceStore(_root(storage_root))
+    store = StorageRoot(_root(storage_root))
     return LanceBackend(
         bucket_id=bucket_id, storage_path=store.queue_bucket_dir(topic, bucket_id), **options
     )

@@ -49,7 +49,7 @@ from persisting.errors import (
 )
 from persisting.lance_store import LanceTable
 from persisting.lance_store.durable import makedirs_durable
-from persisting.lance_store.store import QUEUE_DATASET
+from persisting.lance_store.root import QUEUE_DATASET
 from persisting.lance_store.table import disk_usage
 from persisting.queue import maintenance, ownership, tensor_api
 from persisting.queue.codec import decode_record, encode_record

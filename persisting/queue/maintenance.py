@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from persisting.lance_store import LanceTable
-from persisting.lance_store.store import QUEUE_DATASET
+from persisting.lance_store.root import QUEUE_DATASET
 from persisting.queue import ownership
 from persisting.queue.schema import OFFSET, TIMESTAMP, base_schema
 

@@ -63,23 +63,21 @@ from persisting.errors import (
 from persisting.kv import Layout, PutResult, TokenHasher
 from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.layout import (
-    aligned_buffer,
     checksum,
-    copy_bytes,
     decode_value,
     encode_value,
     writable_bytes,
 )
-from persisting.kv.shm_pool import SharedPoolReader
-from persisting.lance_store import pid_alive
 from persisting.service.local_channel import LocalChannel
 from persisting.service.protocol import make_request, safe_loads, unwrap_reply
 from persisting.service.routing import Membership, group_by_owner, rank_members
-from persisting.service.same_host import (
-    PAGE,
-    ClientArena,
-    Region,
-    read_file_into,
+from persisting.service.same_host import ClientArena, Region, read_file_into
+from persisting.shm import (
+    SharedPoolReader,
+    aligned_buffer,
+    copy_bytes,
+    pid_alive,
+    round_to_page,
     shm_available,
 )
 
@@ -830,7 +828,7 @@ class KVCacheClient:
         if not member.shm or self._arena is None:
             return None
         each = expect.nbytes if expect is not None else (self._largest_value or _FIRST_GUESS)
-        want = min(count * (-(-each // PAGE) * PAGE), self._arena.size // 4)
+        want = min(count * round_to_page(each), self._arena.size // 4)
         return self._arena.allocate(want)
 
     def _from_arena(self, entry: dict[str, Any]) -> Any:
@@ -844,7 +842,7 @@ class KVCacheClient:
         cursor = window.offset
         for offset, nbytes in sorted(kept):
             self._arena.free_range(cursor, offset - cursor)
-            cursor = offset + -(-max(nbytes, 1) // PAGE) * PAGE
+            cursor = offset + round_to_page(max(nbytes, 1))
         self._arena.free_range(cursor, window.offset + window.capacity - cursor)
 
     async def _read_located(

@@ -30,7 +30,7 @@ from persisting.errors import (
     ProtocolError,
 )
 from persisting.kv import KVStore, Layout
-from persisting.kv.layout import aligned_buffer, checksum, decode_value
+from persisting.kv.layout import checksum, decode_value
 from persisting.lance_store.names import validate_name
 from persisting.service.protocol import (
     MAX_KEYS_PER_REQUEST,
@@ -42,6 +42,7 @@ from persisting.service.protocol import (
 )
 from persisting.service.same_host import ServerArenaMapping
 from persisting.service.sessions import Session, SessionTable, Staged
+from persisting.shm import aligned_buffer, round_to_page
 
 #: Bytes of payload a single reply may carry inline on the message path.
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -472,7 +473,7 @@ class StorageHandler:
             self.counters["layout_misses"] += 1
             return _LAYOUT_MISS, 0
         offset, capacity = window
-        need = -(-layout.nbytes // 4096) * 4096
+        need = round_to_page(layout.nbytes)
         if used + need > capacity:
             return None, 0  # no room left in the window
         start = offset + used

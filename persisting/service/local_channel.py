@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from persisting.errors import ProtocolError, ServiceUnavailableError
-from persisting.lance_store import pid_alive
 from persisting.service.protocol import error_reply, safe_loads
+from persisting.shm import pid_alive
 
 _HEADER = struct.Struct("<IQ")
 #: Largest frame either side accepts (message-path replies carry at most one chunk).

@@ -8,7 +8,7 @@ host moves payloads another way:
   the client reads the bytes itself with one positioned read (:func:`read_file_into`) and
   verifies the checksum. A payload file is immutable once written, and eviction unlinks
   it, so a file the client managed to open is always whole.
-* **The server's memory tier** (:class:`~persisting.kv.shm_pool.SharedPool`): the
+* **The server's memory tier** (:class:`~persisting.shm.SharedPool`): the
   server keeps memory-tier values in a shared-memory file that the client maps
   read-only; for a memory hit the server replies with an offset and a generation, and the
   client copies the value out itself (the generation tells it whether the buffer was
@@ -18,10 +18,6 @@ host moves payloads another way:
   and stored by the server from there; memory-tier values outside the shared pool are
   copied out into it. The client proves the mapping works (the server must read back a
   random nonce) before either side relies on it, which is also the same-host test.
-
-Plain files in ``/dev/shm`` are used instead of ``multiprocessing.shared_memory`` because
-in Python < 3.13 a process that merely attaches a segment registers it with its resource
-tracker, which unlinks it (and warns) when that process exits.
 """
 
 from __future__ import annotations
@@ -36,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from persisting.errors import ProtocolError, StorageIOError
-from persisting.kv.shm_pool import (
+from persisting.kv.payload_files import read_file_range
+from persisting.shm import (
     DEFAULT_SHM_DIR,
     PAGE,
     PageAllocator,
@@ -46,7 +43,6 @@ from persisting.kv.shm_pool import (
     remove_orphaned_files,
     round_to_page,
 )
-from persisting.lance_store import read_file_range
 
 #: The first page of an arena holds the nonce that proves a mapping; data starts after it.
 NONCE_BYTES = 16
@@ -179,12 +175,8 @@ def remove_orphaned_arenas(directory: Path = DEFAULT_SHM_DIR, only: str | None =
 
 def read_file_into(path: str, offset: int, out: memoryview) -> None:
     """Read exactly ``len(out)`` bytes at ``offset`` of ``path`` into ``out`` (the client's
-    read of a leased payload; see :func:`persisting.lance_store.read_file_range`)."""
+    read of a leased payload; see :func:`persisting.kv.payload_files.read_file_range`)."""
     read_file_range(path, offset, out)
-
-
-def shm_available(directory: Path = DEFAULT_SHM_DIR) -> bool:
-    return directory.is_dir() and os.access(directory, os.W_OK)
 
 
 __all__ = [
@@ -193,5 +185,4 @@ __all__ = [
     "ServerArenaMapping",
     "read_file_into",
     "remove_orphaned_arenas",
-    "shm_available",
 ]

@@ -80,7 +80,7 @@ def test_replay_errors_are_one_clear_line(tmp_path: Path) -> None:
     trace = generate(tmp_path)
     result = runner.invoke(app, ["bench", "replay", str(trace), "--durability", "never"])
     assert result.exit_code == 2
-    assert "durability must be sync, async or evict" in result.stderr
+    assert "durability must be sync, async or write_back" in result.stderr
 
     result = runner.invoke(app, ["bench", "generate", str(tmp_path / "x.jsonl"), "--rate", "0"])
     assert result.exit_code == 2

@@ -14,7 +14,7 @@ from cli_ops_helpers import FILE_BYTES, MODEL, fill, key, open_store, same, valu
 from typer.testing import CliRunner, Result
 
 from persisting.cli import app
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 
 runner = CliRunner()
 OTHER = "org/small-model"
@@ -45,7 +45,7 @@ def test_inspect_lists_models_chunks_metadata_and_queue_topics(root: Path) -> No
     big = models[MODEL]
     assert (big["chunks"], big["meta_rows"]) == (6, 6)
     assert big["meta_fragments"] == 3 and big["meta_versions"] == 4  # created + 3 appends
-    assert big["bytes"] == files_bytes(LanceStore(root).kv_path(MODEL)) >= 6 * FILE_BYTES
+    assert big["bytes"] == files_bytes(StorageRoot(root).kv_path(MODEL)) >= 6 * FILE_BYTES
     assert big["note"] is None
     assert (models[OTHER]["chunks"], models[OTHER]["meta_fragments"]) == (2, 1)
     (topic,) = data["topics"]
@@ -83,7 +83,7 @@ def test_inspect_counts_payload_files_and_flags_metadata_behind_them(root: Path)
 
 def test_inspect_survives_a_damaged_metadata_table(root: Path) -> None:
     fill(root, MODEL, 3)
-    versions = LanceStore(root).kv_path(MODEL) / "meta.lance" / "_versions"
+    versions = StorageRoot(root).kv_path(MODEL) / "meta.lance" / "_versions"
     for manifest in versions.iterdir():
         manifest.write_bytes(b"not a manifest")
     result = invoke("inspect", "--storage-path", root, "--json")
@@ -115,8 +115,8 @@ def test_drop_needs_yes_off_a_terminal_then_removes_only_that_model(root: Path) 
     refused = invoke("drop", MODEL, "--storage-path", root)
     assert refused.exit_code == 2
     assert "without --yes" in refused.stderr and "5 chunk(s)" in refused.stderr
-    assert LanceStore(root).kv_path(MODEL).is_dir()
-    before = files_bytes(LanceStore(root).kv_path(MODEL))
+    assert StorageRoot(root).kv_path(MODEL).is_dir()
+    before = files_bytes(StorageRoot(root).kv_path(MODEL))
     result = invoke("drop", MODEL, "--yes", "--storage-path", root, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -126,7 +126,7 @@ def test_drop_needs_yes_off_a_terminal_then_removes_only_that_model(root: Path) 
         5,
         before,
     )
-    assert LanceStore(root).list_models() == [OTHER]
+    assert StorageRoot(root).list_models() == [OTHER]
     with open_store(root, OTHER) as store:  # the other namespace is untouched
         assert same(store.get(key(1, OTHER)), value(1))
     again = invoke("drop", MODEL, "--yes", "--storage-path", root)
@@ -151,7 +151,7 @@ def test_drop_rejects_unsafe_names_and_never_leaves_the_root(root: Path) -> None
         result = invoke("drop", name, "--yes", "--storage-path", root)
         assert result.exit_code == 1 and "no model" in result.stderr
     assert (outside / "keep.txt").read_text() == "precious"
-    assert LanceStore(root).list_models() == [MODEL]
+    assert StorageRoot(root).list_models() == [MODEL]
 
 
 @pytest.mark.timeout(120)
@@ -174,6 +174,6 @@ def test_drop_asks_on_a_terminal(root: Path) -> None:
         assert proc.returncode == code, err
         assert b"Drop model" in err and b"2 chunk(s)" in err
         if code:
-            assert b"nothing dropped" in err and LanceStore(root).list_models() == [MODEL]
+            assert b"nothing dropped" in err and StorageRoot(root).list_models() == [MODEL]
         else:
-            assert b"Dropped" in out and LanceStore(root).list_models() == []
+            assert b"Dropped" in out and StorageRoot(root).list_models() == []

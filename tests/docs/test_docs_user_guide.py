@@ -26,7 +26,7 @@ from docs_helpers import (
     substitute,
 )
 
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 from persisting.queue.positions import ConsumerPositions
 
 GUIDE = REPO / "docs" / "user-guide.md"
@@ -41,7 +41,7 @@ def guide_blocks() -> list[Block]:
 
 def events_applied(root: Path, expected: int, timeout_s: float = 60) -> bool:
     """Wait until the server's event consumer has committed past ``expected`` events."""
-    positions = ConsumerPositions(LanceStore(root).queue_bucket_dir("kv-events", 0))
+    positions = ConsumerPositions(StorageRoot(root).queue_bucket_dir("kv-events", 0))
     deadline = time.monotonic() + timeout_s
     while positions.get("kv-service/kvstore") != expected:
         if time.monotonic() > deadline:

@@ -15,7 +15,7 @@ from kv_helpers import MODEL, key, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 
 MiB = 1 << 20
 
@@ -28,7 +28,7 @@ def du_bytes(path: Path) -> int:
 
 
 def payload_files(root: Path) -> list[Path]:
-    return sorted((LanceStore(root).kv_path(MODEL) / "payload").rglob("*.kv"))
+    return sorted((StorageRoot(root).kv_path(MODEL) / "payload").rglob("*.kv"))
 
 
 def test_du_stays_within_capacity_under_a_storm_twice_the_capacity(root: Path) -> None:
@@ -41,7 +41,7 @@ def test_du_stays_within_capacity_under_a_storm_twice_the_capacity(root: Path) -
             keys = [key(i) for i in range(start, start + batch)]
             store.batched_put(keys, [value + i for i in range(start, start + batch)])
             store.flush()
-            peak = max(peak, du_bytes(LanceStore(root).kv_path(MODEL)))
+            peak = max(peak, du_bytes(StorageRoot(root).kv_path(MODEL)))
         stats = store.stats()
         assert stats["disk_evictions"] >= 16
         assert stats["disk_bytes"] <= capacity
@@ -144,7 +144,7 @@ def test_truncated_or_deleted_payload_files_are_misses(root: Path) -> None:
 def test_index_comes_from_metadata_and_orphans_are_adopted(root: Path) -> None:
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
         store.batched_put([key(i) for i in range(4)], [tensor(i) for i in range(4)])
-    meta = lance.dataset(str(LanceStore(root).kv_path(MODEL) / "meta.lance"))
+    meta = lance.dataset(str(StorageRoot(root).kv_path(MODEL) / "meta.lance"))
     rows = meta.to_table(columns=["key", "nbytes", "dtype", "fmt"]).to_pylist()
     assert sorted(r["key"] for r in rows) == sorted(str(key(i)) for i in range(4))
     desc = meta.to_table(columns=["payload"]).column("payload").to_pylist()
@@ -160,7 +160,7 @@ def test_index_comes_from_metadata_and_orphans_are_adopted(root: Path) -> None:
 def test_damaged_metadata_rebuilds_from_payload_headers(root: Path, damage: str) -> None:
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
         store.batched_put([key(i) for i in range(3)], [tensor(i) for i in range(3)])
-    meta = LanceStore(root).kv_path(MODEL) / "meta.lance"
+    meta = StorageRoot(root).kv_path(MODEL) / "meta.lance"
     if damage == "delete_manifests":
         for p in (meta / "_versions").iterdir():
             p.unlink()

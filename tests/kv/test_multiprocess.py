@@ -16,7 +16,7 @@ from kv_helpers import MODEL, key, shared_dir_worker, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 
 MiB = 1 << 20
 
@@ -44,7 +44,7 @@ def test_processes_sharing_a_directory_never_read_wrong_data(root: Path) -> None
     assert all(p.exitcode == 0 for p in procs)
     assert sum(o[1] for o in outcome) == 0, outcome  # no wrong data, ever
     assert sum(o[2] for o in outcome) > 0  # and real hits, including the others' chunks
-    payload = LanceStore(root).kv_path(MODEL) / "payload"
+    payload = StorageRoot(root).kv_path(MODEL) / "payload"
     on_disk = sum(p.stat().st_size for p in payload.rglob("*.kv"))
     assert on_disk <= capacity  # capacity holds for the directory as a whole
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=capacity) as store:
@@ -116,5 +116,5 @@ def test_sigkill_loses_no_acknowledged_sync_put(root: Path) -> None:
             got = store.get(key(i))
             assert got is not None, f"acknowledged put {i} lost"
             assert torch.equal(got, tensor(i, tokens=64))
-        tmp = list((LanceStore(root).kv_path(MODEL) / "tmp").iterdir())
+        tmp = list((StorageRoot(root).kv_path(MODEL) / "tmp").iterdir())
         assert tmp == []  # torn writes of dead processes are cleaned up, never visible

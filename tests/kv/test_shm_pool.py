@@ -14,7 +14,7 @@ import torch
 
 from persisting.errors import StorageIOError
 from persisting.kv import ChunkKey, KVStore
-from persisting.kv.shm_pool import (
+from persisting.shm import (
     DEFAULT_SHM_DIR,
     PAGE,
     POOL_PREFIX,
@@ -183,7 +183,7 @@ def test_a_full_pool_falls_back_to_private_memory(tmp_path: Path) -> None:
 
 def test_a_process_that_never_closes_its_pool_still_removes_it_at_exit(tmp_path: Path) -> None:
     code = (
-        "from persisting.kv.shm_pool import SharedPool\n"
+        "from persisting.shm import SharedPool\n"
         "pool = SharedPool(1 << 20)\n"
         "print(pool.path, flush=True)\n"
     )
@@ -199,7 +199,7 @@ def test_a_process_that_never_closes_its_pool_still_removes_it_at_exit(tmp_path:
 
 
 def test_recycled_buffers_reuse_the_pages_of_dead_values() -> None:
-    from persisting.kv.shm_pool import RecycledBuffers
+    from persisting.shm import RecycledBuffers
 
     buffers = RecycledBuffers(4 * PAGE)
     first = buffers.take(2 * PAGE)

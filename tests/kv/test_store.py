@@ -19,7 +19,7 @@ from persisting.errors import (
     StoreClosedError,
 )
 from persisting.kv import Layout, TokenHasher, open_kv_store
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 
 MiB = 1 << 20
 
@@ -213,9 +213,11 @@ def test_async_burst_is_written_behind_in_batches(root: Path) -> None:
         assert all(torch.equal(reopened.get(key(i)), tensor(i)) for i in range(20))
 
 
-def test_evict_mode_writes_back_on_eviction_and_close(root: Path) -> None:
+@pytest.mark.parametrize("mode", ["write_back", "evict"])  # "evict": the old name
+def test_write_back_mode_writes_back_on_eviction_and_close(root: Path, mode: str) -> None:
     value_bytes = tensor(0).numel() * 2
-    with open_store(root, durability="evict", memory_bytes=2 * value_bytes) as store:
+    with open_store(root, durability=mode, memory_bytes=2 * value_bytes) as store:
+        assert store.durability == "write_back"
         store.put(key(0), tensor(0))
         store.put(key(1), tensor(1))
         assert store.stats()["disk_items"] == 0
@@ -264,7 +266,7 @@ def test_namespaces_listed_and_dropped(root: Path) -> None:
     for model in (MODEL, "Qwen/Qwen2-7B"):
         with open_kv_store(root, model, memory_bytes=MiB, disk_bytes=8 * MiB) as store:
             store.put(key(1, model=model), tensor(1))
-    lance_root = LanceStore(root)
+    lance_root = StorageRoot(root)
     assert sorted(lance_root.list_models()) == sorted([MODEL, "Qwen/Qwen2-7B"])
     assert lance_root.drop_model("Qwen/Qwen2-7B")
     assert lance_root.list_models() == [MODEL]

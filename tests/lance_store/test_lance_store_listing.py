@@ -1,4 +1,4 @@
-"""LanceStore's read-side helpers for tools: bucket listing and opening without creating."""
+"""StorageRoot's read-side helpers for tools: bucket listing and opening without creating."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 
 SCHEMA = pa.schema([pa.field("id", pa.int64())])
 
 
 def test_list_buckets_lists_only_the_buckets_the_layout_makes(root: Path) -> None:
-    store = LanceStore(root)
+    store = StorageRoot(root)
     assert store.list_buckets("events/a") == []  # no topic yet
     for bucket in (10, 2, 0):
         store.queue_bucket_dir("events/a", bucket).mkdir(parents=True)
@@ -23,7 +23,7 @@ def test_list_buckets_lists_only_the_buckets_the_layout_makes(root: Path) -> Non
 
 
 def test_existing_table_never_creates_and_keeps_the_schema(root: Path) -> None:
-    store = LanceStore(root)
+    store = StorageRoot(root)
     path = store.queue_path("t", 0)
     assert store.existing_table(path) is None
     assert not path.exists()

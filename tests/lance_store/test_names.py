@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persisting.errors import InvalidNameError, PersistingError
-from persisting.lance_store import LanceStore, decode_name, encode_name
+from persisting.lance_store import StorageRoot, decode_name, encode_name
 
 HOSTILE = [
     "..",
@@ -33,7 +33,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_names_stay_inside_their_directory(tmp_path: Path, name: str) -> None:
-    store = LanceStore(tmp_path)
+    store = StorageRoot(tmp_path)
     for path, parent in (
         (store.kv_path(name), tmp_path / "kv"),
         (store.topic_dir(name), tmp_path / "queue"),
@@ -48,7 +48,7 @@ def test_hostile_names_stay_inside_their_directory(tmp_path: Path, name: str) ->
 
 
 def test_distinct_names_stay_distinct(tmp_path: Path) -> None:
-    store = LanceStore(tmp_path)
+    store = StorageRoot(tmp_path)
     paths = {store.kv_path(n) for n in HOSTILE}
     assert len(paths) == len(HOSTILE)
     assert store.kv_path("a/b") != store.kv_path("a_b")
@@ -56,7 +56,7 @@ def test_distinct_names_stay_distinct(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", ["", "a\x00b", "line\nbreak", "tab\t", "x" * 201, "\x7f"])
 def test_bad_names_are_refused_before_touching_disk(tmp_path: Path, bad: str) -> None:
-    store = LanceStore(tmp_path / "root")
+    store = StorageRoot(tmp_path / "root")
     with pytest.raises(InvalidNameError):
         store.kv_path(bad)
     with pytest.raises(PersistingError):
@@ -67,7 +67,7 @@ def test_bad_names_are_refused_before_touching_disk(tmp_path: Path, bad: str) ->
 @pytest.mark.parametrize("bad_id", [-1, "0", 1.5, True, None])
 def test_bucket_ids_must_be_non_negative_ints(tmp_path: Path, bad_id: object) -> None:
     with pytest.raises(InvalidNameError):
-        LanceStore(tmp_path).queue_path("t", bad_id)  # type: ignore[arg-type]
+        StorageRoot(tmp_path).queue_path("t", bad_id)  # type: ignore[arg-type]
 
 
 def test_multibyte_names_that_encode_too_long_are_refused() -> None:
@@ -104,7 +104,7 @@ def test_decode_refuses_components_it_did_not_make(junk: str) -> None:
 
 
 def test_list_and_drop_models(tmp_path: Path) -> None:
-    store = LanceStore(tmp_path)
+    store = StorageRoot(tmp_path)
     for model in ("meta-llama/Llama-3-8B", "a_b", "a/b"):
         path = store.kv_path(model)
         path.mkdir(parents=True)

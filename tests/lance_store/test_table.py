@@ -11,9 +11,9 @@ import pyarrow as pa
 import pytest
 
 from persisting.errors import InvalidNameError, SchemaMismatchError
-from persisting.lance_store import LanceStore, LanceTable, blob_field, durable
+from persisting.kv.payload_files import read_file_range
+from persisting.lance_store import LanceTable, StorageRoot, blob_field, durable
 from persisting.lance_store.blobs import blob_references, blob_values
-from persisting.lance_store.files import read_file_range
 
 SCHEMA = pa.schema([pa.field("id", pa.int64()), pa.field("name", pa.string())])
 
@@ -23,7 +23,7 @@ def rows(start: int, n: int) -> list[dict]:
 
 
 def test_create_append_take_scan_delete(root: Path) -> None:
-    store = LanceStore(root)
+    store = StorageRoot(root)
     t = store.open_table(store.queue_path("topic/a", 0), SCHEMA)
     assert t.count_rows() == 0
     v1 = t.append(rows(0, 10))
@@ -43,7 +43,7 @@ def test_create_append_take_scan_delete(root: Path) -> None:
 
 
 def test_append_adds_a_fragment_without_rewriting_old_files(root: Path) -> None:
-    t = LanceStore(root).open_table(root / "kv" / "m" / "meta.lance", SCHEMA)
+    t = StorageRoot(root).open_table(root / "kv" / "m" / "meta.lance", SCHEMA)
     t.append(rows(0, 100))
     data_dir = t.path / "data"
     before = {p.name: p.stat().st_mtime_ns for p in data_dir.iterdir()}
@@ -151,7 +151,7 @@ def test_blob_columns_inline_and_external_references(root: Path, tmp_path: Path)
 
 def test_open_table_refuses_paths_outside_the_root(tmp_path: Path) -> None:
     with pytest.raises(InvalidNameError):
-        LanceStore(tmp_path / "root").open_table(tmp_path / "elsewhere.lance", SCHEMA)
+        StorageRoot(tmp_path / "root").open_table(tmp_path / "elsewhere.lance", SCHEMA)
 
 
 def _append_worker(path: str, worker: int, commits: int, barrier) -> None:

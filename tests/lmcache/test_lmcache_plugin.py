@@ -31,7 +31,7 @@ from lmcache_harness import (
 )
 
 from persisting.kv import open_kv_store
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 from persisting.lmcache_backend import PersistingKVBackend
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,7 +72,7 @@ def test_plugin_is_created_from_config_by_create_storage_backends(root: Path) ->
         assert plugin.settings.storage_path == root
         assert plugin.settings.kv.chunk_size == config.chunk_size
         # The namespace is the model name, kept whole: meta-llama/Llama-3-8B is one directory.
-        assert LanceStore(root).list_models() == [MODEL]
+        assert StorageRoot(root).list_models() == [MODEL]
     finally:
         for backend in backends.values():
             backend.close()

@@ -55,7 +55,7 @@ def test_puts_complete_write_behind_unless_durability_is_configured(
     monkeypatch.setenv("PERSISTING_KV__DURABILITY", "sync")
     assert settings_from_extra_config({})[0].kv.durability == "sync"
     assert settings_from_extra_config({"persisting.durability": "evict"})[0].kv.durability == (
-        "evict"
+        "write_back"
     )
 
 

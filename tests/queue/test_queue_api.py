@@ -13,7 +13,7 @@ from pulsing.streaming import MemoryBackend, StorageBackend, get_backend_class
 from queue_helpers import small_records
 
 from persisting.errors import InvalidNameError, InvalidValueError, OffsetTrimmedError
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 from persisting.queue import (
     LanceBackend,
     QueueConsumer,
@@ -72,7 +72,7 @@ def test_the_backend_matches_pulsings_storage_backend_protocol(open_backend) -> 
 
 
 def test_topic_paths_follow_the_storage_root_layout(tmp_path: Path) -> None:
-    store = LanceStore(tmp_path)
+    store = StorageRoot(tmp_path)
     path = topic_storage_path(tmp_path, "meta-llama/Llama-3-8B")
     assert Path(path) / "bucket_3" / "data.lance" == store.queue_path("meta-llama/Llama-3-8B", 3)
     assert Path(topic_storage_path(tmp_path, "a/b")) != Path(topic_storage_path(tmp_path, "a_b"))
@@ -103,7 +103,7 @@ def test_pulsing_queue_writes_and_reads_through_the_lance_backend(tmp_path: Path
     got = asyncio.run(go())
     assert sorted(r["seq"] for r in got) == list(range(20))
     assert all(np.array_equal(r["vec"], np.arange(3) * r["seq"]) for r in got)
-    store = LanceStore(root)
+    store = StorageRoot(root)
     stored = [
         open_bucket(root, topic, b, read_only=True)
         for b in (0, 1)

@@ -19,7 +19,7 @@ from queue_helpers import free_port
 from queue_procs import record, summary
 
 from persisting.errors import StorageIOError
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 from persisting.queue import LanceBackend, open_bucket
 from persisting.queue.backend import WAL_DIR
 
@@ -109,7 +109,7 @@ def test_sigkill_of_the_process_hosting_a_pulsing_bucket_loses_no_acknowledged_p
     sigkill(proc)
 
     confirmed = acked(acks)
-    dataset = LanceStore(root).queue_path(topic, 0)
+    dataset = StorageRoot(root).queue_path(topic, 0)
     assert dataset.is_dir()  # <root>/queue/<encoded topic>/bucket_0/data.lance
     assert lance.dataset(str(dataset)).count_rows() == 0  # killed before any flush
     reader = start("pulsing_reader", root=str(root), topic=topic, count=len(confirmed))
@@ -164,7 +164,7 @@ def test_pulsing_producer_and_consumer_in_separate_processes(tmp_path: Path) -> 
             producer.kill()
             producer.wait()
     assert sorted(got, key=lambda item: item[1]) == expected(list(range(count)))  # each once
-    store = LanceStore(root)
+    store = StorageRoot(root)
     for bucket in (0, 1):  # each bucket is its own dataset, in put order
         seqs = lance.dataset(str(store.queue_path(topic, bucket))).to_table()["seq"].to_pylist()
         assert seqs == sorted(seqs)

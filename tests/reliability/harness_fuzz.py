@@ -23,7 +23,7 @@ from rel_common import MODEL, emit, key_text, value
 
 from persisting.errors import PersistingError
 from persisting.kv import open_kv_store
-from persisting.lance_store import LanceStore
+from persisting.lance_store import StorageRoot
 
 HOSTILE_TEXT = st.one_of(
     st.text(max_size=300),
@@ -132,8 +132,8 @@ def run(examples: int, seed: int) -> dict:
         @given(HOSTILE_TEXT)
         def hostile_names(name: str) -> None:
             outcomes["inputs"] += 1
-            record(lambda: LanceStore(root).kv_path(name).relative_to(root))
-            record(lambda: LanceStore(root).queue_path(name, 0).relative_to(root))
+            record(lambda: StorageRoot(root).kv_path(name).relative_to(root))
+            record(lambda: StorageRoot(root).queue_path(name, 0).relative_to(root))
 
         @cfg
         @hypothesis_seed(seed)

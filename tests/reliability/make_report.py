@@ -60,7 +60,7 @@ PROMISES = """\
 
 ## What it does not promise
 
-- A cache may lose what it can recompute. With `durability="async"` or `"evict"`, values
+- A cache may lose what it can recompute. With `durability="async"` or `"write_back"`, values
   not yet written are lost in a crash, and `exists_in_put_tasks`/`on_complete` say which.
 - Pins and leases belong to the process that took them. Another process sharing the
   directory may evict a chunk this one pinned; this one then sees a miss, never wrong data.

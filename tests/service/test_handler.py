@@ -183,7 +183,7 @@ def test_same_host_gets_hand_out_file_locations_under_a_lease(
 def test_arena_puts_and_memory_only_gets(tmp_path: Path, clock: FakeClock) -> None:
     # Write-back mode keeps values in memory only: the arena path serves them.
     with open_kv_store(
-        tmp_path / "wb", MODEL, memory_bytes=8 << 20, disk_bytes=64 << 20, durability="evict"
+        tmp_path / "wb", MODEL, memory_bytes=8 << 20, disk_bytes=64 << 20, durability="write_back"
     ) as store:
         handler = StorageHandler({MODEL: store}, clock=clock)
         arena = ClientArena(4 << 20)
@@ -315,7 +315,7 @@ def test_index_operations(handler: StorageHandler) -> None:
 def test_same_host_memory_hits_are_places_in_the_shared_pool(
     tmp_path: Path, clock: FakeClock
 ) -> None:
-    from persisting.kv.shm_pool import SharedPoolReader
+    from persisting.shm import SharedPoolReader
 
     with KVStore(
         tmp_path / "pooled", MODEL, memory_bytes=8 << 20, disk_bytes=64 << 20, shared_memory=True

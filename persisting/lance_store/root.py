@@ -28,14 +28,14 @@ KV_DIR = "kv"
 QUEUE_DATASET = "data.lance"
 
 
-class LanceStore:
+class StorageRoot:
     """A Persisting storage root on the local filesystem."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).expanduser().absolute()
 
     def __repr__(self) -> str:
-        return f"LanceStore({str(self.root)!r})"
+        return f"StorageRoot({str(self.root)!r})"
 
     # -- layout -------------------------------------------------------------------------
 
@@ -139,4 +139,4 @@ def _drop_tree(path: Path) -> bool:
     return True
 
 
-__all__ = ["KV_DIR", "QUEUE_DATASET", "QUEUE_DIR", "LanceStore"]
+__all__ = ["KV_DIR", "QUEUE_DATASET", "QUEUE_DIR", "StorageRoot"]

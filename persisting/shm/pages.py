@@ -1,0 +1,224 @@
+"""Page-granular memory: the page size, aligned buffers, a page allocator, bulk copies.
+
+Every fast path of Persisting hands out page-aligned ranges of one big mapping rather than
+fresh arrays: the memory tier's shared pool, a client's arena, the recycled result pages of
+``get``. They all use :class:`PageAllocator`, and each range goes back to it through
+:func:`owning_array` once the last array or tensor over it is garbage.
+
+``PAGE`` is this host's memory page size (4 KiB on x86-64, 16/64 KiB on some ARM servers).
+It is the only page-size constant for memory; the on-disk payload format has its own
+host-independent block size (:data:`persisting.kv.payload_files.BLOCK`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import mmap
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+
+def round_to_page(n: int) -> int:
+    """``n`` rounded up to a whole number of pages."""
+    return -(-n // PAGE) * PAGE
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A writable uint8 array of ``nbytes`` starting on a page boundary (faster I/O, memcpy)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    return raw[start : start + nbytes]
+
+
+def loaded_torch() -> Any:
+    """torch if the process already imported it (a caller holding a tensor has), else None.
+
+    Persisting does not import torch itself on these paths: start-up stays light for
+    numpy-only users.
+    """
+    return sys.modules.get("torch")
+
+
+#: Copies at least this large go through torch (multi-threaded) when torch is loaded.
+_PARALLEL_COPY_BYTES = 1 << 20
+
+
+def copy_bytes(dst: np.ndarray, src: Any) -> None:
+    """Copy the bytes of ``src`` into the uint8 array ``dst`` (same length).
+
+    Large copies use torch's parallel copy when torch is already loaded (several GB/s more
+    than numpy's single-threaded one here); numpy-only processes keep numpy.
+    """
+    source = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
+    torch = loaded_torch()
+    if torch is not None and dst.nbytes >= _PARALLEL_COPY_BYTES:
+        torch.from_numpy(dst).copy_(torch.from_numpy(source))
+    else:
+        dst[:] = source
+
+
+def owning_array(
+    mapping: mmap.mmap, offset: int, nbytes: int, release: Callable[..., None], *args: Any
+) -> np.ndarray:
+    """``nbytes`` of ``mapping`` at ``offset`` as a uint8 array that owns them:
+    ``release(*args)`` runs once the array and every view or tensor made from it are
+    garbage (how every range handed out of a page allocator goes back to it)."""
+    array = np.frombuffer(mapping, np.uint8, count=nbytes, offset=offset)
+    weakref.finalize(array, release, *args)
+    return array
+
+
+class PageAllocator:
+    """First-fit allocation of page-aligned ranges of ``[start, end)`` of a file (``fd``),
+    whose pages are committed (``posix_fallocate``) before a range reaching them is handed
+    out; with ``fd=None``, of anonymous memory (nothing to commit).
+
+    Thread-safe. Frees never wait for the lock: they usually run in a garbage-collection
+    finalizer (:func:`owning_array`), which may fire on a thread that is inside
+    :meth:`allocate` holding it. A free that cannot take the lock at once is parked and
+    merged by the next call that holds it.
+    """
+
+    #: Pages are committed in steps of at least this many bytes.
+    COMMIT_STEP = 16 << 20
+
+    def __init__(self, fd: int | None, start: int, end: int):
+        self._fd = fd
+        self._end = end
+        self._committed = start
+        self._lock = threading.Lock()
+        self._closed = False
+        self._offsets: list[int] = [start]
+        self._lengths: list[int] = [end - start]
+        #: Frees that arrived while the lock was held (deque appends are atomic).
+        self._parked: collections.deque[tuple[int, int]] = collections.deque()
+
+    def allocate(self, nbytes: int) -> tuple[int, int] | None:
+        """(offset, capacity) of a free range of at least ``nbytes``, or None."""
+        want = round_to_page(max(nbytes, 1))
+        with self._lock:
+            self._merge_parked()
+            if self._closed:
+                return None
+            for i, length in enumerate(self._lengths):
+                if length < want:
+                    continue
+                offset = self._offsets[i]
+                if not self._commit(offset + want):
+                    return None
+                if length == want:
+                    del self._offsets[i], self._lengths[i]
+                else:
+                    self._offsets[i] += want
+                    self._lengths[i] -= want
+                return offset, want
+        return None
+
+    def _commit(self, end: int) -> bool:
+        if end <= self._committed or self._fd is None:
+            return True
+        target = min(self._end, max(end, self._committed + self.COMMIT_STEP))
+        try:
+            os.posix_fallocate(self._fd, self._committed, target - self._committed)
+        except OSError:
+            return False
+        self._committed = target
+        return True
+
+    def free(self, offset: int, length: int) -> None:
+        """Give back ``length`` bytes at ``offset`` (page-aligned; any part of a range)."""
+        if length <= 0:
+            return
+        self._parked.append((offset, length))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._merge_parked()
+            finally:
+                self._lock.release()
+
+    def _merge_parked(self) -> None:
+        """Put parked frees back into the sorted, coalesced free list (lock held)."""
+        while self._parked:
+            offset, length = self._parked.popleft()
+            i = bisect.bisect_left(self._offsets, offset)
+            self._offsets.insert(i, offset)
+            self._lengths.insert(i, length)
+            if i + 1 < len(self._offsets) and offset + length == self._offsets[i + 1]:
+                self._lengths[i] += self._lengths.pop(i + 1)
+                self._offsets.pop(i + 1)
+            if i > 0 and self._offsets[i - 1] + self._lengths[i - 1] == self._offsets[i]:
+                self._lengths[i - 1] += self._lengths.pop(i)
+                self._offsets.pop(i)
+
+    def close(self) -> None:
+        """Refuse further allocations (frees are still taken)."""
+        with self._lock:
+            self._closed = True
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            self._merge_parked()
+            return sum(self._lengths)
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """The free list as ``(offset, length)`` pairs, ascending (for checks and tests)."""
+        with self._lock:
+            self._merge_parked()
+            return list(zip(self._offsets, self._lengths, strict=True))
+
+
+class RecycledBuffers:
+    """Page-aligned buffers whose pages stay mapped from one use to the next.
+
+    A fresh multi-MiB array costs a page fault (and the kernel zeroing the page) per page
+    on first touch, which makes copying a value out of the memory tier into a new array
+    2-5x slower than the copy itself. :meth:`take` hands out ranges of one private
+    anonymous mapping instead; a range returns when its array (and every tensor or view
+    made from it) is garbage, and the next value reuses its already-mapped pages. Private,
+    so a fork gets copy-on-write pages, as with any other array.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = round_to_page(capacity)
+        self._map: mmap.mmap | None = None
+        self._pages: PageAllocator | None = None
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A buffer of ``nbytes``, or None when there is no room left (use another)."""
+        if nbytes > self.capacity:
+            return None
+        if self._pages is None:
+            with self._lock:  # mapped on first use: a store that is never read pays nothing
+                if self._pages is None:
+                    self._map = mmap.mmap(
+                        -1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                    )
+                    self._pages = PageAllocator(None, 0, self.capacity)
+        got = self._pages.allocate(nbytes)
+        if got is None:
+            return None
+        assert self._map is not None
+        return owning_array(self._map, got[0], nbytes, self._pages.free, *got)
+
+
+__all__ = [
+    "PAGE",
+    "PageAllocator",
+    "RecycledBuffers",
+    "aligned_buffer",
+    "copy_bytes",
+    "loaded_torch",
+    "owning_array",
+    "round_to_page",
+]

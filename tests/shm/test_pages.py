@@ -1,0 +1,75 @@
+"""The page allocator every fast path carves its ranges from."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from persisting.shm import PAGE, PageAllocator, RecycledBuffers
+
+SPAN = 64 * PAGE
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9 * PAGE)), max_size=60))
+def test_allocated_ranges_never_overlap_and_frees_return_exactly_what_was_taken(
+    steps: list[tuple[bool, int]],
+) -> None:
+    pages = PageAllocator(None, PAGE, PAGE + SPAN)
+    held: list[tuple[int, int]] = []
+    for allocate, nbytes in steps:
+        if allocate or not held:
+            got = pages.allocate(nbytes)
+            if got is None:
+                assert pages.free_bytes < -(-nbytes // PAGE) * PAGE or held
+                continue
+            offset, capacity = got
+            assert offset % PAGE == 0 and capacity % PAGE == 0 and capacity >= nbytes
+            assert offset >= PAGE and offset + capacity <= PAGE + SPAN
+            for other, other_capacity in held:
+                assert offset + capacity <= other or other + other_capacity <= offset
+            held.append(got)
+        else:
+            pages.free(*held.pop(nbytes % len(held)))
+        assert pages.free_bytes + sum(c for _o, c in held) == SPAN
+    for got in held:
+        pages.free(*got)
+    assert pages.free_ranges() == [(PAGE, SPAN)]  # everything back, coalesced into one
+
+
+def test_a_free_from_a_finalizer_inside_allocate_does_not_deadlock() -> None:
+    """A garbage collection can start inside allocate() and run a finalizer that frees
+    pages on the same thread; the allocator's lock is not re-entrant."""
+    pages = PageAllocator(None, 0, SPAN)
+    got = pages.allocate(PAGE)
+    assert got is not None
+    done = threading.Event()
+
+    def free_while_allocating() -> None:
+        with pages._lock:  # what a finalizer sees when it fires inside allocate()
+            pages.free(*got)
+        done.set()
+
+    thread = threading.Thread(target=free_while_allocating, daemon=True)
+    thread.start()
+    assert done.wait(5), "free() blocked on the allocator's own lock"
+    assert pages.free_bytes == SPAN
+
+
+def test_recycled_buffers_come_back_when_their_arrays_die() -> None:
+    buffers = RecycledBuffers(4 * PAGE)
+    first = buffers.take(4 * PAGE)
+    assert first is not None and buffers.take(PAGE) is None
+    view = first[PAGE:]
+    del first
+    gc.collect()
+    assert buffers.take(PAGE) is None  # a view keeps the whole range
+    del view
+    gc.collect()
+    again = buffers.take(4 * PAGE)
+    assert again is not None
+    np.copyto(again, 7)
