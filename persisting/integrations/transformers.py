@@ -228,13 +228,24 @@ def load_prefix(
     loaded = done.index(False) if False in done else len(done)
     if loaded == 0:
         return 0, cache
-    n_tokens = chunks[loaded - 1][1]
+    return chunks[loaded - 1][1], cache_from_chunks(outs[:loaded], num_kv_heads, cache)
+
+
+def cache_from_chunks(chunks: Sequence[Any], num_kv_heads: int, cache: Any = None) -> Any:
+    """A ``DynamicCache`` (``cache`` if given, extended) holding the consecutive
+    ``[2, layers, tokens, kv_heads * head_dim]`` chunk tensors ``chunks``, on their device."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = cache if cache is not None else DynamicCache()
+    n_layers, hidden = chunks[0].shape[1], chunks[0].shape[3]
+    n_tokens = sum(int(c.shape[2]) for c in chunks)
     head_dim = hidden // num_kv_heads
     for layer in range(n_layers):
-        kv = [torch.cat([out[i, layer] for out in outs[:loaded]]) for i in (0, 1)]
+        kv = [torch.cat([c[i, layer] for c in chunks]) for i in (0, 1)]
         k, v = (t.view(n_tokens, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0) for t in kv)
         cache.update(k, v, layer)
-    return n_tokens, cache
+    return cache
 
 
 def _loadable(layout: Layout, num_kv_heads: int, dtype: Any) -> bool:
@@ -266,4 +277,11 @@ def forward(model: Any, input_ids: Any, cache: Any = None, **kwargs: Any) -> tup
     return out.logits, new_cache
 
 
-__all__: Sequence[str] = ["FORMAT", "dtype_name", "forward", "load_prefix", "save_prefix"]
+__all__: Sequence[str] = [
+    "FORMAT",
+    "cache_from_chunks",
+    "dtype_name",
+    "forward",
+    "load_prefix",
+    "save_prefix",
+]
