@@ -300,22 +300,32 @@ class Run:
         }
 
 
-def run_model(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def run_model(
+    name: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    entry: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """Every prefix of one model into ``entry``, row by row, with ``save()`` after each (a
+    run cut short by a time limit keeps what it measured)."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = build_model(name, device, dtype)
     workdir = Path(tempfile.mkdtemp(prefix="ttft-", dir=args.workdir))
     try:
         run = Run(model, device, args.chunk_size, workdir)
-        warm = torch.zeros(1, args.prefixes[0] + args.suffix, dtype=torch.long, device=device)
+        entry.update(model=name, kv_bytes_per_token=run.kv_bytes_per_token, rows=[])
+        warm = torch.zeros(
+            1, min(args.prefixes[0], 4096) + args.suffix, dtype=torch.long, device=device
+        )
         with torch.inference_mode():
             for _ in range(2):  # first calls pay for kernels, allocator growth, thread pools
                 forward(model, warm, logits_to_keep=1)
-        rows = []
         for i, prefix in enumerate(args.prefixes):
             row = run.row(prefix, args.suffix, seed=100 + i, settle_s=args.settle_s)
-            rows.append(row)
+            entry["rows"].append(row)
             print_row(name, row)
-        return {"model": name, "kv_bytes_per_token": run.kv_bytes_per_token, "rows": rows}
+            save()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         del model
@@ -371,16 +381,19 @@ def main(argv: list[str] | None = None) -> int:
         "models": [],
         "skipped": [],
     }
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
     for name in args.models:
         if device.type == "cuda" and total_gib < NEEDS_GIB[name]:
             report["skipped"].append(f"{name}: needs {NEEDS_GIB[name]} GiB, has {total_gib:.0f}")
             print(report["skipped"][-1], flush=True)
             continue
-        report["models"].append(run_model(name, args, device))
-        if args.json:  # written after every model: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps(report, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        entry: dict[str, Any] = {"model": name, "rows": []}
+        report["models"].append(entry)
+        run_model(name, args, device, entry, save)
     exact = all(
         row[p]["bit_exact"]
         for m in report["models"]
