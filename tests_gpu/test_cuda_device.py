@@ -178,3 +178,21 @@ def test_the_ring_streams_disk_chunks_up_and_leaves_misses_untouched(root: Path)
     assert torch.equal(strided.cpu(), values[0])
     assert copier.counters["staged_bytes"] == 9 * MiB + MiB  # the miss read into staging too
     assert copier.counters["pageable_bytes"] == 0
+
+
+def test_copies_issued_before_a_failing_read_still_precede_the_callers_work() -> None:
+    copier = DeviceCopier(DEVICE, staging=PinnedRegion(8 * MiB, pin=True))
+    outs = [torch.zeros(MiB, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+
+    def good(buffer: np.ndarray) -> bool:
+        buffer[:] = 3
+        return True
+
+    def bad(buffer: np.ndarray) -> bool:
+        raise OSError("disk gone")
+
+    torch.cuda._sleep(STALL)  # the first copy waits behind this on the side stream
+    with pytest.raises(OSError, match="disk gone"):
+        copier.upload([good, bad], outs)
+    assert int(outs[0].sum(dtype=torch.int64)) == 3 * MiB  # queued after the copy
+    assert int(outs[1].sum(dtype=torch.int64)) == 0

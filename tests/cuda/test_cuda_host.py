@@ -4,6 +4,7 @@ carving of a region, and the copy pipeline into CPU tensors (its GPU side: tests
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -210,3 +211,27 @@ def test_shared_copiers_are_made_once_per_device_and_setting() -> None:
     assert shared_copier("cpu", staging_bytes=1 << 20) is a
     assert shared_copier("cpu", staging_bytes=2 << 20) is not a
     assert a.staging is not None and not a.staging.pinned
+
+
+def test_a_read_that_raises_stops_the_upload_and_gives_its_buffer_back() -> None:
+    region = PinnedRegion(8 * PAGE, pin=False)
+    copier = DeviceCopier("cpu", staging=region)
+    values = [chunk(i, tokens=4) for i in range(3)]
+    outs = [torch.zeros_like(v) for v in values]
+
+    def fill(i: int) -> Callable[[np.ndarray], bool]:
+        def read(buffer: np.ndarray) -> bool:
+            if i == 1:
+                raise OSError("disk gone")
+            buffer[:] = as_bytes(values[i])
+            return True
+
+        return read
+
+    with pytest.raises(OSError, match="disk gone"):
+        copier.upload([fill(i) for i in range(3)], outs)
+    assert torch.equal(outs[0], values[0])
+    assert not outs[1].any() and not outs[2].any()
+    copier.synchronize()
+    gc.collect()
+    assert region.free_bytes == region.capacity
