@@ -45,6 +45,12 @@ class KVSettings(BaseModel):
     admission: Literal["always", "second_sighting"] = "always"
     #: Pages reused for the values ``get`` returns (in-process); 0: a fresh array each time.
     result_buffer_bytes: int = Field(default=256 * MiB, ge=0)
+    #: Page-lock (pin) host buffers for DMA to and from GPUs: "auto" when CUDA is present,
+    #: "on" (an error without CUDA) or "off". Pinned pages are committed up front.
+    pinned_memory: Literal["auto", "on", "off"] = "auto"
+    #: The pinned staging region through which disk hits go up to a device and device
+    #: values come down for puts (one region, carved per chunk); 0: no staging region.
+    pinned_staging_bytes: int = Field(default=256 * MiB, ge=0)
 
     @field_validator("durability", mode="before")
     @classmethod

@@ -19,7 +19,7 @@ fi
 PIP="$VENV/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 $PIP install --quiet 'torch==2.13.0' 'numpy<=2.2.6'
-$PIP install --quiet -e '.[dev]' 'torch==2.13.0' 'numpy<=2.2.6'
+$PIP install --quiet -e '.[dev,hf]' 'torch==2.13.0' 'numpy<=2.2.6'
 if [ "${PERSISTING_SKIP_LMCACHE:-0}" != "1" ]; then
   $PIP install --quiet -r requirements/lmcache-cpu.txt 'torch==2.13.0' 'numpy<=2.2.6'
   $PIP install --quiet --no-deps 'lmcache==0.5.6'
