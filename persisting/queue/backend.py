@@ -23,13 +23,14 @@ see each flush as it is committed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -105,27 +106,38 @@ class _Counters:
 
 
 class _Notifier:
-    """Wakes coroutines (on any event loop) waiting for new records; callable from any thread."""
+    """Wakes coroutines (on any event loop) waiting for new records; callable from any thread.
+
+    A waiter is registered before the caller checks for records (so a put between the check
+    and the wait still wakes it) and is removed when the caller stops waiting, however it
+    stops: a reader that nobody notifies must not accumulate one future per call.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
-    def register(self) -> asyncio.Future:
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waiters)
+
+    @contextlib.contextmanager
+    def waiter(self) -> Iterator[asyncio.Future]:
+        """A future resolved by the next :meth:`notify_all`, forgotten when the block ends."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
             self._waiters.append((loop, future))
-        return future
-
-    async def wait(self, future: asyncio.Future, timeout: float) -> None:
         try:
-            await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            pass
+            yield future
         finally:
             with self._lock:
                 self._waiters = [(lp, f) for lp, f in self._waiters if f is not future]
+
+    @staticmethod
+    async def wait(future: asyncio.Future, timeout: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(future, timeout)
 
     def notify_all(self) -> None:
         with self._lock:
@@ -528,9 +540,11 @@ class LanceBackend:
         """Batches of records from ``offset`` until ``limit`` records were yielded.
 
         With ``wait`` it waits for new records (puts here, or flushes by the writer when this
-        backend is a reader elsewhere); a truthy ``timeout`` bounds each wait, as in Pulsing's
-        memory backend.
+        backend is a reader elsewhere); a truthy ``timeout`` bounds the waiting of the whole
+        stream (at most ``timeout`` seconds in all, however many batches it yields), a falsy
+        one waits until ``limit`` records came.
         """
+        deadline = time.monotonic() + timeout if wait and timeout else None
         current, remaining = offset, limit
         while remaining > 0:
             records = await self.get(min(remaining, self.config.read_batch_size), current)
@@ -539,27 +553,27 @@ class LanceBackend:
                 current += len(records)
                 remaining -= len(records)
                 continue
-            if not wait or not await self._wait_beyond(current, timeout):
+            if not wait or not await self._wait_beyond(current, deadline):
                 return
 
-    async def _wait_beyond(self, offset: int, timeout: float | None) -> bool:
-        """Wait until a record at ``offset`` or later exists; False on timeout or close."""
-        deadline = time.monotonic() + timeout if timeout else None
+    async def _wait_beyond(self, offset: int, deadline: float | None) -> bool:
+        """Wait until a record at ``offset`` or later exists; False at ``deadline`` (a
+        ``time.monotonic()`` value, None: no limit) or when the backend closes."""
         while True:
-            future = self._notifier.register()
-            if self._closed or self._closing:
-                return False
-            if self._refresh_due():
-                await asyncio.to_thread(self._refresh, False)
-            if self._visible_next() > offset:
-                return True
-            pause = self.config.poll_interval_s if self.read_only else 1.0
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            with self._notifier.waiter() as woken:
+                if self._closed or self._closing:
                     return False
-                pause = min(pause, left)
-            await self._notifier.wait(future, pause)
+                if self._refresh_due():
+                    await asyncio.to_thread(self._refresh, False)
+                if self._visible_next() > offset:
+                    return True
+                pause = self.config.poll_interval_s if self.read_only else 1.0
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    pause = min(pause, left)
+                await self._notifier.wait(woken, pause)
 
     def _visible_next(self) -> int:
         with self._lock:
@@ -634,6 +648,7 @@ class LanceBackend:
             "wal_segments": self._wal.segment_count() if self._wal is not None else 0,
             "wal_fsyncs": self._wal.fsyncs if self._wal is not None else 0,
             "errors": counters.errors,
+            "waiters": len(self._notifier),
             "schema": schema,
         }
 

@@ -416,3 +416,50 @@ def test_a_log_that_cannot_be_replayed_is_set_aside_not_deleted(bucket_dir, open
     asyncio.run(backend.put({"id": "fresh"}))
     asyncio.run(backend.flush())
     assert asyncio.run(backend.get(10, 0)) == [{"id": "fresh"}]
+
+
+def test_waiting_readers_leave_no_waiter_behind(open_backend) -> None:
+    """A read-only backend is never notified: each wait must remove its own future, whether
+    it timed out or found records (issue 13: 50 calls left 50 futures)."""
+    writer = open_backend()
+    reader = open_backend(read_only=True, poll_interval_s=0.01)
+
+    async def go() -> None:
+        await writer.put_batch(small_records(0, 3))
+        await writer.flush()
+        for _ in range(50):  # nothing beyond offset 3: every wait times out
+            assert [b async for b in reader.get_stream(5, 3, wait=True, timeout=0.02)] == []
+        assert (await reader.stats())["waiters"] == 0
+        for offset in range(3, 53):  # every wait is ended by a flush
+            await writer.put(small_records(offset, 1)[0])
+            await writer.flush()
+            got = [b async for b in reader.get_stream(1, offset, wait=True, timeout=30)]
+            assert got == [small_records(offset, 1)]
+        assert (await reader.stats())["waiters"] == 0
+        assert [b async for b in writer.get_stream(5, 53, wait=True, timeout=0.02)] == []
+        assert (await writer.stats())["waiters"] == 0
+
+    asyncio.run(go())
+
+
+def test_a_stream_waits_at_most_its_timeout_in_all(open_backend) -> None:
+    """``timeout`` bounds the whole stream: records arriving now and then do not extend it
+    (it bounded each wait, so a trickle of records kept a 1 s stream open for as long as
+    the trickle lasted)."""
+    backend = open_backend()
+
+    async def go() -> None:
+        async def trickle() -> None:
+            for i in range(15):  # one record every 0.2 s for 3 s
+                await asyncio.sleep(0.2)
+                await backend.put(small_records(i, 1)[0])
+
+        feeder = asyncio.create_task(trickle())
+        started = time.monotonic()
+        got = flat([b async for b in backend.get_stream(1000, 0, wait=True, timeout=1.0)])
+        elapsed = time.monotonic() - started
+        await feeder
+        assert 1 <= len(got) < 15 and got == small_records(0, len(got))
+        assert 0.9 <= elapsed < 2.5, elapsed
+
+    asyncio.run(go())
