@@ -13,6 +13,7 @@ stable offsets; see ``docs/queue.md``.
 from persisting.queue.api import (
     BACKEND_NAMES,
     QueueConsumer,
+    TopicReader,
     open_bucket,
     open_reader,
     open_writer,
@@ -27,6 +28,7 @@ __all__ = [
     "LanceBackend",
     "PutResult",
     "QueueConsumer",
+    "TopicReader",
     "close_all",
     "compact_bucket",
     "open_bucket",

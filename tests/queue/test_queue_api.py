@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from persisting.lance_store import StorageRoot
 from persisting.queue import (
     LanceBackend,
     QueueConsumer,
+    TopicReader,
     close_all,
     open_bucket,
     open_reader,
@@ -114,6 +116,47 @@ def test_pulsing_queue_writes_and_reads_through_the_lance_backend(tmp_path: Path
     finally:
         for backend in stored:
             backend.close()
+
+
+def test_a_waiting_reader_waits_at_most_its_timeout_over_all_buckets(tmp_path: Path) -> None:
+    """Pulsing's reader gave each of 4 buckets the whole timeout (4 x 1 s for nothing) and
+    waited on a bucket that had a record for more (4 x 2 s for one record)."""
+    import pulsing as pul
+
+    root, topic = tmp_path / "root", "waits"
+
+    async def go() -> None:
+        system = await pul.actor_system()
+        try:
+            writer = await open_writer(system, topic, storage_root=root, num_buckets=4)
+            reader = await open_reader(system, topic, storage_root=root, num_buckets=4)
+            assert isinstance(reader, TopicReader)
+            assert await reader.get(limit=10) == []
+
+            started = time.monotonic()
+            assert await reader.get(limit=100, wait=True, timeout=1.0) == []
+            assert 0.9 <= time.monotonic() - started < 2.5
+
+            await writer.put({"id": "one", "seq": 1})
+            started = time.monotonic()
+            assert await reader.get(limit=100, wait=True, timeout=2.0) == [{"id": "one", "seq": 1}]
+            assert time.monotonic() - started < 1.5
+
+            async def later() -> None:
+                await asyncio.sleep(0.3)
+                await writer.put({"id": "two", "seq": 2})
+
+            task = asyncio.create_task(later())
+            started = time.monotonic()
+            got = await reader.get(limit=100, wait=True, timeout=30)
+            await task
+            assert got == [{"id": "two", "seq": 2}] and time.monotonic() - started < 10
+            assert await reader.get(limit=100) == []  # the reader moved past both
+        finally:
+            close_all()
+            await system.shutdown()
+
+    asyncio.run(go())
 
 
 def test_a_consumer_starts_where_asked_and_survives_trimming(bucket_dir, open_backend) -> None:
