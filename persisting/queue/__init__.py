@@ -20,14 +20,14 @@ from persisting.queue.api import (
     register,
     topic_storage_path,
 )
-from persisting.queue.backend import LanceBackend, PutResult, close_all
+from persisting.queue.backend import LanceBackend, TensorPutResult, close_all
 from persisting.queue.maintenance import compact_bucket
 
 __all__ = [
     "BACKEND_NAMES",
     "LanceBackend",
-    "PutResult",
     "QueueConsumer",
+    "TensorPutResult",
     "TopicReader",
     "close_all",
     "compact_bucket",

@@ -1,7 +1,7 @@
 """A compact, self-describing binary encoding of normalized records for the write-ahead log.
 
 The log must hold exactly what Lance will: bools, int64s, floats, str, bytes, None, lists,
-nested dicts and tensors (as :class:`~persisting.queue.schema.EncodedTensor`). Pickle would
+nested dicts and tensors (as :class:`~persisting.queue.tensor_columns.EncodedTensor`). Pickle would
 do it but would execute code from a file on replay, so this is a small tagged format instead:
 one tag byte per value, little-endian fixed-width numbers, length-prefixed strings and bytes.
 """
@@ -12,7 +12,7 @@ import struct
 from typing import Any
 
 from persisting.errors import CorruptValueError
-from persisting.queue.tensors import EncodedTensor
+from persisting.queue.tensor_columns import EncodedTensor
 
 _NONE, _TRUE, _FALSE = b"N", b"T", b"F"
 _INT, _FLOAT, _STR, _BYTES = b"i", b"d", b"s", b"b"
@@ -25,7 +25,7 @@ _U64 = struct.Struct("<Q")
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
-    """Bytes for a normalized record (see :func:`persisting.queue.schema.normalize_record`)."""
+    """Bytes for a normalized record (see :func:`persisting.queue.records.normalize_record`)."""
     out: list[bytes] = []
     _encode(record, out)
     return b"".join(out)

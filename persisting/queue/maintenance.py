@@ -27,7 +27,7 @@ import numpy as np
 from persisting.lance_store import LanceTable
 from persisting.lance_store.root import QUEUE_DATASET
 from persisting.queue import ownership
-from persisting.queue.schema import OFFSET, TIMESTAMP, base_schema
+from persisting.queue.records import OFFSET, TIMESTAMP, base_schema
 
 #: How many fragments of one level are merged into the next.
 FANOUT = 8
@@ -164,6 +164,26 @@ def consumer_cutoff(positions: Mapping[str, int]) -> int | None:
     return min(positions.values()) if positions else None
 
 
+def retention_cutoff(
+    dataset: Any,
+    first_offset: int,
+    *,
+    retention_s: float | None,
+    consumer_positions: Mapping[str, int] | None,
+    now_us: int,
+) -> int | None:
+    """Where retention may trim: the larger of the age and consumer cutoffs (either policy
+    lets a record go), or None when neither applies."""
+    cutoffs = []
+    if retention_s:
+        cutoffs.append(age_cutoff(dataset, first_offset, retention_s, now_us))
+    if consumer_positions:
+        slowest = consumer_cutoff(consumer_positions)
+        if slowest is not None:
+            cutoffs.append(slowest)
+    return max(cutoffs) if cutoffs else None
+
+
 __all__ = [
     "FANOUT",
     "CompactionStep",
@@ -176,4 +196,5 @@ __all__ = [
     "consumer_cutoff",
     "fragment_stats",
     "plan_compaction",
+    "retention_cutoff",
 ]

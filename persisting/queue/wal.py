@@ -3,8 +3,9 @@
 A put is written to the log (one ``write`` call for the whole batch) before it is
 acknowledged, so a ``kill -9`` of the process cannot lose it; ``fsync`` makes it survive a
 power cut too, either before every acknowledgement (group commit: concurrent puts share one
-fsync) or every ``fsync_interval``. The log is a directory of segments named by their first
-offset; every frame carries its record's offset and a CRC::
+fsync) or every ``fsync_interval_ms`` (the backend's worker calls :meth:`WriteAheadLog.sync`).
+The log is a directory of segments named by their first offset; every frame carries its
+record's offset and a CRC::
 
     segment = MAGIC frame*
     frame   = u32 payload_len | u32 crc32(payload, offset, ts) | i64 offset | i64 ts_us | payload
@@ -203,6 +204,17 @@ class WriteAheadLog:
         self._active_frames += count
         self._written += len(frames)
         return self._written
+
+    def append_records(
+        self, first_offset: int, timestamp_us: int, payloads: list[bytes], crcs: list[int]
+    ) -> int:
+        """Log ``payloads`` as the records at ``first_offset, first_offset + 1, ...``, all put
+        at ``timestamp_us`` (``crcs``: their :func:`payload_crc`); see :meth:`append`."""
+        frames = b"".join(
+            encode_frame(first_offset + i, timestamp_us, payload, crc)
+            for i, (payload, crc) in enumerate(zip(payloads, crcs, strict=True))
+        )
+        return self.append(frames, len(payloads))
 
     def sync(self, upto: int | None = None) -> None:
         """Make everything written so far durable (at least up to position ``upto``).

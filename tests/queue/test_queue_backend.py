@@ -187,7 +187,7 @@ def test_compaction_and_cleanup_keep_fragments_and_versions_bounded(open_backend
         for batch in range(40):
             await backend.put_batch(small_records(batch * 10, 10))
             await backend.flush()
-            backend._wake.set()
+            backend._worker.wake()
 
     asyncio.run(go())
     assert eventually(lambda: asyncio.run(backend.stats())["fragments"] <= 6)
@@ -353,7 +353,7 @@ def test_rows_put_out_of_order_by_an_unsafe_compaction_are_still_read_right(
     reader = open_backend(read_only=True)
     assert asyncio.run(reader.get(200, 0)) == small_records(0, 120)
     assert asyncio.run(reader.get(15, 75)) == small_records(75, 15)
-    writer._refresh(True)  # as after the cleanup of the version it read
+    writer._data.refresh(force=True)  # as after the cleanup of the version it read
     assert asyncio.run(writer.get(200, 0)) == small_records(0, 120)
     asyncio.run(fill(12, 1))
     assert asyncio.run(writer.get(200, 0)) == small_records(0, 130)

@@ -11,7 +11,7 @@ import pytest
 from persisting.errors import CorruptValueError
 from persisting.lance_store import durable
 from persisting.queue.codec import decode_record, encode_record
-from persisting.queue.schema import normalize_record
+from persisting.queue.records import normalize_record
 from persisting.queue.wal import MAGIC, WriteAheadLog, encode_frame, list_segments
 
 
