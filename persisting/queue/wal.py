@@ -10,9 +10,11 @@ record's offset and a CRC::
     segment = MAGIC frame*
     frame   = u32 payload_len | u32 crc32(payload, offset, ts) | i64 offset | i64 ts_us | payload
 
-On start the segments are replayed in order; a torn or corrupt tail (a crash mid-write) ends
-the log and is cut off. A flush rotates to a new segment; once the flush is durable in Lance
-the segments it covered are deleted, so the log only ever holds unflushed records.
+The magic names the payloads' format: ``PQWAL002`` msgpack (written now), ``PQWAL001`` the
+tagged format of earlier versions (still replayed). On start the segments are replayed in
+order; a torn or corrupt tail (a crash mid-write) ends the log and is cut off. A flush rotates
+to a new segment; once the flush is durable in Lance the segments it covered are deleted, so
+the log only ever holds unflushed records.
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ from pathlib import Path
 
 from persisting.errors import StorageIOError
 from persisting.lance_store.durable import fsync_dir, fsync_fd, makedirs_durable
+from persisting.queue.codec import MSGPACK, TAGGED
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"PQWAL001"
+#: The magic of the segments written now (msgpack payloads).
+MAGIC = b"PQWAL002"
+#: Segment magic -> payload format (see :mod:`persisting.queue.codec`).
+FORMATS = {b"PQWAL001": TAGGED, MAGIC: MSGPACK}
 SUFFIX = ".wal"
 UNREPLAYED_DIR = "unreplayed"
 _HEADER = struct.Struct("<IIqq")
@@ -43,11 +49,12 @@ HEADER_SIZE = _HEADER.size
 
 @dataclass(frozen=True)
 class LogEntry:
-    """One replayed record: its offset, put time and encoded payload."""
+    """One replayed record: its offset, put time, encoded payload and the payload's format."""
 
     offset: int
     timestamp_us: int
     payload: bytes
+    fmt: int = MSGPACK
 
 
 def payload_crc(payload: bytes) -> int:
@@ -136,7 +143,8 @@ class WriteAheadLog:
     def _read_segment(
         data: bytes, entries: list[LogEntry], expected: int | None
     ) -> tuple[int, str | None]:
-        if not data.startswith(MAGIC):
+        fmt = FORMATS.get(data[: len(MAGIC)])
+        if fmt is None:
             return 0, "missing or torn segment header"
         pos = len(MAGIC)
         view = memoryview(data)
@@ -152,7 +160,7 @@ class WriteAheadLog:
                 return pos, f"checksum mismatch at offset {offset}"
             if expected is not None and offset != expected:
                 return pos, f"offset {offset} where {expected} was expected"
-            entries.append(LogEntry(offset, ts, payload))
+            entries.append(LogEntry(offset, ts, payload, fmt))
             expected = offset + 1
             pos = end
         return pos, None
@@ -341,6 +349,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 __all__ = [
+    "FORMATS",
     "HEADER_SIZE",
     "MAGIC",
     "LogEntry",
