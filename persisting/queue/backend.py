@@ -193,7 +193,6 @@ class LanceBackend(TensorMethods):
             self._counters,
             fsync_interval_s=config.fsync_interval_ms / 1000,
             retention_interval_s=config.retention_interval_s,
-            cleanup_every_flushes=config.compact_max_fragments,
         )
         worker.start()
         return worker

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: Dataset config key: every offset below it was trimmed (so offsets continue after it).
 TRIMMED_BEFORE = "persisting.queue.trimmed_before"
+#: Attempts at opening the newest version when the one just seen is cleaned up meanwhile.
+_CHECKOUT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,19 @@ class QueueDataset:
         self._counters = counters
         self._poll_interval_s = poll_interval_s
         self._last_refresh = 0.0
-        self._version_retention_s = version_retention_s
         self._cleaner: LanceTable | None = None
         self._decoder_cache: tuple[pa.Schema, RecordDecoder] | None = None
         self.view, self.last_ts = self.load_view()
+        self.versions = (
+            maintenance.VersionKeeper(
+                version_retention_s,
+                maintenance.lowest_version(self.table),
+                self.table.version,
+                time.monotonic(),
+            )
+            if writer
+            else None
+        )
 
     def load_view(self) -> tuple[DatasetView, int]:
         """The offsets of the table's current version (and the newest put time in it)."""
@@ -129,23 +140,41 @@ class QueueDataset:
         if self.table.num_fragments() <= max_small:
             return False
         with self.flush_lock, self.maintenance_lock:
-            steps = maintenance.compact(self.table, max_small=max_small, target_rows=target_rows)
+            steps = maintenance.compact(
+                self.table,
+                max_small=max_small,
+                target_rows=target_rows,
+                on_rewrite=self._rewriting,
+            )
             if steps:
+                # The merged files are durable before a cleanup can delete the originals.
+                self.table.sync()
                 with self._view_lock:
                     view = self.view
                     self.view = replace(view, dataset=self.table.dataset)
                     self._counters.compactions += steps
         return steps > 0
 
+    def _rewriting(self, from_version: int) -> None:
+        if self.versions is not None:
+            self.versions.rewrote(from_version, time.monotonic())
+
     def cleanup_versions(self) -> None:
-        """Delete versions older than ``version_retention_s`` through a handle of its own, so
-        that flushes need not wait for it."""
-        if not self.writer:
+        """Delete the versions no reader needs (see :class:`maintenance.VersionKeeper`),
+        through a handle of its own so that flushes need not wait for it."""
+        if self.versions is None:
             return
         with self.maintenance_lock:
             if self._cleaner is None:
                 self._cleaner = LanceTable(self.path, base_schema())
-            maintenance.cleanup_versions(self._cleaner, self._version_retention_s)
+            latest, now = self.table.version, time.monotonic()
+            doomed = self.versions.doomed(latest, now)
+            try:
+                self._cleaner.remove_versions(doomed)
+            except TypeError:  # a pylance without cleanup by version number: by age, as before
+                maintenance.cleanup_versions(self._cleaner, self.versions.retention_s)
+            self.versions.cleaned()
+        self.table.forget_removed_files()
         self._counters.cleanups += 1
 
     def trim(self, before: int) -> int:
@@ -158,6 +187,7 @@ class QueueDataset:
                 return 0
             # The watermark goes first: if we crash before the delete, nothing is lost.
             self.table.set_config({TRIMMED_BEFORE: str(before)}, durable=True)
+            self._rewriting(self.table.version)
             self.table.delete(f"{OFFSET} < {before}", durable=True)
             removed = before - view.first
             with self._view_lock:
@@ -241,17 +271,28 @@ class QueueDataset:
             return
         self._last_refresh = time.monotonic()
         if not self.writer:
-            if not self.table.refresh() and not force:
+            if not self._checkout_newest() and not force:
                 return
             view, _ = self.load_view()
             with self._view_lock:
                 self.view = view
             return
         with self.flush_lock:  # no flush may commit between the reload and the swap
-            self.table.refresh()
+            self._checkout_newest()
             view, _ = self.load_view()
             with self._view_lock:
                 self.view = view
+
+    def _checkout_newest(self) -> bool:
+        """The table moved to the newest version (True if that changed it). The version seen
+        as newest may be cleaned up before it is opened, when a newer one followed: retry."""
+        for attempt in range(_CHECKOUT_ATTEMPTS):
+            try:
+                return self.table.refresh()
+            except Exception as exc:
+                if attempt == _CHECKOUT_ATTEMPTS - 1:
+                    raise StorageIOError(f"cannot open the newest version of {self.path}") from exc
+        return False  # not reached
 
 
 def _scan(view: DatasetView, start: int, end: int) -> pa.Table:

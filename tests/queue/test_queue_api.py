@@ -28,6 +28,7 @@ from persisting.queue import (
 )
 from persisting.queue.maintenance import (
     FragmentStats,
+    VersionKeeper,
     compaction_levels,
     plan_compaction,
 )
@@ -201,6 +202,26 @@ def test_compaction_plan_merges_the_lowest_full_level_and_spares_large_fragments
     ]
     step = plan_compaction(with_deletes, max_small=0, target_rows=1 << 20)
     assert step is not None and 1 not in step.excluded
+
+
+def test_version_keeper_keeps_only_what_readers_of_older_versions_need() -> None:
+    # Opened at version 5 (versions 2..4 exist): those are kept 10 s, their history unknown.
+    keeper = VersionKeeper(10.0, lowest=2, latest=5, now=100.0)
+    assert keeper.doomed(latest=9, now=101.0) == [5, 6, 7, 8]  # appends only: all can go
+    keeper.cleaned()
+    keeper.rewrote(9, now=102.0)  # a compaction step started from version 9
+    keeper.rewrote(11, now=103.0)  # and a trim from version 11
+    assert keeper.doomed(latest=14, now=104.0) == [10, 12, 13]
+    # A cleanup that failed changes nothing: the same versions are named again.
+    assert keeper.doomed(latest=14, now=104.0) == [10, 12, 13]
+    keeper.cleaned()
+    assert keeper.doomed(latest=15, now=110.5) == [2, 3, 4, 10, 12, 13, 14]  # history expired
+    keeper.cleaned()
+    assert keeper.doomed(latest=16, now=112.5) == [9, 10, 12, 13, 14, 15]  # 9's time is up
+    keeper.cleaned()
+    assert keeper.doomed(latest=17, now=120.0) == [11, 12, 13, 14, 15, 16]  # and 11's
+    keeper.cleaned()
+    assert keeper.doomed(latest=18, now=121.0) == [17]
 
 
 def test_consumer_positions_are_durable_per_consumer_files(tmp_path: Path) -> None:

@@ -463,3 +463,50 @@ def test_a_stream_waits_at_most_its_timeout_in_all(open_backend) -> None:
         assert 0.9 <= elapsed < 2.5, elapsed
 
     asyncio.run(go())
+
+
+def test_versions_stay_few_at_any_flush_rate(open_backend) -> None:
+    """Every flush adds a version; deleting versions only by age kept every version of the
+    last 10 s (hundreds at a high flush rate), and each one made later commits slower
+    (issue 17). Versions followed only by appends go at once."""
+    backend = open_backend(compact_max_fragments=1000)  # version_retention_s: 10 s
+
+    async def go() -> None:
+        for batch in range(40):
+            await backend.put_batch(small_records(batch * 10, 10))
+            await backend.flush()
+        await backend.maintain()
+        assert (await backend.stats())["versions"] <= 2
+        assert await backend.get(400, 0) == small_records(0, 400)
+
+    asyncio.run(go())
+    assert len(list((backend.path / "_versions").glob("*.manifest"))) <= 2
+
+
+def test_a_reader_of_a_version_before_a_compaction_keeps_its_files(open_backend) -> None:
+    """A compaction replaces files; the version it started from is kept for
+    ``version_retention_s``, so a reader still on an older version finds every file it
+    lists, while the versions between (appends only) are deleted at once."""
+    writer = open_backend(compact_max_fragments=4, version_retention_s=60)
+
+    async def go() -> None:
+        for batch in range(3):
+            await writer.put_batch(small_records(batch * 10, 10))
+            await writer.flush()
+        held = lance.dataset(str(writer.path))  # a reader on the version of 3 flushes
+        for batch in range(3, 12):
+            await writer.put_batch(small_records(batch * 10, 10))
+            await writer.flush()
+        await writer.maintain()
+        stats = await writer.stats()
+        assert stats["compactions"] >= 1
+        assert stats["versions"] <= 2 + stats["compactions"], stats["versions"]
+        files = [
+            writer.path / "data" / f.path
+            for fragment in held.get_fragments()
+            for f in fragment.data_files()
+        ]
+        assert files and all(f.exists() for f in files)
+        assert held.to_table(columns=["_offset"])["_offset"].to_pylist() == list(range(30))
+
+    asyncio.run(go())
