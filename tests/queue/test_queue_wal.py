@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -158,7 +159,7 @@ def test_group_commit_shares_fsyncs_between_concurrent_writers(
     assert [e.offset for e in WriteAheadLog(tmp_path).replay()] == list(range(40))
 
 
-def same(a: object, b: object) -> bool:
+def same(a: Any, b: Any) -> bool:
     """Equal values of equal types; arrays and tensors by dtype, shape and contents."""
     import torch
 
@@ -170,7 +171,7 @@ def same(a: object, b: object) -> bool:
             and torch.equal(a, b)
         )
     if isinstance(a, np.ndarray | np.generic) or isinstance(b, np.ndarray | np.generic):
-        return type(a) is type(b) and a.dtype == b.dtype and np.array_equal(a, b)  # type: ignore[union-attr]
+        return type(a) is type(b) and a.dtype == b.dtype and np.array_equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
