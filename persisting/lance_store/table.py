@@ -352,6 +352,22 @@ class LanceTable:
             self._synced = {p for p in self._synced if os.path.exists(p)}
             return int(stats.bytes_removed)
 
+    def remove_versions(self, versions: Sequence[int]) -> int:
+        """Delete exactly these versions (never the newest) and the files only they list;
+        returns bytes removed. Versions that no longer exist are skipped."""
+        if not versions:
+            return 0
+        with self._lock:
+            stats = self._private_handle().cleanup_old_versions(versions=list(versions))
+            self._synced = {p for p in self._synced if os.path.exists(p)}
+            return int(stats.bytes_removed)
+
+    def forget_removed_files(self) -> None:
+        """Drop files deleted since they were synced (by a cleanup through another handle)
+        from what :meth:`sync` remembers, so that memory stays bounded."""
+        with self._lock:
+            self._synced = {p for p in self._synced if os.path.exists(p)}
+
     def num_versions(self) -> int:
         return len(self._dataset.versions())
 

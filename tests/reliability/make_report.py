@@ -52,6 +52,10 @@ PROMISES = """\
   or give a clean miss. Stored data is never touched.
 - **Acknowledged queue records survive a crash.** With the default `durability="wal"`, a
   put returns once its record is in a CRC-checked, fsynced log that is replayed on restart.
+- **A waiting queue reader holds nothing once it stops waiting.** Every wait for records
+  (`get_stream(wait=True)`, `QueueConsumer.poll(wait=True)`) removes its waiter however it
+  ends, also on read-only backends that nobody notifies (50 timed-out waits used to leave 50
+  futures); `stats()["waiters"]` counts the waits in progress.
 - **The service answers garbage with typed errors and keeps serving.** Every request is
   checked before use; every failure comes back as a structured reply with an error code.
 - **A full disk is a `CapacityError`.** Puts fail cleanly, reads go on, and writes work
