@@ -1,0 +1,83 @@
+"""Settings of the LMCache plugins, read from LMCache's own configuration.
+
+The in-process plugin reads LMCache's ``extra_config`` keys ``persisting.*``
+(:func:`settings_from_extra_config`). Nothing here imports LMCache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from persisting.config import KVSettings, PersistingSettings
+from persisting.errors import ConfigError
+
+#: extra_config keys start with this prefix.
+PREFIX = "persisting."
+_KV_FIELDS = frozenset(KVSettings.model_fields)
+_DEFAULT_IO_THREADS = 4
+
+
+@dataclass(frozen=True)
+class PluginOptions:
+    """Settings of the plugin itself (not of the store)."""
+
+    #: Threads writing puts, and threads reading batched gets in parallel.
+    io_threads: int = _DEFAULT_IO_THREADS
+
+
+def settings_from_extra_config(
+    extra_config: Mapping[str, Any] | None, chunk_size: int | None = None
+) -> tuple[PersistingSettings, PluginOptions]:
+    """Persisting settings from LMCache's ``extra_config`` keys ``persisting.*``.
+
+    ``persisting.config`` names a TOML file; ``persisting.storage_path`` and any KV setting
+    (``persisting.memory_bytes`` or ``persisting.kv.memory_bytes``...) override it, the
+    ``PERSISTING_*`` environment and the defaults. LMCache's ``chunk_size`` is the store's
+    chunk size unless ``persisting.chunk_size`` says otherwise. Unknown keys are an error.
+    """
+    toml_file: str | None = None
+    top: dict[str, Any] = {}
+    kv: dict[str, Any] = {}
+    io_threads: Any = _DEFAULT_IO_THREADS
+    if chunk_size is not None:
+        kv["chunk_size"] = chunk_size
+    for raw_key, value in (extra_config or {}).items():
+        if not isinstance(raw_key, str) or not raw_key.startswith(PREFIX):
+            continue
+        name = raw_key[len(PREFIX) :]
+        if name.startswith("kv."):
+            name = name[3:]
+            if name not in _KV_FIELDS:
+                raise ConfigError(f"unknown extra_config key {raw_key!r}")
+        if name == "config":
+            toml_file = str(value)
+        elif name == "storage_path":
+            top["storage_path"] = value
+        elif name == "io_threads":
+            io_threads = value
+        elif name in _KV_FIELDS:
+            kv[name] = value
+        else:
+            known = sorted(["config", "storage_path", "io_threads", *_KV_FIELDS])
+            raise ConfigError(
+                f"unknown extra_config key {raw_key!r}; known: {[PREFIX + k for k in known]}"
+            )
+    try:
+        threads = int(io_threads)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"persisting.io_threads must be an int, got {io_threads!r}") from exc
+    if threads < 1:
+        raise ConfigError(f"persisting.io_threads must be >= 1, got {threads}")
+    settings = PersistingSettings.load(toml_file, **top, kv=kv)
+    if "durability" not in settings.kv.model_fields_set and settings.kv.memory_bytes > 0:
+        # Unless told otherwise, complete puts like LMCache's own backends do: once the chunk
+        # is stored and readable (memory tier), with its disk write following behind.
+        settings = settings.model_copy(
+            update={"kv": settings.kv.model_copy(update={"durability": "async"})}
+        )
+    return settings, PluginOptions(io_threads=threads)
+
+
+__all__ = ["PREFIX", "PluginOptions", "settings_from_extra_config"]
