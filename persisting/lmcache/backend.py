@@ -32,6 +32,8 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from persisting.errors import ConfigError, StoreClosedError
 from persisting.kv import KVStore, Layout
 from persisting.lmcache.compat import LayoutGuard, memory_format
+from persisting.lmcache.health import IOErrors, errno_of, logger
+from persisting.lmcache.pins import LookupPins
 from persisting.lmcache.puts import UNREPRESENTABLE, CompletionCallback, PutWriter
 from persisting.lmcache.settings import settings_from_extra_config
 
@@ -68,14 +70,15 @@ class PersistingKVBackend(StoragePluginInterface):
         extra = getattr(config, "extra_config", None) if config is not None else None
         self.settings, self.options = settings_from_extra_config(extra, chunk_size)
         self._guard = LayoutGuard(metadata)
-        self._lock = threading.Lock()  # lookup pins, counters
+        self._lock = threading.Lock()  # counters, closing
         self._stores_lock = threading.Lock()
         self._stores: dict[str, KVStore] = {}
-        self._lookup_pins: dict[str, list[tuple[CacheEngineKey, str]]] = {}
+        self._lookup_pins: LookupPins[CacheEngineKey] = LookupPins(self.options.lookup_pin_ttl_s)
         self._counters = {"layout_mismatch": 0, "allocation_failed": 0, "put_failed": 0}
+        self.io_errors = IOErrors()
         self._closed = False
         threads = self.options.io_threads
-        self.puts = PutWriter(self._store, self._count, threads)
+        self.puts = PutWriter(self._store, self._put_failed, threads)
         self._reader = ThreadPoolExecutor(threads, thread_name_prefix="persisting-get")
         if metadata is not None:
             self._store(metadata.model_name)  # open eagerly: a bad root fails construction
@@ -127,10 +130,20 @@ class PersistingKVBackend(StoragePluginInterface):
         with self._lock:
             self._counters[name] += 1
 
+    def _put_failed(self, text: str, exc: BaseException) -> None:
+        self._count("put_failed")
+        if errno_of(exc) is not None:
+            self.io_errors.record("put", text, exc)
+        else:
+            logger.warning("Persisting put of %s failed: %s", text, exc)
+
     def stats(self) -> dict[str, Any]:
-        """Plugin counters plus each open store's stats, keyed by model."""
+        """Plugin counters (I/O errors with the last one's errno, expired lookup pins) plus
+        each open store's stats, keyed by model."""
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
+        out.update(self.io_errors.snapshot())
+        out["lookup_pins_expired"] = self._lookup_pins.expired
         with self._stores_lock:
             stores = dict(self._stores)
         out["stores"] = {model: store.stats() for model, store in stores.items()}
@@ -184,10 +197,17 @@ class PersistingKVBackend(StoragePluginInterface):
             return False
 
     def unpin(self, key: CacheEngineKey) -> bool:
+        text = key.to_string()
+        self._lookup_pins.released_elsewhere(text)
+        return self._unpin(key, text)
+
+    def _unpin(self, key: CacheEngineKey, text: str) -> bool:
         try:
-            return self.store_for(key).unpin(key.to_string())
+            return self.store_for(key).unpin(text)
         except UNREPRESENTABLE:
             return False
+        except StoreClosedError:
+            return False  # closing: the store and its pins are gone
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
         """Drop ``key``; with ``force=False`` a pinned chunk survives."""
@@ -215,6 +235,7 @@ class PersistingKVBackend(StoragePluginInterface):
         for a key already stored, on completion of the earlier put for a key in flight).
         Returns None when no key needed writing.
         """
+        self._expire_lookup_pins()  # puts may evict: abandoned lookups must not pin chunks
         return self.puts.submit(keys, objs, on_complete_callback)
 
     # -- gets ---------------------------------------------------------------------------
@@ -233,13 +254,25 @@ class PersistingKVBackend(StoragePluginInterface):
         return obj
 
     def _read_into(self, key: CacheEngineKey, layout: Layout, obj: MemoryObj) -> bool:
-        """Fill ``obj`` with the payload stored under ``key``; False (obj released) on a miss."""
+        """Fill ``obj`` with the payload stored under ``key``; False (obj released) on a miss.
+
+        A failed read is a miss too (LMCache recomputes): an I/O error is counted and logged
+        with its errno, anything else logged. ``obj`` is released whatever happens.
+        """
+        text = key.to_string()
         try:
             buffer = obj.byte_array.cast("B")
             if len(buffer) != layout.nbytes:
                 got = None
             else:
-                got = self.store_for(key).get_into(key.to_string(), buffer, expect=layout)
+                got = self.store_for(key).get_into(text, buffer, expect=layout)
+        except Exception as exc:
+            obj.ref_count_down()
+            if errno_of(exc) is not None:
+                self.io_errors.record("read", text, exc)
+            else:
+                logger.warning("Persisting read of %s failed: %s", text, exc)
+            return False
         except BaseException:
             obj.ref_count_down()
             raise
@@ -259,16 +292,22 @@ class PersistingKVBackend(StoragePluginInterface):
         return obj if self._read_into(key, layout, obj) else None
 
     def _allocate_prefix(self, keys: Sequence[CacheEngineKey]) -> list[tuple[Layout, MemoryObj]]:
-        """Layouts and fresh objects for the leading keys that are stored and fit in memory."""
+        """Layouts and fresh objects for the leading keys that are stored and fit in memory
+        (if this raises, what it allocated is released first)."""
         out: list[tuple[Layout, MemoryObj]] = []
-        for key in keys:
-            layout = self._stored_layout(key)
-            if layout is None:
-                break
-            obj = self._allocate(layout)
-            if obj is None:
-                break
-            out.append((layout, obj))
+        try:
+            for key in keys:
+                layout = self._stored_layout(key)
+                if layout is None:
+                    break
+                obj = self._allocate(layout)
+                if obj is None:
+                    break
+                out.append((layout, obj))
+        except BaseException:
+            for _layout, obj in out:
+                obj.ref_count_down()
+            raise
         return out
 
     @staticmethod
@@ -289,14 +328,13 @@ class PersistingKVBackend(StoragePluginInterface):
         if len(planned) == 1:
             loaded = [self._read_into(keys[0], planned[0][0], objs[0])]
         else:
-            loaded = list(
-                self._reader.map(
-                    self._read_into,
-                    keys[: len(planned)],
-                    [layout for layout, _obj in planned],
-                    objs,
-                )
-            )
+            # Every read runs to its end (each releases its object on a miss), so the loaded
+            # ones past a failure are released by _keep_prefix, never dropped.
+            futures = [
+                self._reader.submit(self._read_into, key, layout, obj)
+                for key, (layout, obj) in zip(keys, planned, strict=False)
+            ]
+            loaded = [_succeeded(future) for future in futures]
         kept = self._keep_prefix(objs, loaded)
         return [*kept, *([None] * (len(keys) - len(kept)))]
 
@@ -313,12 +351,12 @@ class PersistingKVBackend(StoragePluginInterface):
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
-        """Leading stored keys; pins taken here are released by the lookup's load."""
+        """Leading stored keys. Pins taken here are released by this lookup's load (all of
+        them, loaded or not), by LMCache's own ``unpin``, or after ``lookup_pin_ttl_s``."""
+        self._expire_lookup_pins()
         hits = self.batched_contains(keys, pin)
         if pin and hits:
-            with self._lock:
-                pinned = self._lookup_pins.setdefault(lookup_id, [])
-                pinned.extend((key, key.to_string()) for key in keys[:hits])
+            self._lookup_pins.add(lookup_id, [(key, key.to_string()) for key in keys[:hits]])
         return hits
 
     async def batched_get_non_blocking(
@@ -332,20 +370,27 @@ class PersistingKVBackend(StoragePluginInterface):
                 *(
                     loop.run_in_executor(self._reader, self._read_into, key, layout, obj)
                     for key, (layout, obj) in zip(keys, planned, strict=False)
-                )
+                ),
+                return_exceptions=True,  # a failed read released its own object
             )
-            return self._keep_prefix([obj for _l, obj in planned], list(loaded))
+            return self._keep_prefix([obj for _l, obj in planned], [ok is True for ok in loaded])
         finally:
-            self._release_lookup_pins(lookup_id, keys)
+            self._release_pins(self._lookup_pins.finish(lookup_id))
+            self._expire_lookup_pins()
 
-    def _release_lookup_pins(self, lookup_id: str, keys: Sequence[CacheEngineKey]) -> None:
-        """Drop the pins ``batched_async_contains`` took for ``lookup_id`` on ``keys``."""
-        with self._lock:
-            pinned = self._lookup_pins.pop(lookup_id, [])
-        wanted = {key.to_string() for key in keys}
-        for key, text in pinned:
-            if text in wanted:
-                self.store_for(key).unpin(text)
+    def _expire_lookup_pins(self) -> None:
+        expired = self._lookup_pins.expire()
+        if expired:
+            logger.warning(
+                "Persisting released %d pin(s) of LMCache lookups never loaded within %gs",
+                len(expired),
+                self._lookup_pins.ttl_s,
+            )
+            self._release_pins(expired)
+
+    def _release_pins(self, pins: list[tuple[CacheEngineKey, str]]) -> None:
+        for key, text in pins:
+            self._unpin(key, text)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -372,13 +417,20 @@ class PersistingKVBackend(StoragePluginInterface):
             self._closed = True
         self.puts.close()
         self._reader.shutdown(wait=True)
+        self._release_pins(self._lookup_pins.clear())
         with self._stores_lock:
             stores = list(self._stores.values())
             self._stores.clear()
-        with self._lock:
-            self._lookup_pins.clear()
         for store in stores:
             store.close()
+
+
+def _succeeded(future: Future[bool]) -> bool:
+    """A read's outcome; one that raised (its object already released) is a miss."""
+    try:
+        return future.result()
+    except Exception:
+        return False
 
 
 __all__ = ["PersistingKVBackend"]

@@ -8,7 +8,6 @@ key joins the first, and ``on_complete_callback(key)`` fires once per stored key
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,8 +25,7 @@ from persisting.errors import (
 )
 from persisting.kv import KVStore
 from persisting.lmcache.compat import format_name, tensor_of
-
-logger = logging.getLogger(__name__)
+from persisting.lmcache.health import logger
 
 CompletionCallback = Callable[[CacheEngineKey], None]
 #: LMCache keys Persisting cannot represent (e.g. a model name with '@'): never stored here.
@@ -48,18 +46,18 @@ class _Put:
 class PutWriter:
     """Writes submitted chunks on ``threads`` writer threads; thread-safe.
 
-    ``store_for(model)`` opens (or returns) the store of a model namespace; ``count(name)``
-    counts an event in the plugin's counters.
+    ``store_for(model)`` opens (or returns) the store of a model namespace; ``failed(text,
+    error)`` is told of every put that failed (after its reference was released).
     """
 
     def __init__(
         self,
         store_for: Callable[[str], KVStore],
-        count: Callable[[str], None],
+        failed: Callable[[str, BaseException], None],
         threads: int,
     ) -> None:
         self._store_for = store_for
-        self._count = count
+        self._failed = failed
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[None]] = {}
         self._closed = False
@@ -135,8 +133,7 @@ class PutWriter:
 
     def _refused(self, text: str, exc: BaseException) -> Future[None]:
         """A failed future for a put that cannot even start (its key is unrepresentable)."""
-        self._count("put_failed")
-        logger.warning("Persisting cannot store %s: %s", text, exc)
+        self._failed(text, exc)
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
         future.set_exception(exc)
@@ -162,8 +159,7 @@ class PutWriter:
                 put.future.set_result(None)
                 _notify(on_complete, put.key)
             else:
-                self._count("put_failed")
-                logger.warning("Persisting put of %s failed: %s", put.text, outcome)
+                self._failed(put.text, outcome)
                 put.future.set_exception(outcome)
 
     def _write_group(

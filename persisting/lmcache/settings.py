@@ -16,7 +16,6 @@ from persisting.errors import ConfigError
 #: extra_config keys start with this prefix.
 PREFIX = "persisting."
 _KV_FIELDS = frozenset(KVSettings.model_fields)
-_DEFAULT_IO_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,30 @@ class PluginOptions:
     """Settings of the plugin itself (not of the store)."""
 
     #: Threads writing puts, and threads reading batched gets in parallel.
-    io_threads: int = _DEFAULT_IO_THREADS
+    io_threads: int = 4
+    #: Seconds the pins of an asynchronous lookup are held when its load never comes.
+    lookup_pin_ttl_s: float = 60.0
+
+
+_OPTION_FIELDS = frozenset(PluginOptions.__dataclass_fields__)
+
+
+def _plugin_options(raw: dict[str, Any]) -> PluginOptions:
+    try:
+        threads = int(raw.get("io_threads", PluginOptions.io_threads))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{PREFIX}io_threads must be an int, got {raw['io_threads']!r}") from exc
+    if threads < 1:
+        raise ConfigError(f"{PREFIX}io_threads must be >= 1, got {threads}")
+    try:
+        ttl = float(raw.get("lookup_pin_ttl_s", PluginOptions.lookup_pin_ttl_s))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{PREFIX}lookup_pin_ttl_s must be a number, got {raw['lookup_pin_ttl_s']!r}"
+        ) from exc
+    if not ttl > 0:
+        raise ConfigError(f"{PREFIX}lookup_pin_ttl_s must be > 0, got {ttl}")
+    return PluginOptions(io_threads=threads, lookup_pin_ttl_s=ttl)
 
 
 def settings_from_extra_config(
@@ -40,7 +62,7 @@ def settings_from_extra_config(
     toml_file: str | None = None
     top: dict[str, Any] = {}
     kv: dict[str, Any] = {}
-    io_threads: Any = _DEFAULT_IO_THREADS
+    options: dict[str, Any] = {}
     if chunk_size is not None:
         kv["chunk_size"] = chunk_size
     for raw_key, value in (extra_config or {}).items():
@@ -55,21 +77,16 @@ def settings_from_extra_config(
             toml_file = str(value)
         elif name == "storage_path":
             top["storage_path"] = value
-        elif name == "io_threads":
-            io_threads = value
+        elif name in _OPTION_FIELDS:
+            options[name] = value
         elif name in _KV_FIELDS:
             kv[name] = value
         else:
-            known = sorted(["config", "storage_path", "io_threads", *_KV_FIELDS])
+            known = sorted(["config", "storage_path", *_OPTION_FIELDS, *_KV_FIELDS])
             raise ConfigError(
                 f"unknown extra_config key {raw_key!r}; known: {[PREFIX + k for k in known]}"
             )
-    try:
-        threads = int(io_threads)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"persisting.io_threads must be an int, got {io_threads!r}") from exc
-    if threads < 1:
-        raise ConfigError(f"persisting.io_threads must be >= 1, got {threads}")
+    plugin_options = _plugin_options(options)
     settings = PersistingSettings.load(toml_file, **top, kv=kv)
     if "durability" not in settings.kv.model_fields_set and settings.kv.memory_bytes > 0:
         # Unless told otherwise, complete puts like LMCache's own backends do: once the chunk
@@ -77,7 +94,7 @@ def settings_from_extra_config(
         settings = settings.model_copy(
             update={"kv": settings.kv.model_copy(update={"durability": "async"})}
         )
-    return settings, PluginOptions(io_threads=threads)
+    return settings, plugin_options
 
 
 __all__ = ["PREFIX", "PluginOptions", "settings_from_extra_config"]
