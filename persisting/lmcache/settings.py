@@ -1,7 +1,9 @@
 """Settings of the LMCache plugins, read from LMCache's own configuration.
 
 The in-process plugin reads LMCache's ``extra_config`` keys ``persisting.*``
-(:func:`settings_from_extra_config`). Nothing here imports LMCache.
+(:func:`settings_from_extra_config`). Sizes are bytes or a number with a unit
+(:func:`parse_size`: ``64GiB``, ``512MB``), since LMCache users size in GB. Nothing here
+imports LMCache.
 """
 
 from __future__ import annotations
@@ -10,12 +12,33 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
 from persisting.config import KVSettings, PersistingSettings
 from persisting.errors import ConfigError
 
 #: extra_config keys start with this prefix.
 PREFIX = "persisting."
 _KV_FIELDS = frozenset(KVSettings.model_fields)
+#: KV settings that are byte sizes (and so accept units).
+SIZE_FIELDS = frozenset(name for name in _KV_FIELDS if name.endswith("_bytes"))
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes from ``value``: an int, or a string with an optional unit (``512MB`` is
+    512*10^6, ``64GiB`` 64*2^30, ``1.5GiB``, ``16 MiB``, ``4096``). ``name`` is the key
+    the user wrote, for the error message."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{name} must be a size in bytes or with a unit, got {value!r}")
+    if isinstance(value, int | float) and value < 0:
+        raise ConfigError(f"{name} must not be negative, got {value!r}")
+    try:
+        return int(_BYTE_SIZE.validate_python(value))
+    except ValidationError as exc:
+        raise ConfigError(
+            f"{name} must be a size in bytes or with a unit (512MB, 64GiB), got {value!r}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,8 @@ def settings_from_extra_config(
             top["storage_path"] = value
         elif name in _OPTION_FIELDS:
             options[name] = value
+        elif name in SIZE_FIELDS:
+            kv[name] = parse_size(value, raw_key)
         elif name in _KV_FIELDS:
             kv[name] = value
         else:
@@ -97,4 +122,4 @@ def settings_from_extra_config(
     return settings, plugin_options
 
 
-__all__ = ["PREFIX", "PluginOptions", "settings_from_extra_config"]
+__all__ = ["PREFIX", "SIZE_FIELDS", "PluginOptions", "parse_size", "settings_from_extra_config"]
