@@ -25,6 +25,7 @@ from persisting.kv.payload_files import (
     HEADER_BYTES,
     FileHeader,
     PayloadFiles,
+    PendingFile,
     file_size,
     key_hash,
     round_to_block,
@@ -268,10 +269,15 @@ class DiskTier:
         tags = [self.files.new_tag() for _ in todo]
         with self.usage.locked():
             self._reserve(sum(sizes))
-            pending = [
-                self.files.create(it.key, tag, size)
-                for it, tag, size in zip(todo, tags, sizes, strict=True)
-            ]
+            pending: list[PendingFile] = []
+            try:
+                for it, tag, size in zip(todo, tags, sizes, strict=True):
+                    pending.append(self.files.create(it.key, tag, size))
+            except BaseException:  # nothing was written: give the whole reservation back
+                for p in pending:
+                    self.files.abort(p)
+                self.usage.add(-sum(sizes))
+                raise
         done: list[Path] = []
         try:
             for it, p in zip(todo, pending, strict=True):

@@ -138,3 +138,20 @@ def test_puts_without_fsync_are_whole_and_found_after_reopen(root: Path) -> None
         assert store.put(key, _chunk(3)).durable  # on disk (in the page cache)
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=1 << 20) as store:
         assert torch.equal(store.get(key), _chunk(3))
+
+
+def test_a_put_that_cannot_create_its_file_gives_its_reservation_back(root: Path) -> None:
+    import shutil
+
+    from persisting.errors import StorageIOError
+
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=1 << 20) as store:
+        store.put(f"{MODEL}@1@0@1@bfloat16", _chunk(1))
+        used = store.stats()["disk_bytes"]
+        tmp = store.directory / "tmp"
+        shutil.rmtree(tmp)
+        tmp.write_bytes(b"")  # creating an in-flight file now fails (ENOTDIR)
+        for i in range(2, 5):
+            with pytest.raises(StorageIOError):
+                store.put(f"{MODEL}@1@0@{i}@bfloat16", _chunk(i))
+        assert store.stats()["disk_bytes"] == used
