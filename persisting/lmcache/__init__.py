@@ -3,9 +3,15 @@
 * :class:`PersistingKVBackend` (:mod:`.backend`): the in-process storage plugin
   (``StoragePluginInterface``), loaded through ``storage_plugins`` and ``extra_config``;
   ``persisting.lmcache_backend`` still names it for existing configurations.
+* :class:`PersistingL2Adapter` (:mod:`.l2_adapter`): an L2 adapter of LMCache's
+  multiprocess mode (``L2AdapterInterface``), loaded through a plugin adapter entry with
+  ``module_path: persisting.lmcache`` (LMCache finds :class:`PersistingL2AdapterConfig`
+  beside it by name).
 
-Modules: :mod:`.settings` (configuration, no LMCache import), :mod:`.compat` (keys and
-layouts on both sides), :mod:`.puts` and :mod:`.backend` (the in-process plugin).
+Modules: :mod:`.settings` (configuration, no LMCache import), :mod:`.health` (I/O errors),
+:mod:`.compat` (keys and layouts on both sides), :mod:`.puts`, :mod:`.pins` and
+:mod:`.backend` (the in-process plugin), :mod:`.object_keys`, :mod:`.l2_tasks`,
+:mod:`.l2_io` and :mod:`.l2_adapter` (the L2 adapter).
 Attributes load their module on first use, so importing this package alone does not
 import LMCache.
 """
@@ -16,7 +22,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "L2Params": "persisting.lmcache.settings",
     "PersistingKVBackend": "persisting.lmcache.backend",
+    "PersistingL2Adapter": "persisting.lmcache.l2_adapter",
+    "PersistingL2AdapterConfig": "persisting.lmcache.l2_adapter",
+    "l2_params": "persisting.lmcache.settings",
     "PluginOptions": "persisting.lmcache.settings",
     "settings_from_extra_config": "persisting.lmcache.settings",
 }

@@ -1,20 +1,22 @@
 """Settings of the LMCache plugins, read from LMCache's own configuration.
 
 The in-process plugin reads LMCache's ``extra_config`` keys ``persisting.*``
-(:func:`settings_from_extra_config`). Sizes are bytes or a number with a unit
-(:func:`parse_size`: ``64GiB``, ``512MB``), since LMCache users size in GB. Nothing here
-imports LMCache.
+(:func:`settings_from_extra_config`); the L2 adapter of LMCache's multiprocess mode reads
+the ``adapter_params`` of its plugin adapter entry (:func:`l2_params`). Sizes are bytes or
+a number with a unit (:func:`parse_size`: ``64GiB``, ``512MB``), since LMCache users size
+in GB. Nothing here imports LMCache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from persisting.config import KVSettings, PersistingSettings
+from persisting.config import DURABILITY_ALIASES, GiB, KVSettings, PersistingSettings
 from persisting.errors import ConfigError
 
 #: extra_config keys start with this prefix.
@@ -122,4 +124,86 @@ def settings_from_extra_config(
     return settings, plugin_options
 
 
-__all__ = ["PREFIX", "SIZE_FIELDS", "PluginOptions", "parse_size", "settings_from_extra_config"]
+@dataclass(frozen=True)
+class L2Params:
+    """The L2 adapter's ``adapter_params`` (see ``docs/lmcache.md``)."""
+
+    #: The Persisting storage root; chunks go to ``<storage_path>/kv/<namespace>/``.
+    storage_path: Path
+    #: Bytes on disk the adapter may use (payload files, counted in 4 KiB blocks).
+    capacity: int = 64 * GiB
+    #: When a store task completes: ``sync`` (written through), ``async`` (in the memory
+    #: tier, written behind) or ``write_back`` (written when evicted from memory).
+    durability: Literal["sync", "async", "write_back"] = "sync"
+    #: Whether sync stores fsync before they complete (False: page cache, as ``fs`` does).
+    fsync: bool = True
+    #: A Persisting memory tier in front of the disk (LMCache's L1 is memory already).
+    memory_bytes: int = 0
+    #: The Persisting model namespace (directory) that holds every key of this adapter.
+    namespace: str = "lmcache"
+    #: Eviction order when the capacity is reached: ``lru`` or ``prefix``.
+    eviction: Literal["lru", "prefix"] = "lru"
+    #: Threads running store and load tasks.
+    io_threads: int = 4
+    #: Seconds a lookup's lock holds a chunk when LMCache never unlocks it.
+    lock_ttl_s: float = 300.0
+
+
+_L2_FIELDS = {f.name for f in fields(L2Params)}
+
+
+def l2_params(raw: Mapping[str, Any]) -> L2Params:
+    """Validated :class:`L2Params` from ``adapter_params`` (sizes accept units)."""
+    unknown = sorted(set(raw) - _L2_FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown adapter_params {unknown}; known: {sorted(_L2_FIELDS)}")
+    if not raw.get("storage_path"):
+        raise ConfigError("adapter_params.storage_path is required")
+    values: dict[str, Any] = {"storage_path": Path(str(raw["storage_path"]))}
+    for name in ("capacity", "memory_bytes"):
+        if name in raw:
+            values[name] = parse_size(raw[name], f"adapter_params.{name}")
+    durability = raw.get("durability", L2Params.durability)
+    durability = DURABILITY_ALIASES.get(durability, durability)
+    if durability not in ("sync", "async", "write_back"):
+        raise ConfigError(
+            f"adapter_params.durability must be sync, async or write_back, not {durability!r}"
+        )
+    values["durability"] = durability
+    if durability != "sync" and values.get("memory_bytes", 0) <= 0:
+        raise ConfigError(f"adapter_params.durability={durability!r} needs memory_bytes > 0")
+    eviction = raw.get("eviction", L2Params.eviction)
+    if eviction not in ("lru", "prefix"):
+        raise ConfigError(f"adapter_params.eviction must be lru or prefix, not {eviction!r}")
+    values["eviction"] = eviction
+    fsync = raw.get("fsync", True)
+    if not isinstance(fsync, bool):
+        raise ConfigError(f"adapter_params.fsync must be true or false, not {fsync!r}")
+    values["fsync"] = fsync
+    namespace = raw.get("namespace", L2Params.namespace)
+    if not isinstance(namespace, str) or not namespace or "@" in namespace:
+        raise ConfigError(f"adapter_params.namespace must be a name without '@', not {namespace!r}")
+    values["namespace"] = namespace
+    threads = raw.get("io_threads", L2Params.io_threads)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"adapter_params.io_threads must be an int >= 1, not {threads!r}")
+    values["io_threads"] = threads
+    ttl = raw.get("lock_ttl_s", L2Params.lock_ttl_s)
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+        raise ConfigError(f"adapter_params.lock_ttl_s must be a number > 0, not {ttl!r}")
+    values["lock_ttl_s"] = float(ttl)
+    params = L2Params(**values)
+    if params.capacity <= 0:
+        raise ConfigError("adapter_params.capacity must be > 0")
+    return params
+
+
+__all__ = [
+    "PREFIX",
+    "SIZE_FIELDS",
+    "L2Params",
+    "PluginOptions",
+    "l2_params",
+    "parse_size",
+    "settings_from_extra_config",
+]
