@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -170,3 +171,23 @@ def test_an_io_error_is_a_counted_miss_logged_with_its_errno(
     assert stats["io_errors"] == 1
     assert stats["last_io_error"]["errno"] == errno.EISDIR
     assert any(f"errno {errno.EISDIR}" in r.getMessage() for r in caplog.records)
+
+
+def test_a_put_that_fails_with_an_io_error_is_counted_with_its_errno(
+    disk_only: StorageManager,
+) -> None:
+    manager = disk_only
+    plugin = plugin_of(manager)
+    tmp = plugin.store_for(key(0)).directory / "tmp"
+    shutil.rmtree(tmp)
+    tmp.write_bytes(b"")  # new payload files cannot be created: ENOTDIR
+    obj = filled(manager, 0)
+    (future,) = plugin.batched_submit_put_task([key(0)], [obj]) or []
+    with pytest.raises(OSError):
+        future.result(timeout=30)
+    obj.ref_count_down()
+    stats = plugin.stats()
+    assert stats["put_failed"] == 1 and stats["io_errors"] == 1
+    assert stats["last_io_error"]["errno"] == errno.ENOTDIR
+    assert stats["last_io_error"]["op"] == "put"
+    assert not plugin.contains(key(0))
