@@ -185,6 +185,7 @@ class PersistingL2Adapter(L2AdapterInterface):
         ok = len(keys) == len(objs)
         stored: list[Stored] = []
         try:
+            self._expire_locks()  # an abandoned lock must not keep chunks from eviction
             items = []
             for key, obj in zip(keys, objs, strict=False):
                 text = self._text(key, failure="store")
@@ -197,15 +198,20 @@ class PersistingL2Adapter(L2AdapterInterface):
         except Exception as exc:
             ok = False
             logger.warning("Persisting L2 store task %d failed: %s", task_id, exc)
+        # Evictions first: a key this task stored again may have been evicted just before.
+        self._report_evictions()
         with self._lock:  # new to LMCache's books: written now, or found already stored
-            fresh = [item for item in stored if item[1] not in self._sizes]
+            fresh = [
+                item
+                for item in stored
+                if item[1] not in self._sizes and self.store.contains(item[1])
+            ]
             for _key, text, nbytes, _written in fresh:
                 self._sizes[text] = nbytes
         if fresh:
             self._notify_keys_stored(
                 [key for key, *_ in fresh], [file_size(item[2]) for item in fresh]
             )
-        self._report_evictions()
         written = sum(nbytes for _k, _t, nbytes, was_written in stored if was_written)
         self._store_tasks.finish(task_id, L2StoreResult(ok, written))
 

@@ -142,3 +142,20 @@ def test_damage_is_found_by_checksum_counted_and_forgotten(root: Path) -> None:
         listed = {e.key.to_object_key() for e in adapter.list_l2_keys().entries}
         assert listed == {keys[0], keys[2]}
         assert adapter.get_usage().total_bytes_used == 2 * ON_DISK
+
+
+def test_a_task_larger_than_the_capacity_keeps_the_books_right(root: Path) -> None:
+    with l2_adapter(root, capacity=2 * ON_DISK) as adapter:
+        listener = Recorder()
+        adapter.register_listener(listener)
+        keys = [object_key(i) for i in range(5)]
+        assert store(adapter, keys, [tensor_obj(i) for i in range(5)]).is_successful()
+        present = {k for k in keys if adapter.debug_has_key(k)}
+        assert len(present) == 2
+        assert present == {keys[0], keys[1]}  # a request's first chunks are kept longest
+        listed = {e.key.to_object_key() for e in adapter.list_l2_keys().entries}
+        assert listed == present
+        told = {k for k, _n in listener.stored} - set(listener.deleted)
+        assert told == present
+        assert adapter.get_usage().total_bytes_used == files_bytes(namespace_dir(root))
+        assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": 2 * ON_DISK}
