@@ -284,3 +284,19 @@ def test_tasks_from_many_threads_never_mix_bytes(root: Path) -> None:
         adapter.pop_completed_store_tasks()
         assert not errors and not wrong
         assert adapter.report_status()["stored_object_count"] == 40
+
+
+def test_write_behind_stores_complete_from_memory_and_survive_a_clean_restart(
+    root: Path,
+) -> None:
+    keys = [object_key(i) for i in range(3)]
+    with l2_adapter(root, capacity="16MiB", memory_bytes="4MiB", durability="async") as adapter:
+        assert store(adapter, keys, [tensor_obj(i) for i in range(3)]).is_successful()
+        dest = [tensor_obj(None) for _ in keys]
+        assert load(adapter, keys, dest) == [0, 1, 2]
+        assert all(torch.equal(bytes_of(d), payload(i, CHUNK_BYTES)) for i, d in enumerate(dest))
+    with l2_adapter(root, capacity="16MiB") as adapter:  # close wrote everything behind
+        dest = [tensor_obj(None) for _ in keys]
+        assert load(adapter, keys, dest) == [0, 1, 2]
+        assert all(torch.equal(bytes_of(d), payload(i, CHUNK_BYTES)) for i, d in enumerate(dest))
+        assert adapter.get_usage().total_bytes_used == 3 * file_size(CHUNK_BYTES)
