@@ -12,10 +12,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
+from persisting.kv import recency
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout, checksum
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
@@ -23,6 +25,7 @@ from persisting.kv.payload_files import (
     HEADER_BYTES,
     FileHeader,
     PayloadFiles,
+    PendingFile,
     file_size,
     key_hash,
     round_to_block,
@@ -45,6 +48,10 @@ class Location:
     checksum: int
 
 
+#: Told which chunks eviction removed, as ``(key, bytes on disk)``.
+EvictionListener = Callable[[list[tuple[str, int]]], None]
+
+
 @dataclass(slots=True)
 class WriteItem:
     key: str
@@ -55,12 +62,24 @@ class WriteItem:
 
 
 class DiskTier:
-    """Thread-safe; several processes may share one directory."""
+    """Thread-safe; several processes may share one directory.
 
-    def __init__(self, directory: Path, capacity: int, policy: EvictionPolicy):
+    ``on_evict`` is called after each eviction with the chunks it removed, on the writing
+    thread and with the directory's usage lock held: it must be quick and must not call
+    back into the tier.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        capacity: int,
+        policy: EvictionPolicy,
+        on_evict: EvictionListener | None = None,
+    ):
         self.directory = directory
         self.capacity = capacity
         self.policy = policy
+        self.on_evict = on_evict
         directory.mkdir(parents=True, exist_ok=True)
         self.files = PayloadFiles(directory)
         self.usage = SharedUsage(directory)
@@ -73,6 +92,7 @@ class DiskTier:
         self.meta = self._open_metadata()
         with self.usage.locked():
             self._load_index()
+            self._restore_order()
             self._recompute_usage()
 
     # -- opening and reconciling --------------------------------------------------------
@@ -117,6 +137,24 @@ class DiskTier:
         if stale:
             self.meta.delete(stale)
         self._adopt_unknown_files(on_disk, record=True)
+
+    def _restore_order(self) -> None:
+        """Put the index back in the eviction order saved by the last close or flush."""
+        saved = recency.load_order(self.directory)
+        if saved:
+            self.index.reorder(
+                {
+                    key: rank
+                    for key, entry in self.index.items()
+                    if (rank := saved.get((key_hash(key), entry.tag))) is not None
+                }
+            )
+
+    def save_order(self) -> None:
+        """Snapshot the eviction order, so a reopened store evicts what this one would."""
+        with self._lock:
+            order = [(key_hash(key), entry.tag) for key, entry in self.index.items()]
+        recency.save_order(self.directory, order)
 
     def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
@@ -231,10 +269,15 @@ class DiskTier:
         tags = [self.files.new_tag() for _ in todo]
         with self.usage.locked():
             self._reserve(sum(sizes))
-            pending = [
-                self.files.create(it.key, tag, size)
-                for it, tag, size in zip(todo, tags, sizes, strict=True)
-            ]
+            pending: list[PendingFile] = []
+            try:
+                for it, tag, size in zip(todo, tags, sizes, strict=True):
+                    pending.append(self.files.create(it.key, tag, size))
+            except BaseException:  # nothing was written: give the whole reservation back
+                for p in pending:
+                    self.files.abort(p)
+                self.usage.add(-sum(sizes))
+                raise
         done: list[Path] = []
         try:
             for it, p in zip(todo, pending, strict=True):
@@ -303,6 +346,8 @@ class DiskTier:
         self.evictions += len(victims)
         if victims:
             self.meta.delete([(k, e.tag) for k, e in victims])
+            if self.on_evict is not None:
+                self.on_evict([(k, file_size(e.layout.nbytes)) for k, e in victims])
         return released
 
     # -- reading ------------------------------------------------------------------------
@@ -402,8 +447,9 @@ class DiskTier:
                 entry.lease_until = 0.0
 
     def close(self) -> None:
+        self.save_order()
         self.meta.close()
         self.usage.close()
 
 
-__all__ = ["DiskTier", "Location", "WriteItem"]
+__all__ = ["DiskTier", "EvictionListener", "Location", "WriteItem"]

@@ -2,7 +2,8 @@
 
 Completion modes (``durability``):
 
-- ``"sync"``  (write-through): a put returns once the bytes are fsynced on disk.
+- ``"sync"``  (write-through): a put returns once the bytes are fsynced on disk (with
+  ``fsync=False``: once they are written and renamed into place, in the page cache).
 - ``"async"`` (write-behind):  a put returns once the value is in memory; a background
   writer makes it durable, ``exists_in_put_tasks`` is true until then, ``on_complete`` fires.
 - ``"write_back"``:             the value stays in memory and is written to disk only when
@@ -32,7 +33,7 @@ from persisting.errors import (
     InvalidValueError,
     StoreClosedError,
 )
-from persisting.kv.disk_tier import DiskTier, Location, WriteItem
+from persisting.kv.disk_tier import DiskTier, EvictionListener, Location, WriteItem
 from persisting.kv.index import MemoryEntry
 from persisting.kv.keys import ChunkKey, TokenHasher, key_string
 from persisting.kv.layout import (
@@ -112,6 +113,8 @@ class KVStore:
         chunk_size: int = 256,
         shared_memory: bool = False,
         result_buffer_bytes: int = 256 << 20,
+        fsync: bool = True,
+        on_disk_evict: EvictionListener | None = None,
     ):
         validate_name(model, "model")
         if "@" in model:
@@ -134,7 +137,13 @@ class KVStore:
         policy = eviction_policy(eviction)
         self.admission = admission_policy(admission)
         self.memory = MemoryTier(memory_bytes, policy)
-        self.disk = DiskTier(self.directory, disk_bytes, policy) if disk_bytes > 0 else None
+        self.disk = (
+            DiskTier(self.directory, disk_bytes, policy, on_disk_evict) if disk_bytes > 0 else None
+        )
+        #: Whether write-through puts fsync before they complete. False leaves them in the
+        #: page cache (whole and renamed into place: they survive a crash of this process,
+        #: not of the machine), as LMCache's own disk backends do.
+        self.fsync = fsync
         #: Memory-tier buffers readable by same-host processes (see :meth:`shared_location`).
         self.pool = _open_pool(memory_bytes) if shared_memory else None
         self._results = RecycledBuffers(result_buffer_bytes) if result_buffer_bytes > 0 else None
@@ -286,7 +295,7 @@ class KVStore:
                     results[i] = PutResult(it.key, "memory", False, stored=False)
         if to_disk:
             assert self.disk is not None
-            self.disk.write(to_disk, durable=True)
+            self.disk.write(to_disk, durable=self.fsync)
         # Copies for the memory tier are made outside the lock (they are the big cost).
         copies = {
             i: owned_copy(it.data, self._memory_buffer)
@@ -538,6 +547,16 @@ class KVStore:
         self.stats_.count("lookup_hit_tokens", hit_tokens)
         return hit_tokens
 
+    def stored_keys(self) -> list[tuple[str, int]]:
+        """Every stored key with its payload size: the disk tier's keys from the first to the
+        last eviction candidate, then keys held in memory only."""
+        self._check_open()
+        with self._lock:
+            out = [(k, e.layout.nbytes) for k, e in self.disk.index.items()] if self.disk else []
+            on_disk = {k for k, _n in out}
+            out += [(k, e.layout.nbytes) for k, e in self.memory.index.items() if k not in on_disk]
+        return out
+
     def in_memory(self, key: KeyLike) -> bool:
         """Whether ``key`` is in the memory tier now (a hint: it may be evicted any time)."""
         self._check_open()
@@ -643,6 +662,7 @@ class KVStore:
                 f.result()
         if self.disk is not None:
             self.disk.meta.flush()
+            self.disk.save_order()
 
     def refresh(self) -> int:
         """Pick up chunks other processes sharing this directory wrote or removed."""
