@@ -13,7 +13,7 @@ one-line message and an exit code (2 for bad input, 1 for everything else). Heav
 ``persisting plan`` stay instant.
 """
 
-from persisting.cli import bench, plan, service, storage  # noqa: F401  (they register)
+from persisting.cli import bench, plan, service, settings, storage  # noqa: F401  (they register)
 from persisting.cli.app import app, main
 from persisting.cli.output import to_jsonable
 

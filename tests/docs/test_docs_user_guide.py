@@ -114,7 +114,9 @@ def test_the_guide_runs_in_order(tmp_path: Path) -> None:
         return by_text[code]
 
     assert "torch 2.13.0" in output_of("torch.version.cuda")
-    assert "refused: kv.durability" in output_of("PERSISTING_CONFIG")
+    settings_output = output_of("PERSISTING_CONFIG")
+    assert "refused: invalid settings: kv.durability" in settings_output
+    assert "did you mean kv.memory_bytes?" in settings_output
     assert "chunks on disk" in output_of("batched_put(keys, values, chain=True)")
     assert "memory False" in output_of('durability="async"')
     assert "disk True" in output_of("KVCacheClient.connect(seeds=[")
