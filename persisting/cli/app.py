@@ -9,6 +9,7 @@ any other failure Persisting knows about. Usage errors are shortened to one line
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,9 @@ from typer.core import TyperGroup
 
 try:  # typer >= 0.22 carries its own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from typer._click.globals import get_current_context
 except ImportError:  # pragma: no cover - older typer on top of click
+    from click import get_current_context  # type: ignore[no-redef]
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore
 
 from persisting.cli.output import stderr
@@ -93,11 +96,53 @@ app = typer.Typer(
     # Locals in a traceback could show a passphrase; a bug's traceback is enough without.
     pretty_exceptions_show_locals=False,
 )
+#: Distributions whose versions ``--version`` reports (what a bug report needs).
+VERSIONED = ("pulsing", "pylance", "pyarrow", "torch", "lmcache")
+
+
+def versions() -> str:
+    """``persisting 0.1.0 (python 3.11.9; pulsing 0.1.2, pylance 14.0.2, ...)``, read from
+    the installed metadata without importing anything heavy."""
+    from importlib import metadata
+    from platform import python_version
+
+    found = []
+    for name in VERSIONED:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    from persisting import __version__
+
+    return f"persisting {__version__} (python {python_version()}; {', '.join(found)})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(versions())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the versions of Persisting and what it runs on, and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Persisting: a tiered KV-cache store and a durable Lance queue."""
+
+
 bench_app = typer.Typer(
     help="Trace-replay benchmark: generate a trace, replay it against a store, report.",
     no_args_is_help=True,
 )
-app.add_typer(bench_app, name="bench")
+app.add_typer(bench_app, name="bench", rich_help_panel="Planning")
 
 
 def command(group: typer.Typer, name: str | None = None, **kwargs: Any) -> Callable[[F], F]:
@@ -110,12 +155,34 @@ def command(group: typer.Typer, name: str | None = None, **kwargs: Any) -> Calla
                 return fn(*args, **kw)
             except PersistingError as exc:
                 code = EXIT_BAD_INPUT if isinstance(exc, ValueError) else EXIT_FAILED
-                fail(str(exc), code)
+                fail(flag_names(str(exc), exc.fields, click_context()), code)
 
         group.command(name, **kwargs)(run)
         return fn
 
     return register
+
+
+def click_context() -> Any:
+    """The running command's context (its parameters name the flags), or None."""
+    return get_current_context(silent=True)
+
+
+def flag_names(message: str, fields: tuple[str, ...], ctx: Any) -> str:
+    """``message`` with each input it names (``fields``, Python names) shown as the flag
+    the user typed: ``tp=3 does not split kv_heads=8`` -> ``--tp=3 does not split
+    --kv-heads=8``. Names with no flag of that command are left as they are."""
+    flags = {}
+    for param in getattr(getattr(ctx, "command", None), "params", []):
+        opts = [o for o in param.opts if o.startswith("--")]
+        if param.name and opts:
+            flags[param.name] = opts[0]
+        for opt in getattr(param, "secondary_opts", []):  # --no-mla of --mla/--no-mla
+            flags[opt.removeprefix("--").replace("-", "_")] = opt
+    for field in sorted(fields, key=len, reverse=True):
+        if field in flags:
+            message = re.sub(rf"(?<![\w-]){re.escape(field)}(?![\w-])", flags[field], message)
+    return message
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,10 +207,12 @@ StoragePathOption = Annotated[
 ]
 
 
-def load_settings(config: Path | None) -> PersistingSettings:
+def load_settings(config: Path | None, **overrides: Any) -> PersistingSettings:
+    """Settings from ``--config`` (else PERSISTING_CONFIG), the environment and the flags
+    given as ``overrides``; a mistake in any is a ConfigError."""
     from persisting.config import PersistingSettings
 
-    return PersistingSettings.load(config)
+    return PersistingSettings.load(config, **overrides)
 
 
 def main() -> None:

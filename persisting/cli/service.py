@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -23,7 +25,10 @@ from persisting.cli.app import (
     fail,
     load_settings,
 )
+from persisting.cli.checks import free_port, listen_address, storage_folder, writable_root
 from persisting.cli.output import emit, to_jsonable
+from persisting.config import socket_address
+from persisting.errors import ConfigError, ServiceUnavailableError
 
 if TYPE_CHECKING:
     from persisting.config import PersistingSettings
@@ -34,34 +39,88 @@ ModelsOption = Annotated[
 ]
 
 
-def _service_settings(
+def service_settings(
     config: Path | None,
     storage_path: Path | None,
-    models: list[str] | None,
-    metrics_port: int | None = None,
-    passphrase: str | None = None,
+    models: list[str] | None = None,
+    **service: Any,
 ) -> PersistingSettings:
-    settings = load_settings(config)
-    update: dict[str, Any] = {}
+    """The settings with the command's flags applied over TOML, environment and defaults
+    (``service`` holds the ``[service]`` flags that were given; None means not given)."""
+    overrides: dict[str, Any] = {}
     if storage_path is not None:
-        update["storage_path"] = storage_path
+        overrides["storage_path"] = storage_path
     if models:
-        update["models"] = list(models)
-    service = settings.service.model_copy(
-        update={
-            k: v
-            for k, v in (("metrics_port", metrics_port), ("passphrase", passphrase))
-            if v is not None
-        }
-    )
-    return settings.model_copy(update={**update, "service": service})
+        overrides["models"] = list(models)
+    given = {k: v for k, v in service.items() if v is not None}
+    if given:
+        overrides["service"] = given
+    return load_settings(config, **overrides)
 
 
-@command(app, "serve")
+def check_serving(settings: PersistingSettings, given: dict[str, Any]) -> None:
+    """Everything ``serve`` can find wrong before it opens a store: the storage root, the
+    models, the address and the metrics port, each named by the flag the user typed (or the
+    setting it came from). ``given`` holds the flags given on the command line."""
+    storage_folder(settings.storage_path, named(given, "storage_path"))
+    if not settings.models:
+        raise ConfigError("no models to serve: pass --model (or set PERSISTING_MODELS)")
+    service = settings.service
+    host, _port = listen_address(service.addr, named(given, "addr"))
+    for seed in service.seeds:
+        socket_address(seed, named(given, "seeds"))
+    if service.metrics_port is not None:
+        free_port(host, service.metrics_port, named(given, "metrics_port"))
+
+
+#: The flag of each setting a service command can take.
+FLAGS = {
+    "storage_path": "--storage-path",
+    "addr": "--addr",
+    "seeds": "--seed",
+    "metrics_port": "--metrics-port",
+}
+
+
+def named(given: dict[str, Any], name: str) -> str:
+    """How to name setting ``name`` in a message: its flag if the user typed it, else the
+    setting (which came from the TOML file, the environment or the defaults)."""
+    if given.get(name) is not None:
+        return FLAGS[name]
+    return f"setting {'' if name == 'storage_path' else 'service.'}{name}"
+
+
+@contextmanager
+def pulsing_errors(settings: PersistingSettings) -> Iterator[None]:
+    """Pulsing's own errors (``__PULSING_ERROR__:{json}``) as one-line Persisting errors."""
+    try:
+        yield
+    except (RuntimeError, ValueError) as exc:
+        text = str(exc)
+        if _PULSING_MARK not in text and "socket address" not in text:
+            raise
+        detail = text.partition(_PULSING_MARK)[2]
+        try:
+            message = str(json.loads(detail).get("message", detail)) if detail else text
+        except ValueError:
+            message = detail
+        if "in use" in message:
+            raise ConfigError(
+                f"{settings.service.addr}: the port is already in use (another server?)"
+            ) from None
+        if "socket address" in message:
+            raise ConfigError(f"{settings.service.addr}: not an IP:PORT address") from None
+        raise ServiceUnavailableError(f"Pulsing: {message}") from None
+
+
+_PULSING_MARK = "__PULSING_ERROR__:"
+
+
+@command(app, "serve", rich_help_panel="Service")
 def serve(
     storage_path: StoragePathOption = None,
     model: ModelsOption = None,
-    addr: Annotated[str | None, typer.Option(help="host:port to listen on.")] = None,
+    addr: Annotated[str | None, typer.Option(help="IP:PORT to listen on.")] = None,
     seeds: Annotated[
         list[str] | None, typer.Option("--seed", help="A cluster member to join (repeatable).")
     ] = None,
@@ -84,11 +143,18 @@ def serve(
     """Serve the KV store as a Pulsing actor until Ctrl-C (embedded storage root by default)."""
     from actors.launch import serve as serve_forever
 
-    settings = _service_settings(config, storage_path, model, metrics_port, passphrase)
-    serve_forever(settings, addr=addr, seeds=seeds or None, name=name, consume_events=not no_events)
+    flags = {"addr": addr, "seeds": seeds or None, "name": name, "metrics_port": metrics_port}
+    for address in [addr] if addr else []:
+        socket_address(address, "--addr")
+    for seed in seeds or []:
+        socket_address(seed, "--seed")
+    settings = service_settings(config, storage_path, model, **flags, passphrase=passphrase)
+    check_serving(settings, {**flags, "storage_path": storage_path})
+    with pulsing_errors(settings):
+        serve_forever(settings, consume_events=not no_events)
 
 
-@command(app, "demo")
+@command(app, "demo", rich_help_panel="Service")
 def demo(
     storage_path: StoragePathOption = None,
     model: ModelsOption = None,
@@ -102,8 +168,13 @@ def demo(
 
     from actors.launch import run_demo
 
-    settings = _service_settings(config, storage_path, model)
-    report = run_demo(settings, chunks=chunks)
+    settings = service_settings(config, storage_path, model)
+    storage_folder(
+        settings.storage_path,
+        named({"storage_path": storage_path}, "storage_path"),
+    )
+    with pulsing_errors(settings):
+        report = run_demo(settings, chunks=chunks)
     emit(report, json_out, lambda console: render_demo(console, report))
     sys.stdout.flush()
     os._exit(0 if report.get("bit_exact") else EXIT_FAILED)  # Pulsing may crash at exit
@@ -118,7 +189,7 @@ def render_demo(console: Console, report: dict[str, Any]) -> None:
     console.print(table)
 
 
-@command(app, "prewarm")
+@command(app, "prewarm", rich_help_panel="Service")
 def prewarm(
     model: Annotated[str, typer.Argument(help="Model namespace of the keys.")],
     keys: Annotated[
@@ -147,7 +218,8 @@ def prewarm(
 
     if bool(keys) == (tokens_file is not None):
         fail("give --key (one or more) or --tokens, not both and not neither", EXIT_BAD_INPUT)
-    settings = _service_settings(config, storage_path, None)
+    settings = service_settings(config, storage_path)
+    writable_root(settings.storage_path, "publishing an event appends to its queue")
     tokens = None
     if tokens_file is not None:
         text = tokens_file.read_text().strip()

@@ -22,6 +22,7 @@ from persisting.cli.app import (
     fail,
     load_settings,
 )
+from persisting.cli.checks import writable_root
 from persisting.cli.output import count, emit, human_bytes, human_ms, progress_bar
 
 if TYPE_CHECKING:
@@ -30,14 +31,21 @@ if TYPE_CHECKING:
     from persisting.lance_store import StorageRoot
 
 
-def open_storage_root(storage_path: Path | None, config: Path | None) -> StorageRoot:
-    """The root named by ``--storage-path``, else by the settings; it must exist."""
+def open_storage_root(
+    storage_path: Path | None, config: Path | None, writes: str | None = None
+) -> StorageRoot:
+    """The root named by ``--storage-path``, else by the settings; it must exist, and be
+    writable by this user when the command ``writes`` (the reason, for the message)."""
     from persisting.admin import open_root
 
-    return open_root(storage_path or load_settings(config).storage_path)
+    path = storage_path or load_settings(config).storage_path
+    flag = "--storage-path" if storage_path is not None else "setting storage_path"
+    if writes is not None:
+        writable_root(path, writes, flag)
+    return open_root(path)
 
 
-@command(app, "inspect")
+@command(app, "inspect", rich_help_panel="Storage root")
 def inspect(
     storage_path: StoragePathOption = None,
     config: ConfigOption = None,
@@ -122,7 +130,7 @@ def render_lags(console: Console, lags: list[ConsumerLag]) -> None:
     console.print(table)
 
 
-@command(app, "drop")
+@command(app, "drop", rich_help_panel="Storage root")
 def drop(
     model: Annotated[str, typer.Argument(help="Model namespace to remove, e.g. org/model.")],
     yes: Annotated[
@@ -138,7 +146,7 @@ def drop(
     """
     from persisting.admin import drop_model, inspect_model
 
-    store = open_storage_root(storage_path, config)
+    store = open_storage_root(storage_path, config, writes="drop removes files")
     if not store.kv_path(model).exists():  # kv_path rejects path-unsafe names
         known = ", ".join(store.list_models()) or "none"
         fail(f"no model {model!r} under {store.root} (models: {known})")
@@ -163,7 +171,7 @@ def drop(
     emit(result, json_out, render)
 
 
-@command(app, "compact")
+@command(app, "compact", rich_help_panel="Storage root")
 def compact(
     models: Annotated[
         list[str] | None,
@@ -187,7 +195,7 @@ def compact(
     """Compact KV metadata tables and queue buckets, then delete their old versions."""
     from persisting.admin import compact_dataset, compaction_targets
 
-    store = open_storage_root(storage_path, config)
+    store = open_storage_root(storage_path, config, writes="compact rewrites metadata")
     targets = compaction_targets(store, models or (), topic or ())
     results = []
     with progress_bar("compacting", len(targets)) as advance:
@@ -235,7 +243,7 @@ def render_compact(console: Console, results: list[CompactionResult]) -> None:
     )
 
 
-@command(app, "stats")
+@command(app, "stats", rich_help_panel="Storage root")
 def stats(
     storage_path: StoragePathOption = None,
     metrics_url: Annotated[
@@ -259,7 +267,8 @@ def stats(
         report = figures_from_scrape(scrape(metrics_url, timeout), metrics_url)
     else:
         settings = load_settings(config)
-        store = open_storage_root(storage_path or settings.storage_path, None)
+        why = "stats opens each model's store, which reconciles its index (inspect only reads)"
+        store = open_storage_root(storage_path or settings.storage_path, None, writes=why)
         with progress_bar("opening stores", len(store.list_models())) as advance:
             report = root_stats(store, settings, on_model=advance)
     emit(report.to_dict(), json_out, lambda console: render_stats(console, report))
