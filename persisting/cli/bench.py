@@ -1,4 +1,5 @@
-"""``persisting bench generate | replay``: synthetic traces and replays against a store."""
+"""``persisting bench generate | replay``: synthetic traces, replayed against a local store
+or a running server, with values the size of a real model's KV."""
 
 from __future__ import annotations
 
@@ -8,18 +9,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from persisting.cli.app import ConfigOption, JsonFlag, bench_app, command, fail, load_settings
+from persisting.cli.checks import module_for, output_file, storage_folder
 from persisting.cli.output import emit, human_bytes, human_ms, human_rate, progress_bar
+from persisting.config import parse_bytes, socket_address
+from persisting.errors import ConfigError
 
 if TYPE_CHECKING:
-    from persisting.bench.replay import ReplayResult
+    from persisting.bench.replay import ReplayOptions, ReplayResult
     from persisting.bench.report import ReplayReport
+    from persisting.config import PersistingSettings
+
+#: The model a generated trace is for, and whose KV size a replay's values take.
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B"
 
 
 @command(bench_app, "generate")
@@ -28,21 +37,28 @@ def bench_generate(
     requests: Annotated[int, typer.Option(help="Requests in the trace.")] = 200,
     rate: Annotated[float, typer.Option(help="Arrival rate, requests/s.")] = 20.0,
     arrival: Annotated[str, typer.Option(help="Arrival process: poisson or uniform.")] = "poisson",
-    documents: Annotated[int, typer.Option(help="Distinct shared document prefixes.")] = 50,
+    documents: Annotated[int, typer.Option(help="Distinct shared document prefixes.")] = 20,
     zipf_s: Annotated[float, typer.Option(help="Zipf exponent of document popularity.")] = 1.0,
-    doc_tokens: Annotated[int, typer.Option(help="Tokens per document prefix.")] = 2048,
-    suffix_tokens: Annotated[int, typer.Option(help="Unique tokens per request.")] = 256,
+    doc_tokens: Annotated[int, typer.Option(help="Tokens per document prefix.")] = 1024,
+    suffix_tokens: Annotated[
+        int,
+        typer.Option(help="Unique tokens per request (under a chunk: never stored)."),
+    ] = 128,
     system_tokens: Annotated[int, typer.Option(help="System prompt shared by all.")] = 0,
     seed: Annotated[int, typer.Option(help="Random seed (same seed, same trace).")] = 0,
-    model: Annotated[str, typer.Option(help="Model namespace to replay into.")] = (
-        "bench/synthetic"
-    ),
+    model: Annotated[
+        str,
+        typer.Option(
+            help="Model namespace to replay into; a known model also sets the replay's KV size."
+        ),
+    ] = DEFAULT_MODEL,
     vocab_size: Annotated[int, typer.Option(help="Token ids are drawn below this.")] = 32000,
     json_out: JsonFlag = False,
 ) -> None:
     """Write a synthetic trace: Zipf-popular shared documents plus unique suffixes."""
     from persisting.bench.trace import TraceSpec, generate_trace, write_trace
 
+    output_file(out, "OUT")
     spec = TraceSpec(
         requests=requests,
         rate=rate,
@@ -86,77 +102,108 @@ def bench_replay(
     trace_file: Annotated[
         Path, typer.Argument(help="JSONL trace to replay.", exists=True, dir_okay=False)
     ],
+    server: Annotated[
+        str | None,
+        typer.Option(help="Replay against a running server at IP:PORT instead of a local store."),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="The server's actor name (default: settings).")
+    ] = None,
     storage_path: Annotated[
         Path | None,
-        typer.Option(help="Storage root to use and keep (default: a temporary one, removed)."),
+        typer.Option(help="Local store's root, kept (default: a temporary one, removed)."),
     ] = None,
     model: Annotated[
         str | None, typer.Option(help="Model namespace (default: the trace's).")
     ] = None,
+    kv_model: Annotated[
+        str | None,
+        typer.Option(
+            help="Model whose KV size the values take, e.g. llama-3.1-8b (default: the "
+            "trace's model when it is a known one)."
+        ),
+    ] = None,
+    bytes_per_token: Annotated[
+        int | None, typer.Option(help="KV bytes per token of the values, instead of --kv-model.")
+    ] = None,
+    layers: Annotated[
+        int | None, typer.Option(help="Layers of the values (with --bytes-per-token).")
+    ] = None,
     memory_bytes: Annotated[
-        int | None, typer.Option(help="Memory tier budget in bytes (default: settings).")
+        str | None, typer.Option(help="Local memory tier budget, e.g. 8GiB (default: settings).")
     ] = None,
     disk_bytes: Annotated[
-        int | None, typer.Option(help="Disk tier budget in bytes (default: settings).")
+        str | None, typer.Option(help="Local disk tier budget, e.g. 64GiB (default: settings).")
     ] = None,
     durability: Annotated[
         str | None,
-        typer.Option(help="Put completion: sync, async or write_back (default: settings)."),
+        typer.Option(help="Local put completion: sync, async or write_back (default: settings)."),
     ] = None,
     chunk_size: Annotated[
         int | None, typer.Option(help="Tokens per chunk (default: settings).")
     ] = None,
-    bytes_per_token: Annotated[
-        int, typer.Option(help="KV bytes per token of the bench values (small = fast).")
-    ] = 1024,
-    layers: Annotated[int, typer.Option(help="Layers of the bench values.")] = 1,
     realtime: Annotated[
         bool, typer.Option(help="Pace requests at trace times instead of back to back.")
     ] = False,
     verify: Annotated[bool, typer.Option(help="Check every loaded chunk's contents.")] = True,
     plot: Annotated[
-        Path | None, typer.Option(help="Write a PNG: latency CDF and hit rate over time.")
+        Path | None,
+        typer.Option(help="Write a PNG: latency CDF, hits by tier over time, best achievable."),
     ] = None,
     config: ConfigOption = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Replay a trace against a local store; report hit rates, bytes and p50/p95/p99."""
-    from persisting.bench.replay import ReplayOptions, replay
+    """Replay a trace against a local store (or --server); report hit rates by tier, the
+    best achievable hit rate, bytes and p50/p95/p99."""
+    from persisting.bench.replay import replay
     from persisting.bench.report import summarize
-    from persisting.bench.targets import open_local_target
     from persisting.bench.trace import read_trace
 
+    if plot is not None:  # checked before the work, not after it
+        output_file(plot, "--plot")
+        module_for("--plot", "matplotlib", "pip install matplotlib")
+    local_flags = {
+        "--storage-path": storage_path,
+        "--memory-bytes": memory_bytes,
+        "--disk-bytes": disk_bytes,
+        "--durability": durability,
+    }
+    if server is not None:
+        socket_address(server, "--server")
+        given = [flag for flag, value in local_flags.items() if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} set a local store: not with --server")
+    elif storage_path is not None:
+        storage_folder(storage_path)
+    sizes = {
+        "memory_bytes": _size(memory_bytes, "--memory-bytes"),
+        "disk_bytes": _size(disk_bytes, "--disk-bytes"),
+    }
     settings = load_settings(config)
     trace = read_trace(trace_file)
     if model:
         trace = replace(trace, header=replace(trace.header, model=model))
-    options = ReplayOptions(
+    options = _values(
+        kv_model or (None if bytes_per_token else trace.header.model),
+        bytes_per_token,
+        layers,
         chunk_size=chunk_size or settings.kv.chunk_size,
-        bytes_per_token=bytes_per_token,
-        layers=layers,
         realtime=realtime,
         verify=verify,
     )
-    with _storage_root(storage_path) as root:
-        target = open_local_target(
-            root,
-            trace.header.model,
-            settings=settings,
-            memory_bytes=memory_bytes,
-            disk_bytes=disk_bytes,
-            durability=durability,
+    opened = _target(server, name, storage_path, trace.header.model, settings, sizes, durability)
+    with (
+        opened as (target, label, tier_hits),
+        progress_bar("replaying", len(trace.requests)) as advance,
+    ):
+        result = replay(
+            trace,
+            target,
+            options,
+            target_name=label,
+            on_request=lambda _record: advance(),
+            tier_hits=tier_hits,
         )
-        try:
-            with progress_bar("replaying", len(trace.requests)) as advance:
-                result = replay(
-                    trace,
-                    target,
-                    options,
-                    target_name=f"local store at {root}" if storage_path else "local store",
-                    on_request=lambda _record: advance(),
-                )
-        finally:
-            target.close()
     report = summarize(result)
     if plot is not None:
         from persisting.bench.plot import write_plot
@@ -166,6 +213,71 @@ def bench_replay(
     emit(data, json_out, lambda console: render_replay(console, report, result, plot))
     if report.mismatches:
         fail(f"{report.mismatches} loaded chunk(s) did not match what was stored")
+
+
+def _size(value: str | None, flag: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(parse_bytes(value))
+    except ValueError:
+        raise ConfigError(f"{flag} must be a size such as 8GiB or 512MB, got {value!r}") from None
+
+
+def _values(
+    kv_model: str | None, bytes_per_token: int | None, layers: int | None, **options: Any
+) -> ReplayOptions:
+    """Replay options whose values weigh a model's KV (``--kv-model``), or a given size."""
+    from persisting.bench.replay import ReplayOptions
+
+    if bytes_per_token is not None:
+        if kv_model is not None:
+            raise ConfigError("give --kv-model or --bytes-per-token, not both")
+        return ReplayOptions(bytes_per_token=bytes_per_token, layers=layers or 1, **options)
+    if layers is not None:
+        raise ConfigError("--layers goes with --bytes-per-token")
+    assert kv_model is not None
+    try:
+        return ReplayOptions.for_model(kv_model, **options)
+    except ConfigError:
+        raise ConfigError(
+            f"no known KV size for {kv_model!r}: give --kv-model (e.g. llama-3.1-8b, "
+            "qwen2.5-7b, deepseek-v3; see persisting plan --help) or --bytes-per-token"
+        ) from None
+
+
+@contextmanager
+def _target(
+    server: str | None,
+    name: str | None,
+    storage_path: Path | None,
+    model: str,
+    settings: PersistingSettings,
+    sizes: dict[str, int | None],
+    durability: str | None,
+) -> Iterator[tuple[Any, str, Any]]:
+    """``(target, its name for reports, its tier-hit reader)``, closed afterwards."""
+    from persisting.bench.targets import (
+        client_tier_hits,
+        open_local_target,
+        open_server_target,
+        store_tier_hits,
+    )
+
+    if server is not None:
+        client = open_server_target(server, model, settings, name)
+        try:
+            yield client, f"server {server}", client_tier_hits(client)
+        finally:
+            client.close()
+        return
+    with _storage_root(storage_path) as root:
+        store = open_local_target(root, model, settings=settings, durability=durability, **sizes)
+        try:
+            label = f"local store at {root}" if storage_path else "local store"
+            yield store, label, store_tier_hits(store)
+        finally:
+            store.close()
 
 
 @contextmanager
@@ -184,17 +296,24 @@ def _storage_root(path: Path | None) -> Iterator[Path]:
 def render_replay(
     console: Console, report: ReplayReport, result: ReplayResult, plot: Path | None
 ) -> None:
+    from persisting.bench.plot import values_caption
+
     console.print(
-        f"Replayed {report.requests:,} requests into {report.model} on {report.target} in "
-        f"{report.wall_s:.2f} s ({report.requests_per_s:,.1f} req/s).",
+        f"Replayed {report.requests:,} requests into {escape(report.model)} on "
+        f"{escape(report.target)} in {report.wall_s:.2f} s ({report.requests_per_s:,.1f} req/s).",
         highlight=False,
     )
     summary = Table(title="Hits and bytes", title_justify="left")
     summary.add_column("Figure")
     summary.add_column("Value", justify="right")
+    summary.add_row("values", escape(values_caption(result)))
     summary.add_row("token hit rate", f"{report.token_hit_rate:.1%}")
+    summary.add_row("best achievable (cold, unbounded cache)", f"{report.best_token_hit_rate:.1%}")
     summary.add_row("hit tokens", f"{report.hit_tokens:,} of {report.tokens:,}")
     summary.add_row("chunk hit rate", f"{report.chunk_hit_rate:.1%}")
+    if report.memory_hit_chunks is not None:
+        summary.add_row("hit chunks from memory", f"{report.memory_hit_chunks:,}")
+        summary.add_row("hit chunks from disk", f"{report.disk_hit_chunks:,}")
     summary.add_row("requests with a hit", f"{report.requests_with_hits:,}")
     summary.add_row("bytes read", human_bytes(report.bytes_read))
     summary.add_row("bytes written", human_bytes(report.bytes_written))
@@ -217,4 +336,4 @@ def render_replay(
         )
     console.print(latency)
     if plot is not None:
-        console.print(f"Plot written to {plot}", highlight=False)
+        console.print(f"Plot written to {escape(str(plot))}", highlight=False)
