@@ -52,6 +52,7 @@ else:  # pragma: no cover - pydantic-settings reads TOML with tomli there too
 GiB = 1 << 30
 MiB = 1 << 20
 
+
 def parse_bytes(value: Any) -> Any:
     """A size with a unit (``"8GiB"``, ``"512MB"``, ``"16 MiB"``) as a plain ``int`` of
     bytes (pydantic's ByteSize does the parsing); ints and other values pass through."""

@@ -138,7 +138,7 @@ def figures_from_scrape(text: str, source: str) -> StatsReport:
     except (ValueError, TypeError, IndexError) as exc:
         raise ProtocolError(f"{source} did not return Prometheus text: {exc}") from exc
     names = {s.name for s in samples}
-    ours = {f.sample_name for f in STORE_FIGURES} | {QUEUE_LAG_METRIC}
+    ours = {f.sample_name for f in STORE_FIGURES} | {QUEUE_LAG_METRIC, f"{LATENCY_METRIC}_count"}
     if not names & ours:
         raise ProtocolError(f"{source} exports no Persisting metrics")
 

@@ -8,6 +8,7 @@ and also decimal for rates (``17.50 GB/s``), because NIC and disk specs are deci
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
@@ -90,7 +91,14 @@ def human_rate(n: float) -> str:
 
 
 def human_ms(ms: float | None) -> str:
-    return "-" if ms is None else f"{ms:,.3f}"
+    """Milliseconds to three significant digits (``0.000312``, ``0.0375``, ``40.8``,
+    ``1,577``): a fixed number of decimals shows a sub-microsecond mean as ``0.000``."""
+    if ms is None:
+        return "-"
+    if ms == 0 or not math.isfinite(ms):
+        return f"{ms:g}"
+    decimals = max(0, 2 - math.floor(math.log10(abs(ms))))
+    return f"{ms:,.{decimals}f}"
 
 
 def count(value: int | None) -> str:
