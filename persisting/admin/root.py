@@ -13,8 +13,11 @@ _DATASET_ERRORS = (PersistingError, OSError, ValueError, RuntimeError)
 
 
 def open_root(path: str | Path) -> StorageRoot:
-    """The storage root at ``path``; a path that does not exist is a ConfigError."""
+    """The storage root at ``path``; a path that does not exist (or is a file) is a
+    ConfigError."""
     store = StorageRoot(path)
+    if store.root.exists() and not store.root.is_dir():
+        raise ConfigError(f"{store.root} is a file, not a storage root")
     if not store.root.is_dir():
         raise ConfigError(
             f"no storage root at {store.root} (check --storage-path or PERSISTING_STORAGE_PATH)"

@@ -159,9 +159,9 @@ def find_preset(name: str) -> ModelPreset:
         if key in (preset.name, preset.hf_id.lower(), preset.hf_id.lower().split("/")[-1]):
             return preset
     raise ConfigError(
-        f"no model preset {name!r}; known: {', '.join(MODEL_PRESETS)} "
-        "(or give --layers/--kv-heads/--head-dim, or --bytes-per-token)"
-    ).about("model")
+        f"unknown model {name!r}; presets: {', '.join(MODEL_PRESETS)} (or give the shape: "
+        "layers, kv_heads, head_dim; or bytes_per_token)"
+    ).about("model", "layers", "kv_heads", "head_dim", "bytes_per_token")
 
 
 def find_gpu(name: str) -> GpuPreset:
@@ -169,8 +169,8 @@ def find_gpu(name: str) -> GpuPreset:
     if key not in GPU_PRESETS:
         known = ", ".join(GPU_PRESETS)
         raise ConfigError(
-            f"no GPU preset {name!r}; known: {known} (or give --prefill-tokens-per-s)"
-        ).about("gpu")
+            f"unknown gpu {name!r}; presets: {known} (or give prefill_tokens_per_s measured)"
+        ).about("gpu", "prefill_tokens_per_s")
     return GPU_PRESETS[key]
 
 

@@ -210,7 +210,7 @@ def test_dtype_names() -> None:
         ({"disk_read": "-3GB/s"}, "disk_read must be"),
         ({"mfu": 2}, "mfu must be in (0, 1]"),
         ({"gpu": "h200"}, "gpu estimates the prefill rate of a model preset"),
-        ({"gpu": "tpu9"}, "no GPU preset 'tpu9'"),
+        ({"gpu": "tpu9"}, "unknown gpu 'tpu9'"),
     ],
 )
 def test_impossible_inputs_are_config_errors(change: dict, message: str) -> None:
@@ -290,7 +290,7 @@ PRESET_BYTES_PER_TOKEN = {
 def test_every_preset_weighs_what_its_shape_says() -> None:
     from persisting.planner import MODEL_PRESETS
 
-    with pytest.raises(ConfigError, match="no model preset 'llama-9b'; known: llama-3-8b"):
+    with pytest.raises(ConfigError, match="unknown model 'llama-9b'; presets: llama-3-8b"):
         plan_capacity(model="llama-9b", prefix_tokens=256, prefixes=1)
     assert set(MODEL_PRESETS) == set(PRESET_BYTES_PER_TOKEN)
     for name, expected in PRESET_BYTES_PER_TOKEN.items():
