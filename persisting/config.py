@@ -9,7 +9,8 @@ Mistakes are refused, not ignored: a key no section has (``memory_byte``, a ``[s
 section, ``PERSISTING_KV__MEMORY_BYTE``) is a :class:`~persisting.errors.ConfigError`
 naming the key, where it came from and the closest valid one. Sizes take units anywhere
 (``8GiB``, ``512MB``, ``16MiB``, or plain bytes): ``GiB``/``MiB`` are powers of 2,
-``GB``/``MB`` powers of 10. :func:`sample_toml` writes every setting with its default.
+``GB``/``MB`` powers of 10. :mod:`persisting.config_sample` writes every setting with its
+default.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ def settings_file() -> str | None:
 # ---------------------------------------------------------------------------------------
 
 
-def _fields(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
+def setting_fields(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
     """``model``'s field names, each with its section model (None for a plain value)."""
     out: dict[str, type[BaseModel] | None] = {}
     for name, info in model.model_fields.items():
@@ -318,7 +319,7 @@ def _unknown(dotted: str, known: Mapping[str, Any], where: str, spell: Any = str
 def check_keys(data: Mapping[str, Any], where: str, model: type[BaseModel] | None = None) -> None:
     """ConfigError for the first key of ``data`` (a TOML document) no section has."""
     model = model or PersistingSettings
-    fields = _fields(model)
+    fields = setting_fields(model)
     for key, value in data.items():
         if key not in fields:
             raise ConfigError(_unknown(str(key), fields, where))
@@ -340,7 +341,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
     not exist, and a plain name that is one typo away from a setting
     (``PERSISTING_STORAGE_PAHT``). Other names are left alone (they may be another tool's).
     """
-    fields = _fields(PersistingSettings)
+    fields = setting_fields(PersistingSettings)
     for variable in environ:
         upper = variable.upper()
         if not upper.startswith(ENV_PREFIX) or upper in OTHER_VARIABLES:
@@ -401,7 +402,7 @@ def describe_errors(exc: ValidationError, arguments: Mapping[str, Any]) -> str:
 def _unknown_anywhere(loc: tuple[Any, ...]) -> str:
     model: type[BaseModel] = PersistingSettings
     for part in loc[:-1]:
-        section = _fields(model).get(str(part))
+        section = setting_fields(model).get(str(part))
         if section is None:
             break
         model = section
@@ -418,67 +419,12 @@ def _origin(loc: tuple[Any, ...], arguments: Mapping[str, Any]) -> str:
     return settings_file() or ""
 
 
-# ---------------------------------------------------------------------------------------
-# A sample settings file, written from the model
-# ---------------------------------------------------------------------------------------
-
-
-def _toml_value(value: Any, *, size: bool) -> str:
-    if size:
-        return json.dumps(size_text(int(value)))
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, Path):
-        return json.dumps(str(value))
-    return json.dumps(value)
-
-
 def size_text(n: int) -> str:
     """``2147483648`` -> ``2GiB``: the largest binary unit that divides ``n`` exactly."""
     for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
         if n and n % scale == 0:
             return f"{n // scale}{unit}"
     return f"{n}B"
-
-
-def _is_size(model: type[BaseModel], name: str) -> bool:
-    metadata = model.model_fields[name].metadata
-    return any(getattr(m, "func", None) is parse_bytes for m in metadata)
-
-
-def _doc_lines(text: str | None) -> list[str]:
-    return [f"# {' '.join(line.split())}" for line in (text or "").strip().splitlines() if line]
-
-
-def _model_lines(model: type[BaseModel], defaults: BaseModel) -> list[str]:
-    lines: list[str] = []
-    for name, info in model.model_fields.items():
-        if _fields(model)[name] is not None:
-            continue
-        lines.extend(_doc_lines(info.description))
-        value = getattr(defaults, name)
-        if value is None:
-            lines.append(f"# {name} =")
-        else:
-            lines.append(f"{name} = {_toml_value(value, size=_is_size(model, name))}")
-    return lines
-
-
-def sample_toml() -> str:
-    """A ``persisting.toml`` with every setting at its default, each with what it means."""
-    defaults = PersistingSettings.model_construct()
-    lines = [
-        "# Persisting settings: every setting with its default (persisting config sample).",
-        "# Environment variables override this file: PERSISTING_STORAGE_PATH,",
-        "# PERSISTING_KV__MEMORY_BYTES, ... Sizes take units: 8GiB, 512MB, 16MiB or bytes.",
-        "",
-        *_model_lines(PersistingSettings, defaults),
-    ]
-    for name, section in _fields(PersistingSettings).items():
-        if section is not None:
-            lines += ["", *_doc_lines(section.__doc__), f"[{name}]"]
-            lines += _model_lines(section, section())
-    return "\n".join(lines) + "\n"
 
 
 __all__ = [
@@ -494,7 +440,7 @@ __all__ = [
     "closest",
     "describe_errors",
     "parse_bytes",
-    "sample_toml",
+    "setting_fields",
     "settings_file",
     "size_text",
     "socket_address",

@@ -9,7 +9,8 @@ import pytest
 import tomllib
 
 from persisting import errors
-from persisting.config import PersistingSettings, sample_toml
+from persisting.config import PersistingSettings
+from persisting.config_sample import sample_toml
 from persisting.errors import ConfigError, PersistingError
 
 

@@ -249,6 +249,6 @@ def prewarm(
         json_out,
         lambda console: console.print(
             f"published {published} {result['op']} event(s) for {escape(model)} "
-            f"on topic {escape(result['topic'])}"
+            f"on topic {escape(str(result['topic']))}"
         ),
     )

@@ -25,7 +25,7 @@ HIDDEN = "<hidden>"
 @command(config_app, "sample")
 def sample() -> None:
     """Print a persisting.toml with every setting at its default, each explained."""
-    from persisting.config import sample_toml
+    from persisting.config_sample import sample_toml
 
     typer.echo(sample_toml(), nl=False)
 

@@ -181,7 +181,7 @@ def _budget(i: PlanInputs) -> CapacityPlan:
     logical_chunks = i.prefixes * chunks_per_prefix
     objects = logical_chunks * m.objects_per_chunk
     read_rate = rps * bytes_per_prefix
-    new_prefix_bytes = int(i.new_prefix_tokens) * m.stored_bytes_per_token  # type: ignore[call-overload]
+    new_prefix_bytes = int(i.new_prefix_tokens or 0) * m.stored_bytes_per_token
     write_rate = rps * Fraction(i.new_prefix_fraction) * new_prefix_bytes * i.replicas
     nic_usable = Fraction(i.nic_gbps) * 10**9 / 8 * Fraction(i.nic_efficiency)
     bytes_per_object = i.chunk_size * m.stored_bytes_per_token // m.objects_per_chunk
@@ -252,7 +252,7 @@ def _hardware(
         limits["disk reads"] = read_bw * nodes / (bytes_per_prefix * (1 - share))
     written_per_request = (
         Fraction(i.new_prefix_fraction)
-        * int(i.new_prefix_tokens)  # type: ignore[call-overload]
+        * int(i.new_prefix_tokens or 0)
         * i.shape.stored_bytes_per_token
         * i.replicas
     )

@@ -138,7 +138,7 @@ class PlanInputs:
             self.prefix_tokens if self.new_prefix_tokens is None else self.new_prefix_tokens
         )
         _non_negative_int(new_tokens, "new_prefix_tokens")
-        numbers = {
+        numbers: dict[str, Any] = {
             "rps": _at_least_zero(self.rps, "rps"),
             "fill": _in_range(self.fill, "fill", low_open=True),
             "new_prefix_fraction": _in_range(
@@ -252,9 +252,10 @@ def resolve_shape(i: PlanInputs) -> ModelShape:
             f"the model needs a preset (model), its shape (layers, kv_heads, head_dim; "
             f"missing {', '.join(missing)}) or bytes_per_token"
         ).about("model", *missing, "bytes_per_token")
+    assert i.layers is not None and i.head_dim is not None  # checked just above
     kv_heads = i.kv_heads if i.kv_heads is not None else 1
     if i.mla is None and (i.head_dim in (512, 576) or (kv_heads == 1 and i.head_dim > 256)):
-        latent = kv_bytes_per_token(i.layers, 1, i.head_dim, i.dtype or "bf16", mla=True)  # type: ignore[arg-type]
+        latent = kv_bytes_per_token(i.layers, 1, i.head_dim, i.dtype or "bf16", mla=True)
         raise ConfigError(
             f"head_dim={i.head_dim} with kv_heads={kv_heads} looks like an MLA latent, which "
             f"is stored once per token ({latent:,} bytes), not as K and V: pass mla, or "
@@ -266,7 +267,7 @@ def resolve_shape(i: PlanInputs) -> ModelShape:
         ).about("kv_heads", "mla")
     return _layout(
         i, None, None, i.layers, kv_heads, i.head_dim, i.dtype or "bf16", mla=bool(i.mla)
-    )  # type: ignore[arg-type]
+    )
 
 
 def _layout(
