@@ -86,15 +86,17 @@ class ReplayOptions:
 
     def validate(self) -> None:
         if self.chunk_size < 1:
-            raise InvalidValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+            raise InvalidValueError(f"chunk_size must be >= 1, got {self.chunk_size}").about(
+                "chunk_size"
+            )
         if self.layers < 1:
-            raise InvalidValueError(f"layers must be >= 1, got {self.layers}")
+            raise InvalidValueError(f"layers must be >= 1, got {self.layers}").about("layers")
         per_hidden = 2 * self.layers * 2  # K and V, layers, bfloat16 bytes
         if self.bytes_per_token < per_hidden or self.bytes_per_token % per_hidden:
             raise InvalidValueError(
                 f"bytes_per_token must be a positive multiple of {per_hidden} "
                 f"(2 x layers x 2 bytes), got {self.bytes_per_token}"
-            )
+            ).about("bytes_per_token", "layers")
 
     @property
     def hidden(self) -> int:
