@@ -32,6 +32,7 @@ def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_replay_against_a_running_server_splits_hits_by_tier(tmp_path: Path) -> None:
     root, trace = tmp_path / "root", tmp_path / "trace.jsonl"

@@ -174,6 +174,7 @@ def listener() -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_serve_mistakes_are_one_line(work: Path) -> None:
     root = str(work / "root")
@@ -197,6 +198,7 @@ def test_serve_mistakes_are_one_line(work: Path) -> None:
         one_line_error(demo.stderr, demo.stdout, "is a file, not a folder")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pulsings_own_port_error_becomes_one_line(work: Path) -> None:
     """A port taken between the check and the bind (a race) is Pulsing's error: the
