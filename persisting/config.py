@@ -31,6 +31,10 @@ KVDurability = Literal["sync", "async", "write_back"]
 #: Earlier names of durability modes, still accepted.
 DURABILITY_ALIASES = {"evict": "write_back"}
 QueueDurability = Literal["wal", "flush"]
+#: Who may read the files under the storage root: ``owner`` (directories 0700, files 0600)
+#: or ``group`` (0750/0640: the owner's group may read payloads, e.g. same-host readers
+#: running as another user of that group). Lock and counter files stay 0600 either way.
+StorageAccess = Literal["owner", "group"]
 
 
 class KVSettings(BaseModel):
@@ -97,6 +101,7 @@ class PersistingSettings(BaseSettings):
     )
 
     storage_path: Path = Path("./persisting-data")
+    storage_access: StorageAccess = "owner"
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     kv: KVSettings = Field(default_factory=KVSettings)
     queue: QueueSettings = Field(default_factory=QueueSettings)
@@ -157,4 +162,5 @@ __all__ = [
     "PersistingSettings",
     "QueueSettings",
     "ServiceSettings",
+    "StorageAccess",
 ]

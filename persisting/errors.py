@@ -99,6 +99,12 @@ class AccessDeniedError(PersistingError):
     code = "access_denied"
 
 
+class NamespaceInUseError(PersistingError):
+    """A namespace that cannot be dropped because a live store (a server) holds it open."""
+
+    code = "namespace_in_use"
+
+
 class ServiceUnavailableError(PersistingError):
     """No live server could be reached for a request."""
 
@@ -130,6 +136,7 @@ __all__ = [
     "InvalidNameError",
     "InvalidValueError",
     "LayoutMismatchError",
+    "NamespaceInUseError",
     "OffsetTrimmedError",
     "PersistingError",
     "ProtocolError",
