@@ -16,7 +16,7 @@ from functools import lru_cache
 import numpy as np
 import xxhash
 
-from persisting.errors import InvalidKeyError
+from persisting.errors import InvalidKeyError, InvalidValueError
 
 #: dtype names exactly as LMCache writes them into keys.
 KEY_DTYPES = frozenset(
@@ -230,6 +230,31 @@ def _checked(text: str) -> str:
     return text
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
+def token_ids(tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a flat little-endian int64 array; anything that is not a sequence of
+    integer ids fitting 64 bits (text, floats, huge numbers) is an InvalidValueError."""
+    if isinstance(tokens, str | bytes | bytearray):
+        raise InvalidValueError("tokens must be integer token ids, not text")
+    try:
+        ids = np.asarray(tokens)
+        if ids.dtype == object and ids.ndim == 0:  # an iterator or generator
+            ids = np.asarray(list(tokens))
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise InvalidValueError(f"tokens must be integer token ids: {exc}") from exc
+    if ids.size == 0:
+        return np.empty(0, dtype="<i8")
+    if ids.dtype.kind not in "iu":
+        raise InvalidValueError(
+            f"tokens must be integer token ids that fit 64 bits, not {ids.dtype}"
+        )
+    if ids.dtype.kind == "u" and int(ids.max()) > _INT64_MAX:
+        raise InvalidValueError("token ids must fit a signed 64-bit integer")
+    return np.ascontiguousarray(ids.reshape(-1), dtype="<i8")
+
+
 class TokenHasher:
     """Chunked, prefix-chained, process-independent hashing of token ids into ChunkKeys.
 
@@ -263,7 +288,7 @@ class TokenHasher:
 
     def chunk_hashes(self, tokens: Iterable[int] | np.ndarray) -> list[tuple[int, int, int]]:
         """``(start, end, hash)`` per chunk; the last partial chunk only if saving it."""
-        ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1)).astype("<i8")
+        ids = token_ids(tokens)
         total = int(ids.shape[0])
         full_end = total - total % self.chunk_size
         end_limit = total if self.save_unfull_chunk else full_end
