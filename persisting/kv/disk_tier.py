@@ -268,13 +268,12 @@ class DiskTier:
         (see :class:`WriteItem`) is not stored.
         """
         with self._lock:
-            todo = [
-                it
-                for it in items
-                if not it.cancelled and it.key not in self.index and it.key not in self._writing
-            ]
-            seen: set[str] = set()
-            todo = [it for it in todo if not (it.key in seen or seen.add(it.key))]
+            first_of_key: dict[str, WriteItem] = {}
+            for it in items:
+                if it.cancelled or it.key in self.index or it.key in self._writing:
+                    continue
+                first_of_key.setdefault(it.key, it)
+            todo = list(first_of_key.values())
             for it in todo:
                 if file_size(it.layout.nbytes) > self.capacity:
                     raise CapacityError(

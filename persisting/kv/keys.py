@@ -196,17 +196,17 @@ def parse_key(text: object) -> ChunkKey:
         if not sep:
             raise InvalidKeyError(f"bad tag {item!r} in key {text!r}")
         tags.append((name, value))
-    fields = dict(
-        model=model,
-        world_size=_parse_int(world, 10, "world size", text),
-        worker_id=_parse_int(worker, 10, "worker id", text),
-        chunk_hash=_parse_int(chunk_hash, 16, "chunk hash", text),
-        dtype=dtype,
-        tags=tuple(tags),
+    key_fields = (
+        model,
+        _parse_int(world, 10, "world size", text),
+        _parse_int(worker, 10, "worker id", text),
+        _parse_int(chunk_hash, 16, "chunk hash", text),
+        dtype,
+        tuple(tags),
     )
     if layer_id is not None:
-        return LayerChunkKey(**fields, layer_id=layer_id)
-    return ChunkKey(**fields)
+        return LayerChunkKey(*key_fields, layer_id=layer_id)
+    return ChunkKey(*key_fields)
 
 
 def key_string(key: object) -> str:

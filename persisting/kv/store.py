@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -258,7 +258,7 @@ class KVStore:
         if not keys:
             return 0
         per_rank = isinstance(keys[0], list | tuple)
-        ranks: list[Sequence[KeyLike]] = list(keys) if per_rank else [keys]  # type: ignore[list-item]
+        ranks = cast("list[Sequence[KeyLike]]", list(keys) if per_rank else [keys])
         length = min(len(r) for r in ranks)
         hits = 0
         with self._tiers.lock:

@@ -43,7 +43,7 @@ class NamespaceHold:
         return self._fd >= 0
 
 
-def hold_namespace(directory: Path, make_dir: Callable[[], None]) -> NamespaceHold:
+def hold_namespace(directory: Path, make_dir: Callable[[], object]) -> NamespaceHold:
     """Take the shared lock of ``directory``, (re)creating it with ``make_dir`` as needed."""
     while True:
         make_dir()

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import lance
 import pyarrow as pa
@@ -23,12 +23,12 @@ from persisting.lance_store.access import OWNER_ONLY, FileModes, restrict
 from persisting.lance_store.durable import fsync_dir, fsync_file, makedirs_durable
 
 #: Lance file format with blob encoding v2 (payloads beside fragments, external references).
-DATA_STORAGE_VERSION = "2.2"
+DATA_STORAGE_VERSION: Literal["2.2"] = "2.2"
 
 #: Sub-directories of a dataset whose new files a durable commit must fsync.
 _DATASET_SUBDIRS = ("data", "_versions", "_transactions", "_deletions", "_indices")
 
-Rows = pa.Table | pa.RecordBatch | Sequence[dict[str, Any]]
+Rows: TypeAlias = pa.Table | pa.RecordBatch | Sequence[dict[str, Any]]
 
 
 def _is_blob_field(field: pa.Field) -> bool:
@@ -187,7 +187,7 @@ class LanceTable:
     def set_config(self, values: dict[str, str], *, durable: bool = False) -> None:
         """Set config keys as one commit (fsynced when ``durable``)."""
         with self._lock:
-            self._private_handle().update_config(dict(values))
+            self._private_handle().update_config(dict[str, str | None](values))
             self._dataset = lance.dataset(str(self.path))
             self._apply_modes()
             if durable:
@@ -238,7 +238,7 @@ class LanceTable:
                     allow_external_blob_outside_bases=self._has_blobs,
                 )
                 if config:
-                    self._private_handle().update_config(config)
+                    self._private_handle().update_config(dict[str, str | None](config))
             except Exception as exc:
                 raise StorageIOError(f"overwrite of {self.path} failed: {exc}") from exc
             self._dataset = lance.dataset(str(self.path))
