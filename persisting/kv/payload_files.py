@@ -31,7 +31,12 @@ import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.layout import Layout
-from persisting.lance_store.access import OWNER_ONLY, FileModes, make_dir, open_private
+from persisting.lance_store.access import (
+    OWNER_ONLY,
+    FileModes,
+    make_dir,
+    restrict,
+)
 from persisting.lance_store.durable import fsync_dir, fsync_fd
 
 MAGIC = b"PKVCHNK1"
@@ -156,13 +161,12 @@ class PayloadFiles:
         Called under the usage lock, so a usage recount never misses a reserved write.
         """
         tmp = self.tmp_dir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.modes.file)
-        except StorageIOError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, OSError):
-                raise _io_error(f"cannot create {tmp}", cause) from cause
-            raise
+            fd = os.open(tmp, flags, self.modes.file)
+        except OSError as exc:
+            raise _io_error(f"cannot create {tmp}", exc) from exc
+        restrict(tmp, self.modes.file, fd=fd)  # exactly its mode, whatever the umask
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and unseen: never blocks
         except OSError as exc:
@@ -187,15 +191,25 @@ class PayloadFiles:
             PayloadFiles.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
         try:
-            if not pending.final.parent.is_dir():
-                make_dir(pending.final.parent, self.modes)
+            self._make_subdir(pending.final.parent)
             os.rename(pending.tmp, pending.final)
-        except (OSError, StorageIOError) as exc:
+        except OSError as exc:
             PayloadFiles.abort(pending)
             raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
         return pending.final
+
+    def _make_subdir(self, path: Path) -> None:
+        """Create a ``payload/<hh>`` directory on first use (OSError keeps its errno, so a
+        full filesystem still reads as one)."""
+        if path.is_dir():
+            return
+        try:
+            path.mkdir(mode=self.modes.directory)
+        except FileExistsError:
+            return
+        restrict(path, self.modes.directory)
 
     @staticmethod
     def abort(pending: PendingFile) -> None:
