@@ -25,7 +25,7 @@ from pathlib import Path
 
 from persisting.kv.payload_files import PayloadFiles, round_to_block
 from persisting.lance_store import disk_usage
-from persisting.lance_store.access import open_private
+from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,11 @@ class SharedUsage:
     """A two-slot byte counter and a lock shared across processes through two small files."""
 
     def __init__(self, directory: Path):
-        self._lock_fd = open_private(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = open_private(directory / ".lock", os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
         try:
-            self._counter_fd = open_private(directory / "usage.bin", os.O_RDWR | os.O_CREAT, 0o600)
+            self._counter_fd = open_private(
+                directory / "usage.bin", os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE
+            )
         except BaseException:
             os.close(self._lock_fd)
             raise

@@ -29,8 +29,10 @@ class FileModes:
 
     directory: int
     file: int
-    #: Files that grant control (locks, counters): never readable by anyone else.
-    control_file: int = 0o600
+
+
+#: Files that grant control (locks, counters): the owner's alone, whatever the access.
+CONTROL_FILE_MODE = 0o600
 
 
 OWNER_ONLY = FileModes(0o700, 0o600)
@@ -110,6 +112,7 @@ def storage_error(what: str, exc: OSError) -> StorageIOError:
 
 
 __all__ = [
+    "CONTROL_FILE_MODE",
     "GROUP_READ",
     "OWNER_ONLY",
     "FileModes",

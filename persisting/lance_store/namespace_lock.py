@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from persisting.errors import NamespaceInUseError
-from persisting.lance_store.access import open_private
+from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
 
 LOCK_NAME = ".namespace.lock"
 
@@ -47,7 +47,7 @@ def hold_namespace(directory: Path, make_dir: Callable[[], object]) -> Namespace
     """Take the shared lock of ``directory``, (re)creating it with ``make_dir`` as needed."""
     while True:
         make_dir()
-        fd = open_private(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_private(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a drop is in progress
             if _same_file(fd, directory / LOCK_NAME):
@@ -67,7 +67,7 @@ def exclusive_namespace(directory: Path, what: str) -> Iterator[bool]:
     if not directory.is_dir():
         yield False
         return
-    fd = open_private(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = open_private(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
