@@ -317,15 +317,15 @@ class DiskTier:
             self.usage.add(-released)
             raise
         rows: list[MetaRow] = []
-        lost: list[tuple[Path, int]] = []
+        cancelled: list[tuple[Path, int]] = []
         with self._lock:  # a remove sets ``cancelled`` before it takes this lock
             for it, tag, path, size in zip(todo, tags, done, sizes, strict=True):
-                if it.cancelled:
-                    lost.append((path, size))
+                if it.cancelled:  # removed while being written: the remove wins
+                    cancelled.append((path, size))
                     continue
                 self.index.add(it.key, DiskEntry(it.layout, it.checksum, it.parent, tag))
                 rows.append(MetaRow(it.key, tag, it.layout, it.checksum, it.parent, path))
-        released = sum(size for path, size in lost if self.files.unlink(path))
+        released = sum(size for path, size in cancelled if self.files.unlink(path))
         if released:
             self.usage.add(-released)
         self.meta.add(rows)
