@@ -72,6 +72,10 @@ KVDurability = Literal["sync", "async", "write_back"]
 #: Earlier names of durability modes, still accepted.
 DURABILITY_ALIASES = {"evict": "write_back"}
 QueueDurability = Literal["wal", "flush"]
+#: Who may read the files under the storage root: ``owner`` (directories 0700, files 0600)
+#: or ``group`` (0750/0640: the owner's group may read payloads, e.g. same-host readers
+#: running as another user of that group). Lock and counter files stay 0600 either way.
+StorageAccess = Literal["owner", "group"]
 
 ENV_PREFIX = "PERSISTING_"
 #: ``PERSISTING_*`` variables that are not settings (never refused as unknown).
@@ -228,6 +232,9 @@ class PersistingSettings(BaseSettings):
 
     storage_path: Path = Path("./persisting-data")
     """The storage root: KV chunks under kv/, queues under queue/."""
+    storage_access: StorageAccess = "owner"
+    """Who may read files under the root: "owner" (dirs 0700, files 0600) or "group"
+    (0750/0640). Lock and counter files stay 0600 either way."""
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Models persisting serve serves (PERSISTING_MODELS=a/b,c/d)."""
     kv: KVSettings = Field(default_factory=KVSettings)
@@ -441,6 +448,7 @@ __all__ = [
     "PersistingSettings",
     "QueueSettings",
     "ServiceSettings",
+    "StorageAccess",
     "check_environment",
     "check_keys",
     "closest",

@@ -112,6 +112,12 @@ class AccessDeniedError(PersistingError):
     code = "access_denied"
 
 
+class NamespaceInUseError(PersistingError):
+    """A namespace that cannot be dropped because a live store (a server) holds it open."""
+
+    code = "namespace_in_use"
+
+
 class ServiceUnavailableError(PersistingError):
     """No live server could be reached for a request."""
 
@@ -143,6 +149,7 @@ __all__ = [
     "InvalidNameError",
     "InvalidValueError",
     "LayoutMismatchError",
+    "NamespaceInUseError",
     "OffsetTrimmedError",
     "PersistingError",
     "ProtocolError",

@@ -3,7 +3,7 @@
 :class:`KVMetrics` watches any number of :class:`~persisting.kv.KVStore` s (one per model)
 without ``persisting.kv`` knowing about Prometheus, in two ways:
 
-* a listener on ``store.stats_.listeners`` feeds the latency histograms as operations
+* a listener on ``store.op_stats.listeners`` feeds the latency histograms as operations
   happen (only a listener sees each operation's duration);
 * a collector reads ``store.stats()`` at scrape time for every counter and gauge, so the
   exported figures are exactly the store's own (no second count that could drift).
@@ -134,7 +134,7 @@ class KVMetrics:
             if previous is not None:
                 _remove_listener(previous)
             listener = self._listener(store.model)
-            store.stats_.listeners.append(listener)
+            store.op_stats.listeners.append(listener)
             self._stores[store.model] = _Attached(store, listener)
 
     def detach(self, store: KVStore) -> bool:
@@ -235,7 +235,7 @@ class KVMetrics:
 
 def _remove_listener(attached: _Attached) -> None:
     with contextlib.suppress(ValueError):  # already removed
-        attached.store.stats_.listeners.remove(attached.listener)
+        attached.store.op_stats.listeners.remove(attached.listener)
 
 
 class _Collector(Collector):

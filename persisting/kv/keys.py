@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 import xxhash
 
-from persisting.errors import InvalidKeyError
+from persisting.errors import InvalidKeyError, InvalidValueError
 
 #: dtype names exactly as LMCache writes them into keys.
 KEY_DTYPES = frozenset(
@@ -201,17 +201,17 @@ def parse_key(text: object) -> ChunkKey:
         if not sep:
             raise InvalidKeyError(f"bad tag {item!r} in key {text!r}")
         tags.append((name, value))
-    fields = dict(
-        model=model,
-        world_size=_parse_int(world, 10, "world size", text),
-        worker_id=_parse_int(worker, 10, "worker id", text),
-        chunk_hash=_parse_int(chunk_hash, 16, "chunk hash", text),
-        dtype=dtype,
-        tags=tuple(tags),
+    key_fields = (
+        model,
+        _parse_int(world, 10, "world size", text),
+        _parse_int(worker, 10, "worker id", text),
+        _parse_int(chunk_hash, 16, "chunk hash", text),
+        dtype,
+        tuple(tags),
     )
     if layer_id is not None:
-        return LayerChunkKey(**fields, layer_id=layer_id)
-    return ChunkKey(**fields)
+        return LayerChunkKey(*key_fields, layer_id=layer_id)
+    return ChunkKey(*key_fields)
 
 
 def key_string(key: object) -> str:
@@ -292,6 +292,31 @@ def lmcache_chunk_hash(prefix_hash: int, tokens: Sequence[int]) -> int:
     return _tuple_hash([_int_hash(prefix_hash), inner, _EMPTY_TUPLE_LANE])
 
 
+_INT64_MAX = (1 << 63) - 1
+
+
+def token_ids(tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a flat little-endian int64 array; anything that is not a sequence of
+    integer ids fitting 64 bits (text, floats, huge numbers) is an InvalidValueError."""
+    if isinstance(tokens, str | bytes | bytearray):
+        raise InvalidValueError("tokens must be integer token ids, not text")
+    try:
+        ids = np.asarray(tokens)
+        if ids.dtype == object and ids.ndim == 0:  # an iterator or generator
+            ids = np.asarray(list(tokens))
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise InvalidValueError(f"tokens must be integer token ids: {exc}") from exc
+    if ids.size == 0:
+        return np.empty(0, dtype="<i8")
+    if ids.dtype.kind not in "iu":
+        raise InvalidValueError(
+            f"tokens must be integer token ids that fit 64 bits, not {ids.dtype}"
+        )
+    if ids.dtype.kind == "u" and int(ids.max()) > _INT64_MAX:
+        raise InvalidValueError("token ids must fit a signed 64-bit integer")
+    return np.ascontiguousarray(ids.reshape(-1), dtype="<i8")
+
+
 class TokenHasher:
     """Chunked, prefix-chained, process-independent hashing of token ids into ChunkKeys.
 
@@ -337,7 +362,7 @@ class TokenHasher:
 
     def chunk_hashes(self, tokens: Iterable[int] | np.ndarray) -> list[tuple[int, int, int]]:
         """``(start, end, hash)`` per chunk; the last partial chunk only if saving it."""
-        ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1)).astype("<i8")
+        ids = token_ids(tokens)
         total = int(ids.shape[0])
         full_end = total - total % self.chunk_size
         end_limit = total if self.save_unfull_chunk else full_end

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import select
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -263,6 +264,15 @@ def eviction_order(manager: StorageManager) -> list[str]:
     """LMCache's L2 LRU policy's order for the adapter, least recently used first."""
     (state,) = manager._l2_eviction_controller._adapter_states
     return [repr(k) for k in state.eviction_policy.get_eviction_candidates(1 << 30)]
+
+
+def du_bytes(directory: Path) -> int:
+    """What ``du`` says a namespace directory occupies: payload files, metadata, directories
+    and small files. The store counts all of it against ``capacity``."""
+    done = subprocess.run(
+        ["du", "-s", "--block-size=1", str(directory)], capture_output=True, text=True, check=True
+    )
+    return int(done.stdout.split()[0])
 
 
 def files_bytes(directory: Path) -> int:

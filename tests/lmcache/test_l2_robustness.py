@@ -21,6 +21,7 @@ from l2_harness import (
     adapter_json,
     adapter_of,
     bytes_of,
+    du_bytes,
     files_bytes,
     l2_adapter,
     load,
@@ -57,21 +58,28 @@ def payload_path(adapter: PersistingL2Adapter, key) -> Path:  # type: ignore[no-
 
 
 def test_capacity_holds_in_bytes_on_disk(root: Path) -> None:
-    with storage_manager(adapter_json(root, capacity=5 * ON_DISK)) as manager:
+    """The capacity covers everything the namespace puts on disk (payload files, metadata,
+    directories), so du never exceeds it; LMCache is told of every chunk evicted."""
+    capacity = 6 * ON_DISK
+    with storage_manager(adapter_json(root, capacity=capacity)) as manager:
         adapter = adapter_of(manager)
         listener = Recorder()
         manager.register_l2_listener(listener)
         keys = [object_key(i) for i in range(12)]
         for start in range(0, 12, 3):
             write_through_l1(manager, keys[start : start + 3], seed=start)
-            assert files_bytes(namespace_dir(root)) <= 5 * ON_DISK
-            assert adapter.get_usage().total_bytes_used <= 5 * ON_DISK
-        wait_until(lambda: len(listener.deleted) == 7, what="eviction notices")
+            assert du_bytes(namespace_dir(root)) <= capacity
+            assert adapter.get_usage().total_bytes_used <= capacity
         kept = [k for k in keys if adapter.debug_has_key(k)]
-        assert len(kept) == 5 and set(listener.deleted) == set(keys) - set(kept)
-        assert files_bytes(namespace_dir(root)) == adapter.get_usage().total_bytes_used
-        assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": 5 * ON_DISK}
-        assert adapter.report_status()["evictions"] == 7
+        evicted = len(keys) - len(kept)
+        assert 3 <= len(kept) < len(keys)
+        wait_until(lambda: len(listener.deleted) == evicted, what="eviction notices")
+        assert set(listener.deleted) == set(keys) - set(kept)
+        adapter.store.flush()
+        assert du_bytes(namespace_dir(root)) == adapter.get_usage().total_bytes_used
+        assert files_bytes(namespace_dir(root)) == len(kept) * ON_DISK
+        assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": len(kept) * ON_DISK}
+        assert adapter.report_status()["evictions"] == evicted
         # The most recent request's chunks are the ones kept, its first chunk included.
         assert set(keys[-3:]) <= set(kept)
         manager.clear()
@@ -99,7 +107,7 @@ def test_a_failed_store_is_never_visible_and_its_errno_is_reported(root: Path) -
         assert not any(adapter.debug_has_key(k) for k in failed)
         assert prefetch(manager, failed).l2_hit_count == 0
         assert files_bytes(namespace_dir(root)) == ON_DISK  # only the chunk stored before
-        assert adapter.get_usage().total_bytes_used == ON_DISK
+        assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": ON_DISK}
 
 
 def test_a_read_error_is_a_counted_miss_with_its_errno(root: Path) -> None:
@@ -141,21 +149,22 @@ def test_damage_is_found_by_checksum_counted_and_forgotten(root: Path) -> None:
         assert keys[1] in listener.deleted  # LMCache's books drop it too
         listed = {e.key.to_object_key() for e in adapter.list_l2_keys().entries}
         assert listed == {keys[0], keys[2]}
-        assert adapter.get_usage().total_bytes_used == 2 * ON_DISK
+        assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": 2 * ON_DISK}
 
 
 def test_a_task_larger_than_the_capacity_keeps_the_books_right(root: Path) -> None:
-    with l2_adapter(root, capacity=2 * ON_DISK) as adapter:
+    with l2_adapter(root, capacity=3 * ON_DISK) as adapter:  # metadata takes some of it
         listener = Recorder()
         adapter.register_listener(listener)
         keys = [object_key(i) for i in range(5)]
         assert store(adapter, keys, [tensor_obj(i) for i in range(5)]).is_successful()
         present = {k for k in keys if adapter.debug_has_key(k)}
-        assert len(present) == 2
-        assert present == {keys[0], keys[1]}  # a request's first chunks are kept longest
+        assert 1 <= len(present) < len(keys)
+        assert present == set(keys[: len(present)])  # a request's first chunks are kept longest
         listed = {e.key.to_object_key() for e in adapter.list_l2_keys().entries}
         assert listed == present
         told = {k for k, _n in listener.stored} - set(listener.deleted)
         assert told == present
-        assert adapter.get_usage().total_bytes_used == files_bytes(namespace_dir(root))
-        assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": 2 * ON_DISK}
+        adapter.store.flush()
+        assert adapter.get_usage().total_bytes_used == du_bytes(namespace_dir(root))
+        assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": len(present) * ON_DISK}
