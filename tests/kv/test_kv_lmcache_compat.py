@@ -117,19 +117,23 @@ def test_disk_evictions_are_reported_with_their_bytes_on_disk(root: Path) -> Non
 
     evicted: list[tuple[str, int]] = []
     keys = [f"{MODEL}@1@0@{i + 1:x}@bfloat16" for i in range(4)]
-    per_chunk = file_size(_chunk(0).numel() * 2)
+    big = [torch.full((2, 8, 16, 512), float(i), dtype=torch.bfloat16) for i in range(4)]
+    per_chunk = file_size(big[0].numel() * 2)  # 256 KiB and a header block
+    # The budget counts everything on disk: three chunks plus room for the metadata table
+    # and directories (well under 192 KiB here), not four chunks.
     with open_kv_store(
         root,
         MODEL,
         memory_bytes=0,
-        disk_bytes=3 * per_chunk,
+        disk_bytes=3 * per_chunk + (192 << 10),
         on_disk_evict=evicted.extend,
     ) as store:
-        for i, k in enumerate(keys):
-            store.put(k, _chunk(i))
+        for k, value in zip(keys, big, strict=True):
+            store.put(k, value)
         assert evicted == [(keys[0], per_chunk)]
         assert [k for k, _n in store.stored_keys()] == keys[1:]
-        assert store.stats()["disk_bytes"] == 3 * per_chunk
+        stats = store.stats()
+        assert stats["disk_bytes"] == 3 * per_chunk + stats["disk_overhead_bytes"]
 
 
 def test_puts_without_fsync_are_whole_and_found_after_reopen(root: Path) -> None:
