@@ -817,7 +817,7 @@ def render_stats(console: Console, report: StatsReport) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# serve, demo, prewarm: the actor service (actors/)
+# serve, demo, prewarm: the actor service (persisting/actors/)
 # ---------------------------------------------------------------------------------------
 
 ModelsOption = Annotated[
@@ -874,7 +874,7 @@ def serve(
     config: ConfigOption = None,
 ) -> None:
     """Serve the KV store as a Pulsing actor until Ctrl-C (embedded storage root by default)."""
-    from actors.launch import serve as serve_forever
+    from persisting.actors.launch import serve as serve_forever
 
     settings = _service_settings(config, storage_path, model, metrics_port, passphrase)
     serve_forever(settings, addr=addr, seeds=seeds or None, name=name, consume_events=not no_events)
@@ -892,7 +892,7 @@ def demo(
     through the event topic, show the stats, and exit."""
     import os
 
-    from actors.launch import run_demo
+    from persisting.actors.launch import run_demo
 
     settings = _service_settings(config, storage_path, model)
     report = run_demo(settings, chunks=chunks)
@@ -935,7 +935,7 @@ def prewarm(
     json_out: JsonFlag = False,
 ) -> None:
     """Publish a prewarm (or --evict) event to the serving actor's event topic."""
-    from actors.kv_events import prewarm as publish
+    from persisting.actors.kv_events import prewarm as publish
 
     if bool(keys) == (tokens_file is not None):
         fail("give --key (one or more) or --tokens, not both and not neither", EXIT_BAD_INPUT)

@@ -2,8 +2,8 @@
 
 :class:`StorageHandler` owns the stores of the models a server is configured for, the
 client sessions (:mod:`persisting.service.sessions`) and the same-host data path. It knows
-nothing of Pulsing: the actor in ``actors/`` only feeds it messages, so the whole protocol
-is testable with plain function calls. Store calls run on a thread pool, so a slow put
+nothing of Pulsing: the actor in :mod:`persisting.actors` only feeds it messages, so the whole
+protocol is testable with plain function calls. Store calls run on a thread pool, so a slow put
 (fsync) on one lane never stalls lookups on another.
 """
 

@@ -70,7 +70,7 @@ def start_pulsing_actor(
     args = [
         str(Path(sys.executable).with_name("pulsing")),
         "actor",
-        "actors.kv_cache_storage.KVCacheStorageActor",
+        "persisting.actors.kv_cache_storage.KVCacheStorageActor",
         "-",
         "--name",
         name,
@@ -83,9 +83,9 @@ def start_pulsing_actor(
 
 
 def start_serve(root: Path, port: int, log: Path, **extra: str) -> subprocess.Popen[bytes]:
-    """A server started by ``actors.launch.serve`` (what ``persisting serve`` runs)."""
+    """A server started by ``persisting.actors.launch.serve`` (what ``persisting serve`` runs)."""
     env = server_env(root, PERSISTING_SERVICE__ADDR=f"127.0.0.1:{port}", **extra)
-    return spawn([sys.executable, "-m", "actors.launch"], env, log)
+    return spawn([sys.executable, "-m", "persisting.actors.launch"], env, log)
 
 
 def wait_for_log(

@@ -107,7 +107,7 @@ def test_the_blocking_client_works_without_an_event_loop(actor_server: str) -> N
 def test_the_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
     code = (
         "import json, os\n"
-        "from actors.launch import run_demo\n"
+        "from persisting.actors.launch import run_demo\n"
         "from persisting.config import PersistingSettings\n"
         "print('RESULT ' + json.dumps(run_demo(PersistingSettings.load())), flush=True)\n"
         "os._exit(0)\n"
@@ -248,7 +248,7 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
 def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -> None:
     import asyncio
 
-    from actors.kv_events import publish_events
+    from persisting.actors.kv_events import publish_events
     from persisting.config import PersistingSettings
     from persisting.queue.positions import ConsumerPositions
     from persisting.service.events import evict_event, prewarm_event

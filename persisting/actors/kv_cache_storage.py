@@ -1,9 +1,10 @@
 """KVCacheStorageActor: a Pulsing actor serving the KV stores of the models it is set up for.
 
-Start it with ``persisting serve`` (see :mod:`actors.launch`) or with Pulsing's launcher::
+Start it with ``persisting serve`` (see :mod:`persisting.actors.launch`) or with Pulsing's
+launcher::
 
     PERSISTING_STORAGE_PATH=./data PERSISTING_MODELS=meta-llama/Llama-3-8B \\
-        pulsing actor actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
+        pulsing actor persisting.actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
         --addr 127.0.0.1:8610
 
 Pulsing 0.1.2's launcher passes no constructor arguments, so an actor built without any
