@@ -13,7 +13,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -68,15 +68,27 @@ class QueueSettings(BaseModel):
 class ServiceSettings(BaseModel):
     """The Pulsing actor service and its client."""
 
+    model_config = ConfigDict(populate_by_name=True)
+
     name: str = "kvstore"
     addr: str = "127.0.0.1:8610"
     seeds: list[str] = Field(default_factory=list)
+    #: Pulsing cluster passphrase (TLS). Unset: a server generates one, kept in
+    #: ``passphrase_file``, and serves loopback only (see persisting.service.passphrase).
     passphrase: str | None = None
+    #: Where a generated passphrase is kept (default: $XDG_STATE_HOME/persisting/passphrase).
+    passphrase_file: Path | None = None
     max_inflight: int = Field(default=16, gt=0, le=16)
     lease_ttl_s: float = Field(default=30.0, gt=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     event_topic: str = "kv-events"
-    message_chunk_bytes: int = Field(default=4 * MiB, gt=0)
+    #: Largest payload part one message carries on the message path (remote clients).
+    #: ``message_chunk_bytes`` is its earlier name, still accepted.
+    message_part_bytes: int = Field(
+        default=4 * MiB,
+        gt=0,
+        validation_alias=AliasChoices("message_part_bytes", "message_chunk_bytes"),
+    )
     request_timeout_s: float = Field(default=30.0, gt=0)
     lanes: int = Field(default=4, gt=0, le=16)
     shm_arena_bytes: int = Field(default=256 * MiB, ge=0)
@@ -85,6 +97,14 @@ class ServiceSettings(BaseModel):
     member_retry_s: float = Field(default=2.0, gt=0)
     discovery_timeout_s: float = Field(default=10.0, gt=0)
     event_batch_records: int = Field(default=64, gt=0)
+    #: The server's log: level (debug, info, warning, error) and format (text or json).
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
 
 class PersistingSettings(BaseSettings):

@@ -82,11 +82,11 @@ def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
         counters = result["client_counters"]
         if same_host:  # payloads never rode in messages
             # memory-tier hits were copied out of the server's shared pool by the client
-            assert counters.get("get_bytes_pool", 0) > 0 and counters["put_bytes_shm"] > 0
+            assert counters.get("get_bytes_pool", 0) > 0 and counters["put_bytes_arena"] > 0
             assert "get_bytes_message" not in counters and "put_bytes_message" not in counters
         else:
             assert counters["get_bytes_message"] > 0 and counters["put_bytes_message"] > 0
-            assert "get_bytes_direct" not in counters
+            assert "get_bytes_file" not in counters
 
 
 def test_the_server_exports_prometheus_metrics_of_its_stores(actor_server: str) -> None:
@@ -232,7 +232,7 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
     assert final["recovered"] == n
     assert sorted(final["members"]) == sorted(addrs)
     assert result["wrong"] == 0
-    assert result["remembered_hits"] > 0  # survivors' keys came from remembered places
+    assert result["remembered_hits"] > 0  # survivors' keys came from remembered locations
     for k, member in owners.items():
         expected = member != victim  # survivors' keys hit, the victim's are misses
         assert result["hits"][k] is expected, (k, member)
@@ -300,13 +300,13 @@ def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -
     assert result["store"]["memory_items"] >= 10  # prewarmed into the (restarted) memory tier
 
 
-def test_memory_hits_come_from_remembered_pool_places_and_are_never_stale(
+def test_memory_hits_come_from_remembered_pool_locations_and_are_never_stale(
     actor_server: str,
 ) -> None:
-    result = run_client("remembered_places", {"seeds": [actor_server], "base": 700})
+    result = run_client("remembered_locations", {"seeds": [actor_server], "base": 700})
     assert result["exact"] and result["get_into_exact"]
     assert result["remembered"] == 4  # the second pass asked the server nothing
-    assert result["after_remove_is_miss"]  # removed elsewhere: the old place is not used
-    assert result["stale_places_dropped"] >= 1
+    assert result["after_remove_is_miss"]  # removed elsewhere: the old location is not used
+    assert result["stale_locations_dropped"] >= 1
     # hits the server never saw as requests still reached its counters (and its LRU)
     assert result["server_saw_remembered_hits"] >= 300
