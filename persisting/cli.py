@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass, replace
 from datetime import timedelta
+from enum import Enum
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
@@ -820,6 +821,14 @@ def render_stats(console: Console, report: StatsReport) -> None:
 # serve, demo, prewarm: the actor service (persisting/actors/)
 # ---------------------------------------------------------------------------------------
 
+
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
 ModelsOption = Annotated[
     list[str] | None,
     typer.Option("--model", "-m", help="A model to serve (repeatable; default: settings)."),
@@ -832,6 +841,8 @@ def _service_settings(
     models: list[str] | None,
     metrics_port: int | None = None,
     passphrase: str | None = None,
+    log_level: str | None = None,
+    log_json: bool = False,
 ) -> PersistingSettings:
     settings = load_settings(config)
     update: dict[str, Any] = {}
@@ -839,13 +850,13 @@ def _service_settings(
         update["storage_path"] = storage_path
     if models:
         update["models"] = list(models)
-    service = settings.service.model_copy(
-        update={
-            k: v
-            for k, v in (("metrics_port", metrics_port), ("passphrase", passphrase))
-            if v is not None
-        }
-    )
+    flags = {
+        "metrics_port": metrics_port,
+        "passphrase": passphrase,
+        "log_level": log_level,
+        "log_format": "json" if log_json else None,
+    }
+    service = settings.service.model_copy(update={k: v for k, v in flags.items() if v is not None})
     return settings.model_copy(update={**update, "service": service})
 
 
@@ -871,12 +882,30 @@ def serve(
     no_events: Annotated[
         bool, typer.Option("--no-events", help="Do not consume the prewarm/evict topic.")
     ] = False,
+    log_level: Annotated[
+        LogLevel | None, typer.Option(help="Server log level (default: settings, info).")
+    ] = None,
+    log_json: Annotated[
+        bool, typer.Option("--log-json", help="Log one JSON object per line.")
+    ] = False,
     config: ConfigOption = None,
 ) -> None:
-    """Serve the KV store as a Pulsing actor until Ctrl-C (embedded storage root by default)."""
+    """Serve the KV store as a Pulsing actor until Ctrl-C (embedded storage root by default).
+
+    With no passphrase configured it generates one, which clients of the same user on this
+    host find by themselves, and serves loopback only (see docs/service.md).
+    """
     from persisting.actors.launch import serve as serve_forever
 
-    settings = _service_settings(config, storage_path, model, metrics_port, passphrase)
+    settings = _service_settings(
+        config,
+        storage_path,
+        model,
+        metrics_port,
+        passphrase,
+        log_level.value if log_level is not None else None,
+        log_json,
+    )
     serve_forever(settings, addr=addr, seeds=seeds or None, name=name, consume_events=not no_events)
 
 

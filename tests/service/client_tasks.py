@@ -301,7 +301,27 @@ async def remembered_locations(args: dict[str, Any]) -> dict[str, Any]:
         await reader.close()
 
 
+async def token_lookups(args: dict[str, Any]) -> dict[str, Any]:
+    """Store the first chunks of a token sequence, then look it up by tokens."""
+    client = await _connect(args)
+    try:
+        chunk = client.chunk_size  # the server's
+        hasher = TokenHasher(model=MODEL, chunk_size=chunk)
+        tokens = list(range(args["base"], args["base"] + 5 * chunk + 7))
+        keys = [k for _s, _e, k in hasher.process_tokens(tokens)]
+        stored = args["stored"]
+        await client.batched_put(keys[:stored], [tensor(i, tokens=chunk) for i in range(stored)])
+        return {
+            "chunk_size": chunk,
+            "hit_tokens": await client.lookup_tokens(tokens),
+            "with_hasher": await client.lookup_tokens(tokens, hasher=hasher),
+        }
+    finally:
+        await client.close()
+
+
 TASKS = {
+    "token_lookups": token_lookups,
     "remembered_locations": remembered_locations,
     "sync_roundtrip": sync_roundtrip,
     "roundtrip": roundtrip,

@@ -55,11 +55,13 @@ def server_env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(
+    args: list[str], env: dict[str, str], log: Path, cwd: Path = REPO
+) -> subprocess.Popen[bytes]:
     """A process in its own session (so the whole group can be killed), output to ``log``."""
     handle = open(log, "wb")  # noqa: SIM115 - closed by the OS when the child exits
     return subprocess.Popen(
-        args, env=env, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        args, env=env, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
     )
 
 

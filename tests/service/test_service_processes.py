@@ -99,6 +99,26 @@ def test_the_server_exports_prometheus_metrics_of_its_stores(actor_server: str) 
     assert "persisting_kv" in text
 
 
+def _hit_tokens(text: str) -> float:
+    for line in text.splitlines():
+        if line.startswith("persisting_kv_hit_tokens_total{") and f'model="{MODEL}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_token_lookups_through_the_service_count_hit_tokens(actor_server: str) -> None:
+    import urllib.request
+
+    url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        before = _hit_tokens(r.read().decode())
+    result = run_client("token_lookups", {"seeds": [actor_server], "base": 50_000, "stored": 3})
+    assert result["hit_tokens"] == result["with_hasher"] == 3 * result["chunk_size"]
+    with urllib.request.urlopen(url, timeout=10) as r:
+        after = _hit_tokens(r.read().decode())
+    assert after - before == 2 * 3 * result["chunk_size"]  # both lookups, counted by the server
+
+
 def test_the_blocking_client_works_without_an_event_loop(actor_server: str) -> None:
     result = run_client("sync_roundtrip", {"seeds": [actor_server]})
     assert result == {"exact": True, "lookup": 3, "pinned": True, "members": [actor_server]}
@@ -310,3 +330,29 @@ def test_memory_hits_come_from_remembered_pool_locations_and_are_never_stale(
     assert result["stale_locations_dropped"] >= 1
     # hits the server never saw as requests still reached its counters (and its LRU)
     assert result["server_saw_remembered_hits"] >= 300
+
+
+def test_a_client_of_another_model_is_refused_at_once_and_leaves_nothing_pending(
+    actor_server: str,
+) -> None:
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    runs = []
+    for _ in range(2):  # the better of two: a loaded machine may stall one process start
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "tests/service/wrong_model_client.py"), actor_server],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=REPO,
+        )
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        runs.append((json.loads(line[7:]), proc))
+    result, proc = min(runs, key=lambda run: run[0].get("seconds", 99))
+    assert result["error"] == "AccessDeniedError", result
+    assert MODEL in result["message"] and "other/model" in result["message"]
+    assert result["seconds"] < 1.0  # not the 10 s discovery timeout
+    for _result, each in runs:
+        assert each.returncode == 0
+        assert "Task was destroyed" not in each.stderr and "Traceback" not in each.stderr
+        assert each.stderr.strip() == "", each.stderr
