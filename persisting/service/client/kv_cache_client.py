@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +64,14 @@ class KVCacheClient:
         self.cluster = Cluster(system, name, model, settings.service, self.counters, self._arena)
         call = self.cluster.call
         self._loans = ArenaLoans(self._arena, self.counters, call) if self._arena else None
-        self._reader = Reader(self.cluster, self._arena, self._loans, self.counters, self._key)
+        self._reader = Reader(
+            self.cluster,
+            self._arena,
+            self._loans,
+            self.counters,
+            self._key,
+            result_buffer_bytes=settings.kv.result_buffer_bytes,
+        )
         self._copier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-copy")
         self._writer = Writer(
             self.cluster, self._arena, self._loans, self.counters, self._copier, self._key
@@ -151,9 +159,16 @@ class KVCacheClient:
         self._copier.shutdown(wait=True)
         if self._arena is not None:
             self._arena.close()
+        # Drop what holds Pulsing objects while the interpreter is whole: Pulsing 0.1.2's
+        # threads releasing them during interpreter finalization can crash the process.
+        for member in self.cluster.members.values():
+            member.refs.clear()
+        self.cluster.members.clear()
+        self.cluster.system = None
         if self._owns_system:
             with contextlib.suppress(Exception):
                 await pulsing.shutdown()
+            gc.collect()
 
     async def __aenter__(self) -> KVCacheClient:
         return self

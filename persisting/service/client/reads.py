@@ -34,7 +34,7 @@ from persisting.service.client.sources import (
     source_of,
 )
 from persisting.service.same_host import ClientArena, Region
-from persisting.shm import round_to_page
+from persisting.shm import RecycledBuffers, round_to_page
 
 #: Remembered pool locations per member (about 100 bytes each).
 MAX_LOCATIONS = 1 << 16
@@ -57,12 +57,15 @@ class Reader:
         loans: ArenaLoans | None,
         counters: Counter[str],
         key_of: Any,
+        result_buffer_bytes: int = 256 << 20,
     ):
         self.cluster = cluster
         self.arena = arena
         self.loans = loans
         self.counters = counters
         self._key = key_of
+        #: Pages values read by this client are returned in (as the in-process store does).
+        self.results = RecycledBuffers(result_buffer_bytes) if result_buffer_bytes > 0 else None
         self._largest_value = 0
         self.readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-read")
 
@@ -107,6 +110,7 @@ class Reader:
         return ReadContext(
             member,
             self.arena,
+            self.results,
             self.counters,
             self.readers,
             self.cluster.call,

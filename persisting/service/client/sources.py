@@ -29,51 +29,41 @@ from persisting.errors import PersistingError, StorageIOError
 from persisting.kv import Layout
 from persisting.kv.layout import checksum, decode_value
 from persisting.service.client.member import Member, PoolLocation
-from persisting.service.same_host import ClientArena, Region, read_file_into
-from persisting.shm import aligned_buffer, copy_bytes
+from persisting.service.same_host import ClientArena, read_file_into
+from persisting.shm import RecycledBuffers, aligned_buffer, copy_bytes
 
 #: A read that found the value gone from where the reply said: ask the server again.
 AGAIN = object()
 
 
 class Destination:
-    """Where one value's bytes go: the caller's buffer (``get_into``), else arena pages
-    (already mapped: no page faults, and the value owns them until it is dropped), else a
-    fresh page-aligned buffer."""
+    """Where one value's bytes go: the caller's buffer (``get_into``), else recycled private
+    pages (as the in-process store returns values in: no page faults once warm, and the
+    value owns them until it is dropped), else a fresh page-aligned buffer."""
 
-    def __init__(self, arena: ClientArena | None, nbytes: int, out: memoryview | None):
-        self.arena = arena
+    def __init__(self, results: RecycledBuffers | None, nbytes: int, out: memoryview | None):
         self.out = out
-        self.region: Region | None = None
         self.buffer: np.ndarray | None = None
         if out is not None:
             if len(out) != nbytes:
                 raise PersistingError(f"get_into needs a buffer of {nbytes} bytes, got {len(out)}")
             self.target = out
-        elif arena is not None and (region := arena.allocate(nbytes)) is not None:
-            self.region = region
-            self.target = arena.region_view(region)
-        else:
-            self.buffer = aligned_buffer(nbytes)
-            self.target = memoryview(self.buffer)
+            return
+        buffer = results.take(nbytes) if results is not None else None
+        self.buffer = buffer if buffer is not None else aligned_buffer(nbytes)
+        self.target = memoryview(self.buffer)
 
     def value(self, layout: Layout) -> Any:
         """What the get returns once the bytes are in: the layout for ``get_into``, else
         the decoded value."""
         if self.out is not None:
             return layout
-        if self.region is not None:
-            assert self.arena is not None
-            return decode_value(layout, self.arena.hand_out(self.region.offset, layout.nbytes))
         assert self.buffer is not None
         return decode_value(layout, self.buffer)
 
     def discard(self) -> None:
         """The bytes are not wanted (the value moved, or failed its checksum)."""
-        if self.region is not None:
-            assert self.arena is not None
-            self.arena.free(self.region)
-            self.region = None
+        self.buffer = None  # its pages go back when the array is collected
 
 
 @dataclass
@@ -82,6 +72,7 @@ class ReadContext:
 
     member: Member
     arena: ClientArena | None
+    results: RecycledBuffers | None
     counters: Counter[str]
     readers: Executor
     call: Callable[..., Awaitable[Any]]
@@ -99,7 +90,7 @@ class PoolCopy:
         if pool is None:
             return AGAIN
         layout = self.location.layout
-        dest = Destination(ctx.arena, layout.nbytes, out)
+        dest = Destination(ctx.results, layout.nbytes, out)
         copied = pool.read_into(
             self.location.offset,
             layout.nbytes,
@@ -142,7 +133,7 @@ class LeasedFile:
         self.path, self.offset, self.nbytes, self.checksum = location
 
     async def read(self, ctx: ReadContext, out: memoryview | None, alone: bool) -> Any:
-        dest = Destination(ctx.arena, self.nbytes, out)
+        dest = Destination(ctx.results, self.nbytes, out)
         try:
             if alone:  # a lone read is faster without the thread hop
                 ok = _read_and_verify(self.path, self.offset, dest.target, self.checksum)
