@@ -135,6 +135,7 @@ async def _run(root: Path, runs: int) -> dict[str, Any]:
                     outcomes[_judge(await client.get(key_text(run, i)), run, i)] += 1
                 wrong_runs += outcomes["wrong"] > wrong_before
             counters = dict(client.counters)
+            served = next(iter((await client.stats())["members"].values()))["service"]
         finally:
             await client.close()
     finally:
@@ -166,6 +167,10 @@ async def _run(root: Path, runs: int) -> dict[str, Any]:
         "client_counters": {
             k: v for k, v in counters.items() if k.startswith(("arena", "put_", "checksum"))
         },
+        # Bytes that changed under the server while it stored them (its second line of
+        # defence, after the arena loans): expected 0.
+        "server_refused_changed_bytes": served.get("put_arena_changed", 0),
+        "server_errors": served.get("errors", 0),
         "seconds": round(time.perf_counter() - started, 1),
     }
 
