@@ -102,7 +102,7 @@ def log_banner(
     for model in models:
         store = stores[model]
         figures = store.stats()
-        tiers = {
+        tiers: dict[str, Any] = {
             "memory_bytes": int(figures.get("memory_capacity", 0)),
             "disk_bytes": int(figures.get("disk_capacity", 0)),
             "durability": str(figures.get("durability")),

@@ -215,9 +215,9 @@ def is_plain(value: object, depth: int = 0) -> bool:
     kind = type(value)  # exact types: a subclass may carry behaviour
     if kind in _PLAIN_TYPES:
         return True
-    if kind in (list, tuple):
-        return all(is_plain(v, depth + 1) for v in value)  # type: ignore[attr-defined]
-    if kind is dict:
+    if isinstance(value, list | tuple) and kind in (list, tuple):
+        return all(is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict) and kind is dict:
         return all(isinstance(k, str) and is_plain(v, depth + 1) for k, v in value.items())
     return False
 

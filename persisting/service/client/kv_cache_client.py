@@ -416,7 +416,7 @@ def _hasher_settings(hasher: TokenHasher, model: str) -> dict[str, Any] | None:
     from them (another model, or tags): then the client hashes itself."""
     if type(hasher) is not TokenHasher or hasher.model != model:
         return None
-    settings = {
+    settings: dict[str, Any] = {
         "chunk_size": hasher.chunk_size,
         "world_size": hasher.world_size,
         "worker_id": hasher.worker_id,

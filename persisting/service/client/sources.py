@@ -51,7 +51,7 @@ class Destination:
             return
         buffer = results.take(nbytes) if results is not None else None
         self.buffer = buffer if buffer is not None else aligned_buffer(nbytes)
-        self.target = memoryview(self.buffer)
+        self.target = self.buffer.data
 
     def value(self, layout: Layout) -> Any:
         """What the get returns once the bytes are in: the layout for ``get_into``, else
@@ -173,7 +173,7 @@ class Message:
         if out is None:
             return decode_value(layout, buffer)
         dest = Destination(None, layout.nbytes, out)  # checks the size
-        copy_into(dest.target, memoryview(buffer))
+        copy_into(dest.target, buffer.data)
         return layout
 
     async def _read_transfer(self, ctx: ReadContext, buffer: np.ndarray, transfer: str) -> None:
