@@ -31,6 +31,8 @@ def _settings(args: dict[str, Any]) -> PersistingSettings:
         "request_timeout_s": 10.0,
         "message_part_bytes": args.get("part_bytes", 256 << 10),
     }
+    if "passphrase_file" in args:  # where a generated passphrase would be looked for
+        service["passphrase_file"] = args["passphrase_file"]
     return PersistingSettings(models=[MODEL], service=service)
 
 

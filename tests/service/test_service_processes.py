@@ -192,10 +192,9 @@ def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
         wait_for_log(log, "persisting: serving", procs[0])
         seeds = [f"127.0.0.1:{port}"]
         quick = {"seeds": seeds, "discovery_timeout_s": 4.0}
-        assert run_client("connect_only", quick) == {
-            "connected": False,
-            "error": "ServiceUnavailableError",
-        }
+        # No passphrase given and none generated on this host: refused before any network.
+        nowhere = {**quick, "passphrase_file": str(tmp_path / "none")}
+        assert run_client("connect_only", nowhere) == {"connected": False, "error": "ConfigError"}
         assert run_client("connect_only", {**quick, "passphrase": "wrong"}) == {
             "connected": False,
             "error": "ServiceUnavailableError",
@@ -204,6 +203,16 @@ def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
             "connected": True,
             "exact": True,
         }
+
+
+def test_a_server_started_by_pulsings_launcher_speaks_only_tls(actor_server: str) -> None:
+    # Pulsing's launcher passes no passphrase; the actor made it start with the generated
+    # one, which a client of this user reads (every other test here), and nothing else opens.
+    quick = {"seeds": [actor_server], "discovery_timeout_s": 3.0}
+    assert run_client("connect_only", {**quick, "passphrase": "guess"}) == {
+        "connected": False,
+        "error": "ServiceUnavailableError",
+    }
 
 
 def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with_it(
