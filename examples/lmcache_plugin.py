@@ -126,8 +126,9 @@ def run(root: Path) -> None:
     original = original.to(torch.bfloat16)
     connector = CPUConnector(original.clone())
 
-    # Without vLLM, LMCache hashes tokens with Python's salted hash(): keys match within one
-    # process (as here); across processes set PYTHONHASHSEED, or let vLLM do the hashing.
+    # Without vLLM, LMCache hashes token chunks with Python's built-in hash of int tuples,
+    # which PYTHONHASHSEED does not salt: every process computes the same keys (and so does
+    # Persisting's TokenHasher(..., scheme="lmcache"); see docs/lmcache.md).
     with lmcache_engine(config_file, connector) as engine:
         manager = engine.storage_manager
         print(f"LMCache backends: {list(manager.storage_backends)}")

@@ -4,16 +4,38 @@ One :class:`PersistingSettings` object is read from (highest priority first) key
 arguments, ``PERSISTING_*`` environment variables (nested sections with ``__``, e.g.
 ``PERSISTING_KV__MEMORY_BYTES``), a TOML file named by ``PERSISTING_CONFIG`` or passed to
 :meth:`PersistingSettings.from_toml`, and the defaults below.
+
+Mistakes are refused, not ignored: a key no section has (``memory_byte``, a ``[servce]``
+section, ``PERSISTING_KV__MEMORY_BYTE``) is a :class:`~persisting.errors.ConfigError`
+naming the key, where it came from and the closest valid one. Sizes take units anywhere
+(``8GiB``, ``512MB``, ``16MiB``, or plain bytes): ``GiB``/``MiB`` are powers of 2,
+``GB``/``MB`` powers of 10. :mod:`persisting.config_sample` writes every setting with its
+default.
 """
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
+import json
 import os
+import sys
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -24,27 +46,99 @@ from pydantic_settings import (
 
 from persisting.errors import ConfigError
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - pydantic-settings reads TOML with tomli there too
+    import tomli as tomllib
+
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+def parse_bytes(value: Any) -> Any:
+    """A size with a unit (``"8GiB"``, ``"512MB"``, ``"16 MiB"``) as a plain ``int`` of
+    bytes (pydantic's ByteSize does the parsing); ints and other values pass through."""
+    if isinstance(value, str):
+        return int(_BYTE_SIZE.validate_python(value))
+    return value
+
+
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+#: A size in bytes: an integer, or a string with a unit. Validated values are plain ints
+#: (never a ByteSize), so they travel in messages any peer can decode.
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 KVDurability = Literal["sync", "async", "write_back"]
 #: Earlier names of durability modes, still accepted.
 DURABILITY_ALIASES = {"evict": "write_back"}
 QueueDurability = Literal["wal", "flush"]
+#: Who may read the files under the storage root: ``owner`` (directories 0700, files 0600)
+#: or ``group`` (0750/0640: the owner's group may read payloads, e.g. same-host readers
+#: running as another user of that group). Lock and counter files stay 0600 either way.
+StorageAccess = Literal["owner", "group"]
+
+ENV_PREFIX = "PERSISTING_"
+#: ``PERSISTING_*`` variables that are not settings (never refused as unknown).
+OTHER_VARIABLES = frozenset({"PERSISTING_CONFIG", "PERSISTING_SKIP_LMCACHE"})
+
+_SECTION = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+def socket_address(text: str, what: str = "address") -> tuple[str, int]:
+    """``"IP:PORT"`` (``"[IPv6]:PORT"``) as ``(ip, port)``; anything else is a ConfigError
+    naming ``what``. Pulsing binds and advertises literal addresses, so a host name such as
+    ``localhost`` is refused with the address to use instead."""
+    host, sep, port_text = str(text).strip().rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{what} must be IP:PORT (e.g. 127.0.0.1:8610), got {text!r}")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    problems = []
+    try:
+        ip = str(ipaddress.ip_address(host))
+    except ValueError:
+        ip = host
+        if host == "localhost":
+            problems.append("a host name is not resolved: use 127.0.0.1")
+        elif host.replace(".", "").isdigit() or ":" in host:
+            problems.append(f"{host} is not an IP address")
+        else:
+            problems.append(f"{host} is a host name, not an IP address")
+    if not port_text.isdigit() or int(port_text) > 65535:
+        problems.append(f"the port must be 0 to 65535, not {port_text!r}")
+    if problems:
+        raise ConfigError(f"{what} {text}: {'; '.join(problems)}")
+    return ip, int(port_text)
 
 
 class KVSettings(BaseModel):
     """The KV-cache store: tier budgets, completion mode and policies."""
 
-    memory_bytes: int = Field(default=2 * GiB, ge=0)
-    disk_bytes: int = Field(default=64 * GiB, ge=0)
+    model_config = _SECTION
+
+    memory_bytes: Bytes = Field(default=2 * GiB, ge=0)
+    """Memory tier budget per model (0: no memory tier)."""
+    disk_bytes: Bytes = Field(default=64 * GiB, ge=0)
+    """Disk tier budget per model: payload files beyond it are evicted (0: no disk tier)."""
     durability: KVDurability = "sync"
+    """When a put returns: "sync" (fsynced on disk), "async" (in memory, disk write
+    behind), "write_back" (in memory, written when evicted or on close)."""
     chunk_size: int = Field(default=256, gt=0)
-    max_value_bytes: int = Field(default=1 * GiB, gt=0)
+    """Tokens per chunk when hashing token ids into keys."""
+    max_value_bytes: Bytes = Field(default=1 * GiB, gt=0)
+    """Largest value a put accepts."""
     eviction: Literal["lru", "prefix"] = "lru"
+    """Eviction order: "lru", or "prefix" (suffix chunks go before the prefixes they need)."""
     admission: Literal["always", "second_sighting"] = "always"
-    #: Pages reused for the values ``get`` returns (in-process); 0: a fresh array each time.
-    result_buffer_bytes: int = Field(default=256 * MiB, ge=0)
+    """Which puts are stored: "always", or "second_sighting" (a key's second put)."""
+    result_buffer_bytes: Bytes = Field(default=256 * MiB, ge=0)
+    """Pages reused for the values get returns in-process (0: a fresh array each time)."""
+    pinned_memory: Literal["auto", "on", "off"] = "auto"
+    """Page-lock (pin) host buffers for DMA to and from GPUs: "auto" when CUDA is present,
+    "on" (an error without CUDA) or "off". Pinned pages are committed up front."""
+    pinned_staging_bytes: Bytes = Field(default=256 * MiB, ge=0)
+    """The pinned staging region through which disk hits go up to a device and device values
+    come down for puts (one region, carved per chunk; 0: no staging region)."""
 
     @field_validator("durability", mode="before")
     @classmethod
@@ -55,72 +149,121 @@ class KVSettings(BaseModel):
 class QueueSettings(BaseModel):
     """The Lance queue backend: batching, durability and background maintenance."""
 
+    model_config = _SECTION
+
     batch_size: int = Field(default=100, gt=0)
+    """Flush when this many records are buffered."""
     durability: QueueDurability = "wal"
+    """"wal" (a put is durable in the write-ahead log when it returns) or "flush"."""
     fsync_interval_ms: float = Field(default=0.0, ge=0)
+    """0: fsync the log before each acknowledgement; N: every N ms."""
     flush_interval_s: float = Field(default=1.0, ge=0)
+    """Flush this long after the oldest buffered put (0: only by size)."""
     compact_max_fragments: int = Field(default=32, gt=1)
+    """Small fragments tolerated before a compaction."""
     retention_s: float | None = Field(default=None, gt=0)
+    """Trim records older than this many seconds (unset: keep them)."""
     retain_until_consumed: bool = False
+    """Trim what every committed consumer has read."""
     version_retention_s: float = Field(default=10.0, ge=0)
+    """Lance versions younger than this are kept for readers still on them."""
 
 
 class ServiceSettings(BaseModel):
     """The Pulsing actor service and its client."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
 
     name: str = "kvstore"
+    """Actor name; every storage node of one service uses the same name."""
     addr: str = "127.0.0.1:8610"
+    """IP:port the server listens on."""
     seeds: list[str] = Field(default_factory=list)
-    #: Pulsing cluster passphrase (TLS). Unset: a server generates one, kept in
-    #: ``passphrase_file``, and serves loopback only (see persisting.service.passphrase).
+    """Cluster members to join (servers) or to find the servers through (clients)."""
     passphrase: str | None = None
-    #: Where a generated passphrase is kept (default: $XDG_STATE_HOME/persisting/passphrase).
+    """Cluster passphrase (TLS). Unset: a server generates one, kept in ``passphrase_file``,
+    and serves loopback only (see persisting.service.passphrase)."""
     passphrase_file: Path | None = None
+    """Where a generated passphrase is kept (default: $XDG_STATE_HOME/persisting/passphrase)."""
     max_inflight: int = Field(default=16, gt=0, le=16)
+    """Requests in flight per server per client (Pulsing's connection pool is 16)."""
     lease_ttl_s: float = Field(default=30.0, gt=0)
+    """A session's pins and read leases expire this long after its last renewal."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve Prometheus metrics on this port (0: any free port; unset: none)."""
     event_topic: str = "kv-events"
-    #: Largest payload part one message carries on the message path (remote clients).
-    #: ``message_chunk_bytes`` is its earlier name, still accepted.
-    message_part_bytes: int = Field(
+    """Queue topic of prewarm/evict events."""
+    message_part_bytes: Bytes = Field(
         default=4 * MiB,
         gt=0,
         validation_alias=AliasChoices("message_part_bytes", "message_chunk_bytes"),
     )
+    """Largest payload part one message carries on the message path (remote clients);
+    ``message_chunk_bytes`` is its earlier name, still accepted."""
     request_timeout_s: float = Field(default=30.0, gt=0)
+    """A request unanswered this long counts as a failure of its server."""
     lanes: int = Field(default=4, gt=0, le=16)
-    shm_arena_bytes: int = Field(default=256 * MiB, ge=0)
-    #: Keep the memory tier in shared memory, so same-host clients copy hits out themselves.
+    """Actors per server sharing its stores (Pulsing handles one message at a time per actor)."""
+    shm_arena_bytes: Bytes = Field(default=256 * MiB, ge=0)
+    """A same-host client's shared-memory arena (0: off)."""
     shared_memory_tier: bool = True
+    """Keep the memory tier in shared memory, so same-host clients copy hits out themselves."""
     member_retry_s: float = Field(default=2.0, gt=0)
+    """How often a client probes a server that failed."""
     discovery_timeout_s: float = Field(default=10.0, gt=0)
+    """How long connect waits for servers to appear."""
     event_batch_records: int = Field(default=64, gt=0)
-    #: The server's log: level (debug, info, warning, error) and format (text or json).
+    """Events applied (and committed) per step."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """The server's log level."""
     log_format: Literal["text", "json"] = "text"
+    """The server's log format: text lines, or one JSON object per line."""
 
     @field_validator("log_level", mode="before")
     @classmethod
     def _lower_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
+    @field_validator("addr")
+    @classmethod
+    def _ip_and_port(cls, value: str) -> str:
+        socket_address(value, "service.addr")
+        return value
+
+    @field_validator("seeds")
+    @classmethod
+    def _seed_addresses(cls, value: list[str]) -> list[str]:
+        for seed in value:
+            socket_address(seed, "a service.seeds entry")
+        return value
+
 
 class PersistingSettings(BaseSettings):
     """Everything a Persisting process needs to know, from env, TOML or arguments."""
 
     model_config = SettingsConfigDict(
-        env_prefix="PERSISTING_",
+        env_prefix=ENV_PREFIX,
         env_nested_delimiter="__",
-        extra="ignore",
+        extra="forbid",
+        use_attribute_docstrings=True,
     )
 
     storage_path: Path = Path("./persisting-data")
+    """The storage root: KV chunks under kv/, queues under queue/."""
+    storage_access: StorageAccess = "owner"
+    """Who may read files under the root: "owner" (dirs 0700, files 0600) or "group"
+    (0750/0640). Lock and counter files stay 0600 either way."""
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Models persisting serve serves (PERSISTING_MODELS=a/b,c/d)."""
     kv: KVSettings = Field(default_factory=KVSettings)
     queue: QueueSettings = Field(default_factory=QueueSettings)
     service: ServiceSettings = Field(default_factory=ServiceSettings)
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(describe_errors(exc, values)) from exc
 
     @field_validator("models", mode="before")
     @classmethod
@@ -129,8 +272,6 @@ class PersistingSettings(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
-                import json
-
                 return json.loads(text)
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
@@ -144,10 +285,14 @@ class PersistingSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        check_environment(os.environ)
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        toml_file = _TOML_FILE.get() or os.environ.get("PERSISTING_CONFIG")
+        toml_file = settings_file()
         if toml_file:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+            if not Path(toml_file).is_file():
+                named = "" if _TOML_FILE.get() else " (named by PERSISTING_CONFIG)"
+                raise ConfigError(f"settings file not found: {toml_file}{named}")
+            sources.append(_CheckedTomlSource(settings_cls, toml_file=Path(toml_file)))
         return tuple(sources)
 
     @classmethod
@@ -159,8 +304,6 @@ class PersistingSettings(BaseSettings):
         token = _TOML_FILE.set(str(toml_file) if toml_file is not None else None)
         try:
             return cls(**overrides)
-        except ValidationError as exc:
-            raise ConfigError(str(exc)) from exc
         finally:
             _TOML_FILE.reset(token)
 
@@ -171,10 +314,175 @@ class PersistingSettings(BaseSettings):
 _TOML_FILE: ContextVar[str | None] = ContextVar("persisting_toml_file", default=None)
 
 
+def settings_file() -> str | None:
+    """The TOML file settings are read from now: ``load``'s, else ``PERSISTING_CONFIG``."""
+    return _TOML_FILE.get() or os.environ.get("PERSISTING_CONFIG") or None
+
+
+# ---------------------------------------------------------------------------------------
+# Refusing unknown keys, with the closest valid one
+# ---------------------------------------------------------------------------------------
+
+
+def setting_fields(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
+    """``model``'s field names, each with its section model (None for a plain value)."""
+    out: dict[str, type[BaseModel] | None] = {}
+    for name, info in model.model_fields.items():
+        kind = info.annotation
+        out[name] = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+    return out
+
+
+def accepted_names(model: type[BaseModel]) -> set[str]:
+    """The keys ``model`` takes: its field names and the earlier names still accepted."""
+    names = set(model.model_fields)
+    for info in model.model_fields.values():
+        if isinstance(info.validation_alias, AliasChoices):
+            names.update(str(choice) for choice in info.validation_alias.choices)
+    return names
+
+
+def closest(name: str, candidates: list[str] | tuple[str, ...] | set[str]) -> str | None:
+    """The candidate most like ``name`` (a typo's intended key), if any is close."""
+    found = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _unknown(dotted: str, known: Mapping[str, Any], where: str, spell: Any = str) -> str:
+    name = dotted.rsplit(".", 1)[-1]
+    guess = closest(name, set(known))
+    prefix = dotted[: -len(name)]
+    hint = f"; did you mean {spell(prefix + guess)}?" if guess else ""
+    return f"unknown setting {spell(dotted)} in {where}{hint}"
+
+
+def check_keys(data: Mapping[str, Any], where: str, model: type[BaseModel] | None = None) -> None:
+    """ConfigError for the first key of ``data`` (a TOML document) no section has."""
+    model = model or PersistingSettings
+    fields = setting_fields(model)
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(_unknown(str(key), fields, where))
+        section = fields[key]
+        if section is not None and isinstance(value, Mapping):
+            for sub in value:
+                if sub not in accepted_names(section):
+                    raise ConfigError(_unknown(f"{key}.{sub}", section.model_fields, where))
+
+
+def _variable(dotted: str) -> str:
+    return ENV_PREFIX + dotted.replace(".", "__").upper()
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """ConfigError for a ``PERSISTING_*`` variable that looks like a setting but is none.
+
+    Refused: a nested name (``PERSISTING_<SECTION>__<FIELD>``) whose section or field does
+    not exist, and a plain name that is one typo away from a setting
+    (``PERSISTING_STORAGE_PAHT``). Other names are left alone (they may be another tool's).
+    """
+    fields = setting_fields(PersistingSettings)
+    for variable in environ:
+        upper = variable.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in OTHER_VARIABLES:
+            continue
+        name = upper[len(ENV_PREFIX) :].lower()
+        section_name, nested, field = name.partition("__")
+        where = "the environment"
+        if nested:
+            section = fields.get(section_name)
+            if section is None:
+                guess = closest(section_name, {k for k, v in fields.items() if v is not None})
+                hint = f"; did you mean {_variable(f'{guess}.{field}')}?" if guess else ""
+                raise ConfigError(f"unknown setting {variable} in {where}{hint}")
+            if field not in accepted_names(section):
+                raise ConfigError(
+                    _unknown(f"{section_name}.{field}", section.model_fields, where, _variable)
+                )
+        elif name not in fields and closest(name, set(fields)) is not None:
+            raise ConfigError(_unknown(name, fields, where, _variable))
+
+
+class _CheckedTomlSource(TomlConfigSettingsSource):
+    """The TOML file, refused whole if it is missing, does not parse or has unknown keys."""
+
+    def _read_file(self, file_path: Any) -> dict[str, Any]:
+        try:
+            with Path(file_path).open("rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"settings file not found: {file_path}") from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read settings file {file_path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{file_path} is not valid TOML: {exc}") from exc
+        check_keys(data, str(file_path))
+        return data
+
+
+def describe_errors(exc: ValidationError, arguments: Mapping[str, Any]) -> str:
+    """One line per invalid setting: its dotted name, what is wrong, and where it came from
+    (an argument, a ``PERSISTING_*`` variable or the TOML file)."""
+    parts = []
+    for error in exc.errors():
+        dotted = ".".join(str(p) for p in error["loc"])
+        if error["type"] == "extra_forbidden":
+            parts.append(_unknown_anywhere(error["loc"]))
+            continue
+        where = _origin(error["loc"], arguments)
+        cause = (error.get("ctx") or {}).get("error")
+        if error["type"] == "value_error" and cause is not None:
+            parts.append(f"{cause}{f' (from {where})' if where else ''}")
+        else:
+            got = f"got {error['input']!r}{f' from {where}' if where else ''}"
+            parts.append(f"{dotted}: {error['msg']} ({got})")
+    return "invalid settings: " + "; ".join(parts)
+
+
+def _unknown_anywhere(loc: tuple[Any, ...]) -> str:
+    model: type[BaseModel] = PersistingSettings
+    for part in loc[:-1]:
+        section = setting_fields(model).get(str(part))
+        if section is None:
+            break
+        model = section
+    dotted = ".".join(str(p) for p in loc)
+    return _unknown(dotted, model.model_fields, "the arguments")
+
+
+def _origin(loc: tuple[Any, ...], arguments: Mapping[str, Any]) -> str:
+    if loc and loc[0] in arguments:
+        return ""
+    variable = _variable(".".join(str(p) for p in loc))
+    if variable in {k.upper() for k in os.environ}:
+        return variable
+    return settings_file() or ""
+
+
+def size_text(n: int) -> str:
+    """``2147483648`` -> ``2GiB``: the largest binary unit that divides ``n`` exactly."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
 __all__ = [
     "DURABILITY_ALIASES",
+    "OTHER_VARIABLES",
+    "Bytes",
     "KVSettings",
     "PersistingSettings",
     "QueueSettings",
     "ServiceSettings",
+    "StorageAccess",
+    "check_environment",
+    "check_keys",
+    "closest",
+    "describe_errors",
+    "parse_bytes",
+    "setting_fields",
+    "settings_file",
+    "size_text",
+    "socket_address",
 ]

@@ -8,11 +8,24 @@ wire and the client can raise the same type on the other side.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 
 class PersistingError(Exception):
     """Base class of every error Persisting raises on purpose."""
 
     code: str = "persisting_error"
+    #: The inputs the message names, by their Python names (``"tp"``, ``"kv_heads"``), so a
+    #: front end can name them its own way (the command line shows ``--tp``, ``--kv-heads``).
+    fields: tuple[str, ...] = ()
+
+    def about(self, *fields: str) -> Self:
+        """This error, noting that its message names the inputs ``fields``."""
+        self.fields = fields
+        return self
 
 
 class ConfigError(PersistingError, ValueError):
@@ -99,6 +112,12 @@ class AccessDeniedError(PersistingError):
     code = "access_denied"
 
 
+class NamespaceInUseError(PersistingError):
+    """A namespace that cannot be dropped because a live store (a server) holds it open."""
+
+    code = "namespace_in_use"
+
+
 class ServiceUnavailableError(PersistingError):
     """No live server could be reached for a request."""
 
@@ -130,6 +149,7 @@ __all__ = [
     "InvalidNameError",
     "InvalidValueError",
     "LayoutMismatchError",
+    "NamespaceInUseError",
     "OffsetTrimmedError",
     "PersistingError",
     "ProtocolError",

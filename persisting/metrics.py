@@ -3,7 +3,7 @@
 :class:`KVMetrics` watches any number of :class:`~persisting.kv.KVStore` s (one per model)
 without ``persisting.kv`` knowing about Prometheus, in two ways:
 
-* a listener on ``store.stats_.listeners`` feeds the latency histograms as operations
+* a listener on ``store.op_stats.listeners`` feeds the latency histograms as operations
   happen (only a listener sees each operation's duration);
 * a collector reads ``store.stats()`` at scrape time for every counter and gauge, so the
   exported figures are exactly the store's own (no second count that could drift).
@@ -14,8 +14,8 @@ positions under a storage root (:meth:`KVMetrics.track_queue_lag`).
 
 Nothing here touches prometheus_client's global default registry: a server process makes
 one ``KVMetrics`` (with its own ``CollectorRegistry``) and serves it with
-:func:`start_metrics_server`. :data:`STORE_FIGURES` is the one table of metric names and the
-``stats()`` keys behind them; ``persisting stats`` reads scrapes back through it.
+:func:`start_metrics_server`. The names of the figures and metrics, and the consumer lag,
+live in :mod:`persisting.figures` (re-exported here), which does not import Prometheus.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,18 +35,29 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from persisting.errors import ConfigError, PersistingError
-from persisting.lance_store import StorageRoot
+from persisting.figures import (
+    LATENCY_METRIC,
+    QUEUE_LAG_METRIC,
+    STORE_FIGURES,
+    TIERS,
+    ConsumerLag,
+    StoreFigure,
+    consumer_lags,
+    figure_values,
+)
 
 if TYPE_CHECKING:
     from persisting.kv import KVStore
 
 log = logging.getLogger(__name__)
 
-#: The tiers a figure may be broken down by (the ``tier`` label).
-TIERS = ("memory", "disk")
-
-#: Histogram buckets (seconds): 10 us to 10 s, about three per decade.
+#: Histogram buckets (seconds): 1 us to 10 s, about three per decade. Memory-tier hits
+#: in-process take a few microseconds: a coarser first bucket would put every one of them
+#: in it, and an estimated percentile would say only "half of 10 us".
 LATENCY_BUCKETS = (
+    0.000001,
+    0.0000025,
+    0.000005,
     0.00001,
     0.000025,
     0.00005,
@@ -67,218 +78,6 @@ LATENCY_BUCKETS = (
     5.0,
     10.0,
 )
-
-LATENCY_METRIC = "persisting_kv_operation_seconds"
-QUEUE_LAG_METRIC = "persisting_queue_consumer_lag"
-
-
-@dataclass(frozen=True)
-class StoreFigure:
-    """One figure of a KV store: its name in reports, its metric, and its ``stats()`` key.
-
-    A ``key`` containing ``{tier}`` is one sample per tier (label ``tier``); counters are
-    exported with Prometheus' ``_total`` suffix after ``metric``.
-    """
-
-    field: str
-    metric: str
-    kind: Literal["counter", "gauge"]
-    key: str
-    help: str
-
-    @property
-    def per_tier(self) -> bool:
-        return "{tier}" in self.key
-
-    @property
-    def sample_name(self) -> str:
-        """The name a scrape shows (counters carry ``_total``)."""
-        return f"{self.metric}_total" if self.kind == "counter" else self.metric
-
-
-STORE_FIGURES: tuple[StoreFigure, ...] = (
-    StoreFigure("hits", "persisting_kv_hits", "counter", "get_hit_{tier}", "Gets served, by tier."),
-    StoreFigure(
-        "misses",
-        "persisting_kv_misses",
-        "counter",
-        "get_miss",
-        "Gets that returned nothing: absent, wrong layout, damaged or evicted mid-read.",
-    ),
-    StoreFigure(
-        "hit_tokens",
-        "persisting_kv_hit_tokens",
-        "counter",
-        "lookup_hit_tokens",
-        "Tokens covered by stored chunks, summed over token lookups.",
-    ),
-    StoreFigure(
-        "lookup_hit_chunks",
-        "persisting_kv_lookup_hit_chunks",
-        "counter",
-        "lookup_hit_chunks",
-        "Leading chunks found present, summed over prefix lookups.",
-    ),
-    StoreFigure(
-        "read_bytes",
-        "persisting_kv_read_bytes",
-        "counter",
-        "get_bytes_{tier}",
-        "Payload bytes returned by gets, by the tier that served them.",
-    ),
-    StoreFigure(
-        "written_bytes",
-        "persisting_kv_written_bytes",
-        "counter",
-        "put_bytes_{tier}",
-        "Payload bytes newly stored by puts, by the tier the put completed in.",
-    ),
-    StoreFigure(
-        "put_requests",
-        "persisting_kv_put_requests",
-        "counter",
-        "put_stored_{tier}",
-        "Put calls (a batch counts once), by the tier they completed in.",
-    ),
-    StoreFigure(
-        "evictions",
-        "persisting_kv_evictions",
-        "counter",
-        "{tier}_evictions",
-        "Chunks evicted to make room, by tier.",
-    ),
-    StoreFigure(
-        "corruptions",
-        "persisting_kv_corruptions",
-        "counter",
-        "corruptions",
-        "Damaged payloads or metadata detected (dropped, never returned).",
-    ),
-    StoreFigure(
-        "layout_mismatches",
-        "persisting_kv_layout_mismatches",
-        "counter",
-        "layout_mismatches",
-        "Gets whose stored layout differed from the one asked for (served as misses).",
-    ),
-    StoreFigure(
-        "prefetched",
-        "persisting_kv_prefetched",
-        "counter",
-        "prefetched",
-        "Chunks found in memory after prefetch requests.",
-    ),
-    StoreFigure(
-        "writeback_failures",
-        "persisting_kv_writeback_failures",
-        "counter",
-        "writeback_failures",
-        "Write-behind disk writes that failed (the value stayed memory-only).",
-    ),
-    StoreFigure(
-        "writeback_dropped",
-        "persisting_kv_writeback_dropped",
-        "counter",
-        "writeback_dropped",
-        "Dirty chunks evicted from memory that the full disk tier could not take.",
-    ),
-    StoreFigure(
-        "recovered_files",
-        "persisting_kv_recovered_files",
-        "counter",
-        "recovered_files",
-        "Payload files found on open that the metadata did not know (adopted).",
-    ),
-    StoreFigure("items", "persisting_kv_items", "gauge", "{tier}_items", "Chunks held, by tier."),
-    StoreFigure(
-        "bytes",
-        "persisting_kv_bytes",
-        "gauge",
-        "{tier}_bytes",
-        "Bytes in use, by tier (disk: the model directory, shared by all its processes).",
-    ),
-    StoreFigure(
-        "capacity",
-        "persisting_kv_capacity_bytes",
-        "gauge",
-        "{tier}_capacity",
-        "Configured budget, by tier.",
-    ),
-    StoreFigure(
-        "pending_puts",
-        "persisting_kv_pending_puts",
-        "gauge",
-        "pending_puts",
-        "Write-behind puts not yet durable on disk.",
-    ),
-)
-
-
-def figure_values(figure: StoreFigure, stats: dict[str, Any]) -> dict[str, int] | int | None:
-    """``figure``'s value in a ``stats()`` dict: per tier as a dict, else one number.
-
-    Counters a store never incremented are 0; a gauge of a tier the store lacks (no disk
-    tier) is left out, and None if the store has no such gauge at all.
-    """
-    if figure.per_tier:
-        values: dict[str, int] = {}
-        for tier in TIERS:
-            key = figure.key.format(tier=tier)
-            if key in stats or figure.kind == "counter":
-                values[tier] = int(stats.get(key, 0))
-        return values or None
-    if figure.key in stats or figure.kind == "counter":
-        return int(stats.get(figure.key, 0))
-    return None
-
-
-# ---------------------------------------------------------------------------------------
-# Queue consumer lag
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConsumerLag:
-    """How far one committed consumer of a queue bucket is behind the bucket's end
-    (``position`` and ``end_offset`` are None where only the lag is known, as in a scrape)."""
-
-    topic: str
-    bucket: int
-    consumer: str
-    position: int | None
-    end_offset: int | None
-    lag: int
-
-
-def consumer_lags(
-    storage_root: str | os.PathLike[str], topics: Sequence[str] | None = None
-) -> list[ConsumerLag]:
-    """The lag of every committed consumer under ``storage_root`` (of ``topics``, or all).
-
-    The end of a bucket is the next offset of its committed (flushed) records, read through
-    a read-only queue backend; records still in a live writer's buffer are not counted.
-    """
-    from persisting.queue import open_bucket
-    from persisting.queue.positions import ConsumerPositions
-
-    store = StorageRoot(storage_root)
-    out: list[ConsumerLag] = []
-    for topic in topics if topics is not None else store.list_topics():
-        for bucket in store.list_buckets(topic):
-            positions = ConsumerPositions(store.queue_bucket_dir(topic, bucket)).all()
-            if not positions or not store.queue_path(topic, bucket).exists():
-                continue
-            backend = open_bucket(storage_root, topic, bucket, read_only=True)
-            try:
-                end = backend.total_count()
-            finally:
-                backend.close()
-            for consumer, position in sorted(positions.items()):
-                out.append(
-                    ConsumerLag(topic, bucket, consumer, position, end, max(0, end - position))
-                )
-    return out
-
 
 # ---------------------------------------------------------------------------------------
 # The exporter
@@ -335,7 +134,7 @@ class KVMetrics:
             if previous is not None:
                 _remove_listener(previous)
             listener = self._listener(store.model)
-            store.stats_.listeners.append(listener)
+            store.op_stats.listeners.append(listener)
             self._stores[store.model] = _Attached(store, listener)
 
     def detach(self, store: KVStore) -> bool:
@@ -436,7 +235,7 @@ class KVMetrics:
 
 def _remove_listener(attached: _Attached) -> None:
     with contextlib.suppress(ValueError):  # already removed
-        attached.store.stats_.listeners.remove(attached.listener)
+        attached.store.op_stats.listeners.remove(attached.listener)
 
 
 class _Collector(Collector):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from persisting import errors
 from persisting.config import PersistingSettings
+from persisting.config_sample import sample_toml
 from persisting.errors import ConfigError, PersistingError
 
 
@@ -66,3 +69,113 @@ def test_every_error_is_a_persisting_error_with_a_unique_code() -> None:
         assert issubclass(cls, PersistingError)
         assert errors.error_class_for(cls.code) is cls
     assert errors.error_class_for("no-such-code") is PersistingError
+
+
+# --- mistakes are refused, naming the key and the closest valid one -------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+TOML_MISTAKES = [
+    ("[kv]\nmemory_byte = 5\n", "unknown setting kv.memory_byte in {file}; did you mean"),
+    ('[servce]\naddr = "127.0.0.1:1"\n', "unknown setting servce in {file}; did you mean"),
+    ('storage_pth = "/x"\n', "unknown setting storage_pth in {file}; did you mean"),
+    ("[kv\nmemory_bytes = 5\n", "{file} is not valid TOML"),
+    ('[kv]\ndurability = "often"\n', "kv.durability: Input should be 'sync', 'async' or"),
+    ('[kv]\ndisk_bytes = "12XB"\n', "kv.disk_bytes: could not interpret byte unit: XB"),
+]
+CLOSEST = ["kv.memory_bytes?", "service?", "storage_path?", "", "(got 'often' from {file})", ""]
+
+
+@pytest.mark.parametrize(
+    ("toml", "message", "closest"), [(*m, c) for m, c in zip(TOML_MISTAKES, CLOSEST, strict=True)]
+)
+def test_toml_mistakes_name_the_key_and_the_file(
+    tmp_path: Path, toml: str, message: str, closest: str
+) -> None:
+    cfg = tmp_path / "persisting.toml"
+    cfg.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        PersistingSettings.load(cfg)
+    assert message.format(file=cfg) in str(info.value)
+    assert closest.format(file=cfg) in str(info.value)
+    assert "\n" not in str(info.value)  # one line, for the command line and for logs
+
+
+@pytest.mark.parametrize(
+    ("variable", "message"),
+    [
+        ("PERSISTING_KV__MEMORY_BYTE", "did you mean PERSISTING_KV__MEMORY_BYTES?"),
+        ("PERSISTING_SERVCE__ADDR", "did you mean PERSISTING_SERVICE__ADDR?"),
+        ("PERSISTING_STORAGE_PAHT", "did you mean PERSISTING_STORAGE_PATH?"),
+    ],
+)
+def test_unknown_environment_settings_are_refused(
+    monkeypatch: pytest.MonkeyPatch, variable: str, message: str
+) -> None:
+    monkeypatch.setenv(variable, "1")
+    with pytest.raises(ConfigError) as info:
+        PersistingSettings()
+    assert f"unknown setting {variable} in the environment; {message}" == str(info.value)
+
+
+def test_variables_that_are_not_settings_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERSISTING_SKIP_LMCACHE", "1")  # scripts/install.sh reads it
+    monkeypatch.setenv("PERSISTING_BUILD_LABEL", "nightly")  # nothing like any setting
+    assert PersistingSettings().kv.durability == "sync"
+
+
+def test_a_missing_or_broken_settings_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PERSISTING_CONFIG", str(tmp_path / "typo.toml"))
+    with pytest.raises(ConfigError, match=r"typo\.toml \(named by PERSISTING_CONFIG\)"):
+        PersistingSettings()
+    monkeypatch.delenv("PERSISTING_CONFIG")
+    with pytest.raises(ConfigError, match=r"invalid settings: kv\.durability"):
+        PersistingSettings(kv={"durability": "sometimes"})  # the constructor too
+
+
+def test_sizes_take_units_everywhere_and_stay_plain_ints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('[kv]\nmemory_bytes = "8GiB"\ndisk_bytes = "512MB"\n')
+    monkeypatch.setenv("PERSISTING_SERVICE__SHM_ARENA_BYTES", "16MiB")
+    s = PersistingSettings.load(cfg, kv={"max_value_bytes": "1.5GiB"})
+    assert s.kv.memory_bytes == 8 << 30 and s.kv.disk_bytes == 512_000_000
+    assert s.service.shm_arena_bytes == 16 << 20 and s.kv.max_value_bytes == 3 << 29
+    # Plain ints: settings travel in service messages that refuse every class but builtins.
+    from persisting.service.protocol import safe_loads
+
+    for value in (s.kv.memory_bytes, s.service.shm_arena_bytes, s.kv.max_value_bytes):
+        assert type(value) is int
+    assert safe_loads(pickle.dumps(s.model_dump(mode="python")["kv"]))["memory_bytes"] == 8 << 30
+
+
+def test_service_addresses_are_ip_and_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERSISTING_SERVICE__ADDR", "localhost:8610")
+    with pytest.raises(ConfigError, match=r"a host name is not resolved: use 127\.0\.0\.1"):
+        PersistingSettings()
+    monkeypatch.setenv("PERSISTING_SERVICE__ADDR", "[::1]:8610")
+    assert PersistingSettings().service.addr == "[::1]:8610"
+    with pytest.raises(ConfigError, match="the port must be 0 to 65535"):
+        PersistingSettings(service={"seeds": ["10.0.0.1:99999"]})
+
+
+def test_the_sample_settings_file_is_generated_and_in_sync() -> None:
+    committed = (REPO / "deploy" / "persisting.toml").read_text()
+    assert committed == sample_toml(), "run: persisting config sample > deploy/persisting.toml"
+    data = tomllib.loads(committed)
+    defaults = PersistingSettings.model_construct()
+    for section in ("kv", "queue", "service"):
+        model = getattr(defaults, section)
+        assert set(data[section]) | _unset(committed, section) == set(type(model).model_fields)
+    loaded = PersistingSettings.load(REPO / "deploy" / "persisting.toml")
+    assert loaded.model_dump() == PersistingSettings.model_construct().model_dump()
+
+
+def _unset(text: str, section: str) -> set[str]:
+    """Settings a section lists commented out (their default is unset)."""
+    body = text.split(f"[{section}]", 1)[1].split("\n[", 1)[0]
+    return {line[2:].split(" =")[0] for line in body.splitlines() if line.endswith(" =")}

@@ -1,4 +1,5 @@
-"""A PNG of a replay: latency CDF per operation, and token hit rate over trace time.
+"""A PNG of a replay: latency CDF per operation, and token hit rate over trace time split
+into memory-tier and disk-tier hits, against the best rate an unbounded cache reaches.
 
 Drawn with matplotlib's object API on the Agg canvas, so it needs no display and leaves
 pyplot's global state alone.
@@ -11,7 +12,24 @@ from pathlib import Path
 import numpy as np
 
 from persisting.bench.replay import OPS, ReplayResult
-from persisting.bench.report import hit_rate_over_time
+from persisting.bench.report import hit_rates_over_time, summarize
+
+
+def values_caption(result: ReplayResult) -> str:
+    """What the stored values weigh, e.g. ``llama-3.1-8b KV: 128 KiB/token, 32 MiB chunks``."""
+    options = result.options
+    per_token = _binary(options.bytes_per_token)
+    chunk = _binary(options.bytes_per_token * options.chunk_size)
+    model = f"{options.kv_model} KV" if options.kv_model else "values"
+    return f"{model}: {per_token}/token, {chunk} chunks of {options.chunk_size} tokens"
+
+
+def _binary(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def write_plot(result: ReplayResult, path: str | Path, bins: int = 20) -> Path:
@@ -20,7 +38,7 @@ def write_plot(result: ReplayResult, path: str | Path, bins: int = 20) -> Path:
     from matplotlib.figure import Figure
 
     path = Path(path)
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    fig = Figure(figsize=(12, 4.6), layout="constrained")
     FigureCanvasAgg(fig)
     cdf_ax, hit_ax = fig.subplots(1, 2)
 
@@ -38,19 +56,47 @@ def write_plot(result: ReplayResult, path: str | Path, bins: int = 20) -> Path:
     if cdf_ax.lines:
         cdf_ax.legend(loc="lower right")
 
-    ends, windowed, cumulative = hit_rate_over_time(result.records, bins=bins)
-    hit_ax.plot(ends, windowed * 100, marker="o", markersize=3, label="per interval")
-    hit_ax.plot(ends, cumulative * 100, linestyle="--", label="cumulative")
+    rates = hit_rates_over_time(result.records, bins=bins)
+    report = summarize(result)
+    if rates.split:
+        hit_ax.stackplot(
+            rates.ends,
+            rates.memory * 100,
+            rates.disk * 100,
+            labels=["memory-tier hits", "disk-tier hits"],
+            colors=["tab:green", "tab:orange"],
+            alpha=0.7,
+            step="pre",
+        )
+    else:
+        hit_ax.plot(rates.ends, rates.memory * 100, marker="o", markersize=3, label="per interval")
+    hit_ax.plot(rates.ends, rates.cumulative * 100, color="black", label="cumulative")
+    hit_ax.plot(
+        rates.ends,
+        rates.best_cumulative * 100,
+        color="tab:blue",
+        linestyle="--",
+        label="best achievable (cold, unbounded cache), cumulative",
+    )
+    hit_ax.axhline(
+        report.best_token_hit_rate * 100,
+        color="tab:blue",
+        linestyle=":",
+        label=f"best over the trace: {report.best_token_hit_rate:.0%}",
+    )
     hit_ax.set_xlabel("trace time (s)")
     hit_ax.set_ylabel("token hit rate (%)")
     hit_ax.set_ylim(0, 100)
     hit_ax.set_title("Hit rate over time")
     hit_ax.grid(True, alpha=0.3)
-    hit_ax.legend(loc="lower right")
+    hit_ax.legend(loc="lower right", fontsize="small")
 
-    fig.suptitle(f"{result.model} on {result.target}: {len(result.records)} requests")
+    fig.suptitle(
+        f"{result.model} on {result.target}: {len(result.records)} requests; "
+        f"{values_caption(result)}"
+    )
     fig.savefig(path, dpi=100)
     return path
 
 
-__all__ = ["write_plot"]
+__all__ = ["values_caption", "write_plot"]

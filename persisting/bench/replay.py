@@ -6,7 +6,10 @@ did not have (``put``). Each call is timed, and every loaded value is checked ag
 bytes that were stored for its key, so a store that returns the wrong chunk is caught.
 
 The target is anything with the small :class:`Target` protocol, so the same replay drives
-a local :mod:`persisting.kv` store or, later, the actor service's client.
+a local :mod:`persisting.kv` store or a running server through its client
+(:mod:`persisting.bench.targets`). Two more figures per request say what the cache could
+have done and where hits came from: the hits an unbounded cache would have had (every chunk
+seen before), and, when the target can tell, how many hit chunks each tier served.
 """
 
 from __future__ import annotations
@@ -45,14 +48,20 @@ class Target(Protocol):
     def close(self) -> None: ...
 
 
+#: A target's cumulative memory-tier hits (chunks), read between requests; a hit the
+#: memory tier did not serve came from disk.
+TierHits = Callable[[], int]
+
+
 @dataclass(frozen=True)
 class ReplayOptions:
     """How requests become chunks and chunk values.
 
     Values are ``KV_2LTD`` bfloat16 tensors ``[2, layers, tokens, hidden]`` with
-    ``bytes_per_token`` bytes per token (small by default so a replay runs in seconds;
-    set the model's real figure to measure bandwidth). ``realtime`` paces requests at their
-    trace times instead of sending them back to back.
+    ``bytes_per_token`` bytes per token: small by default so a library replay runs in
+    seconds; :meth:`for_model` takes a real model's figure (``persisting bench replay``
+    does by default). ``realtime`` paces requests at their trace times instead of sending
+    them back to back. ``kv_model`` names the model whose KV size the values have.
     """
 
     chunk_size: int = 256
@@ -61,18 +70,33 @@ class ReplayOptions:
     save_unfull_chunk: bool = False
     realtime: bool = False
     verify: bool = True
+    kv_model: str | None = None
+
+    @classmethod
+    def for_model(cls, name: str, **options: Any) -> ReplayOptions:
+        """Options whose values weigh what ``name``'s KV weighs per token (a planner preset
+        or its Hugging Face id): ``[2, layers, tokens, bytes / (4 x layers)]`` in bfloat16."""
+        from persisting.planner import find_preset, kv_bytes_per_token
+
+        preset = find_preset(name)
+        per_token = kv_bytes_per_token(
+            preset.layers, preset.kv_heads, preset.head_dim, "bf16", mla=preset.mla
+        )
+        return cls(bytes_per_token=per_token, layers=preset.layers, kv_model=preset.name, **options)
 
     def validate(self) -> None:
         if self.chunk_size < 1:
-            raise InvalidValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+            raise InvalidValueError(f"chunk_size must be >= 1, got {self.chunk_size}").about(
+                "chunk_size"
+            )
         if self.layers < 1:
-            raise InvalidValueError(f"layers must be >= 1, got {self.layers}")
+            raise InvalidValueError(f"layers must be >= 1, got {self.layers}").about("layers")
         per_hidden = 2 * self.layers * 2  # K and V, layers, bfloat16 bytes
         if self.bytes_per_token < per_hidden or self.bytes_per_token % per_hidden:
             raise InvalidValueError(
                 f"bytes_per_token must be a positive multiple of {per_hidden} "
                 f"(2 x layers x 2 bytes), got {self.bytes_per_token}"
-            )
+            ).about("bytes_per_token", "layers")
 
     @property
     def hidden(self) -> int:
@@ -94,6 +118,11 @@ class RequestRecord:
     bytes_written: int = 0
     mismatches: int = 0
     latency_s: dict[str, float] = field(default_factory=dict)
+    #: Hit chunks the memory and disk tiers served (None: the target cannot tell).
+    memory_hit_chunks: int | None = None
+    disk_hit_chunks: int | None = None
+    #: Tokens an unbounded cache would have served: the prefix of chunks seen before.
+    best_hit_tokens: int = 0
 
 
 @dataclass
@@ -149,8 +178,12 @@ def replay(
     *,
     target_name: str = "target",
     on_request: Callable[[RequestRecord], None] | None = None,
+    tier_hits: TierHits | None = None,
 ) -> ReplayResult:
-    """Send every request of ``trace`` to ``target`` in order and record what happened."""
+    """Send every request of ``trace`` to ``target`` in order and record what happened.
+
+    ``tier_hits`` (read before and after each request) splits hits by tier.
+    """
     options = options or ReplayOptions()
     options.validate()
     hasher = TokenHasher(
@@ -161,6 +194,7 @@ def replay(
     tokens_of = SegmentTokens(trace.header.vocab_size)
     values = ChunkValues(options)
     result = ReplayResult(model=trace.header.model, target=target_name, options=options)
+    seen: set[ChunkKey] = set()
     start = time.perf_counter()
     for request in trace.requests:
         if options.realtime:
@@ -175,8 +209,14 @@ def replay(
             tokens=request.num_tokens,
             chunks=len(chunks),
         )
+        record.best_hit_tokens = _best_hit_tokens(chunks, seen)
+        before = tier_hits() if tier_hits is not None and chunks else None
         if chunks:
             _serve_request(target, chunks, values, options.verify, record)
+        if before is not None and tier_hits is not None:
+            memory = min(record.hit_chunks, max(0, tier_hits() - before))
+            record.memory_hit_chunks = memory
+            record.disk_hit_chunks = record.hit_chunks - memory
         for op, seconds in record.latency_s.items():
             result.latencies_s[op].append(seconds)
         result.records.append(record)
@@ -184,6 +224,17 @@ def replay(
             on_request(record)
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def _best_hit_tokens(chunks: list[tuple[int, int, ChunkKey]], seen: set[ChunkKey]) -> int:
+    """Tokens of the longest prefix of ``chunks`` stored before (then remember them all)."""
+    best = 0
+    for _start, end, key in chunks:
+        if key not in seen:
+            break
+        best = end
+    seen.update(key for _start, _end, key in chunks)
+    return best
 
 
 def _serve_request(
@@ -238,5 +289,6 @@ __all__ = [
     "ReplayResult",
     "RequestRecord",
     "Target",
+    "TierHits",
     "replay",
 ]

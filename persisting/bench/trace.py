@@ -132,24 +132,29 @@ class TraceSpec:
 
     def validate(self) -> None:
         checks = (
-            (self.requests >= 1, "requests must be >= 1"),
-            (self.rate > 0, "rate must be > 0 requests/s"),
-            (self.arrival in ("poisson", "uniform"), "arrival must be 'poisson' or 'uniform'"),
-            (self.documents >= 1, "documents must be >= 1"),
-            (self.zipf_s >= 0, "zipf_s must be >= 0 (0 is uniform popularity)"),
-            (self.doc_tokens >= 0, "doc_tokens must be >= 0"),
-            (self.suffix_tokens >= 0, "suffix_tokens must be >= 0"),
-            (self.system_tokens >= 0, "system_tokens must be >= 0"),
-            (self.vocab_size >= 2, "vocab_size must be >= 2"),
+            (self.requests >= 1, "requests", "requests must be >= 1"),
+            (self.rate > 0, "rate", "rate must be > 0 requests/s"),
+            (
+                self.arrival in ("poisson", "uniform"),
+                "arrival",
+                "arrival must be 'poisson' or 'uniform'",
+            ),
+            (self.documents >= 1, "documents", "documents must be >= 1"),
+            (self.zipf_s >= 0, "zipf_s", "zipf_s must be >= 0 (0 is uniform popularity)"),
+            (self.doc_tokens >= 0, "doc_tokens", "doc_tokens must be >= 0"),
+            (self.suffix_tokens >= 0, "suffix_tokens", "suffix_tokens must be >= 0"),
+            (self.system_tokens >= 0, "system_tokens", "system_tokens must be >= 0"),
+            (self.vocab_size >= 2, "vocab_size", "vocab_size must be >= 2"),
             (
                 self.doc_tokens + self.suffix_tokens + self.system_tokens >= 1,
+                "doc_tokens",
                 "a request needs at least one token",
             ),
-            (bool(self.model), "model must be a non-empty name"),
+            (bool(self.model), "model", "model must be a non-empty name"),
         )
-        for ok, message in checks:
+        for ok, name, message in checks:
             if not ok:
-                raise InvalidValueError(f"trace spec: {message}")
+                raise InvalidValueError(f"trace spec: {message}").about(name)
 
 
 def zipf_weights(n: int, s: float) -> np.ndarray:

@@ -1,9 +1,15 @@
 """The disk tier: payload files plus a Lance metadata table, under one byte budget.
 
 A hot read costs one index lookup and one positioned read into the destination buffer, then
-a checksum check; Lance is off the read path. Capacity is enforced for the model directory
-as a whole (shared with other processes through :class:`SharedUsage`), and eviction unlinks
-files, so ``du`` stays within the budget plus the batch being written.
+a checksum check; Lance is off the read path.
+
+The budget covers everything in the model directory, for all processes sharing it (through
+:class:`SharedUsage`): payload files, block-rounded and reserved before they are written,
+plus the overhead -- the Lance metadata table, the ``payload/<hh>`` and other directories,
+the lock and counter files, quarantined metadata -- measured after each metadata commit.
+Eviction unlinks payload files until both fit, so ``du -s`` of the directory stays within
+the budget, except for metadata growth since the last commit's measurement (one commit's
+rows and manifest) until the next.
 """
 
 from __future__ import annotations
@@ -12,24 +18,30 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
-from persisting.errors import CapacityError, CorruptValueError, StorageIOError
+from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
+from persisting.kv import recency
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout, checksum
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
+    BLOCK,
     HEADER_BYTES,
     FileHeader,
     PayloadFiles,
+    PendingFile,
     file_size,
     key_hash,
     round_to_block,
 )
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.shared_usage import SharedUsage
-from persisting.shm import pid_alive
+from persisting.lance_store.access import OWNER_ONLY, FileModes, storage_error
+from persisting.lance_store.durable import makedirs_durable
 
 log = logging.getLogger(__name__)
 
@@ -45,42 +57,92 @@ class Location:
     checksum: int
 
 
+#: Room kept for the metadata commits of one batch until they are measured: its append and
+#: the delete of what it evicted. A Lance commit (a data file, a manifest and a transaction
+#: file) grew meta.lance by 12-16 KiB each on ext4 here.
+METADATA_COMMIT_BYTES = 32 << 10
+
+#: Told which chunks eviction removed, as ``(key, bytes on disk)``.
+EvictionListener = Callable[[list[tuple[str, int]]], None]
+
+
 @dataclass(slots=True)
 class WriteItem:
+    """One value to write. ``cancelled`` (set by a remove) makes the write lose: an item
+    cancelled before its batch starts is skipped, one cancelled while being written is
+    unlinked instead of published."""
+
     key: str
     layout: Layout
     data: memoryview
     checksum: int
     parent: str | None
+    cancelled: bool = False
 
 
 class DiskTier:
-    """Thread-safe; several processes may share one directory."""
+    """Thread-safe; several processes may share one directory.
 
-    def __init__(self, directory: Path, capacity: int, policy: EvictionPolicy):
+    ``on_evict`` is called after each eviction with the chunks it removed, on the writing
+    thread and with the directory's usage lock held: it must be quick and must not call
+    back into the tier.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        capacity: int,
+        policy: EvictionPolicy,
+        on_evict: EvictionListener | None = None,
+        modes: FileModes = OWNER_ONLY,
+    ):
         self.directory = directory
         self.capacity = capacity
         self.policy = policy
-        directory.mkdir(parents=True, exist_ok=True)
-        self.files = PayloadFiles(directory)
+        self.on_evict = on_evict
+        self.modes = modes
+        makedirs_durable(directory, modes)
+        self.files = PayloadFiles(directory, modes)
         self.usage = SharedUsage(directory)
         self.index: LruIndex[DiskEntry] = LruIndex()
         self._lock = threading.RLock()
         self._writing: set[str] = set()
+        self._closed = False
         self.evictions = 0
         self.corruptions = 0
         self.recovered_files = 0
-        self.meta = self._open_metadata()
-        with self.usage.locked():
-            self._load_index()
-            self._recompute_usage()
+        try:
+            self.meta = self._open_metadata()
+        except OSError as exc:  # e.g. a read-only filesystem
+            self.usage.close()
+            _raise_opening_error(directory, exc)
+        try:
+            with self.usage.locked():
+                self._load_index()
+                self._restore_order()
+                self.usage.recount(self.files)
+                self._account_overhead()
+        except BaseException as exc:
+            self.meta.close()
+            self.usage.close()
+            if isinstance(exc, OSError):
+                _raise_opening_error(directory, exc)
+            raise
 
     # -- opening and reconciling --------------------------------------------------------
+
+    def _new_metadata(self, path: Path) -> MetadataTable:
+        return MetadataTable(
+            path,
+            modes=self.modes,
+            max_bytes=max(self.capacity // 16, 128 << 10),
+            on_commit=self._after_metadata_commit,
+        )
 
     def _open_metadata(self) -> MetadataTable:
         path = self.directory / "meta.lance"
         try:
-            return MetadataTable(path)
+            return self._new_metadata(path)
         except Exception as exc:  # a damaged manifest or data file: rebuild from headers
             log.warning(
                 "metadata table %s is damaged (%s); rebuilding from payload files", path, exc
@@ -88,7 +150,7 @@ class DiskTier:
             self.corruptions += 1
             if path.exists():
                 quarantine(path)
-            return MetadataTable(path)
+            return self._new_metadata(path)
 
     def _load_index(self) -> None:
         stale: list[tuple[str, int]] = []
@@ -103,7 +165,7 @@ class DiskTier:
             self.corruptions += 1
             self.meta.close()
             quarantine(self.meta.path)
-            self.meta = MetadataTable(self.meta.path)
+            self.meta = self._new_metadata(self.meta.path)
             rows = []
         on_disk = {(h, tag): path for path, h, tag in self.files.scan()}
         for row in rows:
@@ -117,6 +179,24 @@ class DiskTier:
         if stale:
             self.meta.delete(stale)
         self._adopt_unknown_files(on_disk, record=True)
+
+    def _restore_order(self) -> None:
+        """Put the index back in the eviction order saved by the last close or flush."""
+        saved = recency.load_order(self.directory)
+        if saved:
+            self.index.reorder(
+                {
+                    key: rank
+                    for key, entry in self.index.items()
+                    if (rank := saved.get((key_hash(key), entry.tag))) is not None
+                }
+            )
+
+    def save_order(self) -> None:
+        """Snapshot the eviction order, so a reopened store evicts what this one would."""
+        with self._lock:
+            order = [(key_hash(key), entry.tag) for key, entry in self.index.items()]
+        recency.save_order(self.directory, order)
 
     def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
@@ -158,21 +238,37 @@ class DiskTier:
         if self.files.unlink(path):
             self.usage.add(-round_to_block(size))
 
-    def _recompute_usage(self) -> None:
-        """Set the shared counter from the files actually present (held under the lock)."""
-        total = 0
-        # tmp/ before payload/: a write renamed in between is counted twice, never missed.
-        for tmp, pid, reserved in self.files.tmp_reservations():
-            if pid_alive(pid) and pid != os.getpid():
-                total += reserved
-            else:
-                self.files.unlink(tmp)  # a write that died mid-way: never visible
-        for path, _h, _tag in self.files.scan():
-            try:
-                total += round_to_block(os.stat(path).st_size)
-            except FileNotFoundError:
-                continue
-        self.usage.set(total)
+    @property
+    def reclaimed_bytes(self) -> int:
+        """Bytes of dead writers' reservations this store gave back while open."""
+        return self.usage.reclaimed_bytes
+
+    def measure_overhead(self) -> int:
+        return self.usage.measure_overhead(self.directory, self.files)
+
+    def _account_overhead(self) -> None:
+        """Record the measured overhead and evict payload until the whole fits the budget."""
+        with self.usage.locked():
+            self.usage.set_overhead(self.measure_overhead())
+            over = self.usage.total() - self.capacity
+            if over > 0:
+                self._evict(over)
+
+    def _after_metadata_commit(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._account_overhead()
+        except OSError as exc:  # measuring is best effort; the next commit tries again
+            log.warning("cannot measure the overhead of %s: %s", self.directory, exc)
+
+    def flush(self) -> None:
+        """Commit pending metadata now and account for what it occupies."""
+        if self._closed:
+            return
+        self.meta.flush()
+        self.save_order()
+        self._account_overhead()
 
     def refresh(self) -> int:
         """Pick up chunks other processes wrote and forget those they removed."""
@@ -196,7 +292,11 @@ class DiskTier:
         return self.index.get(key)
 
     def used_bytes(self) -> int:
-        return self.usage.get()
+        """Bytes the directory holds: payload files (reserved) plus the measured overhead."""
+        return self.usage.total()
+
+    def overhead_bytes(self) -> int:
+        return self.usage.overhead()
 
     # -- writing ------------------------------------------------------------------------
 
@@ -204,12 +304,16 @@ class DiskTier:
         """Store a batch; per item True if newly stored, False if already present.
 
         Capacity is reserved for the whole batch first (evicting as needed), so the batch
-        either fits or fails with CapacityError before any file is written.
+        either fits or fails with CapacityError before any file is written. A cancelled item
+        (see :class:`WriteItem`) is not stored.
         """
         with self._lock:
-            todo = [it for it in items if it.key not in self.index and it.key not in self._writing]
-            seen: set[str] = set()
-            todo = [it for it in todo if not (it.key in seen or seen.add(it.key))]
+            first_of_key: dict[str, WriteItem] = {}
+            for it in items:
+                if it.cancelled or it.key in self.index or it.key in self._writing:
+                    continue
+                first_of_key.setdefault(it.key, it)
+            todo = list(first_of_key.values())
             for it in todo:
                 if file_size(it.layout.nbytes) > self.capacity:
                     raise CapacityError(
@@ -217,24 +321,30 @@ class DiskTier:
                         f"a {self.capacity}-byte disk tier"
                     )
             self._writing.update(it.key for it in todo)
-        stored = {it.key for it in todo}
+        writing = {it.key for it in todo}
+        stored: set[str] = set()
         try:
             if todo:
-                self._write_reserved(todo, durable)
+                stored = self._write_reserved(todo, durable)
         finally:
             with self._lock:
-                self._writing.difference_update(stored)
+                self._writing.difference_update(writing)
         return [it.key in stored for it in items]
 
-    def _write_reserved(self, todo: list[WriteItem], durable: bool) -> None:
+    def _write_reserved(self, todo: list[WriteItem], durable: bool) -> set[str]:
         sizes = [file_size(it.layout.nbytes) for it in todo]
         tags = [self.files.new_tag() for _ in todo]
         with self.usage.locked():
-            self._reserve(sum(sizes))
-            pending = [
-                self.files.create(it.key, tag, size)
-                for it, tag, size in zip(todo, tags, sizes, strict=True)
-            ]
+            self._reserve(sum(sizes), headroom=self._growth_of(todo, tags))
+            pending: list[PendingFile] = []
+            try:
+                for it, tag, size in zip(todo, tags, sizes, strict=True):
+                    pending.append(self.files.create(it.key, tag, size))
+            except BaseException:  # nothing was written: give the whole reservation back
+                for p in pending:
+                    self.files.abort(p)
+                self.usage.add(-sum(sizes))
+                raise
         done: list[Path] = []
         try:
             for it, p in zip(todo, pending, strict=True):
@@ -251,32 +361,60 @@ class DiskTier:
                     released += size
             self.usage.add(-released)
             raise
-        with self._lock:
-            for it, tag in zip(todo, tags, strict=True):
+        rows: list[MetaRow] = []
+        cancelled: list[tuple[Path, int]] = []
+        with self._lock:  # a remove sets ``cancelled`` before it takes this lock
+            for it, tag, path, size in zip(todo, tags, done, sizes, strict=True):
+                if it.cancelled:  # removed while being written: the remove wins
+                    cancelled.append((path, size))
+                    continue
                 self.index.add(it.key, DiskEntry(it.layout, it.checksum, it.parent, tag))
-        self.meta.add(
-            [
-                MetaRow(it.key, tag, it.layout, it.checksum, it.parent, path)
-                for it, tag, path in zip(todo, tags, done, strict=True)
-            ]
-        )
+                rows.append(MetaRow(it.key, tag, it.layout, it.checksum, it.parent, path))
+        released = sum(size for path, size in cancelled if self.files.unlink(path))
+        if released:
+            self.usage.add(-released)
+        self.meta.add(rows)
+        return {row.key for row in rows}
 
-    def _reserve(self, nbytes: int) -> None:
-        """Count ``nbytes`` in the shared usage, evicting first (caller holds the usage lock)."""
-        used = self.usage.get()
-        if used + nbytes > self.capacity:
-            self._evict(used + nbytes - self.capacity)
-            used = self.usage.get()
-            if used + nbytes > self.capacity:
+    def _growth_of(self, todo: list[WriteItem], tags: list[int]) -> int:
+        """What a batch adds on disk besides its payload files until the overhead is next
+        measured: one metadata commit, and the ``payload/<hh>`` directories it creates."""
+        new_dirs = {
+            d
+            for d in (
+                self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)
+            )
+            if not d.is_dir()
+        }
+        return METADATA_COMMIT_BYTES + BLOCK * len(new_dirs)
+
+    def _reserve(self, nbytes: int, headroom: int = 0) -> None:
+        """Count ``nbytes`` in the shared usage, evicting first (caller holds the usage lock).
+
+        Room is made for ``headroom`` more (the batch's metadata and new directories, which
+        are counted once measured after the commit), so ``du`` stays within the budget
+        while the batch is being written, not only once it is accounted. A directory that
+        looks full first gives back dead writers' reservations, so a writer killed mid-batch
+        does not make the survivors over-evict.
+        """
+        need = nbytes + headroom
+        used = self.usage.total()
+        if used + need > self.capacity and self.usage.reclaim_abandoned(self.files):
+            used = self.usage.total()
+        if used + need > self.capacity:
+            self._evict(used + need - self.capacity)
+            used = self.usage.total()
+            if used + need > self.capacity:
                 self.refresh()  # files of other processes we have not indexed yet
-                self._evict(used + nbytes - self.capacity)
-                used = self.usage.get()
-        if used + nbytes > self.capacity:
+                self._evict(used + need - self.capacity)
+                used = self.usage.total()
+        if used + need > self.capacity:
             raise CapacityError(
-                f"disk tier full: {used} of {self.capacity} bytes in use, "
+                f"disk tier full: {used} of {self.capacity} bytes in use "
+                f"({self.usage.overhead()} of them metadata and directories), "
                 f"{nbytes} more needed and nothing evictable"
             )
-        self.usage.set(used + nbytes)
+        self.usage.set(self.usage.get() + nbytes)
 
     def _evict(self, need: int) -> int:
         """Unlink victims until ``need`` bytes are freed (caller holds the usage lock)."""
@@ -303,6 +441,8 @@ class DiskTier:
         self.evictions += len(victims)
         if victims:
             self.meta.delete([(k, e.tag) for k, e in victims])
+            if self.on_evict is not None:
+                self.on_evict([(k, file_size(e.layout.nbytes)) for k, e in victims])
         return released
 
     # -- reading ------------------------------------------------------------------------
@@ -402,8 +542,18 @@ class DiskTier:
                 entry.lease_until = 0.0
 
     def close(self) -> None:
+        self.save_order()
         self.meta.close()
+        self._closed = True
         self.usage.close()
 
 
-__all__ = ["DiskTier", "Location", "WriteItem"]
+def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:
+    """Raise an OS error met while opening (a read-only filesystem, a root we may not
+    write) as a StorageIOError; a Persisting error as it is."""
+    if isinstance(exc, PersistingError):
+        raise exc
+    raise storage_error(f"cannot open the disk tier in {directory}", exc) from exc
+
+
+__all__ = ["DiskTier", "EvictionListener", "Location", "WriteItem"]

@@ -106,6 +106,15 @@ class LruIndex(Generic[E]):
     def has_children(self, key: str) -> bool:
         return key in self._children
 
+    def reorder(self, rank: dict[str, int]) -> None:
+        """Put the keys in ``rank`` order (lowest first = least recently used); keys without
+        a rank follow them, in their current order. Used to restore a saved eviction order."""
+        last = len(rank)
+        ordered = sorted(
+            enumerate(self._entries), key=lambda item: (rank.get(item[1], last), item[0])
+        )
+        self._entries = OrderedDict((key, self._entries[key]) for _i, key in ordered)
+
     def lru_order(self) -> Iterator[str]:
         """Keys from least to most recently used (lazy: do not mutate while iterating)."""
         return iter(self._entries)

@@ -3,20 +3,25 @@
 A key's string form is LMCache's ``CacheEngineKey`` format,
 ``model@world_size@worker_id@<chunk hash hex>@dtype[@tag%value...]`` (the layer-wise form
 inserts ``@<layer id>`` after the dtype), so keys round-trip losslessly between Persisting
-and LMCache. The hash *values* from :class:`TokenHasher` are Persisting's own: xxh3 over
-the previous chunk's hash and the chunk's token ids, identical on every process and machine.
+and LMCache. :class:`TokenHasher` computes chunk hashes by one of two schemes: Persisting's
+own (``"persisting"``: xxh3 over the previous chunk's hash and the chunk's token ids), or
+LMCache's (``"lmcache"``: what LMCache's ``ChunkedTokenDatabase`` computes, so chunks an
+LMCache engine stored are found by their token ids). Both are identical on every process
+and machine.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 import xxhash
 
-from persisting.errors import InvalidKeyError
+from persisting.errors import InvalidKeyError, InvalidValueError
 
 #: dtype names exactly as LMCache writes them into keys.
 KEY_DTYPES = frozenset(
@@ -196,17 +201,17 @@ def parse_key(text: object) -> ChunkKey:
         if not sep:
             raise InvalidKeyError(f"bad tag {item!r} in key {text!r}")
         tags.append((name, value))
-    fields = dict(
-        model=model,
-        world_size=_parse_int(world, 10, "world size", text),
-        worker_id=_parse_int(worker, 10, "worker id", text),
-        chunk_hash=_parse_int(chunk_hash, 16, "chunk hash", text),
-        dtype=dtype,
-        tags=tuple(tags),
+    key_fields = (
+        model,
+        _parse_int(world, 10, "world size", text),
+        _parse_int(worker, 10, "worker id", text),
+        _parse_int(chunk_hash, 16, "chunk hash", text),
+        dtype,
+        tuple(tags),
     )
     if layer_id is not None:
-        return LayerChunkKey(**fields, layer_id=layer_id)
-    return ChunkKey(**fields)
+        return LayerChunkKey(*key_fields, layer_id=layer_id)
+    return ChunkKey(*key_fields)
 
 
 def key_string(key: object) -> str:
@@ -230,13 +235,103 @@ def _checked(text: str) -> str:
     return text
 
 
+HashScheme = Literal["persisting", "lmcache"]
+HASH_SCHEMES: tuple[str, ...] = ("persisting", "lmcache")
+
+_MASK64 = (1 << 64) - 1
+_HASH_MODULUS = (1 << 61) - 1  # CPython's integer hash modulus on 64-bit builds
+_XXPRIME_1 = 11400714785074694791
+_XXPRIME_2 = 14029467366897019727
+_XXPRIME_5 = 2870177450012600261
+#: True where ``hash()`` of an int tuple is CPython's 64-bit algorithm (LMCache's platform).
+_NATIVE_TUPLE_HASH = (
+    sys.implementation.name == "cpython"
+    and sys.hash_info.width == 64
+    and sys.hash_info.modulus == _HASH_MODULUS
+)
+
+
+def _int_hash(value: int) -> int:
+    """CPython's ``hash(int)`` on a 64-bit build (as an unsigned 64-bit lane)."""
+    h = abs(value) % _HASH_MODULUS
+    if value < 0:
+        h = -h
+    if h == -1:
+        h = -2
+    return h & _MASK64
+
+
+def _tuple_hash(lanes: Sequence[int]) -> int:
+    """CPython's (3.8+) tuple hash over already-hashed items, as a signed 64-bit int."""
+    acc = _XXPRIME_5
+    for lane in lanes:
+        acc = (acc + lane * _XXPRIME_2) & _MASK64
+        acc = ((acc << 31) | (acc >> 33)) & _MASK64
+        acc = (acc * _XXPRIME_1) & _MASK64
+    acc = (acc + (len(lanes) ^ (_XXPRIME_5 ^ 3527539))) & _MASK64
+    if acc == _MASK64:
+        return 1546275796
+    return acc - (1 << 64) if acc >= 1 << 63 else acc
+
+
+_EMPTY_TUPLE_LANE = _tuple_hash(()) & _MASK64
+
+
+def lmcache_chunk_hash(prefix_hash: int, tokens: Sequence[int]) -> int:
+    """One chunk's hash as LMCache's ``ChunkedTokenDatabase`` computes it by default.
+
+    That is Python's built-in ``hash((prefix_hash, tuple(tokens), ()))`` (its
+    ``pre_caching_hash_algorithm: builtin``), which is deterministic for int tuples:
+    ``PYTHONHASHSEED`` salts only str and bytes. On CPython 64-bit this *is* the built-in
+    hash; elsewhere the same algorithm is computed here, so the result never depends on
+    the platform this process runs on.
+    """
+    if _NATIVE_TUPLE_HASH:
+        return hash((prefix_hash, tuple(tokens), ()))
+    inner = _tuple_hash([_int_hash(t) for t in tokens]) & _MASK64
+    return _tuple_hash([_int_hash(prefix_hash), inner, _EMPTY_TUPLE_LANE])
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def token_ids(tokens: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a flat little-endian int64 array; anything that is not a sequence of
+    integer ids fitting 64 bits (text, floats, huge numbers) is an InvalidValueError."""
+    if isinstance(tokens, str | bytes | bytearray):
+        raise InvalidValueError("tokens must be integer token ids, not text")
+    try:
+        ids = np.asarray(tokens)
+        if ids.dtype == object and ids.ndim == 0:  # an iterator or generator
+            ids = np.asarray(list(tokens))
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise InvalidValueError(f"tokens must be integer token ids: {exc}") from exc
+    if ids.size == 0:
+        return np.empty(0, dtype="<i8")
+    if ids.dtype.kind not in "iu":
+        raise InvalidValueError(
+            f"tokens must be integer token ids that fit 64 bits, not {ids.dtype}"
+        )
+    if ids.dtype.kind == "u" and int(ids.max()) > _INT64_MAX:
+        raise InvalidValueError("token ids must fit a signed 64-bit integer")
+    return np.ascontiguousarray(ids.reshape(-1), dtype="<i8")
+
+
 class TokenHasher:
     """Chunked, prefix-chained, process-independent hashing of token ids into ChunkKeys.
 
-    Chunk ``i``'s hash is ``xxh3_64(prev_hash_bytes || tokens_i as little-endian int64)``
-    interpreted as a signed 64-bit integer, with ``prev_hash`` of the first chunk seeded
-    from the model name, so equal prefixes give equal keys and any earlier difference
-    changes every later key.
+    ``scheme="persisting"`` (the default): chunk ``i``'s hash is
+    ``xxh3_64(prev_hash_bytes || tokens_i as little-endian int64)`` interpreted as a signed
+    64-bit integer, with ``prev_hash`` of the first chunk seeded from the model name, so
+    equal prefixes give equal keys and any earlier difference changes every later key.
+
+    ``scheme="lmcache"``: the hashes LMCache's ``ChunkedTokenDatabase`` gives for the same
+    tokens and chunk size (:func:`lmcache_chunk_hash`, chained from 0), so keys match the
+    ones an LMCache engine stored through the Persisting plugin. Its default
+    ``save_unfull_chunk`` differs: LMCache keeps a last partial chunk unless its config
+    says otherwise, Persisting does not unless asked. The model name does not seed these
+    hashes (it is in the key), and LMCache configured with vLLM's ``sha256_cbor`` hashes
+    differently.
     """
 
     def __init__(
@@ -248,9 +343,12 @@ class TokenHasher:
         dtype: str = "bfloat16",
         save_unfull_chunk: bool = False,
         tags: Sequence[tuple[str, str]] = (),
+        scheme: HashScheme = "persisting",
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidKeyError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if scheme not in HASH_SCHEMES:
+            raise InvalidKeyError(f"unknown hash scheme {scheme!r}; choose from {HASH_SCHEMES}")
         # Validates model, ranks, dtype and tags once, up front.
         self._template = ChunkKey(model, world_size, worker_id, 0, dtype, tuple(tags))
         self.model = model
@@ -259,14 +357,17 @@ class TokenHasher:
         self.worker_id = worker_id
         self.dtype = dtype
         self.save_unfull_chunk = save_unfull_chunk
+        self.scheme: HashScheme = scheme
         self._seed = xxhash.xxh3_64_intdigest(model.encode("utf-8"))
 
     def chunk_hashes(self, tokens: Iterable[int] | np.ndarray) -> list[tuple[int, int, int]]:
         """``(start, end, hash)`` per chunk; the last partial chunk only if saving it."""
-        ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1)).astype("<i8")
+        ids = token_ids(tokens)
         total = int(ids.shape[0])
         full_end = total - total % self.chunk_size
         end_limit = total if self.save_unfull_chunk else full_end
+        if self.scheme == "lmcache":
+            return self._lmcache_hashes(ids, total, end_limit)
         out: list[tuple[int, int, int]] = []
         prev = self._seed.to_bytes(8, "little", signed=False)
         for start in range(0, end_limit, self.chunk_size):
@@ -275,6 +376,18 @@ class TokenHasher:
             signed = digest - (1 << 64) if digest >= (1 << 63) else digest
             out.append((start, end, signed))
             prev = digest.to_bytes(8, "little", signed=False)
+        return out
+
+    def _lmcache_hashes(
+        self, ids: np.ndarray, total: int, end_limit: int
+    ) -> list[tuple[int, int, int]]:
+        out: list[tuple[int, int, int]] = []
+        prefix = 0  # LMCache's NONE_HASH without vLLM
+        values = ids.tolist()
+        for start in range(0, end_limit, self.chunk_size):
+            end = min(start + self.chunk_size, total)
+            prefix = lmcache_chunk_hash(prefix, values[start:end])
+            out.append((start, end, prefix))
         return out
 
     def process_tokens(self, tokens: Iterable[int] | np.ndarray) -> list[tuple[int, int, ChunkKey]]:
@@ -291,11 +404,14 @@ class TokenHasher:
 
 
 __all__ = [
+    "HASH_SCHEMES",
     "KEY_DTYPES",
     "AnyKey",
     "ChunkKey",
+    "HashScheme",
     "LayerChunkKey",
     "TokenHasher",
     "key_string",
+    "lmcache_chunk_hash",
     "parse_key",
 ]

@@ -156,6 +156,10 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
     """
     torch = loaded_torch()
     if torch is not None and isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise InvalidValueError(f"{value.layout} tensors cannot be stored; make it dense")
+        if value.device.type == "meta":
+            raise InvalidValueError("a meta-device tensor has no data to store")
         if value.device.type != "cpu":
             value = value.to("cpu")
         names = _torch_to_name()
@@ -191,7 +195,10 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
         )
         view = memoryview(array.reshape(-1).view(np.uint8)).cast("B")
     elif isinstance(value, bytes | bytearray | memoryview):
-        view = memoryview(value).cast("B")
+        view = memoryview(value)
+        if not view.c_contiguous:
+            raise InvalidValueError("a strided (non-contiguous) memoryview cannot be stored")
+        view = view.cast("B")
         if fmt not in ("binary", "BINARY"):
             raise InvalidValueError(f"bytes values need fmt='binary', not {fmt!r}")
         layout = Layout((len(view),), "uint8", fmt, len(view), "bytes")
@@ -218,6 +225,8 @@ def writable_bytes(out: Any) -> memoryview:
         raise InvalidValueError(f"get_into needs a buffer, not {type(out).__name__}") from exc
     if view.readonly:
         raise InvalidValueError("get_into needs a writable buffer")
+    if not view.c_contiguous:
+        raise InvalidValueError("get_into needs a contiguous buffer, not a strided view")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 

@@ -1,21 +1,17 @@
-"""The memory tier: page-aligned copies of chunks under a byte budget, LRU-evicted.
+"""The memory tier: page-aligned copies of chunks under a byte budget, policy-evicted.
 
-Pinned chunks and chunks being read are never evicted. Entries that are not yet on disk
-(``dirty``: write-behind in flight, or write-back mode) are handed to ``on_evict_dirty``
-when evicted, so the store can write them back instead of losing them.
+Pinned chunks and chunks being read are never evicted. :meth:`MemoryTier.insert` returns
+the entries it evicted to make room; the caller writes those still ``dirty`` (not yet on
+disk: a write-behind in flight, or write-back mode) to disk instead of losing them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 
 from persisting.kv.index import LruIndex, MemoryEntry
 from persisting.kv.layout import Layout
 from persisting.kv.policy import EvictionPolicy
-
-DirtyEvictHandler = Callable[[str, MemoryEntry], None]
 
 
 class MemoryTier:

@@ -4,7 +4,8 @@ Payload files are the durable record of a chunk (self-describing, fsynced before
 is acknowledged); this table is the queryable index over them, so opening a store reads
 metadata columns only, never payloads. Rows are appended and deleted in batches by a
 background thread (one Lance commit per batch), and the table is compacted and old
-versions cleaned up as it goes, so its size stays bounded.
+versions cleaned up every ``compact_every`` commits or as soon as it outgrows ``max_bytes``,
+so its size stays bounded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from persisting.errors import PersistingError
 from persisting.kv.layout import Layout
 from persisting.kv.payload_files import HEADER_BYTES
 from persisting.lance_store import LanceTable, blob_field
+from persisting.lance_store.access import FileModes
 from persisting.lance_store.blobs import blob_references
 
 log = logging.getLogger(__name__)
@@ -64,11 +66,27 @@ def _sql_quote(text: str) -> str:
 
 
 class MetadataTable:
-    """Batched writer and reader of ``<model dir>/meta.lance``."""
+    """Batched writer and reader of ``<model dir>/meta.lance``.
 
-    def __init__(self, path: Path, *, flush_interval_s: float = 0.2, compact_every: int = 64):
+    ``on_commit`` runs in the background thread after each batch it commits (the disk tier
+    measures what the table now occupies).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        flush_interval_s: float = 0.2,
+        compact_every: int = 64,
+        max_bytes: int | None = None,
+        modes: FileModes | None = None,
+        on_commit: Callable[[], None] | None = None,
+    ):
         self.path = path
-        self.table = LanceTable(path, SCHEMA)
+        self.table = LanceTable(path, SCHEMA, modes=modes)
+        self._max_bytes = max_bytes
+        self._size_after_maintenance = 0
+        self._on_commit = on_commit
         self._pending_rows: list[MetaRow] = []
         self._pending_deletes: list[tuple[str, int]] = []
         self._lock = threading.Lock()
@@ -119,15 +137,17 @@ class MetadataTable:
             self._pending_deletes.extend(items)
         self._wake.set()
 
-    def flush(self) -> None:
-        """Commit everything pending now, in the caller's thread."""
+    def flush(self) -> bool:
+        """Commit everything pending now, in the caller's thread; True if anything was."""
         with self._commit_lock:
-            self._flush_locked()
+            return self._flush_locked()
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self) -> bool:
         with self._lock:
             rows, self._pending_rows = self._pending_rows, []
             deletes, self._pending_deletes = self._pending_deletes, []
+        if not rows and not deletes:
+            return False
         # Metadata is an index over self-describing files: a failed commit costs a header
         # scan on the next open, never data. Failed steps keep their work for the next try.
         if rows and not self._attempt("append", self._append, rows):
@@ -139,9 +159,17 @@ class MetadataTable:
                 with self._lock:
                     self._pending_deletes[:0] = deletes[start:]
                 break
-        if self._commits >= self._compact_every:
+        if self._commits >= self._compact_every or self._too_big():
             self._commits = 0
             self._attempt("maintenance", self._maintain)
+        return True
+
+    def _too_big(self) -> bool:
+        """Over ``max_bytes``, and twice what the last maintenance left (so a table whose
+        live rows alone exceed the limit is not rewritten on every commit)."""
+        if self._max_bytes is None:
+            return False
+        return self.table.size_bytes() > max(self._max_bytes, 2 * self._size_after_maintenance)
 
     def _attempt(self, what: str, fn: Callable[..., None], *args: object) -> bool:
         try:
@@ -187,6 +215,7 @@ class MetadataTable:
         if self.table.num_fragments() > 8:
             self.table.compact()
         self.table.cleanup(timedelta(seconds=0), keep_versions=2)
+        self._size_after_maintenance = self.table.size_bytes()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -194,7 +223,11 @@ class MetadataTable:
                 continue
             self._wake.clear()
             self._stop.wait(self._interval)  # let a burst of puts collect into one commit
-            self.flush()
+            if self.flush() and self._on_commit is not None:
+                try:
+                    self._on_commit()
+                except Exception:  # a listener must not stop the commits
+                    log.exception("after-commit hook of %s failed", self.path)
 
     def close(self) -> None:
         self._stop.set()

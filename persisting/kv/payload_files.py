@@ -6,12 +6,19 @@ payload at a page-aligned offset. Files are written under ``tmp/``, fsynced when
 must be durable, then renamed into place, so a file under ``payload/`` is always whole.
 Eviction unlinks the file, which gives its space back at once; a reader that already
 opened it still reads the whole, correct file.
+
+An in-flight file is named ``tmp/<random>-<tag>-<reserved bytes>.tmp`` and its writer holds
+an exclusive ``flock`` on it from creation until after the rename. That lock is the proof
+of life: a file nobody holds locked belongs to a dead writer and may be removed, whatever
+process, store or pid namespace wrote it (a pid in the name would prove nothing across pid
+namespaces, and two stores of one process share a pid).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import secrets
@@ -24,6 +31,12 @@ import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.layout import Layout
+from persisting.lance_store.access import (
+    OWNER_ONLY,
+    FileModes,
+    make_dir,
+    restrict,
+)
 from persisting.lance_store.durable import fsync_dir, fsync_fd
 
 MAGIC = b"PKVCHNK1"
@@ -115,7 +128,7 @@ class FileHeader:
 
 @dataclass(slots=True)
 class PendingFile:
-    """A payload file being written: its open tmp file and where it will land."""
+    """A payload file being written: its open, locked tmp file and where it will land."""
 
     fd: int
     tmp: Path
@@ -125,12 +138,13 @@ class PendingFile:
 class PayloadFiles:
     """The payload directory of one model namespace."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, modes: FileModes = OWNER_ONLY):
         self.directory = directory
+        self.modes = modes
         self.payload_dir = directory / "payload"
         self.tmp_dir = directory / "tmp"
         for d in (self.payload_dir, self.tmp_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            make_dir(d, modes)
 
     def path(self, key: str, tag: int) -> Path:
         h = key_hash(key)
@@ -141,25 +155,33 @@ class PayloadFiles:
         return secrets.randbits(32)
 
     def create(self, key: str, tag: int, reserved: int) -> PendingFile:
-        """Create the tmp file of a write (named with its reservation, see ``tmp_reservations``).
+        """Create and lock the tmp file of a write (named with its reservation, see
+        :meth:`tmp_files`).
 
         Called under the usage lock, so a usage recount never misses a reserved write.
         """
-        tmp = self.tmp_dir / f"{os.getpid()}-{tag:08x}-{reserved}.tmp"
+        tmp = self.tmp_dir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, flags, self.modes.file)
         except OSError as exc:
             raise _io_error(f"cannot create {tmp}", exc) from exc
+        restrict(tmp, self.modes.file, fd=fd)  # exactly its mode, whatever the umask
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and unseen: never blocks
+        except OSError as exc:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise _io_error(f"cannot lock {tmp}", exc) from exc
         return PendingFile(fd, tmp, self.path(key, tag))
 
-    @staticmethod
     def finish(
-        pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
+        self, pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
     ) -> Path:
         """Write header and payload, fsync if ``durable``, and rename the file into place.
 
         The caller fsyncs the destination directories (:meth:`sync_dirs`) once per batch to
-        make the renames durable.
+        make the renames durable. The tmp file stays locked until it has its final name.
         """
         try:
             _write_all(pending.fd, [header.encode(), payload])
@@ -168,23 +190,34 @@ class PayloadFiles:
         except OSError as exc:
             PayloadFiles.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
-        os.close(pending.fd)
-        pending.fd = -1
         try:
-            pending.final.parent.mkdir(exist_ok=True)
+            self._make_subdir(pending.final.parent)
             os.rename(pending.tmp, pending.final)
         except OSError as exc:
-            _unlink_quietly(pending.tmp)
+            PayloadFiles.abort(pending)
             raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
+        os.close(pending.fd)
+        pending.fd = -1
         return pending.final
+
+    def _make_subdir(self, path: Path) -> None:
+        """Create a ``payload/<hh>`` directory on first use (OSError keeps its errno, so a
+        full filesystem still reads as one)."""
+        if path.is_dir():
+            return
+        try:
+            path.mkdir(mode=self.modes.directory)
+        except FileExistsError:
+            return
+        restrict(path, self.modes.directory)
 
     @staticmethod
     def abort(pending: PendingFile) -> None:
+        _unlink_quietly(pending.tmp)  # before closing: unlocked, it could be taken for dead
         if pending.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(pending.fd)
             pending.fd = -1
-        _unlink_quietly(pending.tmp)
 
     @staticmethod
     def sync_dirs(paths: list[Path]) -> None:
@@ -236,16 +269,54 @@ class PayloadFiles:
                     continue
                 yield Path(entry.path), h, tag
 
-    def tmp_reservations(self) -> Iterator[tuple[Path, int, int]]:
-        """In-flight writes as ``(path, writer pid, reserved bytes)``."""
+    def subdirs(self) -> Iterator[Path]:
+        """The ``payload/<hh>`` directories that exist now."""
+        try:
+            entries = list(os.scandir(self.payload_dir))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                yield Path(entry.path)
+
+    def tmp_files(self) -> Iterator[tuple[Path, int]]:
+        """In-flight writes as ``(path, reserved bytes)``, live or abandoned."""
         for entry in os.scandir(self.tmp_dir):
             parts = entry.name.removesuffix(".tmp").split("-")
             if len(parts) != 3 or not entry.name.endswith(".tmp"):
                 continue
             try:
-                yield Path(entry.path), int(parts[0]), int(parts[2])
+                yield Path(entry.path), int(parts[2])
             except ValueError:
                 continue
+
+    @staticmethod
+    def remove_if_abandoned(path: Path) -> bool:
+        """Unlink tmp file ``path`` if no live writer holds its lock; True if it did.
+
+        Its writer holds the lock until the file has its final name, so a lock we can take
+        means the writer died (the kernel dropped its lock) or gave the file up.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            return False  # finished meanwhile
+        except OSError:
+            return False  # not ours to judge
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # its writer is alive
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                return False
+            if same:
+                _unlink_quietly(path)
+            return same
+        finally:
+            os.close(fd)
 
 
 def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:

@@ -64,8 +64,10 @@ class AlwaysAdmit(AdmissionPolicy):
 
 
 class SecondSightingAdmit(AdmissionPolicy):
-    """Admit a key to disk the second time it is put or looked up, so one-off long prompts
-    do not flush hot prefixes. Remembers up to ``remember`` recent 64-bit key hashes."""
+    """Admit a key to disk the second time a put offers it (lookups do not count), so
+    one-off long prompts do not flush hot prefixes. Remembers up to ``remember`` recent
+    64-bit key hashes. Only write-through (``sync``) puts ask; write-behind and write-back
+    send what memory holds to disk."""
 
     name = "second_sighting"
 

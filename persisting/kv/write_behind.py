@@ -3,6 +3,11 @@
 One background thread drains whatever has queued up since its last write into one disk
 batch (one capacity reservation, one directory-fsync pass, one metadata commit), so a
 burst of async puts costs one batch, not one fsync round per chunk.
+
+The thread outlives every failure: a batch that fails is retried item by item, an
+unexpected exception completes the affected futures with that error (and is counted and
+logged), and a failing completion hook is logged and counted too. :meth:`drain` and
+:meth:`close` therefore always return.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from persisting.errors import PersistingError
+from persisting.errors import PersistingError, StorageIOError
 from persisting.kv.disk_tier import DiskTier, WriteItem
 
 log = logging.getLogger(__name__)
@@ -22,6 +27,9 @@ log = logging.getLogger(__name__)
 #: Most items, and bytes, one batch writes.
 MAX_BATCH_ITEMS = 64
 MAX_BATCH_BYTES = 256 << 20
+
+#: on_done(item, stored, error): ``error`` is the exception that stopped the write, if any.
+DoneHook = Callable[[WriteItem, bool, BaseException | None], None]
 
 
 @dataclass(slots=True)
@@ -31,12 +39,18 @@ class _Job:
 
 
 class WriteBehind:
-    """Writes submitted items to ``disk`` in the background; each future says if it stored."""
+    """Writes submitted items to ``disk`` in the background; each future says if it stored
+    (False: already present, cancelled or refused for capacity) or carries the error."""
 
-    def __init__(self, disk: DiskTier, on_done: Callable[[WriteItem, bool], None]):
+    def __init__(self, disk: DiskTier, on_done: DoneHook):
         self._disk = disk
         self._on_done = on_done
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._outstanding = 0
+        #: Writes that failed with an unexpected error, and completion hooks that raised.
+        self.errors = 0
+        self.hook_errors = 0
         self._thread = threading.Thread(
             target=self._run, name="persisting-kv-write-behind", daemon=True
         )
@@ -44,8 +58,18 @@ class WriteBehind:
 
     def submit(self, item: WriteItem) -> Future[bool]:
         future: Future[bool] = Future()
+        with self._idle:
+            self._outstanding += 1
         self._queue.put(_Job(item, future))
         return future
+
+    def drain(self) -> None:
+        """Wait until every submitted write has completed (successfully or not)."""
+        with self._idle:
+            while self._outstanding:
+                if not self._thread.is_alive():
+                    raise StorageIOError("the write-behind thread is gone; pending writes lost")
+                self._idle.wait(timeout=1.0)
 
     def _next_batch(self, first: _Job) -> list[_Job]:
         batch, size = [first], first.item.layout.nbytes
@@ -68,27 +92,53 @@ class WriteBehind:
                 return
             batch = self._next_batch(first)
             try:
-                stored = self._disk.write([j.item for j in batch], durable=True)
-            except PersistingError as exc:
-                # One bad item (too large, disk full) must not sink the others: retry singly.
-                log.warning(
-                    "write-behind batch of %d failed (%s); writing one by one", len(batch), exc
-                )
-                stored = [self._write_one(j.item) for j in batch]
-            for job, ok in zip(batch, stored, strict=True):
-                self._on_done(job.item, ok)
-                job.future.set_result(ok)
+                outcomes = self._write(batch)
+            except Exception as exc:  # not even the fallback worked: fail the batch
+                self.errors += 1
+                log.exception("write-behind batch of %d failed", len(batch))
+                outcomes = [exc] * len(batch)
+            for job, outcome in zip(batch, outcomes, strict=True):
+                self._complete(job, outcome)
 
-    def _write_one(self, item: WriteItem) -> bool:
+    def _write(self, batch: list[_Job]) -> list[bool | BaseException]:
+        try:
+            return list(self._disk.write([j.item for j in batch], durable=True))
+        except Exception as exc:
+            # One bad item (too large, disk full, a failing file) must not sink the others.
+            log.warning("write-behind batch of %d failed (%s); writing one by one", len(batch), exc)
+            return [self._write_one(j.item) for j in batch]
+
+    def _write_one(self, item: WriteItem) -> bool | BaseException:
         try:
             return self._disk.write([item], durable=True)[0]
         except PersistingError as exc:
             log.warning("write-behind of %r failed: %s", item.key, exc)
             return False
+        except Exception as exc:
+            self.errors += 1
+            log.exception("write-behind of %r failed unexpectedly", item.key)
+            return exc
+
+    def _complete(self, job: _Job, outcome: bool | BaseException) -> None:
+        stored = outcome is True
+        error = outcome if isinstance(outcome, BaseException) else None
+        try:
+            self._on_done(job.item, stored, error)
+        except Exception:
+            self.hook_errors += 1
+            log.exception("write-behind completion of %r raised", job.item.key)
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(stored)
+        with self._idle:
+            self._outstanding -= 1
+            if not self._outstanding:
+                self._idle.notify_all()
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
 
 
-__all__ = ["WriteBehind"]
+__all__ = ["DoneHook", "WriteBehind"]

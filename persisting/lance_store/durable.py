@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from persisting.errors import StorageIOError
+from persisting.lance_store.access import OWNER_ONLY, FileModes, restrict, storage_error
 
 
 def fsync_fd(fd: int) -> None:
@@ -51,8 +52,9 @@ def fsync_tree_entries(paths: Iterable[Path]) -> None:
         fsync_dir(parent)
 
 
-def makedirs_durable(path: Path) -> None:
-    """Create ``path`` and its missing parents, fsyncing each new entry's parent."""
+def makedirs_durable(path: Path, modes: FileModes = OWNER_ONLY) -> None:
+    """Create ``path`` and its missing parents (mode ``modes.directory``, private by
+    default), fsyncing each new entry's parent. Existing directories are left as they are."""
     missing: list[Path] = []
     current = path
     while not current.exists():
@@ -62,9 +64,12 @@ def makedirs_durable(path: Path) -> None:
         current = current.parent
     for directory in reversed(missing):
         try:
-            directory.mkdir(exist_ok=True)
+            directory.mkdir(mode=modes.directory)
+        except FileExistsError:
+            continue  # made meanwhile by another process: its mode is its maker's business
         except OSError as exc:
-            raise StorageIOError(f"cannot create {directory}: {exc}") from exc
+            raise storage_error(f"cannot create {directory}", exc) from exc
+        restrict(directory, modes.directory)  # exactly, whatever the umask
         fsync_dir(directory.parent)
 
 

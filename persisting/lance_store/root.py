@@ -19,8 +19,14 @@ from pathlib import Path
 import pyarrow as pa
 
 from persisting.errors import InvalidNameError, StorageIOError
-from persisting.lance_store.durable import fsync_dir
+from persisting.lance_store.access import FileModes, file_modes, make_dir
+from persisting.lance_store.durable import fsync_dir, makedirs_durable
 from persisting.lance_store.names import decode_name, encode_name
+from persisting.lance_store.namespace_lock import (
+    NamespaceHold,
+    exclusive_namespace,
+    hold_namespace,
+)
 from persisting.lance_store.table import LanceTable, disk_usage
 
 QUEUE_DIR = "queue"
@@ -29,10 +35,15 @@ QUEUE_DATASET = "data.lance"
 
 
 class StorageRoot:
-    """A Persisting storage root on the local filesystem."""
+    """A Persisting storage root on the local filesystem.
 
-    def __init__(self, root: str | os.PathLike[str]):
+    ``access`` says who may read what is written under it (see
+    :mod:`persisting.lance_store.access`): ``"owner"`` (the default) or ``"group"``.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], access: str | FileModes | None = None):
         self.root = Path(root).expanduser().absolute()
+        self.modes = file_modes(access)
 
     def __repr__(self) -> str:
         return f"StorageRoot({str(self.root)!r})"
@@ -54,6 +65,21 @@ class StorageRoot:
         """The directory holding one model's KV chunks."""
         return self.root / KV_DIR / encode_name(model, "model")
 
+    def make_kv_dir(self, model: str) -> Path:
+        """Create (or tighten) ``<root>/kv/<model>`` and return it: the root if missing,
+        ``kv/`` and the model's directory with this root's directory mode."""
+        path = self.kv_path(model)
+        makedirs_durable(self.root, self.modes)
+        make_dir(self.root / KV_DIR, self.modes)
+        make_dir(path, self.modes)
+        return path
+
+    def hold_model(self, model: str) -> NamespaceHold:
+        """Open ``model``'s namespace for a store: its directory exists and stays (a drop
+        refuses) until the returned hold is released."""
+        path = self.kv_path(model)
+        return hold_namespace(path, lambda: self.make_kv_dir(model))
+
     # -- namespaces ---------------------------------------------------------------------
 
     def list_models(self) -> list[str]:
@@ -63,8 +89,14 @@ class StorageRoot:
         return _decoded_children(self.root / QUEUE_DIR)
 
     def drop_model(self, model: str) -> bool:
-        """Remove a model's namespace whole; False if it did not exist."""
-        return _drop_tree(self.kv_path(model))
+        """Remove a model's namespace whole; False if it did not exist.
+
+        Raises :class:`~persisting.errors.NamespaceInUseError` (without waiting) while a
+        live store, in any process, has the model open.
+        """
+        path = self.kv_path(model)
+        with exclusive_namespace(path, f"model {model!r}") as exists:
+            return _drop_tree(path) if exists else False
 
     def drop_topic(self, topic: str) -> bool:
         return _drop_tree(self.topic_dir(topic))

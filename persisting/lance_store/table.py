@@ -13,21 +13,22 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import lance
 import pyarrow as pa
 
 from persisting.errors import SchemaMismatchError, StorageIOError
+from persisting.lance_store.access import OWNER_ONLY, FileModes, restrict
 from persisting.lance_store.durable import fsync_dir, fsync_file, makedirs_durable
 
 #: Lance file format with blob encoding v2 (payloads beside fragments, external references).
-DATA_STORAGE_VERSION = "2.2"
+DATA_STORAGE_VERSION: Literal["2.2"] = "2.2"
 
 #: Sub-directories of a dataset whose new files a durable commit must fsync.
 _DATASET_SUBDIRS = ("data", "_versions", "_transactions", "_deletions", "_indices")
 
-Rows = pa.Table | pa.RecordBatch | Sequence[dict[str, Any]]
+Rows: TypeAlias = pa.Table | pa.RecordBatch | Sequence[dict[str, Any]]
 
 
 def _is_blob_field(field: pa.Field) -> bool:
@@ -44,15 +45,26 @@ class LanceTable:
     """A Lance dataset at ``path`` with schema ``schema`` (created on first open).
 
     Thread-safe for use from one process; several processes may append concurrently
-    (Lance resolves concurrent appends with optimistic commits).
+    (Lance resolves concurrent appends with optimistic commits). With ``modes``, every file
+    and directory of the dataset is given those permissions after each commit (Lance
+    creates them with the process umask).
     """
 
-    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, *, evolve: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        schema: pa.Schema,
+        *,
+        evolve: bool = True,
+        modes: FileModes | None = None,
+    ):
         self.path = Path(path)
         self._lock = threading.RLock()
         self._synced: set[str] = set()
+        self._modes = modes
         self._has_blobs = any(_is_blob_field(f) for f in schema)
         self._dataset = self._open_or_create(schema, evolve)
+        self._apply_modes()
 
     # -- opening ------------------------------------------------------------------------
 
@@ -63,7 +75,7 @@ class LanceTable:
             except Exception as exc:  # lance raises OSError/ValueError variants
                 raise StorageIOError(f"cannot open Lance dataset {self.path}: {exc}") from exc
             return self._reconcile(dataset, schema, evolve)
-        makedirs_durable(self.path.parent)
+        makedirs_durable(self.path.parent, self._modes or OWNER_ONLY)
         empty = pa.Table.from_batches([], schema=schema)
         try:
             return lance.write_dataset(
@@ -152,6 +164,7 @@ class LanceTable:
             if new:
                 self._add_columns(self._private_handle(), new)
                 self._dataset = lance.dataset(str(self.path))
+            self._apply_modes()
 
     def add_fields(self, fields: Iterable[pa.Field]) -> None:
         """Add nullable columns, or new children to existing struct columns, as one commit each.
@@ -165,6 +178,7 @@ class LanceTable:
         with self._lock:
             self._add_columns(self._private_handle(), fields)
             self._dataset = lance.dataset(str(self.path))
+            self._apply_modes()
 
     def config(self) -> dict[str, str]:
         """The dataset's key/value config (stored in its manifest, versioned with the data)."""
@@ -173,8 +187,9 @@ class LanceTable:
     def set_config(self, values: dict[str, str], *, durable: bool = False) -> None:
         """Set config keys as one commit (fsynced when ``durable``)."""
         with self._lock:
-            self._private_handle().update_config(dict(values))
+            self._private_handle().update_config(dict[str, str | None](values))
             self._dataset = lance.dataset(str(self.path))
+            self._apply_modes()
             if durable:
                 self.sync()
 
@@ -199,10 +214,9 @@ class LanceTable:
                     data_storage_version=DATA_STORAGE_VERSION,
                     allow_external_blob_outside_bases=self._has_blobs,
                 )
-            except OSError as exc:
+            except Exception as exc:  # lance raises OSError and ValueError variants
                 raise StorageIOError(f"append to {self.path} failed: {exc}") from exc
-            except Exception as exc:
-                raise StorageIOError(f"append to {self.path} failed: {exc}") from exc
+            self._apply_modes()
             if durable:
                 self.sync()
             return self._dataset.version
@@ -224,10 +238,11 @@ class LanceTable:
                     allow_external_blob_outside_bases=self._has_blobs,
                 )
                 if config:
-                    self._private_handle().update_config(config)
+                    self._private_handle().update_config(dict[str, str | None](config))
             except Exception as exc:
                 raise StorageIOError(f"overwrite of {self.path} failed: {exc}") from exc
             self._dataset = lance.dataset(str(self.path))
+            self._apply_modes()
             if durable:
                 self.sync()
             return self._dataset.version
@@ -253,8 +268,20 @@ class LanceTable:
         with self._lock:
             self._private_handle().delete(predicate)
             self._dataset = lance.dataset(str(self.path))
+            self._apply_modes()
             if durable:
                 self.sync()
+
+    def _apply_modes(self) -> None:
+        """Give the dataset's files and directories the table's modes (if it has any): one
+        ``lstat`` per entry, a ``chmod`` only where Lance left the umask's mode."""
+        if self._modes is None:
+            return
+        with self._lock:
+            for directory, _dirs, files in os.walk(self.path):
+                restrict(directory, self._modes.directory)
+                for name in files:
+                    restrict(os.path.join(directory, name), self._modes.file)
 
     def sync(self) -> None:
         """fsync every file of the dataset not yet synced, then their directories."""
@@ -341,6 +368,7 @@ class LanceTable:
                 target_rows_per_fragment=target_rows_per_fragment, **options
             )
             self._dataset = lance.dataset(str(self.path))
+            self._apply_modes()
             return metrics
 
     def cleanup(self, older_than: timedelta = timedelta(0), *, keep_versions: int = 1) -> int:
@@ -352,6 +380,22 @@ class LanceTable:
             self._synced = {p for p in self._synced if os.path.exists(p)}
             return int(stats.bytes_removed)
 
+    def remove_versions(self, versions: Sequence[int]) -> int:
+        """Delete exactly these versions (never the newest) and the files only they list;
+        returns bytes removed. Versions that no longer exist are skipped."""
+        if not versions:
+            return 0
+        with self._lock:
+            stats = self._private_handle().cleanup_old_versions(versions=list(versions))
+            self._synced = {p for p in self._synced if os.path.exists(p)}
+            return int(stats.bytes_removed)
+
+    def forget_removed_files(self) -> None:
+        """Drop files deleted since they were synced (by a cleanup through another handle)
+        from what :meth:`sync` remembers, so that memory stays bounded."""
+        with self._lock:
+            self._synced = {p for p in self._synced if os.path.exists(p)}
+
     def num_versions(self) -> int:
         return len(self._dataset.versions())
 
@@ -360,13 +404,17 @@ class LanceTable:
         return disk_usage(self.path)
 
 
-def disk_usage(path: str | os.PathLike[str]) -> int:
-    """Allocated bytes of every file under ``path`` (what ``du`` reports)."""
+def disk_usage(path: str | os.PathLike[str], *, directories: bool = False) -> int:
+    """Allocated bytes of every file under ``path``, and with ``directories`` of every
+    directory too (then exactly what ``du -s`` reports)."""
     total = 0
     for directory, _dirs, files in os.walk(path):
-        for name in files:
+        names = [os.path.join(directory, n) for n in files]
+        if directories:
+            names.append(directory)
+        for name in names:
             try:
-                total += os.lstat(os.path.join(directory, name)).st_blocks * 512
+                total += os.lstat(name).st_blocks * 512
             except FileNotFoundError:
                 continue
     return total

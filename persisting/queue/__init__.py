@@ -13,20 +13,22 @@ stable offsets; see ``docs/queue.md``.
 from persisting.queue.api import (
     BACKEND_NAMES,
     QueueConsumer,
+    TopicReader,
     open_bucket,
     open_reader,
     open_writer,
     register,
     topic_storage_path,
 )
-from persisting.queue.backend import LanceBackend, PutResult, close_all
+from persisting.queue.backend import LanceBackend, TensorPutResult, close_all
 from persisting.queue.maintenance import compact_bucket
 
 __all__ = [
     "BACKEND_NAMES",
     "LanceBackend",
-    "PutResult",
     "QueueConsumer",
+    "TensorPutResult",
+    "TopicReader",
     "close_all",
     "compact_bucket",
     "open_bucket",

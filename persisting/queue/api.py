@@ -4,6 +4,8 @@ Pulsing gives a bucket's backend ``storage_path=<storage_path>/bucket_<id>``, wi
 topic, so :func:`open_writer` and :func:`open_reader` pass
 ``<root>/queue/<encoded topic>`` and every bucket lands at
 ``<root>/queue/<topic>/bucket_<id>/data.lance``, the layout of :class:`StorageRoot`.
+:func:`open_reader` returns a :class:`TopicReader`, whose ``get(wait=True, timeout=t)``
+waits at most ``t`` in all, however many buckets the topic has.
 
 :class:`QueueConsumer` reads one bucket directly (no actor system needed) from its committed
 position and commits progress durably, for consumers that must resume where they stopped.
@@ -11,8 +13,10 @@ position and commits progress durably, for consumers that must resume where they
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,6 +27,7 @@ from persisting.queue.backend import LanceBackend
 
 if TYPE_CHECKING:
     from pulsing.streaming import QueueReader, QueueWriter
+    from pulsing.streaming.sync_queue import SyncQueueReader
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +88,60 @@ async def open_writer(
     )
 
 
+class TopicReader:
+    """Pulsing's ``QueueReader`` whose ``get(wait=True, timeout=t)`` waits at most ``t`` in all.
+
+    Pulsing's reader visits its buckets one after another and hands each the whole
+    ``timeout``, and a bucket that has some records goes on waiting for ``limit`` of them: one
+    record in a topic of 4 buckets took 4 x ``timeout`` to read. This reader takes what the
+    buckets hold now and, only if that is nothing, looks again every ``poll_interval_s``
+    until a record comes or the deadline passes. Everything else (``reset``, ``set_offset``,
+    ``queue``, ``bucket_ids``) is the wrapped reader's.
+    """
+
+    def __init__(self, reader: QueueReader, *, poll_interval_s: float = 0.05):
+        if poll_interval_s <= 0:
+            raise ConfigError(f"poll_interval_s must be > 0, got {poll_interval_s!r}")
+        self.reader = reader
+        self.poll_interval_s = poll_interval_s
+
+    async def get(
+        self, limit: int = 100, wait: bool = False, timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Up to ``limit`` records from the assigned buckets, from where this reader stands.
+
+        With ``wait`` and nothing to read, waits for a record: at most ``timeout`` seconds in
+        all when it is truthy, for as long as it takes otherwise (as in Pulsing).
+        """
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            records = await self.reader.get(limit)
+            if records or not wait:
+                return records
+            pause = self.poll_interval_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return records
+                pause = min(pause, left)
+            await asyncio.sleep(pause)
+
+    def reset(self) -> None:
+        self.reader.reset()
+
+    def set_offset(self, offset: int, bucket_id: int | None = None) -> None:
+        self.reader.set_offset(offset, bucket_id)
+
+    def sync(self) -> SyncQueueReader:
+        """A blocking twin (Pulsing's ``SyncQueueReader`` over this reader)."""
+        from pulsing.streaming.sync_queue import SyncQueueReader
+
+        return SyncQueueReader(self)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.reader, name)
+
+
 async def open_reader(
     system: Any,
     topic: str,
@@ -94,12 +153,14 @@ async def open_reader(
     world_size: int | None = None,
     num_buckets: int = 4,
     backend_options: dict[str, Any] | None = None,
-) -> QueueReader:
-    """``pulsing.streaming.read_queue`` on the Lance backend under ``storage_root``."""
+    poll_interval_s: float = 0.05,
+) -> TopicReader:
+    """``pulsing.streaming.read_queue`` on the Lance backend under ``storage_root``, as a
+    :class:`TopicReader` (a waiting ``get`` looks for records every ``poll_interval_s``)."""
     from pulsing.streaming import read_queue
 
     register()
-    return await read_queue(
+    reader = await read_queue(
         system,
         topic,
         bucket_id=bucket_id,
@@ -111,6 +172,7 @@ async def open_reader(
         backend="lance",
         backend_options=backend_options,
     )
+    return TopicReader(reader, poll_interval_s=poll_interval_s)
 
 
 def open_bucket(
@@ -210,6 +272,7 @@ class QueueConsumer:
 __all__ = [
     "BACKEND_NAMES",
     "QueueConsumer",
+    "TopicReader",
     "open_bucket",
     "open_reader",
     "open_writer",

@@ -7,10 +7,11 @@ never change: flushes append, compaction keeps order, retention deletes a prefix
 
 Life of a put (``durability="wal"``): the record is normalized and checked against the
 established schema (a misfit is rejected right there), written to the log, fsynced (group
-commit, or every ``fsync_interval_ms``), buffered, and acknowledged. Reads see it at once.
-A background worker flushes the buffer by size (``batch_size``) and by age
-(``flush_interval_s``) as one Lance append, fsynced, after which the log segments it covered
-are deleted; the same worker compacts, cleans old versions and applies retention.
+commit, or every ``fsync_interval_ms``), buffered (:mod:`~persisting.queue.write_buffer`),
+and acknowledged. Reads see it at once. The worker (:mod:`~persisting.queue.worker`) flushes
+the buffer by size (``batch_size``) and by age (``flush_interval_s``) as one durable Lance
+append (:mod:`~persisting.queue.dataset`), after which the log segments it covered are
+deleted; it also compacts, cleans up old versions and applies retention.
 
 With ``durability="flush"`` there is no log: puts are faster but live only in memory until
 the next flush, so a crash loses what was put since.
@@ -25,128 +26,46 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from persisting.errors import (
     AccessDeniedError,
-    CorruptValueError,
     InvalidValueError,
-    OffsetTrimmedError,
     PersistingError,
-    StorageIOError,
     StoreClosedError,
 )
-from persisting.lance_store import LanceTable
 from persisting.lance_store.durable import makedirs_durable
 from persisting.lance_store.root import QUEUE_DATASET
 from persisting.lance_store.table import disk_usage
-from persisting.queue import maintenance, ownership, tensor_api
-from persisting.queue.codec import decode_record, encode_record
+from persisting.queue import ownership, recovery
+from persisting.queue.codec import encode_record
+from persisting.queue.dataset import TRIMMED_BEFORE, DatasetView, QueueDataset, trimmed_error
+from persisting.queue.decoding import RecordDecoder
+from persisting.queue.notifier import Notifier
 from persisting.queue.options import resolve_options
 from persisting.queue.positions import ConsumerPositions
-from persisting.queue.schema import (
-    OFFSET,
-    TIMESTAMP,
-    RecordDecoder,
-    RecordSchema,
-    base_schema,
-    normalize_record,
-)
-from persisting.queue.tensor_api import ConsumptionTracker, PutResult
-from persisting.queue.wal import WriteAheadLog, encode_frame, payload_crc
+from persisting.queue.records import OFFSET, TIMESTAMP, normalize_record
+from persisting.queue.schema import RecordSchema
+from persisting.queue.stats import Counters
+from persisting.queue.tensor_methods import ConsumptionTracker, TensorMethods, TensorPutResult
+from persisting.queue.wal import WriteAheadLog, payload_crc
+from persisting.queue.worker import Worker, WorkerTasks
+from persisting.queue.write_buffer import WriteBuffer
 
 logger = logging.getLogger(__name__)
 
 WAL_DIR = "wal"
-#: Dataset config key: every offset below it was trimmed (so offsets continue after it).
-TRIMMED_BEFORE = "persisting.queue.trimmed_before"
-
-
-@dataclass(frozen=True)
-class _View:
-    """A committed dataset version and the offsets it holds: [first, first + count).
-
-    ``ordered`` while rows sit in offset order, so offset ``o`` is row ``o - first``. Only a
-    compaction run elsewhere over a live writer's appends breaks that (Lance then puts the
-    merged fragments last); reads then find rows by filtering on ``_offset`` instead.
-    """
-
-    dataset: Any
-    first: int
-    count: int
-    ordered: bool = True
-
-    @property
-    def next(self) -> int:
-        return self.first + self.count
-
-
-@dataclass
-class _Counters:
-    puts: int = 0
-    flushes: int = 0
-    flushed_records: int = 0
-    compactions: int = 0
-    cleanups: int = 0
-    trimmed_records: int = 0
-    errors: int = 0
-    flush_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=256))
-
-
-class _Notifier:
-    """Wakes coroutines (on any event loop) waiting for new records; callable from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-
-    def register(self) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._lock:
-            self._waiters.append((loop, future))
-        return future
-
-    async def wait(self, future: asyncio.Future, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            with self._lock:
-                self._waiters = [(lp, f) for lp, f in self._waiters if f is not future]
-
-    def notify_all(self) -> None:
-        with self._lock:
-            waiters, self._waiters = self._waiters, []
-        for loop, future in waiters:
-            try:
-                loop.call_soon_threadsafe(_resolve, future)
-            except RuntimeError:  # that loop is closed
-                continue
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-class LanceBackend:
+class LanceBackend(TensorMethods):
     """A queue bucket stored in Lance: the ``pulsing.streaming.StorageBackend`` protocol.
 
     Pulsing builds it as ``LanceBackend(bucket_id=, storage_path=, batch_size=, **options)``;
@@ -175,26 +94,15 @@ class LanceBackend:
         self._use_wal = self.config.durability == "wal" and not self.read_only
 
         self._lock = threading.Lock()  # buffer, offsets, schema, view, log appends
-        self._flush_lock = threading.Lock()  # one flush (or trim) at a time
-        self._maintenance_lock = threading.Lock()  # one compaction, cleanup or trim at a time
-        self._maintenance: LanceTable | None = None
-        self._notifier = _Notifier()
-        self._counters = _Counters()
+        self._notifier = Notifier()
+        self._counters = Counters()
         self._consumption = ConsumptionTracker()
-        self._buffer: list[dict[str, Any]] = []
-        self._buffer_sizes: list[int] = []
-        self._buffer_bytes = 0
-        self._oldest_buffered = 0.0
+        self._buffer = WriteBuffer(self.config.batch_size, self.config.flush_interval_s)
         self._closing = False
         self._closed = False
         self._lock_fd: int | None = None
         self._wal: WriteAheadLog | None = None
-        self._worker: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._decoder_cache: tuple[pa.Schema, RecordDecoder] | None = None
-        self._buffer_decoder: tuple[int, RecordDecoder] | None = None
-        self._last_refresh = 0.0
+        self._worker: Worker | None = None
 
         if not self.read_only:
             ownership.close_previous_writer(self.bucket_dir)
@@ -203,18 +111,20 @@ class LanceBackend:
                 self.bucket_dir, self.config.lock_timeout_s
             )
         try:
-            self._table = LanceTable(self.path, base_schema())
-            self._schema = RecordSchema(self._table.schema)
-            self._view, self._last_ts = self._load_view()
-            self._next_offset = self._view.next
+            self._data = QueueDataset(
+                self.path,
+                view_lock=self._lock,
+                counters=self._counters,
+                writer=not self.read_only,
+                version_retention_s=self.config.version_retention_s,
+                poll_interval_s=self.config.poll_interval_s,
+            )
+            self._schema = RecordSchema(self._data.table.schema)
+            self._last_ts = self._data.last_ts
+            self._next_offset = self._data.view.next
             if not self.read_only:
                 self._recover()
-                self._worker = threading.Thread(
-                    target=self._run_worker,
-                    name=f"persisting-queue-{self.bucket_dir.name}",
-                    daemon=True,
-                )
-                self._worker.start()
+                self._worker = self._start_worker()
         except BaseException:
             self._release_writer_lock()
             raise
@@ -226,73 +136,21 @@ class LanceBackend:
 
     # -- opening ------------------------------------------------------------------------------
 
-    def _load_view(self) -> tuple[_View, int]:
-        """The offsets of the committed version (and the newest put time in it)."""
-        dataset = self._table.dataset
-        count = dataset.count_rows()
-        floor = int(self._table.config().get(TRIMMED_BEFORE, "0"))
-        if count == 0:
-            return _View(dataset, floor, 0), 0
-        edges = dataset.take([0, count - 1], columns=[OFFSET, TIMESTAMP])
-        first, last = edges.column(OFFSET).to_pylist()
-        last_ts = edges.column(TIMESTAMP).cast(pa.int64())[1].as_py() or 0
-        if last - first + 1 == count:
-            return _View(dataset, first, count), last_ts
-        scanned = dataset.to_table(columns=[OFFSET, TIMESTAMP])  # rows out of offset order
-        offsets = scanned.column(OFFSET)
-        low, high = pc.min(offsets).as_py(), pc.max(offsets).as_py()
-        if high - low + 1 != count:
-            raise CorruptValueError(
-                f"{self.path}: offsets {low}..{high} do not match its {count} rows"
-            )
-        last_ts = pc.max(scanned.column(TIMESTAMP).cast(pa.int64())).as_py() or 0
-        logger.warning("%s: rows are out of offset order; reading by filter", self.path)
-        return _View(dataset, low, count, ordered=False), last_ts
-
     def _recover(self) -> None:
         """Replay the log into Lance (skipping what a flush already stored), then start it."""
         if not self._use_wal:
             if any((self.bucket_dir / WAL_DIR).glob("*.wal")):
                 # Switching from "wal" to "flush" must not strand acknowledged records.
-                self._wal = WriteAheadLog(self.bucket_dir / WAL_DIR)
-                self._settle_log(self._wal)
-                self._wal = None
+                self._settle_log(WriteAheadLog(self.bucket_dir / WAL_DIR))
             return
         self._wal = WriteAheadLog(self.bucket_dir / WAL_DIR)
         self._settle_log(self._wal)
         self._wal.start(self._next_offset)
 
     def _settle_log(self, wal: WriteAheadLog) -> None:
-        """Replay the log, flush what it held, then delete it; a log that cannot be replayed
-        completely is set aside (``wal/unreplayed/``), never deleted."""
-        if self._replay(wal):
-            wal.drop_all_closed()
-            return
-        aside = wal.set_aside_closed()
-        logger.error("%s: log segments that could not be replayed moved to %s", self.path, aside)
-
-    def _replay(self, wal: WriteAheadLog) -> bool:
-        """Buffer and flush the log's records not yet in Lance; False if some could not be."""
-        entries = [e for e in wal.replay() if e.offset >= self._view.next]
-        if not entries:
-            return True
-        if entries[0].offset != self._view.next:
-            logger.error(
-                "%s: the log starts at offset %d but the dataset ends at %d; not replaying",
-                self.path,
-                entries[0].offset,
-                self._view.next,
-            )
-            return False
-        complete = True
-        records = []
-        for entry in entries:
-            try:
-                records.append((entry, decode_record(entry.payload)))
-            except CorruptValueError:
-                logger.error("%s: unreadable log record at offset %d", self.path, entry.offset)
-                complete = False
-                break
+        """Replay the log's unflushed records, flush them, then delete the log (or set it
+        aside when some records could not be replayed)."""
+        records, complete = recovery.records_to_replay(wal, self._data.view.next, self.path)
         with self._lock:
             for entry, record in records:
                 try:
@@ -303,14 +161,41 @@ class LanceBackend:
                     break
                 row[OFFSET] = entry.offset
                 row[TIMESTAMP] = entry.timestamp_us
-                self._buffer.append(row)
-                self._buffer_sizes.append(len(entry.payload))
-                self._buffer_bytes += len(entry.payload)
+                self._buffer.append([row], [len(entry.payload)])
                 self._next_offset = entry.offset + 1
                 self._last_ts = max(self._last_ts, entry.timestamp_us)
-        logger.info("%s: replayed %d records from the log", self.path, len(self._buffer))
-        self._flush_sync()
-        return complete
+        if records:
+            logger.info("%s: replayed %d records from the log", self.path, len(self._buffer))
+            self._flush_sync()
+        recovery.settle(wal, complete, self.path)
+
+    def _start_worker(self) -> Worker:
+        config = self.config
+        wal = self._wal
+        tasks = WorkerTasks(
+            flush_due=self._flush_due,
+            flush_deadline=self._flush_deadline,
+            flush=self._flush_sync,
+            compact=lambda: self._data.compact_if_needed(
+                max_small=config.compact_max_fragments, target_rows=config.compact_target_rows
+            ),
+            cleanup=self._data.cleanup_versions,
+            sync_log=wal.sync if wal is not None and config.fsync_interval_ms > 0 else None,
+            retain=(
+                self._apply_retention
+                if config.retention_s or config.retain_until_consumed
+                else None
+            ),
+        )
+        worker = Worker(
+            f"persisting-queue-{self.bucket_dir.name}",
+            tasks,
+            self._counters,
+            fsync_interval_s=config.fsync_interval_ms / 1000,
+            retention_interval_s=config.retention_interval_s,
+        )
+        worker.start()
+        return worker
 
     # -- the StorageBackend protocol: writing --------------------------------------------------
 
@@ -351,6 +236,9 @@ class LanceBackend:
     def _enqueue(
         self, records: list[dict[str, Any]], payloads: list[bytes], crcs: list[int] | None
     ) -> tuple[int, int | None, bool]:
+        """Admit, number, log and buffer ``records`` under the lock; returns the first offset,
+        the log position to fsync up to before acknowledging (if any), and whether the buffer
+        is over its budget."""
         with self._lock:
             if self._closing:
                 raise StoreClosedError(f"{self!r} is closed")
@@ -361,28 +249,18 @@ class LanceBackend:
                 row[OFFSET] = first + index
                 row[TIMESTAMP] = ts
             log_position = None
-            if self._wal is not None:
-                frames = b"".join(
-                    encode_frame(first + i, ts, p, crcs[i])  # type: ignore[index]
-                    for i, p in enumerate(payloads)
-                )
-                position = self._wal.append(frames, len(rows))
+            if self._wal is not None and crcs is not None:
+                position = self._wal.append_records(first, ts, payloads, crcs)
                 if self.config.fsync_interval_ms == 0:
                     log_position = position
-            if not self._buffer:
-                self._oldest_buffered = time.monotonic()
-            self._buffer.extend(rows)
-            sizes = [len(p) for p in payloads]
-            self._buffer_sizes.extend(sizes)
-            self._buffer_bytes += sum(sizes)
+            self._buffer.append(rows, [len(p) for p in payloads])
             self._next_offset = first + len(rows)
             self._last_ts = ts
             self._counters.puts += len(rows)
-            if len(self._buffer) >= self.config.batch_size:
-                self._wake.set()
-            over_budget = (
-                len(self._buffer) >= self.config.max_buffer_records
-                or self._buffer_bytes >= self.config.max_buffer_bytes
+            if self._buffer.full() and self._worker is not None:
+                self._worker.wake()
+            over_budget = self._buffer.over(
+                self.config.max_buffer_records, self.config.max_buffer_bytes
             )
         return first, log_position, over_budget
 
@@ -394,39 +272,41 @@ class LanceBackend:
         await asyncio.to_thread(self._flush_sync)
 
     def _flush_sync(self) -> int:
-        with self._flush_lock:
+        data = self._data
+        with data.flush_lock:
             with self._lock:
                 count = len(self._buffer)
                 if count == 0:
                     return 0
-                rows = self._buffer[:count]
+                rows = self._buffer.head(count)
                 if self._wal is not None:
                     self._wal.rotate(self._next_offset)
             started = time.perf_counter()
-            deltas = self._schema.deltas(self._table.schema)
-            if deltas:
-                self._table.add_fields(deltas)
-            table = pa.Table.from_pylist(rows, schema=self._table.schema)
-            self._table.append(table, durable=True)
+            data.append(rows, self._schema)
             elapsed = time.perf_counter() - started
             with self._lock:
-                del self._buffer[:count]
-                self._buffer_bytes -= sum(self._buffer_sizes[:count])
-                del self._buffer_sizes[:count]
-                if self._buffer:
-                    self._oldest_buffered = time.monotonic()
-                view = self._view
-                self._view = _View(
-                    self._table.dataset, view.first, view.count + count, view.ordered
-                )
+                self._buffer.drop_head(count)
+                data.extend_view(count)
+                persisted_next = data.view.next
                 self._counters.flushes += 1
                 self._counters.flushed_records += count
                 self._counters.flush_latency_s.append(elapsed)
             if self._wal is not None:
-                self._wal.drop_flushed(self._view.next)
-            if len(self._table.dataset.get_fragments()) > self.config.compact_max_fragments:
-                self._wake.set()  # compaction is due: don't let fragments pile up until the tick
+                self._wal.drop_flushed(persisted_next)
+            if (
+                data.table.num_fragments() > self.config.compact_max_fragments
+                and self._worker is not None
+            ):
+                self._worker.wake()  # compaction is due: don't let fragments pile up
             return count
+
+    def _flush_due(self, now: float) -> bool:
+        with self._lock:
+            return self._buffer.flush_due(now)
+
+    def _flush_deadline(self) -> float | None:
+        with self._lock:
+            return self._buffer.flush_deadline()
 
     # -- the StorageBackend protocol: reading --------------------------------------------------
 
@@ -439,84 +319,33 @@ class LanceBackend:
             return []
         if offset < 0:
             raise InvalidValueError(f"offset must be >= 0, got {offset}")
-        if self._refresh_due():
-            await asyncio.to_thread(self._refresh, False)
+        if self._data.refresh_due():
+            await asyncio.to_thread(self._data.refresh)
         view, end, buffered, buffer_decoder = self._plan_read(limit, offset)
         records: list[dict[str, Any]] = []
         lance_end = min(end, view.next)
         if offset < lance_end:
-            records = await asyncio.to_thread(self._read_lance, view, offset, lance_end)
+            records = await asyncio.to_thread(self._data.read, view, offset, lance_end)
         if buffered:
             records.extend(buffer_decoder.decode(row) for row in buffered)
         return records
 
     def _plan_read(
         self, limit: int, offset: int
-    ) -> tuple[_View, int, list[dict[str, Any]], RecordDecoder]:
+    ) -> tuple[DatasetView, int, list[dict[str, Any]], RecordDecoder]:
+        """What a read of ``limit`` records from ``offset`` takes, from one consistent moment:
+        the committed view, the end offset, the buffered rows beyond the view, their decoder."""
         with self._lock:
             self._check_open()
-            view = self._view
+            view = self._data.view
             if offset < view.first:
-                raise OffsetTrimmedError(
-                    f"offset {offset} of {self.path} was trimmed by retention; "
-                    f"the earliest offset is {view.first}"
-                )
+                raise trimmed_error(self.path, offset, view.first)
             end = min(offset + limit, self._next_offset if not self.read_only else view.next)
             buffered: list[dict[str, Any]] = []
             if end > view.next:
                 start = max(offset, view.next) - view.next
-                buffered = self._buffer[start : end - view.next]
-            generation = self._schema.generation
-            if self._buffer_decoder is None or self._buffer_decoder[0] != generation:
-                self._buffer_decoder = (generation, RecordDecoder(self._schema.fields()))
-            return view, end, buffered, self._buffer_decoder[1]
-
-    def _read_lance(self, view: _View, start: int, end: int) -> list[dict[str, Any]]:
-        try:
-            table = self._scan(view, start, end)
-        except Exception as exc:  # files of an old version cleaned up under us: retry fresh
-            logger.debug("%s: read of an old version failed (%s); retrying", self.path, exc)
-            self._refresh(True)
-            with self._lock:
-                view = self._view
-            if start < view.first:
-                raise OffsetTrimmedError(
-                    f"offset {start} of {self.path} was trimmed by retention; "
-                    f"the earliest offset is {view.first}"
-                ) from exc
-            end = min(end, view.next)
-            try:
-                table = self._scan(view, start, end)
-            except Exception as again:
-                raise StorageIOError(f"cannot read {self.path}: {again}") from again
-        if not _holds_exactly(table, start, end):
-            if not view.ordered:
-                raise CorruptValueError(f"{self.path}: offsets {start}..{end} are not all there")
-            self._mark_unordered(view)
-            return self._read_lance(replace(view, ordered=False), start, end)
-        return self._decoder(view.dataset.schema).decode_table(table)
-
-    def _mark_unordered(self, view: _View) -> None:
-        logger.warning("%s: rows are out of offset order; reading by filter", self.path)
-        with self._lock:
-            if self._view.dataset is view.dataset:
-                self._view = replace(self._view, ordered=False)
-
-    @staticmethod
-    def _scan(view: _View, start: int, end: int) -> pa.Table:
-        # Every column, unprojected: a projection list would parse a user's column named "*".
-        if view.ordered:
-            return view.dataset.to_table(offset=start - view.first, limit=end - start)
-        found = view.dataset.to_table(filter=f"{OFFSET} >= {start} AND {OFFSET} < {end}")
-        return found.sort_by(OFFSET)
-
-    def _decoder(self, schema: pa.Schema) -> RecordDecoder:
-        cached = self._decoder_cache
-        if cached is not None and cached[0].equals(schema, check_metadata=True):
-            return cached[1]
-        decoder = RecordDecoder(schema)
-        self._decoder_cache = (schema, decoder)
-        return decoder
+                buffered = self._buffer.rows(start, end - view.next)
+            return view, end, buffered, self._buffer.decoder(self._schema)
 
     async def get_stream(
         self,
@@ -528,9 +357,11 @@ class LanceBackend:
         """Batches of records from ``offset`` until ``limit`` records were yielded.
 
         With ``wait`` it waits for new records (puts here, or flushes by the writer when this
-        backend is a reader elsewhere); a truthy ``timeout`` bounds each wait, as in Pulsing's
-        memory backend.
+        backend is a reader elsewhere); a truthy ``timeout`` bounds the waiting of the whole
+        stream (at most ``timeout`` seconds in all, however many batches it yields), a falsy
+        one waits until ``limit`` records came.
         """
+        deadline = time.monotonic() + timeout if wait and timeout else None
         current, remaining = offset, limit
         while remaining > 0:
             records = await self.get(min(remaining, self.config.read_batch_size), current)
@@ -539,59 +370,28 @@ class LanceBackend:
                 current += len(records)
                 remaining -= len(records)
                 continue
-            if not wait or not await self._wait_beyond(current, timeout):
+            if not wait or not await self._wait_beyond(current, deadline):
                 return
 
-    async def _wait_beyond(self, offset: int, timeout: float | None) -> bool:
-        """Wait until a record at ``offset`` or later exists; False on timeout or close."""
-        deadline = time.monotonic() + timeout if timeout else None
-        while True:
-            future = self._notifier.register()
-            if self._closed or self._closing:
-                return False
-            if self._refresh_due():
-                await asyncio.to_thread(self._refresh, False)
-            if self._visible_next() > offset:
-                return True
-            pause = self.config.poll_interval_s if self.read_only else 1.0
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                pause = min(pause, left)
-            await self._notifier.wait(future, pause)
+    async def _wait_beyond(self, offset: int, deadline: float | None) -> bool:
+        """Wait until a record at ``offset`` or later exists; False at ``deadline`` (a
+        ``time.monotonic()`` value, None: no limit) or when the backend closes."""
+
+        async def arrived() -> bool:
+            if self._data.refresh_due():  # a reader sees flushes only by looking
+                await asyncio.to_thread(self._data.refresh)
+            return self._visible_next() > offset
+
+        return await self._notifier.wait_until(
+            arrived,
+            stopped=lambda: self._closed or self._closing,
+            deadline=deadline,
+            poll_s=self.config.poll_interval_s if self.read_only else 1.0,
+        )
 
     def _visible_next(self) -> int:
         with self._lock:
-            return self._view.next if self.read_only else self._next_offset
-
-    def _refresh_due(self) -> bool:
-        elapsed = time.monotonic() - self._last_refresh
-        return self.read_only and elapsed >= self.config.poll_interval_s
-
-    def _refresh(self, force: bool) -> None:
-        """Move to the newest committed version.
-
-        A reader does it to see new flushes (at most every ``poll_interval_s`` unless
-        forced); a writer only when forced, after the files of the version it read were
-        cleaned up by a compaction run elsewhere (``persisting compact``).
-        """
-        if not force and not self._refresh_due():
-            return
-        self._last_refresh = time.monotonic()
-        if self.read_only:
-            if not self._table.refresh() and not force:
-                return
-            view, _ = self._load_view()
-            with self._lock:
-                self._view = view
-                self._next_offset = view.next
-            return
-        with self._flush_lock:  # no flush may commit between the reload and the swap
-            self._table.refresh()
-            view, _ = self._load_view()
-            with self._lock:
-                self._view = view
+            return self._data.view.next if self.read_only else self._next_offset
 
     async def stats(self) -> dict[str, Any]:
         """Records, bytes, flushes and their latency, fragments, versions and log size."""
@@ -599,15 +399,14 @@ class LanceBackend:
 
     def _stats_sync(self) -> dict[str, Any]:
         if self.read_only:
-            self._refresh(False)
+            self._data.refresh()
         with self._lock:
-            view = self._view
-            buffered = len(self._buffer)
-            buffered_bytes = self._buffer_bytes
+            view = self._data.view
+            buffered, buffered_bytes = len(self._buffer), self._buffer.bytes
             next_offset = self._next_offset if not self.read_only else view.next
-            counters = self._counters
-            latencies = list(counters.flush_latency_s)
             schema = {f.name: str(f.type) for f in self._schema.fields()}
+            counters = self._counters.as_dict()
+        wal = self._wal
         return {
             "bucket_id": self.bucket_id,
             "backend": "lance",
@@ -621,95 +420,30 @@ class LanceBackend:
             "records": view.count + buffered,
             "first_offset": view.first,
             "bytes": disk_usage(self.path) if self.path.exists() else 0,
-            "puts": counters.puts,
-            "flushes": counters.flushes,
-            "flushed_records": counters.flushed_records,
-            "flush_latency_ms": _latency_summary(latencies),
             "fragments": len(view.dataset.get_fragments()),
             "versions": len(view.dataset.versions()),
-            "compactions": counters.compactions,
-            "cleanups": counters.cleanups,
-            "trimmed_records": counters.trimmed_records,
-            "wal_bytes": self._wal.size_bytes() if self._wal is not None else 0,
-            "wal_segments": self._wal.segment_count() if self._wal is not None else 0,
-            "wal_fsyncs": self._wal.fsyncs if self._wal is not None else 0,
-            "errors": counters.errors,
+            **counters,
+            "wal_bytes": wal.size_bytes() if wal is not None else 0,
+            "wal_segments": wal.segment_count() if wal is not None else 0,
+            "wal_fsyncs": wal.fsyncs if wal is not None else 0,
+            "waiters": len(self._notifier),
             "schema": schema,
         }
 
     def total_count(self) -> int:
         """Records ever put (= the next offset); trimming does not lower it."""
         if self.read_only:
-            self._refresh(False)
+            self._data.refresh()
         return self._visible_next()
 
     def earliest_offset(self) -> int:
         """The oldest offset still stored (everything before it was trimmed)."""
         if self.read_only:
-            self._refresh(False)
+            self._data.refresh()
         with self._lock:
-            return self._view.first
+            return self._data.view.first
 
-    # -- tensor-native methods (records addressed by offset) ------------------------------------
-
-    async def put_tensor(self, data: Any, **kwargs: Any) -> PutResult:
-        """Store a record (or list of records) holding tensors; returns their offsets.
-
-        Tensors are stored as typed ``{kind, dtype, shape, data}`` columns, exactly, so a
-        plain ``put`` does the same; Pulsing's extra arguments (``partition_id``) are ignored.
-        """
-        if isinstance(data, dict):
-            records = [data]
-        elif isinstance(data, list) and all(isinstance(r, dict) for r in data):
-            records = data
-        else:
-            raise InvalidValueError("put_tensor expects a dict or a list of dicts")
-        if not records:
-            return PutResult([], [])
-        first = await self._put(records)
-        names = sorted({k for r in records for k in r if not str(k).startswith("_")})
-        return PutResult(list(range(first, first + len(records))), names)
-
-    async def get_data(self, batch_meta: Any, fields: list[str] | None = None) -> Any:
-        """The records at ``batch_meta``'s ``global_indexes`` (offsets), optionally projected."""
-        earliest, end = self.earliest_offset(), self._visible_next()
-        wanted = [i for i in tensor_api.global_indexes(batch_meta) if earliest <= i < end]
-        by_offset: dict[int, dict[str, Any]] = {}
-        for start, stop in tensor_api.contiguous_runs(wanted):
-            for index, record in enumerate(await self.get(stop - start, start), start):
-                by_offset[index] = record
-        rows = [by_offset[i] for i in wanted if i in by_offset]
-        if not fields:
-            return rows
-        return [{k: v for k, v in row.items() if k in fields} for row in rows]
-
-    async def get_meta(
-        self,
-        fields: list[str],
-        batch_size: int,
-        task_name: str = "default",
-        sampler: Any = None,
-        **sampling_kwargs: Any,
-    ) -> Any:
-        """Offsets ``task_name`` has not consumed yet (tracked in memory), as Pulsing expects."""
-        taken = self._consumption.take(
-            task_name,
-            batch_size,
-            self.earliest_offset(),
-            self._visible_next(),
-            sampler,
-            **sampling_kwargs,
-        )
-        partition = sampling_kwargs.get("partition_id", "default")
-        return tensor_api.batch_meta(taken, fields, partition)
-
-    async def mark_consumed(self, task_name: str, global_indexes: list[int]) -> None:
-        self._consumption.mark(task_name, global_indexes)
-
-    async def reset_consumption(self, task_name: str) -> None:
-        self._consumption.reset(task_name)
-
-    # -- consumer positions and retention -------------------------------------------------------
+    # -- consumer positions, retention and maintenance -----------------------------------------
 
     async def commit_position(self, consumer: str, position: int) -> None:
         """Durably record that ``consumer`` will next read ``position`` (from any process)."""
@@ -725,151 +459,19 @@ class LanceBackend:
         Offsets of the remaining records do not change, and new records continue after the
         highest offset ever put.
         """
-        if self.read_only:
-            raise AccessDeniedError(f"{self!r} is read-only")
-        self._check_open()
-        return await asyncio.to_thread(self._trim_sync, before)
-
-    def _trim_sync(self, before: int) -> int:
-        with self._flush_lock, self._maintenance_lock:  # a delete conflicts with a compaction
-            with self._lock:
-                view = self._view
-            before = min(int(before), view.next)
-            if before <= view.first:
-                return 0
-            # The watermark goes first: if we crash before the delete, nothing is lost.
-            self._table.set_config({TRIMMED_BEFORE: str(before)}, durable=True)
-            self._table.delete(f"{OFFSET} < {before}", durable=True)
-            removed = before - view.first
-            with self._lock:
-                current = self._view
-                self._view = _View(
-                    self._table.dataset, before, current.next - before, current.ordered
-                )
-                self._counters.trimmed_records += removed
-            return removed
+        self._check_writable()
+        return await asyncio.to_thread(self._data.trim, before)
 
     def _apply_retention(self) -> int:
-        with self._lock:
-            view = self._view
-        if view.count == 0:
-            return 0
-        cutoffs = []
-        if self.config.retention_s:
-            cutoffs.append(
-                maintenance.age_cutoff(view.dataset, view.first, self.config.retention_s, _now_us())
-            )
-        if self.config.retain_until_consumed:
-            slowest = maintenance.consumer_cutoff(self.positions.all())
-            if slowest is not None:
-                cutoffs.append(slowest)
-        if not cutoffs:
-            return 0
-        return self._trim_sync(max(cutoffs))
+        positions = self.positions.all() if self.config.retain_until_consumed else None
+        return self._data.apply_retention(self.config.retention_s, positions, _now_us())
 
     async def maintain(self) -> dict[str, int]:
         """Run the background maintenance now: compaction (while due), old-version cleanup
         and retention. Returns the compaction steps run and the records trimmed."""
-        if self.read_only:
-            raise AccessDeniedError(f"{self!r} is read-only")
-        self._check_open()
-
-        def run() -> dict[str, int]:
-            before = self._counters.compactions
-            for _ in range(16):  # each round runs up to a few steps; stop once nothing is due
-                if not self._compact_if_needed():
-                    break
-            self._cleanup_versions()
-            trimmed = self._apply_retention()
-            return {"compaction_steps": self._counters.compactions - before, "trimmed": trimmed}
-
-        return await asyncio.to_thread(run)
-
-    # -- background work ------------------------------------------------------------------------
-
-    def _run_worker(self) -> None:
-        last_sync = last_retention = time.monotonic()
-        flushes_at_cleanup = 0
-        while not self._stop.is_set():
-            self._wake.wait(self._next_wakeup(last_sync, last_retention))
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                now = time.monotonic()
-                if (
-                    self._wal is not None
-                    and self.config.fsync_interval_ms > 0
-                    and now - last_sync >= self.config.fsync_interval_ms / 1000
-                ):
-                    self._wal.sync()
-                    last_sync = now
-                if self._flush_due(now):
-                    self._flush_sync()
-                compacted = self._compact_if_needed()
-                flushes = self._counters.flushes
-                if compacted or flushes - flushes_at_cleanup >= self.config.compact_max_fragments:
-                    self._cleanup_versions()
-                    flushes_at_cleanup = flushes
-                if (
-                    self.config.retention_s or self.config.retain_until_consumed
-                ) and now - last_retention >= self.config.retention_interval_s:
-                    last_retention = now
-                    self._apply_retention()
-            except Exception:
-                self._counters.errors += 1
-                logger.exception("%s: background flush/maintenance failed", self.path)
-                self._stop.wait(0.5)
-
-    def _next_wakeup(self, last_sync: float, last_retention: float) -> float:
-        now = time.monotonic()
-        waits = [1.0]
-        if self._wal is not None and self.config.fsync_interval_ms > 0:
-            waits.append(last_sync + self.config.fsync_interval_ms / 1000 - now)
-        with self._lock:
-            if self._buffer and self.config.flush_interval_s > 0:
-                waits.append(self._oldest_buffered + self.config.flush_interval_s - now)
-        if self.config.retention_s or self.config.retain_until_consumed:
-            waits.append(last_retention + self.config.retention_interval_s - now)
-        return max(0.0, min(waits))
-
-    def _flush_due(self, now: float) -> bool:
-        with self._lock:
-            if not self._buffer:
-                return False
-            if len(self._buffer) >= self.config.batch_size:
-                return True
-            interval = self.config.flush_interval_s
-            return interval > 0 and now - self._oldest_buffered >= interval
-
-    def _compact_if_needed(self) -> bool:
-        """Compact while no flush runs: a compaction committed over appends made meanwhile
-        would put the merged fragments after them and break the offset order of rows."""
-        if len(self._table.dataset.get_fragments()) <= self.config.compact_max_fragments:
-            return False
-        with self._flush_lock, self._maintenance_lock:
-            steps = maintenance.compact(
-                self._table,
-                max_small=self.config.compact_max_fragments,
-                target_rows=self.config.compact_target_rows,
-            )
-            if steps:
-                with self._lock:
-                    view = self._view
-                    self._view = _View(self._table.dataset, view.first, view.count, view.ordered)
-                    self._counters.compactions += steps
-        return steps > 0
-
-    def _cleanup_versions(self) -> None:
-        """Delete old versions through a handle of its own: flushes need not wait for it."""
-        with self._maintenance_lock:
-            maintenance.cleanup_versions(self._maintenance_table(), self.config.version_retention_s)
-        self._counters.cleanups += 1
-
-    def _maintenance_table(self) -> LanceTable:
-        if self._maintenance is None:
-            self._maintenance = LanceTable(self.path, base_schema())
-        return self._maintenance
+        self._check_writable()
+        assert self._worker is not None  # every writer has one
+        return await asyncio.to_thread(self._worker.run_now)
 
     # -- closing --------------------------------------------------------------------------------
 
@@ -877,16 +479,19 @@ class LanceBackend:
         if self._closed:
             raise StoreClosedError(f"{self!r} is closed")
 
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise AccessDeniedError(f"{self!r} is read-only")
+        self._check_open()
+
     def close(self) -> None:
         """Flush what is buffered, stop background work and release the bucket."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
-        self._stop.set()
-        self._wake.set()
-        if self._worker is not None and self._worker is not threading.current_thread():
-            self._worker.join()
+        if self._worker is not None:
+            self._worker.stop()
         try:
             if not self.read_only:
                 self._flush_sync()
@@ -917,26 +522,10 @@ class LanceBackend:
             ownership.release_writer_lock(fd)
 
 
-def _holds_exactly(table: pa.Table, start: int, end: int) -> bool:
-    """True if ``table``'s offsets are exactly ``start, start + 1, ..., end - 1``."""
-    offsets = table.column(OFFSET).to_numpy()
-    return len(offsets) == end - start and bool(np.array_equal(offsets, np.arange(start, end)))
-
-
 def _which(index: int, total: int) -> str:
     return f"record {index} of {total}: " if total > 1 else ""
 
 
-def _latency_summary(latencies: list[float]) -> dict[str, float | None]:
-    if not latencies:
-        return {"last": None, "p50": None, "max": None}
-    return {
-        "last": latencies[-1] * 1000,
-        "p50": statistics.median(latencies) * 1000,
-        "max": max(latencies) * 1000,
-    }
-
-
 close_all = ownership.close_all
 
-__all__ = ["TRIMMED_BEFORE", "WAL_DIR", "LanceBackend", "PutResult", "close_all"]
+__all__ = ["TRIMMED_BEFORE", "WAL_DIR", "LanceBackend", "TensorPutResult", "close_all"]

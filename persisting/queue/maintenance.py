@@ -1,14 +1,15 @@
 """Keeping a queue dataset bounded: leveled compaction, version cleanup, retention cutoffs.
 
 Every flush appends one small fragment and one version. Left alone, reads would visit ever
-more fragments and commits would list ever more versions, so a background worker:
+more fragments and every commit would list ever more versions (Lance finds the newest
+manifest by listing them), so flushes would slow down as the bucket ages. The worker:
 
 * compacts in levels: small fragments are merged into fragments of ``target / fanout**k``
   rows, then those into larger ones, so each row is rewritten once per level (a handful of
   times in all), never once per flush, and the newest small fragments never force a rewrite
   of the large old ones;
-* deletes versions older than a few seconds (concurrent readers of an older version get that
-  long to finish);
+* deletes old versions by what readers need, not by age (:class:`VersionKeeper`), so their
+  number stays small at any flush rate;
 * computes where retention may trim: before a configured age, or before the slowest committed
   consumer position. Trimming deletes rows; offsets are a stored column and never move.
 """
@@ -16,7 +17,7 @@ more fragments and commits would list ever more versions, so a background worker
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +28,7 @@ import numpy as np
 from persisting.lance_store import LanceTable
 from persisting.lance_store.root import QUEUE_DATASET
 from persisting.queue import ownership
-from persisting.queue.schema import OFFSET, TIMESTAMP, base_schema
+from persisting.queue.records import OFFSET, TIMESTAMP, base_schema
 
 #: How many fragments of one level are merged into the next.
 FANOUT = 8
@@ -92,8 +93,18 @@ def plan_compaction(
     return CompactionStep(chosen, excluded)
 
 
-def compact(table: LanceTable, *, max_small: int, target_rows: int, max_steps: int = 4) -> int:
-    """Run compaction steps until the small fragments are few; return the steps run."""
+def compact(
+    table: LanceTable,
+    *,
+    max_small: int,
+    target_rows: int,
+    max_steps: int = 4,
+    on_rewrite: Callable[[int], None] | None = None,
+) -> int:
+    """Run compaction steps until the small fragments are few; return the steps run.
+
+    ``on_rewrite`` is told the version each step starts from (see :class:`VersionKeeper`).
+    """
     steps = 0
     while steps < max_steps:
         step = plan_compaction(
@@ -101,6 +112,8 @@ def compact(table: LanceTable, *, max_small: int, target_rows: int, max_steps: i
         )
         if step is None:
             break
+        if on_rewrite is not None:
+            on_rewrite(table.version)
         metrics = table.compact(
             target_rows_per_fragment=step.target_rows,
             excluded_fragment_ids=list(step.excluded),
@@ -111,9 +124,64 @@ def compact(table: LanceTable, *, max_small: int, target_rows: int, max_steps: i
     return steps
 
 
+class VersionKeeper:
+    """Which old versions of one bucket a cleanup deletes: all but a few, at any flush rate.
+
+    A reader holds one version's manifest in memory and needs only the data files it lists.
+    Appends leave every file in place, so a version followed only by appends can go at
+    once: the newest version lists all of its files. A rewrite (a compaction step, a trim)
+    replaces files; the version it started from lists every file a reader of that version
+    or an earlier one (back to the previous rewrite) may still need, so that one version is
+    kept ``retention_s`` after the rewrite, and deleting it then deletes those files. The
+    versions that existed before this writer opened are kept ``retention_s`` as they are
+    (what rewrote them is not known). Deleting by age alone kept every version of the last
+    ``retention_s``: hundreds at a high flush rate, each making every commit slower.
+    """
+
+    def __init__(self, retention_s: float, lowest: int, latest: int, now: float):
+        self.retention_s = retention_s
+        # Versions lowest..latest-1 existed at open: kept as they are until this time.
+        self._history: tuple[int, int, float] | None = (
+            (lowest, latest, now + retention_s) if lowest < latest else None
+        )
+        self._low = latest  # no version of this writer's below this one exists any more
+        self._kept: dict[int, float] = {}  # version a rewrite started from -> kept until
+        self._planned: tuple[int, bool] | None = None
+
+    def rewrote(self, from_version: int, now: float) -> None:
+        """A rewrite committed over ``from_version``: keep that version ``retention_s``."""
+        self._kept[from_version] = now + self.retention_s
+
+    def doomed(self, latest: int, now: float) -> list[int]:
+        """The versions below ``latest`` a cleanup may delete now (the newest always stays).
+        Call :meth:`cleaned` once they are deleted."""
+        self._kept = {v: until for v, until in self._kept.items() if until > now}
+        out: list[int] = []
+        history_done = self._history is not None and now >= self._history[2]
+        if history_done and self._history is not None:
+            out.extend(range(self._history[0], self._history[1]))
+        out.extend(v for v in range(self._low, latest) if v not in self._kept)
+        self._planned = (min([*self._kept, latest]), history_done)
+        return out
+
+    def cleaned(self) -> None:
+        """The versions the last :meth:`doomed` named are gone."""
+        if self._planned is None:
+            return
+        self._low, history_done = self._planned
+        if history_done:
+            self._history = None
+        self._planned = None
+
+
 def cleanup_versions(table: LanceTable, older_than_s: float) -> int:
     """Delete versions older than ``older_than_s`` seconds (the newest is always kept)."""
     return table.cleanup(timedelta(seconds=older_than_s), keep_versions=1)
+
+
+def lowest_version(table: LanceTable) -> int:
+    """The oldest version of ``table`` still stored."""
+    return min(int(v["version"]) for v in table.dataset.versions())
 
 
 def compact_bucket(
@@ -164,10 +232,31 @@ def consumer_cutoff(positions: Mapping[str, int]) -> int | None:
     return min(positions.values()) if positions else None
 
 
+def retention_cutoff(
+    dataset: Any,
+    first_offset: int,
+    *,
+    retention_s: float | None,
+    consumer_positions: Mapping[str, int] | None,
+    now_us: int,
+) -> int | None:
+    """Where retention may trim: the larger of the age and consumer cutoffs (either policy
+    lets a record go), or None when neither applies."""
+    cutoffs = []
+    if retention_s:
+        cutoffs.append(age_cutoff(dataset, first_offset, retention_s, now_us))
+    if consumer_positions:
+        slowest = consumer_cutoff(consumer_positions)
+        if slowest is not None:
+            cutoffs.append(slowest)
+    return max(cutoffs) if cutoffs else None
+
+
 __all__ = [
     "FANOUT",
     "CompactionStep",
     "FragmentStats",
+    "VersionKeeper",
     "age_cutoff",
     "cleanup_versions",
     "compact",
@@ -175,5 +264,7 @@ __all__ = [
     "compaction_levels",
     "consumer_cutoff",
     "fragment_stats",
+    "lowest_version",
     "plan_compaction",
+    "retention_cutoff",
 ]

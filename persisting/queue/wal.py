@@ -3,15 +3,18 @@
 A put is written to the log (one ``write`` call for the whole batch) before it is
 acknowledged, so a ``kill -9`` of the process cannot lose it; ``fsync`` makes it survive a
 power cut too, either before every acknowledgement (group commit: concurrent puts share one
-fsync) or every ``fsync_interval``. The log is a directory of segments named by their first
-offset; every frame carries its record's offset and a CRC::
+fsync) or every ``fsync_interval_ms`` (the backend's worker calls :meth:`WriteAheadLog.sync`).
+The log is a directory of segments named by their first offset; every frame carries its
+record's offset and a CRC::
 
     segment = MAGIC frame*
     frame   = u32 payload_len | u32 crc32(payload, offset, ts) | i64 offset | i64 ts_us | payload
 
-On start the segments are replayed in order; a torn or corrupt tail (a crash mid-write) ends
-the log and is cut off. A flush rotates to a new segment; once the flush is durable in Lance
-the segments it covered are deleted, so the log only ever holds unflushed records.
+The magic names the payloads' format: ``PQWAL002`` msgpack (written now), ``PQWAL001`` the
+tagged format of earlier versions (still replayed). On start the segments are replayed in
+order; a torn or corrupt tail (a crash mid-write) ends the log and is cut off. A flush rotates
+to a new segment; once the flush is durable in Lance the segments it covered are deleted, so
+the log only ever holds unflushed records.
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ from pathlib import Path
 
 from persisting.errors import StorageIOError
 from persisting.lance_store.durable import fsync_dir, fsync_fd, makedirs_durable
+from persisting.queue.codec import MSGPACK, TAGGED
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"PQWAL001"
+#: The magic of the segments written now (msgpack payloads).
+MAGIC = b"PQWAL002"
+#: Segment magic -> payload format (see :mod:`persisting.queue.codec`).
+FORMATS = {b"PQWAL001": TAGGED, MAGIC: MSGPACK}
 SUFFIX = ".wal"
 UNREPLAYED_DIR = "unreplayed"
 _HEADER = struct.Struct("<IIqq")
@@ -42,11 +49,12 @@ HEADER_SIZE = _HEADER.size
 
 @dataclass(frozen=True)
 class LogEntry:
-    """One replayed record: its offset, put time and encoded payload."""
+    """One replayed record: its offset, put time, encoded payload and the payload's format."""
 
     offset: int
     timestamp_us: int
     payload: bytes
+    fmt: int = MSGPACK
 
 
 def payload_crc(payload: bytes) -> int:
@@ -135,7 +143,8 @@ class WriteAheadLog:
     def _read_segment(
         data: bytes, entries: list[LogEntry], expected: int | None
     ) -> tuple[int, str | None]:
-        if not data.startswith(MAGIC):
+        fmt = FORMATS.get(data[: len(MAGIC)])
+        if fmt is None:
             return 0, "missing or torn segment header"
         pos = len(MAGIC)
         view = memoryview(data)
@@ -151,7 +160,7 @@ class WriteAheadLog:
                 return pos, f"checksum mismatch at offset {offset}"
             if expected is not None and offset != expected:
                 return pos, f"offset {offset} where {expected} was expected"
-            entries.append(LogEntry(offset, ts, payload))
+            entries.append(LogEntry(offset, ts, payload, fmt))
             expected = offset + 1
             pos = end
         return pos, None
@@ -203,6 +212,17 @@ class WriteAheadLog:
         self._active_frames += count
         self._written += len(frames)
         return self._written
+
+    def append_records(
+        self, first_offset: int, timestamp_us: int, payloads: list[bytes], crcs: list[int]
+    ) -> int:
+        """Log ``payloads`` as the records at ``first_offset, first_offset + 1, ...``, all put
+        at ``timestamp_us`` (``crcs``: their :func:`payload_crc`); see :meth:`append`."""
+        frames = b"".join(
+            encode_frame(first_offset + i, timestamp_us, payload, crc)
+            for i, (payload, crc) in enumerate(zip(payloads, crcs, strict=True))
+        )
+        return self.append(frames, len(payloads))
 
     def sync(self, upto: int | None = None) -> None:
         """Make everything written so far durable (at least up to position ``upto``).
@@ -329,6 +349,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 __all__ = [
+    "FORMATS",
     "HEADER_SIZE",
     "MAGIC",
     "LogEntry",

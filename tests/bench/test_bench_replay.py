@@ -172,3 +172,37 @@ def test_impossible_options_are_rejected(
             replay(tokens_trace([1, 2, 3, 4]), target, options)
     finally:
         target.close()
+
+
+def test_hits_are_split_by_tier_and_bounded_by_the_best(tmp_path: Path) -> None:
+    from persisting.bench.targets import store_tier_hits
+
+    trace = generate_trace(
+        TraceSpec(requests=30, documents=4, doc_tokens=32, suffix_tokens=4, model=MODEL)
+    )
+    # 64-byte chunks in a 256-byte memory tier: 4 chunks fit, the rest are read from disk
+    target = local(tmp_path, memory_bytes=256)
+    try:
+        result = replay(trace, target, OPTIONS, tier_hits=store_tier_hits(target))
+    finally:
+        target.close()
+    report = summarize(result)
+    assert report.memory_hit_chunks is not None and report.disk_hit_chunks is not None
+    assert report.memory_hit_chunks + report.disk_hit_chunks == report.hit_chunks
+    assert report.disk_hit_chunks > 0 and report.memory_hit_chunks > 0
+    for record in result.records:
+        assert record.memory_hit_chunks + record.disk_hit_chunks == record.hit_chunks
+    # nothing was evicted from disk, so the store served what an unbounded cache would
+    assert report.hit_tokens == report.best_hit_tokens > 0
+
+
+def test_the_best_achievable_counts_chunks_seen_before(tmp_path: Path) -> None:
+    a = list(range(1, 13))
+    trace = tokens_trace(a, a, [*a[:8], 99, 98, 97, 96], [*a[:4], 50, 51, 52, 53])
+    target = local(tmp_path)
+    try:
+        result = replay(trace, target, OPTIONS)
+    finally:
+        target.close()
+    assert [r.best_hit_tokens for r in result.records] == [0, 12, 8, 4]
+    assert [r.memory_hit_chunks for r in result.records] == [None] * 4  # no tier reader

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from persisting.bench.plot import write_plot
+from persisting.bench.plot import values_caption, write_plot
 from persisting.bench.replay import ReplayOptions, ReplayResult, RequestRecord
-from persisting.bench.report import hit_rate_over_time, op_stats, summarize
+from persisting.bench.report import hit_rate_over_time, hit_rates_over_time, op_stats, summarize
 
 
 def record(arrival_s: float, tokens: int, hit_tokens: int, **kw: object) -> RequestRecord:
@@ -114,6 +114,43 @@ def test_plot_is_a_png_with_both_panels(tmp_path: Path) -> None:
     path = write_plot(result, tmp_path / "replay.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = imread(path)
-    assert image.shape[:2] == (420, 1100)  # figsize 11 x 4.2 in at 100 dpi
+    assert image.shape[:2] == (460, 1200)  # figsize 12 x 4.6 in at 100 dpi
     # something was drawn: the image is far from a blank canvas
     assert float(np.std(image[..., :3])) > 0.05
+
+
+def test_hits_split_by_tier_and_the_best_achievable_rate() -> None:
+    result = ReplayResult(
+        model="m", target="t", options=ReplayOptions.for_model("llama-3.1-8b", chunk_size=4)
+    )
+    result.records = [
+        # 400 tokens each; hits split 3:1 (memory:disk) in the first, all disk in the second
+        record(0.0, 400, 0, memory_hit_chunks=0, disk_hit_chunks=0, best_hit_tokens=0),
+        record(1.0, 400, 200, memory_hit_chunks=30, disk_hit_chunks=10, best_hit_tokens=300),
+        record(2.0, 400, 100, memory_hit_chunks=0, disk_hit_chunks=25, best_hit_tokens=400),
+    ]
+    report = summarize(result)
+    assert (report.memory_hit_chunks, report.disk_hit_chunks) == (30, 35)
+    assert report.best_hit_tokens == 700
+    assert report.best_token_hit_rate == pytest.approx(700 / 1200)
+    assert report.kv_model == "llama-3.1-8b" and report.bytes_per_token == 128 << 10
+    assert report.chunk_bytes == 4 * (128 << 10)
+    rates = hit_rates_over_time(result.records, bins=2)
+    # bins [0, 1) (the request at 0) and [1, 2] (the requests at 1 and 2)
+    assert list(rates.ends) == [1.0, 2.0]
+    assert rates.split
+    assert rates.memory == pytest.approx([0.0, 150 / 800])
+    assert rates.disk == pytest.approx([0.0, (50 + 100) / 800])
+    assert rates.cumulative == pytest.approx([0.0, 300 / 1200])
+    assert rates.best_cumulative == pytest.approx([0.0, 700 / 1200])
+    assert values_caption(result) == "llama-3.1-8b KV: 128 KiB/token, 512 KiB chunks of 4 tokens"
+
+
+def test_without_a_tier_split_every_hit_counts_once() -> None:
+    result = ReplayResult(model="m", target="t", options=ReplayOptions())
+    result.records = [record(0.0, 100, 50), record(1.0, 100, 100)]
+    report = summarize(result)
+    assert report.memory_hit_chunks is None and report.disk_hit_chunks is None
+    rates = hit_rates_over_time(result.records, bins=1)
+    assert not rates.split
+    assert rates.memory == pytest.approx([0.75]) and rates.disk == pytest.approx([0.0])

@@ -15,13 +15,22 @@ from pathlib import Path
 import pytest
 from cli_ops_helpers import key, open_store, value
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs"))
+from docs_helpers import fenced_blocks
+
 from persisting.metrics import LATENCY_METRIC, QUEUE_LAG_METRIC, STORE_FIGURES, KVMetrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 
 
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), flags=re.S)
+    """The doc's blocks in ``language``, less those marked ``<!-- no-test: why -->``
+    (installing a service, building an image: tests/docs/test_deploy.py checks those)."""
+    return [
+        block.code
+        for block in fenced_blocks(DOC.read_text())
+        if block.language == language and block.marker != "no-test"
+    ]
 
 
 @pytest.fixture

@@ -116,7 +116,8 @@ def test_stats_of_a_storage_root_show_what_is_stored(root: Path) -> None:
     assert (data["source"], data["kind"]) == (str(root), "storage_root")
     big = data["models"][MODEL]
     assert big["items"] == {"memory": 0, "disk": 4}
-    assert big["bytes"] == {"memory": 0, "disk": 4 * FILE_BYTES}
+    assert big["bytes"]["memory"] == 0  # disk: 4 files plus the metadata and directories
+    assert 4 * FILE_BYTES < big["bytes"]["disk"] <= 4 * FILE_BYTES + (512 << 10)
     assert big["capacity"] == {"memory": 0, "disk": 1 << 30}
     assert big["hits"] == {"memory": 0, "disk": 0} and big["corruptions"] == 0
     assert big["latency"] == []
@@ -174,3 +175,33 @@ def test_json_of_dataclasses_is_plain() -> None:
     assert data["hits"] == {"memory": 3, "disk": 0} and data["items"] == {"memory": 1, "disk": 2}
     assert "capacity" not in data  # a gauge the stats do not have is left out
     assert json.loads(json.dumps(data)) == data
+
+
+def test_sub_microsecond_latency_reads_the_same_in_mean_and_percentiles() -> None:
+    """Regression: memory hits of ~0.3 us showed as mean 0.000 ms and p50 0.005 ms (three
+    fixed decimals; a first bucket of 10 us, interpolated from 0)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from persisting.admin import figures_from_scrape
+    from persisting.cli.output import human_ms
+    from persisting.cli.storage import render_stats
+    from persisting.metrics import KVMetrics
+
+    metrics = KVMetrics()
+    fast = metrics.latency.labels(MODEL, "get", "memory", "hit")
+    for _ in range(10):
+        fast.observe(3e-7)
+    report = figures_from_scrape(metrics.render(), "test")
+    (latency,) = report.models[0].latency
+    assert latency.mean_ms == pytest.approx(0.0003)
+    assert latency.p50_ms is not None and latency.p99_ms is not None
+    assert latency.p50_ms <= LATENCY_BUCKETS[0] * 1000  # within the first bucket: 1 us
+    assert latency.p50_ms == pytest.approx(0.0005)
+    out = StringIO()
+    render_stats(Console(file=out, width=160), report)
+    row = next(line for line in out.getvalue().splitlines() if "memory" in line and "hit" in line)
+    assert "0.000300" in row and "0.000500" in row
+    assert " 0.000 " not in row and "0.005" not in row
+    assert human_ms(0.0003) == "0.000300" and human_ms(40.777) == "40.8"

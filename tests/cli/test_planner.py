@@ -97,7 +97,7 @@ def test_mla_model_given_by_bytes_per_token() -> None:
     assert plan.inflight_bytes == 143_917_056  # x 0.05 s
     assert plan.nic_usable_bytes_per_s == 40_000_000_000  # 50 GB/s x 0.8
     assert plan.nic_headroom == pytest.approx(40e9 / 2_878_341_120, rel=1e-15)
-    assert plan.inputs.model_shape is None
+    assert plan.model.attention == "given" and plan.model.objects_per_chunk == 1
 
 
 def test_70b_class_model_on_tp8() -> None:
@@ -204,7 +204,13 @@ def test_dtype_names() -> None:
         ({"dtype": "int4"}, "unknown dtype 'int4'"),
         ({"tp": 3}, "tp=3 does not split kv_heads=8 evenly"),
         ({"bytes_per_token": 131072}, "give either bytes_per_token or the model shape"),
-        ({"head_dim": None}, "missing ['head_dim']"),
+        ({"head_dim": None}, "missing head_dim"),
+        ({"model": "llama-3.1-8b"}, "give model or the shape, not both"),
+        ({"disk_bytes": "lots"}, "disk_bytes must be a size"),
+        ({"disk_read": "-3GB/s"}, "disk_read must be"),
+        ({"mfu": 2}, "mfu must be in (0, 1]"),
+        ({"gpu": "h200"}, "gpu estimates the prefill rate of a model preset"),
+        ({"gpu": "tpu9"}, "unknown gpu 'tpu9'"),
     ],
 )
 def test_impossible_inputs_are_config_errors(change: dict, message: str) -> None:
@@ -214,8 +220,9 @@ def test_impossible_inputs_are_config_errors(change: dict, message: str) -> None
 
 
 def test_chunk_bytes_must_split_over_tp() -> None:
-    with pytest.raises(ConfigError, match="does not split evenly over tp=2"):
-        plan_capacity(bytes_per_token=3, chunk_size=1, tp=2, prefix_tokens=1, prefixes=1)
+    with pytest.raises(ConfigError, match="does not split evenly over tp=2") as info:
+        plan_capacity(bytes_per_token=3, chunk_size=1, tp=2, mla=False, prefix_tokens=1, prefixes=1)
+    assert info.value.fields == ("tp", "chunk_size", "bytes_per_token")
 
 
 @settings(max_examples=200, deadline=None)
@@ -241,6 +248,7 @@ def test_budget_identities_hold(
 ) -> None:
     plan = plan_capacity(
         bytes_per_token=bytes_per_token * tp,
+        mla=False,
         prefix_tokens=prefix_tokens,
         prefixes=prefixes,
         chunk_size=chunk_size,
@@ -259,3 +267,191 @@ def test_budget_identities_hold(
     assert plan.bytes_per_object * tp == chunk_size * bytes_per_token * tp
     assert plan.read_bytes_per_s == rps * plan.bytes_per_prefix
     assert plan.lookups_per_s == rps * plan.chunks_per_prefix * tp
+
+
+# --- models by name, MLA, and the layouts TP makes ----------------------------------------
+
+PRESET_BYTES_PER_TOKEN = {
+    # 2 (K, V) x layers x KV heads x head dim x 2 bytes (bf16), from each config.json
+    "llama-3-8b": 2 * 32 * 8 * 128 * 2,  # 128 KiB
+    "llama-3.1-8b": 2 * 32 * 8 * 128 * 2,
+    "llama-3-70b": 2 * 80 * 8 * 128 * 2,  # 320 KiB
+    "llama-3.1-70b": 2 * 80 * 8 * 128 * 2,
+    "qwen2.5-7b": 2 * 28 * 4 * 128 * 2,  # 56 KiB
+    "qwen2.5-32b": 2 * 64 * 8 * 128 * 2,  # 256 KiB
+    "qwen2.5-72b": 2 * 80 * 8 * 128 * 2,
+    "mixtral-8x7b": 2 * 32 * 8 * 128 * 2,
+    "mixtral-8x22b": 2 * 56 * 8 * 128 * 2,  # 224 KiB
+    # MLA: 61 layers x (512 latent + 64 rope) x 2 bytes, once: no K/V pair
+    "deepseek-v3": 61 * 576 * 2,  # 68.625 KiB
+}
+
+
+def test_every_preset_weighs_what_its_shape_says() -> None:
+    from persisting.planner import MODEL_PRESETS
+
+    with pytest.raises(ConfigError, match="unknown model 'llama-9b'; presets: llama-3-8b"):
+        plan_capacity(model="llama-9b", prefix_tokens=256, prefixes=1)
+    assert set(MODEL_PRESETS) == set(PRESET_BYTES_PER_TOKEN)
+    for name, expected in PRESET_BYTES_PER_TOKEN.items():
+        plan = plan_capacity(model=name, prefix_tokens=256, prefixes=1)
+        assert plan.bytes_per_token == expected, name
+        assert plan.model.name == name
+    by_id = plan_capacity(model="meta-llama/Llama-3.1-70B", prefix_tokens=256, prefixes=1)
+    assert by_id.model.name == "llama-3.1-70b"
+    fp8 = plan_capacity(model="llama-3.1-8b", dtype="fp8", prefix_tokens=256, prefixes=1)
+    assert fp8.bytes_per_token == 64 * KiB
+
+
+def test_mla_latent_is_stored_once_and_not_split_by_tp() -> None:
+    by_flag = plan_capacity(
+        layers=61, head_dim=576, mla=True, prefix_tokens=4096, prefixes=500, tp=8
+    )
+    preset = plan_capacity(model="deepseek-v3", prefix_tokens=4096, prefixes=500, tp=8)
+    for plan in (by_flag, preset):
+        assert plan.bytes_per_token == 70_272  # ~68.6 KiB, not 137.25 KiB
+        assert plan.model.objects_per_chunk == 1 and not plan.model.split_over_tp
+        assert plan.objects == plan.logical_chunks == 8_000  # the first rank saves it
+        assert plan.bytes_per_object == 256 * 70_272  # the whole latent chunk
+        assert plan.lookups_per_s == 0
+        assert any("save_only_first_rank" in note for note in plan.notes)
+    given = plan_capacity(bytes_per_token=70_272, mla=True, tp=8, prefix_tokens=4096, prefixes=500)
+    assert given.objects == 8_000 and given.bytes_per_object == 256 * 70_272
+
+
+def test_a_latent_shape_without_mla_is_refused_not_doubled() -> None:
+    with pytest.raises(ConfigError, match="looks like an MLA latent") as info:
+        plan_capacity(layers=61, kv_heads=1, head_dim=576, prefix_tokens=4096, prefixes=1)
+    assert "70,272 bytes" in str(info.value) and "mla" in info.value.fields
+    # Told that these are K/V heads, the planner counts K and V (and warns).
+    plan = plan_capacity(
+        layers=61, kv_heads=1, head_dim=576, mla=False, prefix_tokens=4096, prefixes=1
+    )
+    assert plan.bytes_per_token == 2 * 70_272
+    assert any("unusual for an attention head" in w for w in plan.warnings)
+    with pytest.raises(ConfigError, match="kv_heads must be 1"):
+        plan_capacity(layers=61, kv_heads=8, head_dim=576, mla=True, prefix_tokens=1, prefixes=1)
+
+
+def test_bytes_per_token_with_tp_must_say_how_it_splits() -> None:
+    with pytest.raises(ConfigError, match="say whether TP splits it") as info:
+        plan_capacity(bytes_per_token=70_272, tp=8, prefix_tokens=4096, prefixes=1)
+    assert set(info.value.fields) >= {"bytes_per_token", "tp", "mla"}
+    split = plan_capacity(bytes_per_token=131_072, mla=False, tp=4, prefix_tokens=256, prefixes=1)
+    assert split.objects == 4 and split.bytes_per_object == 8 * MiB
+
+
+def test_more_ranks_than_kv_heads_store_replicated_heads() -> None:
+    plan = plan_capacity(model="qwen2.5-7b", tp=8, prefix_tokens=256, prefixes=1)
+    assert plan.model.bytes_per_token == 56 * KiB  # one copy of the model's KV
+    assert plan.bytes_per_token == 2 * 56 * KiB  # 4 heads on 8 ranks: each saved twice
+    assert plan.objects == 8 and plan.bytes_per_object == 256 * 112 * KiB // 8
+    assert any("replicate each head on 2 ranks" in w for w in plan.warnings)
+
+
+def test_replicas_are_a_labelled_what_if() -> None:
+    plan = plan_capacity(**SEED_EXAMPLE)
+    assert any("what-if" in note and "one copy" in note for note in plan.notes)
+    assert next(line for line in PLAN_LINES if line.name == "replicated_bytes").meaning.startswith(
+        "what-if"
+    )
+
+
+# --- the hardware: settings, fit, disk bandwidth, worked backwards ---------------------------
+
+
+def test_hardware_gives_the_settings_and_what_a_box_carries() -> None:
+    plan = plan_capacity(
+        **SEED_EXAMPLE,
+        nodes=2,
+        disk_bytes="7.68TB",
+        memory_bytes="1TiB",
+        disk_read="12GB/s",
+        disk_write="6GB/s",
+    )
+    hw = plan.hardware
+    assert hw is not None
+    # 7.68e12 x 0.7 = 5,376e9 bytes -> 5,006 GiB; 1 TiB x 0.7 = 716.8 GiB -> 716 GiB
+    assert hw.kv_disk_bytes == 5006 * GiB
+    assert hw.kv_memory_bytes == 716 * GiB
+    assert hw.file_bytes_per_object == 4096 + 8 * MiB  # header + payload
+    assert hw.disk_bytes_per_node == 192_000 * (4096 + 8 * MiB) // 2
+    assert hw.fits_on_disk is True
+    # per prefix: 96 objects (24 chunks x 4 ranks) x 2 replicas x (8 MiB + 4 KiB) on disk,
+    # 2 x 768 MiB in memory
+    assert hw.prefixes_on_disk == 2 * 5006 * GiB // (96 * 2 * (4096 + 8 * MiB))
+    assert hw.prefixes_in_memory == 2 * 716 * GiB // (2 * 768 * MiB)
+    share = Fraction(hw.prefixes_in_memory, 1000)
+    assert hw.memory_read_share == pytest.approx(float(share))
+    reads = 15 * GiB * (1 - share) / 2
+    assert hw.disk_read_bytes_per_s == math.ceil(reads)
+    assert hw.disk_read_headroom == pytest.approx(float(12 * 10**9 / reads))
+    assert hw.disk_write_bytes_per_s == 2 * GiB
+    assert hw.disk_write_headroom == pytest.approx(6e9 / (2 * GiB))
+    # Worked backwards: each request reads 768 MiB over the NIC (2 nodes x 17.5 GB/s)
+    assert hw.max_rps_limit == "NIC"
+    assert hw.max_rps == pytest.approx(2 * 17.5e9 / (768 * MiB))
+    assert plan.to_dict()["hardware"]["kv_disk_bytes"] == 5006 * GiB
+
+
+def test_a_disk_too_small_is_reported_and_limits_the_rate() -> None:
+    plan = plan_capacity(
+        model="llama-3.1-70b",
+        prefix_tokens=8192,
+        prefixes=2000,
+        rps=4,
+        disk_bytes="1TB",
+        memory_bytes="64GiB",
+        disk_read="2GB/s",
+    )
+    hw = plan.hardware
+    assert hw is not None and hw.fits_on_disk is False
+    assert hw.prefixes_on_disk < 2000
+    assert hw.max_rps_limit == "disk reads"
+    per_request = 8192 * 320 * KiB * (1 - Fraction(hw.prefixes_in_memory, 2000))  # type: ignore[arg-type]
+    assert hw.max_rps == pytest.approx(float(2 * 10**9 / per_request))
+
+
+def test_payload_file_size_is_the_stores_own() -> None:
+    from persisting.kv.payload_files import file_size
+    from persisting.planner import file_bytes
+
+    for n in (1, 4095, 4096, 4097, 8 << 20, 17_989_632):
+        assert file_bytes(n) == file_size(n)
+
+
+# --- load or recompute ----------------------------------------------------------------------
+
+
+def test_recompute_break_even_from_a_measured_prefill_rate() -> None:
+    # The GPU host of the design brief: ~23k tokens/s for an 8B shape at 32k context,
+    # disks at 1.2 GB/s: a disk hit is slower than recomputing.
+    plan = plan_capacity(
+        model="llama-3.1-8b",
+        prefix_tokens=32768,
+        prefixes=100,
+        rps=1,
+        prefill_tokens_per_s=23_000,
+        disk_read="1.2GB/s",
+    )
+    r = plan.recompute
+    assert r is not None and not r.estimated
+    assert r.break_even_bytes_per_s == 23_000 * 128 * KiB  # 3.01 GB/s
+    assert r.disk_vs_recompute == pytest.approx(1.2e9 / (23_000 * 128 * KiB))
+    assert r.disk_vs_recompute < 1
+    assert r.recompute_ms == pytest.approx(32768 / 23_000 * 1000)
+    assert r.disk_load_ms == pytest.approx(32768 * 128 * KiB / 1.2e9 * 1000)
+
+
+def test_recompute_rate_estimated_from_a_gpu_preset() -> None:
+    plan = plan_capacity(
+        model="llama-3.1-8b", prefix_tokens=32768, prefixes=100, rps=1, gpu="h200", tp=2
+    )
+    r = plan.recompute
+    assert r is not None and r.estimated
+    # 2 x 8.03e9 + 32 layers x 32 heads x (128 + 128) x 32,768 tokens
+    flops = 2 * 8_030_000_000 + 32 * 32 * 256 * 32768
+    assert r.prefill_flops_per_token == flops
+    assert r.prefill_tokens_per_s == math.floor(Fraction(2 * 989 * 10**12, 2) / flops)
+    assert r.break_even_bytes_per_s == math.ceil(Fraction(2 * 989 * 10**12, 2) / flops * 128 * KiB)
+    assert any("estimated from the h200 peak" in note for note in plan.notes)

@@ -114,7 +114,9 @@ def test_the_guide_runs_in_order(tmp_path: Path) -> None:
         return by_text[code]
 
     assert "torch 2.13.0" in output_of("torch.version.cuda")
-    assert "refused: kv.durability" in output_of("PERSISTING_CONFIG")
+    settings_output = output_of("PERSISTING_CONFIG")
+    assert "refused: invalid settings: kv.durability" in settings_output
+    assert "did you mean kv.memory_bytes?" in settings_output
     assert "chunks on disk" in output_of("batched_put(keys, values, chain=True)")
     assert "memory False" in output_of('durability="async"')
     assert "disk True" in output_of("KVCacheClient.connect(seeds=[")
@@ -139,11 +141,12 @@ def test_the_guide_runs_in_order(tmp_path: Path) -> None:
     assert (work / "demo-data" / "kv" / "demo%2Ftiny-llama").is_dir()
 
 
-def test_only_the_install_block_is_left_out_and_it_is_the_readmes() -> None:
+def test_only_the_install_blocks_are_left_out_and_one_is_the_readmes() -> None:
     blocks = guide_blocks()
     skipped = [b for b in blocks if b.marker == "no-test"]
-    assert len(skipped) == 1
+    assert len(skipped) == 2  # the install commands, and the same install by hand
     install = skipped[0].code
+    assert "pip install -c keep.txt -e ." in skipped[1].code
     readme = [b for b in fenced_blocks((REPO / "README.md").read_text()) if b.language == "bash"]
     readme_commands = {line for b in readme for line in b.code.splitlines() if line.strip()}
     assert "bash scripts/install.sh && .venv/bin/python -m pytest" in readme_commands
@@ -152,6 +155,7 @@ def test_only_the_install_block_is_left_out_and_it_is_the_readmes() -> None:
     script = (REPO / "scripts" / "install.sh").read_text()
     assert "PERSISTING_SKIP_LMCACHE=1 bash scripts/install.sh" in install
     assert "PERSISTING_SKIP_LMCACHE" in script
+    assert "PERSISTING_EXISTING_ENV=1 VENV=" in install and "PERSISTING_EXISTING_ENV" in script
     guide = GUIDE.read_text()
     # The pins the guide tells a hand install to use are the ones the script uses.
     for pin in ("torch==2.13.0", "numpy<=2.2.6", "lmcache==0.5.6"):

@@ -7,6 +7,9 @@ import torch
 from persisting.kv import ChunkKey
 
 MODEL = "meta-llama/Llama-3-8B"
+#: Room a disk budget needs beside its payload files for the metadata table and the
+#: directories (the budget covers them too); less than one ``big`` value.
+OVERHEAD_ROOM = 512 << 10
 
 
 def key(i: int, *, worker: int = 0, world: int = 1, model: str = MODEL) -> ChunkKey:
@@ -16,6 +19,11 @@ def key(i: int, *, worker: int = 0, world: int = 1, model: str = MODEL) -> Chunk
 def tensor(seed: int, tokens: int = 16, hidden: int = 64) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, 4, tokens, hidden, generator=g).to(torch.bfloat16)
+
+
+def big(seed: int) -> torch.Tensor:
+    """A 1 MiB value: large enough that the metadata and directories are small beside it."""
+    return tensor(seed, tokens=64, hidden=1024)
 
 
 def shared_dir_worker(root: str, worker: int, capacity: int, rounds: int, barrier, results) -> None:
@@ -30,12 +38,12 @@ def shared_dir_worker(root: str, worker: int, capacity: int, rounds: int, barrie
         barrier.wait()
         for r in range(rounds):
             i = rng.randrange(40)
-            store.put(key(i), tensor(i))
+            store.put(key(i), big(i))
             j = rng.randrange(40)
             got = store.get(key(j))
             if got is None:
                 misses += 1
-            elif torch.equal(got, tensor(j)):
+            elif torch.equal(got, big(j)):
                 hits += 1
             else:
                 wrong += 1

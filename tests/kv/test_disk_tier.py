@@ -11,7 +11,7 @@ import lance
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
+from kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES
@@ -52,23 +52,23 @@ def test_du_stays_within_capacity_under_a_storm_twice_the_capacity(root: Path) -
 
 
 def test_prefix_aware_eviction_drops_suffixes_first(root: Path) -> None:
-    value_bytes = tensor(0).numel() * 2
-    per_file = HEADER_BYTES + value_bytes
+    value_bytes = big(0).numel() * 2
+    capacity = 6 * (HEADER_BYTES + value_bytes) + OVERHEAD_ROOM  # six values, not seven
     with open_kv_store(
-        root, MODEL, memory_bytes=0, disk_bytes=6 * per_file, eviction="prefix"
+        root, MODEL, memory_bytes=0, disk_bytes=capacity, eviction="prefix"
     ) as store:
         chain_a = [key(i) for i in range(3)]
         chain_b = [key(i) for i in range(10, 13)]
-        store.batched_put(chain_a, [tensor(i) for i in range(3)], chain=True)
-        store.batched_put(chain_b, [tensor(i) for i in range(3)], chain=True)
-        store.put(key(99), tensor(9))  # room for one more: a suffix goes, not a prefix
+        store.batched_put(chain_a, [big(i) for i in range(3)], chain=True)
+        store.batched_put(chain_b, [big(i) for i in range(3)], chain=True)
+        store.put(key(99), big(9))  # room for one more: a suffix goes, not a prefix
         assert store.lookup_prefix(chain_a) + store.lookup_prefix(chain_b) == 5
         assert store.contains(chain_a[0]) and store.contains(chain_b[0])
         assert not store.contains(chain_a[2])  # the least recent chain's tail
-    with open_kv_store(root / "lru", MODEL, memory_bytes=0, disk_bytes=6 * per_file) as lru:
-        lru.batched_put(chain_a, [tensor(i) for i in range(3)], chain=True)
-        lru.batched_put(chain_b, [tensor(i) for i in range(3)], chain=True)
-        lru.put(key(99), tensor(9))
+    with open_kv_store(root / "lru", MODEL, memory_bytes=0, disk_bytes=capacity) as lru:
+        lru.batched_put(chain_a, [big(i) for i in range(3)], chain=True)
+        lru.batched_put(chain_b, [big(i) for i in range(3)], chain=True)
+        lru.put(key(99), big(9))
         assert not lru.contains(chain_a[0])  # plain LRU drops the head: the chain is dead
         assert lru.lookup_prefix(chain_a) == 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import MODEL, key, shared_dir_worker, tensor
+from kv_helpers import MODEL, OVERHEAD_ROOM, big, key, shared_dir_worker, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size
@@ -23,8 +23,8 @@ MiB = 1 << 20
 
 @pytest.mark.timeout(240)
 def test_processes_sharing_a_directory_never_read_wrong_data(root: Path) -> None:
-    value_file = file_size(tensor(0).numel() * 2)
-    capacity = 12 * value_file  # far fewer than the 40 keys in play: constant eviction
+    value_file = file_size(big(0).numel() * 2)
+    capacity = 12 * value_file + OVERHEAD_ROOM  # far fewer than 40 keys: constant eviction
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(3)
     results = ctx.Queue()
@@ -50,7 +50,7 @@ def test_processes_sharing_a_directory_never_read_wrong_data(root: Path) -> None
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=capacity) as store:
         present = [i for i in range(40) if store.contains(key(i))]
         assert present
-        assert all(torch.equal(store.get(key(i)), tensor(i)) for i in present)
+        assert all(torch.equal(store.get(key(i)), big(i)) for i in present)
 
 
 def test_a_process_sees_the_other_processes_chunks_after_refresh(root: Path) -> None:

@@ -127,7 +127,7 @@ def key(
     dtype: torch.dtype = torch.bfloat16,
     tags: dict[str, str] | None = None,
 ) -> CacheEngineKey:
-    """A chunk key built directly (LMCache's token hashing is salted without vLLM)."""
+    """A chunk key built directly (tests choose their hashes; see test_lmcache_token_hashes)."""
     configs = {f"lmcache.tag.{k}": v for k, v in (tags or {}).items()}
     # Negative and positive hashes, like LMCache's signed 64-bit chunk hashes.
     chunk_hash = (i * 0x9E3779B97F4A7C15) % (1 << 64) - (1 << 63)

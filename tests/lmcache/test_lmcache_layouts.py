@@ -6,8 +6,8 @@ import torch
 from lmcache.utils import LayerCacheEngineKey
 from lmcache_harness import key, make_metadata
 
-from persisting._lmcache_compat import LayoutGuard
 from persisting.kv import Layout
+from persisting.lmcache.compat import LayoutGuard
 
 
 def layout(shape: tuple[int, ...], dtype: str = "bfloat16", fmt: str = "KV_2LTD") -> Layout:

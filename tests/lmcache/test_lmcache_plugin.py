@@ -46,7 +46,7 @@ def hold_writers(plugin: PersistingKVBackend, gate: threading.Event) -> None:
         gate.wait()
 
     for _ in range(plugin.options.io_threads):
-        plugin._writer.submit(block)
+        plugin.puts.pool.submit(block)
     started.wait(timeout=10)
 
 

@@ -85,3 +85,42 @@ def test_the_plugin_reads_its_settings_from_the_lmcache_config(root: Path) -> No
         assert list(store) == ["meta-llama/Llama-3-8B"]
         (only,) = store.values()
         assert only["durability"] == "sync" and only["memory_capacity"] == 0
+
+
+@pytest.mark.parametrize(
+    ("written", "size"),
+    [
+        ("64GiB", 64 << 30),
+        ("512MB", 512 * 10**6),
+        ("1.5GiB", 3 << 29),
+        ("16 MiB", 16 << 20),
+        ("4096", 4096),
+        (4096, 4096),
+        ("8gb", 8 * 10**9),
+    ],
+)
+def test_sizes_accept_units(written: object, size: int) -> None:
+    extra = {f"persisting.{name}": written for name in ("memory_bytes", "disk_bytes")}
+    extra["persisting.kv.max_value_bytes"] = written
+    extra["persisting.result_buffer_bytes"] = written
+    settings, _ = settings_from_extra_config(extra)
+    kv = settings.kv
+    assert (kv.memory_bytes, kv.disk_bytes, kv.max_value_bytes, kv.result_buffer_bytes) == (
+        size,
+        size,
+        size,
+        size,
+    )
+
+
+@pytest.mark.parametrize("written", ["64 potatoes", "-1GiB", -1, 1.5, True, "GiB", [1]])
+def test_a_bad_size_names_the_key(written: object) -> None:
+    with pytest.raises(ConfigError, match=r"persisting\.disk_bytes"):
+        settings_from_extra_config({"persisting.disk_bytes": written})
+
+
+def test_the_lmcache_config_may_size_the_plugin_in_gib(root: Path) -> None:
+    config = make_config(root, disk_bytes="1GiB", memory_bytes="8MiB")
+    with storage_manager(config) as manager:
+        (store,) = plugin_of(manager).stats()["stores"].values()
+        assert store["disk_capacity"] == 1 << 30 and store["memory_capacity"] == 8 << 20

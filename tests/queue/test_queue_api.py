@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from persisting.lance_store import StorageRoot
 from persisting.queue import (
     LanceBackend,
     QueueConsumer,
+    TopicReader,
     close_all,
     open_bucket,
     open_reader,
@@ -26,6 +28,7 @@ from persisting.queue import (
 )
 from persisting.queue.maintenance import (
     FragmentStats,
+    VersionKeeper,
     compaction_levels,
     plan_compaction,
 )
@@ -116,6 +119,47 @@ def test_pulsing_queue_writes_and_reads_through_the_lance_backend(tmp_path: Path
             backend.close()
 
 
+def test_a_waiting_reader_waits_at_most_its_timeout_over_all_buckets(tmp_path: Path) -> None:
+    """Pulsing's reader gave each of 4 buckets the whole timeout (4 x 1 s for nothing) and
+    waited on a bucket that had a record for more (4 x 2 s for one record)."""
+    import pulsing as pul
+
+    root, topic = tmp_path / "root", "waits"
+
+    async def go() -> None:
+        system = await pul.actor_system()
+        try:
+            writer = await open_writer(system, topic, storage_root=root, num_buckets=4)
+            reader = await open_reader(system, topic, storage_root=root, num_buckets=4)
+            assert isinstance(reader, TopicReader)
+            assert await reader.get(limit=10) == []
+
+            started = time.monotonic()
+            assert await reader.get(limit=100, wait=True, timeout=1.0) == []
+            assert 0.9 <= time.monotonic() - started < 2.5
+
+            await writer.put({"id": "one", "seq": 1})
+            started = time.monotonic()
+            assert await reader.get(limit=100, wait=True, timeout=2.0) == [{"id": "one", "seq": 1}]
+            assert time.monotonic() - started < 1.5
+
+            async def later() -> None:
+                await asyncio.sleep(0.3)
+                await writer.put({"id": "two", "seq": 2})
+
+            task = asyncio.create_task(later())
+            started = time.monotonic()
+            got = await reader.get(limit=100, wait=True, timeout=30)
+            await task
+            assert got == [{"id": "two", "seq": 2}] and time.monotonic() - started < 10
+            assert await reader.get(limit=100) == []  # the reader moved past both
+        finally:
+            close_all()
+            await system.shutdown()
+
+    asyncio.run(go())
+
+
 def test_a_consumer_starts_where_asked_and_survives_trimming(bucket_dir, open_backend) -> None:
     writer = open_backend()
     asyncio.run(writer.put_batch(small_records(0, 10)))
@@ -158,6 +202,26 @@ def test_compaction_plan_merges_the_lowest_full_level_and_spares_large_fragments
     ]
     step = plan_compaction(with_deletes, max_small=0, target_rows=1 << 20)
     assert step is not None and 1 not in step.excluded
+
+
+def test_version_keeper_keeps_only_what_readers_of_older_versions_need() -> None:
+    # Opened at version 5 (versions 2..4 exist): those are kept 10 s, their history unknown.
+    keeper = VersionKeeper(10.0, lowest=2, latest=5, now=100.0)
+    assert keeper.doomed(latest=9, now=101.0) == [5, 6, 7, 8]  # appends only: all can go
+    keeper.cleaned()
+    keeper.rewrote(9, now=102.0)  # a compaction step started from version 9
+    keeper.rewrote(11, now=103.0)  # and a trim from version 11
+    assert keeper.doomed(latest=14, now=104.0) == [10, 12, 13]
+    # A cleanup that failed changes nothing: the same versions are named again.
+    assert keeper.doomed(latest=14, now=104.0) == [10, 12, 13]
+    keeper.cleaned()
+    assert keeper.doomed(latest=15, now=110.5) == [2, 3, 4, 10, 12, 13, 14]  # history expired
+    keeper.cleaned()
+    assert keeper.doomed(latest=16, now=112.5) == [9, 10, 12, 13, 14, 15]  # 9's time is up
+    keeper.cleaned()
+    assert keeper.doomed(latest=17, now=120.0) == [11, 12, 13, 14, 15, 16]  # and 11's
+    keeper.cleaned()
+    assert keeper.doomed(latest=18, now=121.0) == [17]
 
 
 def test_consumer_positions_are_durable_per_consumer_files(tmp_path: Path) -> None:

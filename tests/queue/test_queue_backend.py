@@ -187,7 +187,7 @@ def test_compaction_and_cleanup_keep_fragments_and_versions_bounded(open_backend
         for batch in range(40):
             await backend.put_batch(small_records(batch * 10, 10))
             await backend.flush()
-            backend._wake.set()
+            backend._worker.wake()
 
     asyncio.run(go())
     assert eventually(lambda: asyncio.run(backend.stats())["fragments"] <= 6)
@@ -353,7 +353,7 @@ def test_rows_put_out_of_order_by_an_unsafe_compaction_are_still_read_right(
     reader = open_backend(read_only=True)
     assert asyncio.run(reader.get(200, 0)) == small_records(0, 120)
     assert asyncio.run(reader.get(15, 75)) == small_records(75, 15)
-    writer._refresh(True)  # as after the cleanup of the version it read
+    writer._data.refresh(force=True)  # as after the cleanup of the version it read
     assert asyncio.run(writer.get(200, 0)) == small_records(0, 120)
     asyncio.run(fill(12, 1))
     assert asyncio.run(writer.get(200, 0)) == small_records(0, 130)
@@ -416,3 +416,97 @@ def test_a_log_that_cannot_be_replayed_is_set_aside_not_deleted(bucket_dir, open
     asyncio.run(backend.put({"id": "fresh"}))
     asyncio.run(backend.flush())
     assert asyncio.run(backend.get(10, 0)) == [{"id": "fresh"}]
+
+
+def test_waiting_readers_leave_no_waiter_behind(open_backend) -> None:
+    """A read-only backend is never notified: each wait must remove its own future, whether
+    it timed out or found records (issue 13: 50 calls left 50 futures)."""
+    writer = open_backend()
+    reader = open_backend(read_only=True, poll_interval_s=0.01)
+
+    async def go() -> None:
+        await writer.put_batch(small_records(0, 3))
+        await writer.flush()
+        for _ in range(50):  # nothing beyond offset 3: every wait times out
+            assert [b async for b in reader.get_stream(5, 3, wait=True, timeout=0.02)] == []
+        assert (await reader.stats())["waiters"] == 0
+        for offset in range(3, 53):  # every wait is ended by a flush
+            await writer.put(small_records(offset, 1)[0])
+            await writer.flush()
+            got = [b async for b in reader.get_stream(1, offset, wait=True, timeout=30)]
+            assert got == [small_records(offset, 1)]
+        assert (await reader.stats())["waiters"] == 0
+        assert [b async for b in writer.get_stream(5, 53, wait=True, timeout=0.02)] == []
+        assert (await writer.stats())["waiters"] == 0
+
+    asyncio.run(go())
+
+
+def test_a_stream_waits_at_most_its_timeout_in_all(open_backend) -> None:
+    """``timeout`` bounds the whole stream: records arriving now and then do not extend it
+    (it bounded each wait, so a trickle of records kept a 1 s stream open for as long as
+    the trickle lasted)."""
+    backend = open_backend()
+
+    async def go() -> None:
+        async def trickle() -> None:
+            for i in range(15):  # one record every 0.2 s for 3 s
+                await asyncio.sleep(0.2)
+                await backend.put(small_records(i, 1)[0])
+
+        feeder = asyncio.create_task(trickle())
+        started = time.monotonic()
+        got = flat([b async for b in backend.get_stream(1000, 0, wait=True, timeout=1.0)])
+        elapsed = time.monotonic() - started
+        await feeder
+        assert 1 <= len(got) < 15 and got == small_records(0, len(got))
+        assert 0.9 <= elapsed < 2.5, elapsed
+
+    asyncio.run(go())
+
+
+def test_versions_stay_few_at_any_flush_rate(open_backend) -> None:
+    """Every flush adds a version; deleting versions only by age kept every version of the
+    last 10 s (hundreds at a high flush rate), and each one made later commits slower
+    (issue 17). Versions followed only by appends go at once."""
+    backend = open_backend(compact_max_fragments=1000)  # version_retention_s: 10 s
+
+    async def go() -> None:
+        for batch in range(40):
+            await backend.put_batch(small_records(batch * 10, 10))
+            await backend.flush()
+        await backend.maintain()
+        assert (await backend.stats())["versions"] <= 2
+        assert await backend.get(400, 0) == small_records(0, 400)
+
+    asyncio.run(go())
+    assert len(list((backend.path / "_versions").glob("*.manifest"))) <= 2
+
+
+def test_a_reader_of_a_version_before_a_compaction_keeps_its_files(open_backend) -> None:
+    """A compaction replaces files; the version it started from is kept for
+    ``version_retention_s``, so a reader still on an older version finds every file it
+    lists, while the versions between (appends only) are deleted at once."""
+    writer = open_backend(compact_max_fragments=4, version_retention_s=60)
+
+    async def go() -> None:
+        for batch in range(3):
+            await writer.put_batch(small_records(batch * 10, 10))
+            await writer.flush()
+        held = lance.dataset(str(writer.path))  # a reader on the version of 3 flushes
+        for batch in range(3, 12):
+            await writer.put_batch(small_records(batch * 10, 10))
+            await writer.flush()
+        await writer.maintain()
+        stats = await writer.stats()
+        assert stats["compactions"] >= 1
+        assert stats["versions"] <= 2 + stats["compactions"], stats["versions"]
+        files = [
+            writer.path / "data" / f.path
+            for fragment in held.get_fragments()
+            for f in fragment.data_files()
+        ]
+        assert files and all(f.exists() for f in files)
+        assert held.to_table(columns=["_offset"])["_offset"].to_pylist() == list(range(30))
+
+    asyncio.run(go())

@@ -64,7 +64,7 @@ def output_of(proc: subprocess.Popen, timeout: float = 90) -> Any:
 
 def sigkill(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.communicate()  # reaps it and closes its pipes
     assert proc.returncode == -signal.SIGKILL
 
 
@@ -158,11 +158,11 @@ def test_pulsing_producer_and_consumer_in_separate_processes(tmp_path: Path) -> 
         )
         got = output_of(consumer, timeout=150)
         Path(files["done"]).write_text("done")
-        producer.wait(timeout=60)
+        producer.communicate(timeout=60)
     finally:
         if producer.poll() is None:
             producer.kill()
-            producer.wait()
+        producer.communicate()
     assert sorted(got, key=lambda item: item[1]) == expected(list(range(count)))  # each once
     store = StorageRoot(root)
     for bucket in (0, 1):  # each bucket is its own dataset, in put order

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from persisting.errors import InvalidValueError, SchemaMismatchError
 from persisting.queue import LanceBackend
-from persisting.queue.schema import column_name, key_name
+from persisting.queue.records import column_name, key_name
 
 
 def same(a: Any, b: Any) -> bool:

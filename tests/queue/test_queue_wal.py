@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
 from persisting.errors import CorruptValueError
 from persisting.lance_store import durable
 from persisting.queue.codec import decode_record, encode_record
-from persisting.queue.schema import normalize_record
+from persisting.queue.records import normalize_record
 from persisting.queue.wal import MAGIC, WriteAheadLog, encode_frame, list_segments
 
 
@@ -41,6 +43,28 @@ def test_codec_rejects_truncated_or_garbage_bytes(cut: int) -> None:
         decode_record(data[:-cut])
     with pytest.raises(CorruptValueError):
         decode_record(b"\xff" + data)
+
+
+def test_codec_stores_numpy_subclasses_of_plain_types_as_plain_values() -> None:
+    record = normalize_record({"f": np.float64(1.5), "s": np.str_("x"), "b": np.bytes_(b"y")})
+    decoded = decode_record(encode_record(record))
+    assert decoded == {"f": 1.5, "s": "x", "b": b"y"}
+    assert [type(v) for v in decoded.values()] == [float, str, bytes]
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        msgpack.packb([1, 2]),  # not a record
+        msgpack.packb({"t": msgpack.ExtType(9, b"")}),  # an extension type nobody defined
+        msgpack.packb({"t": msgpack.ExtType(1, b"\xc1")}),  # a tensor that is not msgpack
+        msgpack.packb({"t": msgpack.ExtType(1, msgpack.packb(["numpy", "<f4", [1.5], b""]))}),
+        msgpack.packb({1: "int key"}),
+    ],
+)
+def test_codec_rejects_malformed_records_with_a_typed_error(payload: bytes) -> None:
+    with pytest.raises(CorruptValueError):
+        decode_record(payload)
 
 
 def write_log(directory: Path, offsets: range, first: int | None = None) -> WriteAheadLog:
@@ -133,3 +157,50 @@ def test_group_commit_shares_fsyncs_between_concurrent_writers(
     assert len(calls) == 5  # one fsync acknowledged each group of eight puts
     wal.close()
     assert [e.offset for e in WriteAheadLog(tmp_path).replay()] == list(range(40))
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal values of equal types; arrays and tensors by dtype, shape and contents."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and torch.equal(a, b)
+        )
+    if isinstance(a, np.ndarray | np.generic) or isinstance(b, np.ndarray | np.generic):
+        return type(a) is type(b) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_a_log_written_before_msgpack_is_still_replayed(bucket_dir: Path) -> None:
+    """Stored data stays readable: a bucket whose log holds records in the tagged format of
+    earlier versions replays them exactly (and its new segments use the current format)."""
+    import asyncio
+    import shutil
+
+    from wal_v1_records import v1_records
+
+    from persisting.queue import LanceBackend
+    from persisting.queue.backend import WAL_DIR
+
+    shutil.copytree(Path(__file__).parent / "data" / "wal_v1", bucket_dir / WAL_DIR)
+    backend = LanceBackend(0, bucket_dir, batch_size=1000, flush_interval_s=0)
+    try:
+        expected = v1_records()
+        got = asyncio.run(backend.get(100, 0))
+        assert len(got) == len(expected) and all(
+            same(g, e) for g, e in zip(got, expected, strict=True)
+        ), got
+        assert asyncio.run(backend.stats())["persisted_count"] == len(expected)  # replayed, flushed
+        asyncio.run(backend.put({"id": "after"}))
+        (segment,) = list_segments(bucket_dir / WAL_DIR)
+        assert segment[1].read_bytes().startswith(MAGIC)
+    finally:
+        backend.close()

@@ -31,6 +31,7 @@ HARNESSES: dict[str, tuple[str, list[str]]] = {
         ["--examples", "3000", "--raw", "60", "--seed", "7"],
     ),
     "kv_diskfull": ("harness_kv_diskfull.py", []),
+    "kv_misuse": ("harness_kv_misuse.py", ["--rounds", "5"]),
     "service_cancelled_puts": ("harness_cancelled_puts.py", ["--runs", "100"]),
     "service_attack": ("harness_service_attack.py", ["--rounds", "3"]),
 }
@@ -45,15 +46,36 @@ PROMISES = """\
   returns only after the payload file and its directory entry are fsynced, so it survives
   SIGKILL and power loss.
 - **Torn writes are never visible.** Payload files are written under `tmp/` and renamed
-  into place. A dead writer's leftovers are removed on the next open.
+  into place. An in-flight file is locked (`flock`) by its writer until the rename, and only
+  a file nobody holds locked is a dead writer's leftover: two stores of one process, or
+  writers in other pid namespaces sharing the volume, never delete each other's files.
+- **A dead writer's reservation comes back.** A writer killed mid-batch leaves its
+  reservation in the shared usage counter; the next writer that finds the directory full
+  reclaims it (from the unlocked tmp files) before evicting anything.
 - **Damage degrades to misses.** Damaged payload files, a damaged or missing Lance
   metadata table, a missing manifest: the store still opens, rebuilds its index from the
   self-describing payload headers, serves what is intact, and counts what it dropped.
 - **Bad input gets a typed error.** Malformed keys, path-unsafe names, wrong shapes,
-  dtypes and formats, zero-size and oversized values raise a `PersistingError` subclass,
-  or give a clean miss. Stored data is never touched.
+  dtypes and formats, zero-size and oversized values, meta-device and sparse tensors,
+  strided memoryviews, token ids that are not 64-bit integers, a closed store's `stats()`
+  and a read-only storage root raise a `PersistingError` subclass, or give a clean miss.
+  Stored data is never touched.
+- **Store files are private.** Directories under the storage root are 0700 and files
+  0600 (`storage_access = "group"` widens data to 0750/0640); the lock and counter files
+  are 0600 always, so another local user can neither read a cached tensor nor hold the
+  lock that every put takes.
+- **A remove wins.** A remove cancels a write of its key still in progress (write-behind,
+  write-back of an evicted value): the key stays absent, also on disk and after a reopen.
+- **Put results are honest.** `stored=True` only when a tier took the value; the
+  write-behind thread survives raising callbacks and unexpected write errors (the value's
+  `on_complete` gets `stored=False`, the error is counted), so `flush()` and `close()`
+  never hang.
 - **Acknowledged queue records survive a crash.** With the default `durability="wal"`, a
   put returns once its record is in a CRC-checked, fsynced log that is replayed on restart.
+- **A waiting queue reader holds nothing once it stops waiting.** Every wait for records
+  (`get_stream(wait=True)`, `QueueConsumer.poll(wait=True)`) removes its waiter however it
+  ends, also on read-only backends that nobody notifies (50 timed-out waits used to leave 50
+  futures); `stats()["waiters"]` counts the waits in progress.
 - **The service answers garbage with typed errors and keeps serving.** Every request is
   checked before use; every failure comes back as a structured reply with an error code.
 - **Nothing answers an unauthenticated peer.** Pulsing unpickles what arrives before an
@@ -76,12 +98,20 @@ PROMISES = """\
   overlap on 16/64 KiB-page hosts (tested as if on a 16 KiB-page host).
 - **A full disk is a `CapacityError`.** Puts fail cleanly, reads go on, and writes work
   again once space returns.
-- **Capacity holds for a directory as a whole**, across processes sharing it.
+- **Capacity holds for a directory as a whole**, across processes sharing it, and covers
+  everything in it: payload files, the Lance metadata table, directories and small files.
+  `du -s` of a model directory stays within `disk_bytes` after each metadata commit.
+- **A live namespace is not dropped.** Every open store holds its model's namespace lock;
+  `persisting drop` (and `StorageRoot.drop_model`) refuses with `NamespaceInUseError`
+  while any process has the model open.
 
 ## What it does not promise
 
 - A cache may lose what it can recompute. With `durability="async"` or `"write_back"`, values
-  not yet written are lost in a crash, and `exists_in_put_tasks`/`on_complete` say which.
+  not yet written are lost in a crash, and `exists_in_put_tasks`/`on_complete` say which:
+  `exists_in_put_tasks` is true until a value is on disk (in write-back mode, until it is
+  written back on eviction or close), and `on_complete` fires once it is, or once it will
+  not be (`stored=False`).
 - Pins and leases belong to the process that took them. Another process sharing the
   directory may evict a chunk this one pinned; this one then sees a miss, never wrong data.
 - There is one copy: no replication across machines (yet).
@@ -213,6 +243,58 @@ def render(results: dict[str, dict]) -> str:
                 ("reads bit-exact while full", full["reads_ok_while_full"]),
                 ("torn files visible", full["torn_files_visible"]),
                 ("puts that worked after space returned", full["puts_ok_after_space_returned"]),
+            ],
+        )
+    misuse = results.get("kv_misuse")
+    if misuse:
+        a, n = misuse["attacks"], misuse["rounds"]
+        lines += _section(
+            f"### Attacks and careless use against the KV store ({n} rounds each)",
+            [
+                (
+                    "store files another user could read / lock file taken / puts stalled",
+                    f"{a['foreign_user']['files_read']} of {a['foreign_user']['files_tried']}"
+                    f" / {a['foreign_user']['lock_taken']} / {a['foreign_user']['puts_stalled']}",
+                ),
+                (
+                    "removed keys back after an async write-behind (flush / reopen)",
+                    f"{a['remove_during_write_behind']['back']} / "
+                    f"{a['remove_during_write_behind']['back_after_reopen']} of "
+                    f"{a['remove_during_write_behind']['removed']}",
+                ),
+                (
+                    "puts that said stored but stored nothing",
+                    f"{a['honest_put_results']['stored_but_absent']} of "
+                    f"{a['honest_put_results']['puts']}",
+                ),
+                (
+                    "puts failed or lost while a second store of the process reopened the "
+                    "directory",
+                    f"{a['two_stores_one_directory']['failed']} / "
+                    f"{a['two_stores_one_directory']['missing']} of "
+                    f"{a['two_stores_one_directory']['puts']}",
+                ),
+                (
+                    "flush/close that hung after a raising on_complete",
+                    a["raising_callback"]["flush_or_close_hung"],
+                ),
+                (
+                    "dead writers' reserved files reclaimed / survivor's values over-evicted",
+                    f"{a['killed_writer']['reclaimed']} of "
+                    f"{a['killed_writer']['dead_reservations']} / "
+                    f"{a['killed_writer']['over_evicted']}",
+                ),
+                (
+                    "du of a 4 MiB store over its budget (checks) / worst du",
+                    f"{a['du_against_budget']['over_budget']} of "
+                    f"{a['du_against_budget']['checks']} / "
+                    f"{a['du_against_budget']['worst_du_kib']} KiB",
+                ),
+                (
+                    "drops of a model in use that were refused / store intact",
+                    f"{a['drop_while_open']['refused']} of {a['drop_while_open']['drops_tried']}"
+                    f" / {a['drop_while_open']['store_intact']}",
+                ),
             ],
         )
     cancelled = results.get("service_cancelled_puts")

@@ -12,6 +12,7 @@ import harness_kv_concurrency
 import harness_kv_corruption
 import harness_kv_crash
 import harness_kv_diskfull
+import harness_kv_misuse
 import harness_queue_crash
 import make_report
 import pytest
@@ -93,6 +94,25 @@ def test_disk_full_is_a_clean_capacity_error() -> None:
     assert r["puts_refused_with_capacity_error"] > 0
     assert r["reads_ok_while_full"] == r["puts_stored"] == r["reads_ok_after_reopen"]
     assert r["torn_files_visible"] == 0 and r["puts_ok_after_space_returned"] == 5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:lance is not fork-safe")
+def test_attacks_and_careless_use_against_the_kv_store_all_fail() -> None:
+    a = harness_kv_misuse.run(rounds=1)["attacks"]
+    assert a["foreign_user"]["files_tried"] > 4
+    assert (a["foreign_user"]["files_read"], a["foreign_user"]["lock_taken"]) == (0, 0)
+    assert a["foreign_user"]["puts_stalled"] == 0
+    assert (
+        a["remove_during_write_behind"]["back"],
+        a["remove_during_write_behind"]["back_after_reopen"],
+    ) == (0, 0)
+    assert a["honest_put_results"]["stored_but_absent"] == 0
+    assert a["two_stores_one_directory"]["failed"] == a["two_stores_one_directory"]["missing"] == 0
+    assert a["raising_callback"] == {"flush_or_close_hung": 0, "writes_after": 1}
+    assert a["killed_writer"]["reclaimed"] == 7 and a["killed_writer"]["over_evicted"] == 0
+    assert a["du_against_budget"]["over_budget"] == 0
+    assert a["drop_while_open"] == {"drops_tried": 1, "refused": 1, "store_intact": 1}
 
 
 def test_published_doc_is_rendered_from_the_harness_json() -> None:

@@ -1,10 +1,9 @@
 """Translation between LMCache's types and Persisting's: keys, layouts, and which fit.
 
-Private helper of :mod:`persisting.lmcache_backend`. Keys travel by their string form,
-which both sides spell identically (``model@world@worker@hash@dtype[@layer][@tag%value]``).
-LMCache describes a chunk by
-``(shape, torch dtype, MemoryFormat)``; Persisting stores ``Layout(shape, dtype name, fmt
-name, nbytes)`` with the same dtype and format names, so the mapping is by name.
+Keys of the in-process plugin travel by their string form, which both sides spell
+identically (``model@world@worker@hash@dtype[@layer][@tag%value]``). LMCache describes a
+chunk by ``(shape, torch dtype, MemoryFormat)``; Persisting stores ``Layout(shape, dtype
+name, fmt name, nbytes)`` with the same dtype and format names, so the mapping is by name.
 
 A stored chunk is only served when it is what this engine would have written under the
 key: the key names the KV dtype, and chunks in the engine's own whole-chunk format must have

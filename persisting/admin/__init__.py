@@ -1,0 +1,67 @@
+"""Operator actions on a storage root, and a running server's figures read back from a scrape.
+
+What ``persisting inspect | drop | compact | stats`` do, as plain functions returning
+dataclasses; the command line only renders them. One module per action: :mod:`.inventory`
+(inspect), :mod:`.maintenance` (drop, compact), :mod:`.stats` (figures). Reading is
+side-effect free except where said: :func:`model_stats` opens each model's KV store (which
+reconciles its metadata with its payload files, as any open does).
+"""
+
+from persisting.admin.inventory import (
+    BucketInfo,
+    ModelInfo,
+    RootInfo,
+    TopicInfo,
+    inspect_bucket,
+    inspect_items,
+    inspect_model,
+    inspect_root,
+)
+from persisting.admin.maintenance import (
+    CompactionResult,
+    CompactionTarget,
+    DropResult,
+    compact_dataset,
+    compaction_targets,
+    drop_model,
+)
+from persisting.admin.root import KV_METADATA, open_root
+from persisting.admin.stats import (
+    Latency,
+    ModelFigures,
+    StatsReport,
+    figures_from_scrape,
+    figures_from_stats,
+    histogram_quantile,
+    model_stats,
+    root_stats,
+    scrape,
+)
+
+__all__ = [
+    "KV_METADATA",
+    "BucketInfo",
+    "CompactionResult",
+    "CompactionTarget",
+    "DropResult",
+    "Latency",
+    "ModelFigures",
+    "ModelInfo",
+    "RootInfo",
+    "StatsReport",
+    "TopicInfo",
+    "compact_dataset",
+    "compaction_targets",
+    "drop_model",
+    "figures_from_scrape",
+    "figures_from_stats",
+    "histogram_quantile",
+    "inspect_bucket",
+    "inspect_items",
+    "inspect_model",
+    "inspect_root",
+    "model_stats",
+    "open_root",
+    "root_stats",
+    "scrape",
+]

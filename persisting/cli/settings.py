@@ -1,0 +1,54 @@
+"""``persisting config sample | show``: every setting with its default, and the settings in
+effect (what a server started here would use)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from persisting.cli.app import ConfigOption, JsonFlag, app, command, load_settings
+from persisting.cli.output import emit
+
+config_app = typer.Typer(
+    help="Settings: a sample file with every default, and the settings in effect.",
+    no_args_is_help=True,
+)
+app.add_typer(config_app, name="config", rich_help_panel="Settings")
+
+#: Shown instead of a secret's value.
+HIDDEN = "<hidden>"
+
+
+@command(config_app, "sample")
+def sample() -> None:
+    """Print a persisting.toml with every setting at its default, each explained."""
+    from persisting.config_sample import sample_toml
+
+    typer.echo(sample_toml(), nl=False)
+
+
+@command(config_app, "show")
+def show(config: ConfigOption = None, json_out: JsonFlag = False) -> None:
+    """The settings in effect: TOML (--config or PERSISTING_CONFIG), PERSISTING_* variables
+    and defaults merged, after validation (an invalid setting is an error)."""
+    settings = load_settings(config)
+    data: dict[str, Any] = settings.model_dump(mode="json")
+    if data["service"].get("passphrase"):
+        data["service"]["passphrase"] = HIDDEN
+
+    def render(console: Console) -> None:
+        for key, value in data.items():
+            if isinstance(value, dict):
+                console.print(f"[bold]\\[{key}][/]")
+                for sub, item in value.items():
+                    console.print(f"  {sub} = {escape(repr(item))}", highlight=False)
+            else:
+                console.print(f"{key} = {escape(repr(value))}", highlight=False)
+
+    emit(data, json_out, render)
+
+
+__all__ = ["config_app"]

@@ -1,0 +1,331 @@
+"""``persisting inspect | drop | compact | stats``: operating a storage root and a server."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from persisting.cli.app import (
+    EXIT_BAD_INPUT,
+    ConfigOption,
+    JsonFlag,
+    StoragePathOption,
+    app,
+    command,
+    fail,
+    load_settings,
+)
+from persisting.cli.checks import writable_root
+from persisting.cli.output import count, emit, human_bytes, human_ms, progress_bar
+
+if TYPE_CHECKING:
+    from persisting.admin import CompactionResult, RootInfo, StatsReport
+    from persisting.figures import ConsumerLag
+    from persisting.lance_store import StorageRoot
+
+
+def open_storage_root(
+    storage_path: Path | None, config: Path | None, writes: str | None = None
+) -> StorageRoot:
+    """The root named by ``--storage-path``, else by the settings; it must exist, and be
+    writable by this user when the command ``writes`` (the reason, for the message)."""
+    from persisting.admin import open_root
+
+    path = storage_path or load_settings(config).storage_path
+    flag = "--storage-path" if storage_path is not None else "setting storage_path"
+    if writes is not None:
+        writable_root(path, writes, flag)
+    return open_root(path)
+
+
+@command(app, "inspect", rich_help_panel="Storage root")
+def inspect(
+    storage_path: StoragePathOption = None,
+    config: ConfigOption = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """List a storage root: models (chunks, bytes, metadata versions) and queue topics."""
+    from persisting.admin import inspect_items, inspect_root
+
+    store = open_storage_root(storage_path, config)
+    models, buckets = inspect_items(store)
+    with progress_bar("inspecting", len(models) + len(buckets)) as advance:
+        info = inspect_root(store, on_item=advance)
+    emit(info, json_out, lambda console: render_inspect(console, info))
+
+
+def render_inspect(console: Console, info: RootInfo) -> None:
+    console.print(
+        f"Storage root {escape(str(info.root))}: {human_bytes(info.bytes)} on disk, "
+        f"{len(info.models)} model(s), {len(info.topics)} queue topic(s).",
+        highlight=False,
+    )
+    notes: list[str] = []
+    if info.models:
+        models = Table(title="KV models", title_justify="left")
+        models.add_column("model", overflow="fold")
+        for column in ("chunks", "bytes", "meta rows", "versions", "fragments"):
+            models.add_column(column, justify="right")
+        for m in info.models:
+            models.add_row(
+                escape(m.model),
+                f"{m.chunks:,}",
+                human_bytes(m.bytes),
+                count(m.meta_rows),
+                count(m.meta_versions),
+                count(m.meta_fragments),
+            )
+            if m.note:
+                notes.append(f"{m.model}: {m.note}")
+        console.print(models)
+    buckets = [b for topic in info.topics for b in topic.buckets]
+    if buckets:
+        topics = Table(title="Queue topics", title_justify="left")
+        topics.add_column("topic", overflow="fold")
+        for column in ("bucket", "rows", "offsets", "versions", "fragments", "bytes"):
+            topics.add_column(column, justify="right")
+        for b in buckets:
+            topics.add_row(
+                escape(b.topic),
+                str(b.bucket),
+                f"{b.rows:,}",
+                f"{b.first_offset:,}..{b.end_offset:,}",
+                f"{b.versions:,}",
+                f"{b.fragments:,}",
+                human_bytes(b.bytes),
+            )
+            if b.note:
+                notes.append(f"{b.topic} bucket {b.bucket}: {b.note}")
+        console.print(topics)
+    lags = [c for b in buckets for c in b.consumers]
+    if lags:
+        render_lags(console, lags)
+    for note in notes:
+        console.print(f"[yellow]Note:[/] {escape(note)}", highlight=False)
+
+
+def render_lags(console: Console, lags: list[ConsumerLag]) -> None:
+    table = Table(title="Queue consumers (lag in records)", title_justify="left")
+    table.add_column("topic", overflow="fold")
+    table.add_column("bucket", justify="right")
+    table.add_column("consumer", overflow="fold")
+    for column in ("position", "end", "lag"):
+        table.add_column(column, justify="right")
+    for c in lags:
+        table.add_row(
+            escape(c.topic),
+            str(c.bucket),
+            escape(c.consumer),
+            count(c.position),
+            count(c.end_offset),
+            f"{c.lag:,}",
+        )
+    console.print(table)
+
+
+@command(app, "drop", rich_help_panel="Storage root")
+def drop(
+    model: Annotated[str, typer.Argument(help="Model namespace to remove, e.g. org/model.")],
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Do not ask; required when not on a terminal.")
+    ] = False,
+    storage_path: StoragePathOption = None,
+    config: ConfigOption = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Remove a model namespace whole: every chunk, its metadata, its files.
+
+    Stop the servers that serve the model first: a live server keeps its index in memory.
+    """
+    from persisting.admin import drop_model, inspect_model
+
+    store = open_storage_root(storage_path, config, writes="drop removes files")
+    if not store.kv_path(model).exists():  # kv_path rejects path-unsafe names
+        known = ", ".join(store.list_models()) or "none"
+        fail(f"no model {model!r} under {store.root} (models: {known})")
+    if not yes:
+        info = inspect_model(store, model)
+        what = (
+            f"model {model!r} ({info.chunks:,} chunk(s), {human_bytes(info.bytes)}) "
+            f"under {store.root}"
+        )
+        if not sys.stdin.isatty():
+            fail(f"refusing to drop {what} without --yes", EXIT_BAD_INPUT)
+        if not typer.confirm(f"Drop {what}?", default=False, err=True):
+            fail("nothing dropped")
+    result = drop_model(store, model)
+
+    def render(console: Console) -> None:
+        console.print(
+            f"Dropped {escape(model)}: {result.chunks:,} chunk(s), {human_bytes(result.bytes)}.",
+            highlight=False,
+        )
+
+    emit(result, json_out, render)
+
+
+@command(app, "compact", rich_help_panel="Storage root")
+def compact(
+    models: Annotated[
+        list[str] | None,
+        typer.Argument(help="Models whose metadata to compact (default: every model and topic)."),
+    ] = None,
+    topic: Annotated[
+        list[str] | None, typer.Option("--topic", help="A queue topic to compact (repeatable).")
+    ] = None,
+    older_than: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Keep old versions younger than this many seconds, for readers still on them; "
+            "0 frees them all at once (nothing else running).",
+        ),
+    ] = 10.0,
+    storage_path: StoragePathOption = None,
+    config: ConfigOption = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Compact KV metadata tables and queue buckets, then delete their old versions."""
+    from persisting.admin import compact_dataset, compaction_targets
+
+    store = open_storage_root(storage_path, config, writes="compact rewrites metadata")
+    targets = compaction_targets(store, models or (), topic or ())
+    results = []
+    with progress_bar("compacting", len(targets)) as advance:
+        for target in targets:
+            results.append(compact_dataset(store, target, timedelta(seconds=older_than)))
+            advance()
+    data = {
+        "root": store.root,
+        "bytes_before": sum(r.bytes_before for r in results),
+        "bytes_after": sum(r.bytes_after for r in results),
+        "datasets": results,
+    }
+    emit(data, json_out, lambda console: render_compact(console, results))
+    failed = [r for r in results if r.error]
+    if failed:
+        fail(f"{len(failed)} dataset(s) could not be compacted: {failed[0].error}")
+
+
+def render_compact(console: Console, results: list[CompactionResult]) -> None:
+    if not results:
+        console.print("Nothing to compact.")
+        return
+    table = Table(title="Compaction", title_justify="left")
+    table.add_column("dataset")
+    for column in ("fragments", "versions", "bytes before", "bytes after"):
+        table.add_column(column, justify="right")
+    for r in results:
+        name = f"kv {r.name}" if r.kind == "kv" else f"queue {r.name} bucket {r.bucket}"
+        if r.error:
+            table.add_row(escape(name), "[red]failed[/]", "", human_bytes(r.bytes_before), "")
+            continue
+        table.add_row(
+            escape(name),
+            f"{r.fragments_before} -> {r.fragments_after}",
+            f"{r.versions_before} -> {r.versions_after}",
+            human_bytes(r.bytes_before),
+            human_bytes(r.bytes_after),
+        )
+    console.print(table)
+    before = sum(r.bytes_before for r in results)
+    after = sum(r.bytes_after for r in results)
+    console.print(
+        f"{len(results)} dataset(s): {human_bytes(before)} -> {human_bytes(after)}.",
+        highlight=False,
+    )
+
+
+@command(app, "stats", rich_help_panel="Storage root")
+def stats(
+    storage_path: StoragePathOption = None,
+    metrics_url: Annotated[
+        str | None,
+        typer.Option(help="A running server's metrics, e.g. http://127.0.0.1:9464/metrics."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for --metrics-url.")] = 10.0,
+    config: ConfigOption = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Store figures: hits, misses, bytes per tier, evictions, damage, latency, queue lag.
+
+    From a running server's Prometheus endpoint (--metrics-url: its traffic and latency
+    percentiles), or from a storage root (what is stored; counters start at zero).
+    """
+    from persisting.admin import figures_from_scrape, root_stats, scrape
+
+    if storage_path is not None and metrics_url is not None:
+        fail("give --storage-path or --metrics-url, not both", EXIT_BAD_INPUT)
+    if metrics_url is not None:
+        report = figures_from_scrape(scrape(metrics_url, timeout), metrics_url)
+    else:
+        settings = load_settings(config)
+        why = "stats opens each model's store, which reconciles its index (inspect only reads)"
+        store = open_storage_root(storage_path or settings.storage_path, None, writes=why)
+        with progress_bar("opening stores", len(store.list_models())) as advance:
+            report = root_stats(store, settings, on_model=advance)
+    emit(report.to_dict(), json_out, lambda console: render_stats(console, report))
+
+
+#: Figures shown in binary byte units.
+_BYTE_FIGURES = frozenset({"read_bytes", "written_bytes", "bytes", "capacity"})
+
+
+def render_stats(console: Console, report: StatsReport) -> None:
+    from persisting.metrics import STORE_FIGURES
+
+    counters = {f.field for f in STORE_FIGURES if f.kind == "counter"}
+    where = "server metrics at" if report.kind == "metrics_url" else "storage root"
+    console.print(f"Figures from {where} {escape(report.source)}.", highlight=False)
+    if report.kind == "storage_root":
+        console.print(
+            "[dim]Counters count this process's traffic (none yet): use --metrics-url for a "
+            "server's hits, bytes moved and latency.[/]"
+        )
+    if not report.models:
+        console.print("No models.")
+    for m in report.models:
+        if m.error:
+            console.print(f"[bold]{escape(m.model)}[/]: [red]{escape(m.error)}[/]")
+            continue
+        table = Table(title=f"Model {escape(m.model)}", title_justify="left")
+        table.add_column("figure (--json name)")
+        for column in ("memory", "disk", "total"):
+            table.add_column(column, justify="right")
+        for name, value in m.figures.items():
+            show = human_bytes if name in _BYTE_FIGURES else (lambda n: f"{n:,}")
+            if isinstance(value, dict):
+                cells = [show(value[t]) if t in value else "-" for t in ("memory", "disk")]
+                # Counters add up across tiers; gauges do not (a chunk may be in both).
+                total = show(sum(value.values())) if name in counters else ""
+                table.add_row(name, *cells, total)
+            else:
+                table.add_row(name, "", "", show(value))
+        console.print(table)
+        if m.latency:
+            latency = Table(title=f"Latency of {escape(m.model)} (ms)", title_justify="left")
+            for column in ("op", "tier", "outcome"):
+                latency.add_column(column)
+            for column in ("count", "mean", "p50", "p95", "p99"):
+                latency.add_column(column, justify="right")
+            for lat in m.latency:
+                latency.add_row(
+                    lat.op,
+                    lat.tier,
+                    lat.outcome,
+                    f"{lat.count:,}",
+                    human_ms(lat.mean_ms),
+                    human_ms(lat.p50_ms),
+                    human_ms(lat.p95_ms),
+                    human_ms(lat.p99_ms),
+                )
+            console.print(latency)
+    if report.queue_lag:
+        render_lags(console, report.queue_lag)

@@ -1,0 +1,344 @@
+"""The put paths of a KV store, and the bookkeeping of values not yet on disk.
+
+Completion modes (``durability``):
+
+- ``"sync"``  (write-through): a put returns once the bytes are fsynced on disk (with
+  ``fsync=False``: once they are written and renamed into place, in the page cache).
+- ``"async"`` (write-behind):  a put returns once the value is in memory; a background
+  writer makes it durable.
+- ``"write_back"``:             the value stays in memory and is written to disk only when
+  the memory tier evicts it (or on close).
+
+In both memory-first modes a value is *in the put tasks* (``exists_in_put_tasks``) until it
+is on disk, and ``on_complete`` fires once it is (``durable=True``) or once it is known it
+will not be (``stored=False``: a failed write, a remove, a dropped write-back).
+
+A remove wins over a write still in progress: the remove cancels it (see
+:class:`~persisting.kv.disk_tier.WriteItem`), so a removed key never comes back from disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from persisting.errors import CapacityError, InvalidValueError, PersistingError
+from persisting.kv.disk_tier import WriteItem
+from persisting.kv.index import MemoryEntry
+from persisting.kv.layout import Layout, checksum, encode_value, owned_copy
+from persisting.kv.policy import AdmissionPolicy
+from persisting.kv.tiers import KeyLike, Tiers
+from persisting.kv.write_behind import WriteBehind
+
+log = logging.getLogger(__name__)
+
+Durability = Literal["sync", "async", "write_back"]
+Tier = Literal["memory", "disk"]
+OnComplete = Callable[["PutResult"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """Where a put completed: ``tier`` and whether the value is ``durable`` on disk yet.
+
+    ``stored`` is False when nothing was stored by this put: the key was already present
+    (first writer wins; ``contains`` is then true), or no tier could take the value (a
+    memory tier full of pinned or busy chunks and no disk tier; ``contains`` is false).
+    """
+
+    key: str
+    tier: Tier
+    durable: bool
+    stored: bool = True
+
+
+@dataclass(eq=False, slots=True)
+class PendingWrite:
+    """A value on its way to disk (write-behind job or write-back write)."""
+
+    item: WriteItem
+    on_complete: OnComplete | None
+
+
+def notify(callback: OnComplete | None, result: PutResult, tiers: Tiers) -> None:
+    """Run a caller's completion callback; one that raises is logged and counted, never
+    propagated (it runs on the put path or the write-behind thread)."""
+    if callback is None:
+        return
+    try:
+        callback(result)
+    except Exception:
+        tiers.op_stats.count("on_complete_errors")
+        log.exception("on_complete callback for %r raised", result.key)
+
+
+class Writes:
+    """Puts in every mode, the write-behind thread, and what is not yet on disk."""
+
+    def __init__(
+        self,
+        tiers: Tiers,
+        durability: Durability,
+        admission: AdmissionPolicy,
+        max_value_bytes: int,
+        fsync: bool = True,
+    ):
+        self._t = tiers
+        #: Whether write-through puts fsync before they complete. False leaves them in the
+        #: page cache (whole and renamed into place: they survive a crash of this process,
+        #: not of the machine), as LMCache's own disk backends do.
+        self.fsync = fsync
+        self.durability: Durability = durability
+        self.admission = admission
+        self.max_value_bytes = max_value_bytes
+        #: Keys with a write to disk in progress (write-behind or write-back).
+        self._inflight: dict[str, PendingWrite] = {}
+        #: Write-back mode: callbacks of dirty memory entries, fired when written back.
+        self._dirty_callbacks: dict[str, OnComplete] = {}
+        disk = tiers.disk
+        self._writer = WriteBehind(disk, self._written) if disk is not None else None
+
+    # -- put ----------------------------------------------------------------------------
+
+    def batched_put(
+        self,
+        keys: Sequence[KeyLike],
+        values: Sequence[Any],
+        *,
+        fmt: str,
+        parents: Sequence[KeyLike | None] | None,
+        chain: bool,
+        on_complete: OnComplete | None,
+        check_shape: bool,
+    ) -> list[PutResult]:
+        if len(keys) != len(values):
+            raise InvalidValueError(f"{len(keys)} keys but {len(values)} values")
+        if parents is not None and len(parents) != len(keys):
+            raise InvalidValueError(f"{len(keys)} keys but {len(parents)} parents")
+        start = time.perf_counter()
+        texts = [self._t.key_text(k) for k in keys]
+        if parents is not None:
+            parent_texts = [self._t.key_text(p) if p is not None else None for p in parents]
+        elif chain:
+            parent_texts = [None, *texts[:-1]]
+        else:
+            parent_texts = [None] * len(texts)
+        encoded = [self._encode(v, fmt, check_shape) for v in values]
+        items = [
+            WriteItem(k, layout, view, checksum(view), parent)
+            for k, (layout, view), parent in zip(texts, encoded, parent_texts, strict=True)
+        ]
+        if self.durability == "sync":
+            results = self._put_sync(items)
+        else:
+            results = [self._put_memory_first(it, on_complete) for it in items]
+        nbytes = sum(it.layout.nbytes for it, r in zip(items, results, strict=True) if r.stored)
+        self._t.op_stats.record(
+            "put", results[0].tier if results else "", time.perf_counter() - start, nbytes, "stored"
+        )
+        if on_complete is not None:
+            for r in results:
+                if r.durable or not r.stored or self._t.disk is None:
+                    notify(on_complete, r, self._t)
+        return results
+
+    def _encode(self, value: Any, fmt: str, check_shape: bool) -> tuple[Layout, memoryview]:
+        layout, view = encode_value(value, fmt, check_shape=check_shape)
+        if layout.nbytes > self.max_value_bytes:
+            raise CapacityError(
+                f"value of {layout.nbytes} bytes exceeds the {self.max_value_bytes}-byte limit"
+            )
+        disk = self._t.disk
+        if layout.nbytes > max(self._t.memory.capacity, disk.capacity if disk else 0):
+            raise CapacityError(f"value of {layout.nbytes} bytes cannot fit any tier")
+        return layout, view
+
+    def _put_sync(self, items: list[WriteItem]) -> list[PutResult]:
+        t = self._t
+        to_disk: list[WriteItem] = []
+        results: dict[int, PutResult] = {}
+        with t.lock:
+            for i, it in enumerate(items):
+                if t.on_disk(it.key):
+                    results[i] = PutResult(it.key, "disk", True, stored=False)
+                elif t.disk is not None and self.admission.admit(it.key):
+                    to_disk.append(it)
+                elif it.key in t.memory.index:
+                    results[i] = PutResult(it.key, "memory", False, stored=False)
+        if to_disk:
+            assert t.disk is not None
+            t.disk.write(to_disk, durable=self.fsync)
+        # Copies for the memory tier are made outside the lock (they are the big cost).
+        copies = {
+            i: owned_copy(it.data, t.memory_buffer)
+            for i, it in enumerate(items)
+            if i not in results and t.memory.fits(it.layout.nbytes)
+        }
+        with t.lock:
+            for i, it in enumerate(items):
+                if i in results:
+                    continue
+                inserted = False
+                if i in copies:
+                    inserted, _ = t.memory.insert(
+                        it.key, it.layout, copies[i], it.checksum, it.parent, dirty=False
+                    )
+                on_disk = t.on_disk(it.key)
+                results[i] = PutResult(
+                    it.key, "disk" if on_disk else "memory", on_disk, stored=inserted or on_disk
+                )
+        return [results[i] for i in range(len(items))]
+
+    def _present_result(self, key: str) -> PutResult | None:
+        """The no-op result of putting a key that is already stored or being written."""
+        if self._t.on_disk(key):
+            return PutResult(key, "disk", True, stored=False)
+        if key in self._t.memory.index or key in self._inflight:
+            return PutResult(key, "memory", False, stored=False)
+        return None
+
+    def _put_memory_first(self, it: WriteItem, on_complete: OnComplete | None) -> PutResult:
+        t = self._t
+        with t.lock:
+            present = self._present_result(it.key)
+        if present is not None:
+            return present
+        # Outside the lock: the copy is the big cost.
+        buffer = owned_copy(it.data, t.memory_buffer)
+        with t.lock:
+            present = self._present_result(it.key)
+            if present is not None:
+                return present
+            inserted, evicted = t.memory.insert(
+                it.key, it.layout, buffer, it.checksum, it.parent, dirty=t.disk is not None
+            )
+            if self._writer is None:
+                if not inserted:  # no disk tier, and memory could not take it
+                    t.op_stats.count("put_not_stored")
+                    return PutResult(it.key, "memory", False, stored=False)
+            elif self.durability == "async" or not inserted:
+                # Write-behind (or straight to disk: memory could not hold the value).
+                item = WriteItem(it.key, it.layout, memoryview(buffer), it.checksum, it.parent)
+                self._inflight[it.key] = PendingWrite(item, on_complete)
+                self._writer.submit(item)
+            elif on_complete is not None:  # write-back: told when the value reaches disk
+                self._dirty_callbacks[it.key] = on_complete
+        self.write_back(evicted)
+        return PutResult(it.key, "memory", False)
+
+    # -- completion -----------------------------------------------------------------------
+
+    def _written(self, item: WriteItem, stored: bool, error: BaseException | None) -> None:
+        """Called by the write-behind thread once ``item`` is durable, refused or failed."""
+        t = self._t
+        with t.lock:
+            pending = self._inflight.get(item.key)
+            if pending is None or pending.item is not item:
+                return  # cancelled by a remove, which has told its caller
+            del self._inflight[item.key]
+            durable = stored or t.on_disk(item.key)
+            entry = t.memory.index.get(item.key)
+            if entry is not None and durable:
+                entry.dirty = False
+        if not stored:
+            t.op_stats.count("writeback_failures")
+        if error is not None:
+            log.warning("write-behind of %r failed: %r", item.key, error)
+        result = PutResult(item.key, "disk" if durable else "memory", durable, stored=stored)
+        notify(pending.on_complete, result, t)
+
+    def write_back(self, evicted: list[tuple[str, MemoryEntry]]) -> None:
+        """Write evicted dirty entries to disk; clean ones just go. A write-back that cannot
+        be stored (disk full, I/O error) is dropped and counted: the value was a cache entry."""
+        t = self._t
+        if t.disk is None or not evicted:
+            return
+        todo: list[PendingWrite] = []
+        with t.lock:
+            for key, entry in evicted:
+                if not entry.dirty or key in self._inflight:
+                    continue  # clean, or a write-behind already has its bytes
+                item = WriteItem(
+                    key, entry.layout, memoryview(entry.buffer), entry.checksum, entry.parent
+                )
+                todo.append(PendingWrite(item, self._dirty_callbacks.pop(key, None)))
+                self._inflight[key] = todo[-1]
+        if not todo:
+            return
+        stored = [False] * len(todo)
+        try:
+            stored = t.disk.write([p.item for p in todo], durable=True)
+        except PersistingError as exc:
+            t.op_stats.count("writeback_dropped", len(todo))
+            log.warning("write-back of %d value(s) dropped: %s", len(todo), exc)
+        finally:
+            self._finish_write_back(todo, stored)
+
+    def _finish_write_back(self, todo: list[PendingWrite], stored: list[bool]) -> None:
+        t = self._t
+        done: list[tuple[PendingWrite, bool, bool]] = []
+        with t.lock:
+            for pending, ok in zip(todo, stored, strict=True):
+                key = pending.item.key
+                if self._inflight.get(key) is pending:
+                    del self._inflight[key]
+                    done.append((pending, ok, ok or t.on_disk(key)))
+        for pending, ok, durable in done:
+            result = PutResult(pending.item.key, "disk" if durable else "memory", durable, ok)
+            notify(pending.on_complete, result, t)
+
+    # -- what is not on disk yet ----------------------------------------------------------
+
+    def cancel(self, key: str) -> tuple[bool, list[OnComplete]]:
+        """Make a write of ``key`` in progress lose to a remove (caller holds the lock);
+        returns whether there was one and the callbacks to tell (``stored=False``)."""
+        pending = self._inflight.pop(key, None)
+        callbacks: list[OnComplete] = []
+        if pending is not None:
+            pending.item.cancelled = True
+            if pending.on_complete is not None:
+                callbacks.append(pending.on_complete)
+        dirty_callback = self._dirty_callbacks.pop(key, None)
+        if dirty_callback is not None:
+            callbacks.append(dirty_callback)
+        return pending is not None, callbacks
+
+    def in_put_tasks(self, key: str) -> bool:
+        """True while ``key``'s value is stored in memory but not yet on disk."""
+        with self._t.lock:
+            if key in self._inflight:
+                return True
+            if self.durability != "write_back" or self._t.disk is None:
+                return False
+            entry = self._t.memory.index.get(key)
+            return entry is not None and entry.dirty
+
+    @property
+    def pending(self) -> int:
+        """Writes to disk in progress."""
+        return len(self._inflight)
+
+    @property
+    def writer_errors(self) -> int:
+        return self._writer.errors + self._writer.hook_errors if self._writer else 0
+
+    def drain(self) -> None:
+        """Wait for every write-behind (each completes, stored or not; none hangs)."""
+        if self._writer is not None:
+            self._writer.drain()
+
+    def close(self) -> None:
+        """Drain the write-behind, write back dirty memory (write-back mode), stop."""
+        self.drain()
+        if self.durability == "write_back" and self._t.disk is not None:
+            with self._t.lock:
+                dirty = [(k, e) for k, e in self._t.memory.index.items() if e.dirty]
+            self.write_back(dirty)
+        if self._writer is not None:
+            self._writer.close()
+
+
+__all__ = ["Durability", "OnComplete", "PendingWrite", "PutResult", "Tier", "Writes", "notify"]

@@ -1,0 +1,500 @@
+"""Persisting as an L2 adapter of LMCache's multiprocess mode (``L2AdapterInterface``).
+
+Loaded by configuration only, through LMCache's plugin adapter entry::
+
+    --l2-adapter '{"type": "plugin", "module_path": "persisting.lmcache",
+                   "class_name": "PersistingL2Adapter",
+                   "adapter_params": {"storage_path": "/var/lib/persisting",
+                                      "capacity": "500GiB", "durability": "sync"}}'
+
+What LMCache's own disk adapters do not give, this one does: chunks, usage and eviction
+order survive a restart; capacity is enforced in bytes on disk; a store that failed or was
+torn is never visible; every load is checked against the chunk's checksum (damage is a
+counted miss); I/O errors are counted, logged with their errno and reported by
+``report_status``; a lookup's lock keeps its chunk from eviction until the unlock (or
+``lock_ttl_s``); ``cache_salt`` separates tenants (:mod:`.object_keys`).
+
+Threads: LMCache's controller threads only submit and collect. Store and load tasks run on
+``io_threads`` workers (a load task's keys are read in parallel); lookups, unlocks and
+deletes run in order on one control thread, so a lookup never waits behind a store or a
+load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections import Counter, deque
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from types import MappingProxyType
+from typing import Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L2AdapterListener, L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.memory_management import MemoryObj
+from sortedcontainers import SortedDict
+
+from persisting.errors import InvalidKeyError, InvalidNameError, StoreClosedError
+from persisting.kv import KVStore, key_string
+from persisting.kv.payload_files import file_size
+from persisting.lmcache.health import IOErrors, errno_of, logger
+from persisting.lmcache.l2_io import Stored, load_object, store_objects
+from persisting.lmcache.l2_tasks import KeyLocks, TaskBoard, next_task_id
+from persisting.lmcache.object_keys import object_key_of, object_key_text
+from persisting.lmcache.settings import L2Params, l2_params
+
+#: An I/O error within this many seconds makes ``report_status`` say unhealthy.
+UNHEALTHY_AFTER_IO_ERROR_S = 60.0
+
+
+class PersistingL2AdapterConfig(L2AdapterConfigBase):
+    """LMCache's config object for the adapter; found by LMCache's plugin factory by name
+    (``<class_name>Config``) and built from ``adapter_params``."""
+
+    def __init__(self, params: L2Params) -> None:
+        self.params = params
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PersistingL2AdapterConfig:
+        return cls(l2_params(d))
+
+    @classmethod
+    def help(cls) -> str:
+        return (
+            "Persisting L2 adapter adapter_params:\n"
+            "- storage_path (str, required): the Persisting storage root\n"
+            "- capacity (bytes or '500GiB', default 64GiB): bytes on disk\n"
+            "- durability ('sync' | 'async' | 'write_back', default 'sync')\n"
+            "- fsync (bool, default true): sync stores fsync before completing\n"
+            "- memory_bytes (default 0), namespace (default 'lmcache'),\n"
+            "  eviction ('lru' | 'prefix'), io_threads (4), lock_ttl_s (300)"
+        )
+
+
+class PersistingL2Adapter(L2AdapterInterface):
+    """LMCache 0.5.6 ``L2AdapterInterface`` on a Persisting KV store; thread-safe."""
+
+    def __init__(
+        self, config: PersistingL2AdapterConfig | Mapping[str, Any], **_kwargs: object
+    ) -> None:
+        params = (
+            config.params
+            if isinstance(config, PersistingL2AdapterConfig)
+            else l2_params(dict(config))
+        )
+        super().__init__(max_capacity_bytes=params.capacity)
+        self.params = params
+        self._lock = threading.Lock()  # the key mirror, counters, closing
+        self._evicted: deque[tuple[str, int]] = deque()  # filled on the writing thread
+        self.store = KVStore(
+            params.storage_path,
+            params.namespace,
+            memory_bytes=params.memory_bytes,
+            disk_bytes=params.capacity,
+            durability=params.durability,
+            eviction=params.eviction,
+            fsync=params.fsync,
+            result_buffer_bytes=0,
+            on_disk_evict=self._evicted.extend,
+        )
+        #: Key string -> payload bytes of every chunk this adapter holds (sorted: pages).
+        self._sizes: SortedDict = SortedDict()
+        self._counters: Counter[str] = Counter()
+        self.io_errors = IOErrors()
+        self._locks = KeyLocks(params.lock_ttl_s)
+        self._store_tasks: TaskBoard[L2StoreResult] = TaskBoard()
+        self._lookup_tasks: TaskBoard[Bitmap] = TaskBoard()
+        self._load_tasks: TaskBoard[Bitmap] = TaskBoard()
+        self._io = ThreadPoolExecutor(params.io_threads, thread_name_prefix="persisting-l2-io")
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="persisting-l2-control")
+        self._closed = False
+        self._restore()
+        logger.info(
+            "PersistingL2Adapter on %s (namespace %s): %d chunks, %d of %d bytes",
+            params.storage_path,
+            params.namespace,
+            len(self._sizes),
+            self.store.disk.used_bytes() if self.store.disk else 0,
+            params.capacity,
+        )
+
+    # -- what a restart brings back ---------------------------------------------------------
+
+    def _restore(self) -> None:
+        """Index what an earlier process stored and seed LMCache's usage counters with it."""
+        by_salt: Counter[str] = Counter()
+        for text, nbytes in self.store.stored_keys():
+            try:
+                key = object_key_of(text)
+            except InvalidKeyError:
+                continue  # not an object key: something else shares the namespace
+            self._sizes[text] = nbytes
+            by_salt[key.cache_salt] += file_size(nbytes)
+        with self._usage_lock:
+            self._total_bytes_used = sum(by_salt.values())
+            self._bytes_by_cache_salt = dict(by_salt)
+
+    def register_listener(self, listener: L2AdapterListener) -> None:
+        """Register ``listener`` and tell it of every chunk already stored, least recently
+        used first, so an eviction policy listening from now on starts in the order this
+        store kept across restarts. One key per call: LMCache's policies read a batch's
+        first key as its most recent one."""
+        super().register_listener(listener)
+        keys, sizes = self._resident()
+        for key, size in zip(keys, sizes, strict=True):
+            listener.on_l2_keys_stored([key], [size])
+
+    def _resident(self) -> tuple[list[ObjectKey], list[int]]:
+        keys: list[ObjectKey] = []
+        sizes: list[int] = []
+        with self._lock:
+            known = set(self._sizes)
+        for text, nbytes in self.store.stored_keys():
+            if text in known:
+                keys.append(object_key_of(text))
+                sizes.append(file_size(nbytes))
+        return keys, sizes
+
+    # -- event fds ----------------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return self._store_tasks.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_tasks.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_tasks.fileno()
+
+    # -- store ----------------------------------------------------------------------------------
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        task_id = next_task_id()
+        self._submit(self._io, self._run_store, task_id, list(keys), list(objects))
+        return task_id
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        return self._store_tasks.pop_all()
+
+    def _run_store(self, task_id: int, keys: list[ObjectKey], objs: list[MemoryObj]) -> None:
+        ok = len(keys) == len(objs)
+        stored: list[Stored] = []
+        try:
+            self._expire_locks()  # an abandoned lock must not keep chunks from eviction
+            items = []
+            for key, obj in zip(keys, objs, strict=False):
+                text = self._text(key, failure="store")
+                if text is None:
+                    ok = False
+                else:
+                    items.append((key, text, obj))
+            all_stored, stored = store_objects(self.store, items, self._store_failed)
+            ok = ok and all_stored
+        except Exception as exc:
+            ok = False
+            logger.warning("Persisting L2 store task %d failed: %s", task_id, exc)
+        # Evictions first: a key this task stored again may have been evicted just before.
+        self._report_evictions()
+        with self._lock:  # new to LMCache's books: written now, or found already stored
+            fresh = [
+                item
+                for item in stored
+                if item[1] not in self._sizes and self.store.contains(item[1])
+            ]
+            for _key, text, nbytes, _written in fresh:
+                self._sizes[text] = nbytes
+        if fresh:
+            self._notify_keys_stored(
+                [key for key, *_ in fresh], [file_size(item[2]) for item in fresh]
+            )
+        written = sum(nbytes for _k, _t, nbytes, was_written in stored if was_written)
+        self._store_tasks.finish(task_id, L2StoreResult(ok, written))
+
+    def _store_failed(self, text: str, exc: BaseException) -> None:
+        with self._lock:
+            self._counters["store_failures"] += 1
+        if errno_of(exc) is not None:
+            self.io_errors.record("store", text, exc)
+        else:
+            logger.warning("Persisting L2 store of %s failed: %s", text, exc)
+
+    # -- lookup and lock --------------------------------------------------------------------
+
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
+    ) -> L2TaskId:
+        task_id = next_task_id()
+        self._submit(self._control, self._run_lookup, task_id, list(keys))
+        return task_id
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._lookup_tasks.pop(task_id)
+
+    def _run_lookup(self, task_id: int, keys: list[ObjectKey]) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            self._expire_locks()
+            for i, key in enumerate(keys):
+                text = self._text(key)
+                if text is not None and self.store.pin(text):
+                    self._locks.lock(text)
+                    bitmap.set(i)
+        except Exception as exc:  # a closed store: what was found so far stays locked
+            logger.warning("Persisting L2 lookup task %d failed: %s", task_id, exc)
+        self._lookup_tasks.finish(task_id, bitmap)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        self._submit(self._control, self._run_unlock, list(keys))
+
+    def _run_unlock(self, keys: list[ObjectKey]) -> None:
+        for key in keys:
+            text = self._text(key)
+            if text is not None and self._locks.unlock(text):
+                self._unpin(text)
+
+    def _expire_locks(self) -> None:
+        expired = self._locks.expire()
+        if expired:
+            logger.warning(
+                "Persisting L2 released %d lock(s) LMCache did not unlock within %gs",
+                len(expired),
+                self._locks.ttl_s,
+            )
+            for text in expired:
+                self._unpin(text)
+
+    def _unpin(self, text: str) -> None:
+        with contextlib.suppress(StoreClosedError):  # closing: pins go with the store
+            self.store.unpin(text)
+
+    # -- load ---------------------------------------------------------------------------------
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        task_id = next_task_id()
+        keys, objects = list(keys), list(objects)
+        bitmap = Bitmap(len(keys))
+        parts = _split(len(keys), self.params.io_threads)
+        remaining = [len(parts)]
+        done_lock = threading.Lock()
+
+        def load(lo: int, hi: int) -> None:
+            hits = [i for i in range(lo, hi) if self._load_one(keys[i], objects[i])]
+            with done_lock:
+                for i in hits:
+                    bitmap.set(i)
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                accessed = [keys[i] for i in bitmap.get_indices_list()]
+                if accessed:
+                    self._notify_keys_accessed(accessed)
+                self._report_evictions()
+                self._load_tasks.finish(task_id, bitmap)
+
+        if not parts:
+            self._load_tasks.finish(task_id, bitmap)
+        for lo, hi in parts:
+            self._submit(self._io, load, lo, hi)
+        return task_id
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._load_tasks.pop(task_id)
+
+    def _load_one(self, key: ObjectKey, obj: MemoryObj) -> bool:
+        """Read one chunk into ``obj`` (checksum verified); False on any kind of miss."""
+        text = self._text(key)
+        if text is None:
+            return False
+        outcome = load_object(self.store, text, obj, self._load_failed)
+        if outcome in ("absent", "miss"):
+            self._forget_if_gone(text)
+        if outcome != "hit":
+            self._count(f"load_{outcome}")
+        return outcome == "hit"
+
+    def _load_failed(self, text: str, exc: BaseException) -> None:
+        if errno_of(exc) is not None:
+            self.io_errors.record("load", text, exc)
+        else:
+            logger.warning("Persisting L2 load of %s failed: %s", text, exc)
+
+    # -- delete, listing, usage -------------------------------------------------------------
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Remove chunks in the background; a chunk a lookup locked is kept. Deletes run on
+        the control thread, in order with lookups and unlocks: a lookup submitted after a
+        delete misses, and a delete submitted after an unlock finds the chunk unlocked."""
+        self._submit(self._control, self._run_delete, list(keys))
+
+    def _run_delete(self, keys: list[ObjectKey]) -> None:
+        gone: list[tuple[ObjectKey, int]] = []
+        for key in keys:
+            text = self._text(key)
+            if text is None or self._locks.locked(text):
+                continue
+            try:
+                removed = self.store.remove(text, force=False)
+            except Exception as exc:
+                logger.warning("Persisting L2 delete of %s failed: %s", text, exc)
+                continue
+            if removed:
+                with self._lock:
+                    nbytes = self._sizes.pop(text, None)
+                if nbytes is not None:
+                    gone.append((key, file_size(nbytes)))
+        if gone:
+            self._notify_keys_deleted([k for k, _n in gone], [n for _k, n in gone])
+
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> KeyListPage:
+        """Stored keys in key-string order, ``page_size`` at a time; ``cursor`` is the
+        ``next_page_token`` of the previous page."""
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive (got {page_size})")
+        if cursor is not None and not isinstance(cursor, str):
+            raise ValueError(f"malformed cursor {cursor!r}")
+        self._report_evictions()
+        entries: list[KeyEntry] = []
+        last: str | None = None
+        with self._lock:
+            texts = self._sizes.irange(minimum=cursor, inclusive=(False, True))
+            for text in texts:
+                key = object_key_of(text)
+                if model_name is None or key.model_name == model_name:
+                    entries.append(KeyEntry(key.to_encoded_object_key(), self._sizes[text]))
+                    last = text
+                    if len(entries) == page_size:
+                        break
+            more = last is not None and self._sizes.bisect_right(last) < len(self._sizes)
+        return KeyListPage(entries=tuple(entries), next_page_token=last if more else None)
+
+    def get_usage(self) -> AdapterUsage:
+        """Bytes on disk as the store counts them against ``capacity``, and per salt."""
+        if self._closed or self.store.disk is None:
+            return super().get_usage()
+        self._report_evictions()
+        used = self.store.disk.used_bytes()
+        with self._usage_lock:
+            per_salt = {k: v for k, v in self._bytes_by_cache_salt.items() if v > 0}
+        return AdapterUsage(
+            total_bytes_used=used,
+            total_capacity_bytes=self._max_capacity_bytes,
+            bytes_by_cache_salt=MappingProxyType(per_salt),
+        )
+
+    def _report_evictions(self) -> None:
+        """Tell LMCache of the chunks the store evicted to stay within ``capacity``."""
+        gone: list[tuple[ObjectKey, int]] = []
+        while self._evicted:
+            text, disk_bytes = self._evicted.popleft()
+            with self._lock:
+                known = self._sizes.pop(text, None) is not None
+            if known:
+                gone.append((object_key_of(text), disk_bytes))
+        if gone:
+            self._count("evictions", len(gone))
+            self._notify_keys_deleted([k for k, _n in gone], [n for _k, n in gone])
+
+    def debug_has_key(self, key: ObjectKey) -> bool:
+        """Whether ``key`` is stored now (LMCache's adapter tests ask this; no lock taken)."""
+        text = self._text(key)
+        return text is not None and self.store.contains(text)
+
+    def _forget_if_gone(self, text: str) -> None:
+        """A chunk that vanished from the store (dropped as damaged) leaves LMCache's books."""
+        if self.store.contains(text):
+            return
+        with self._lock:
+            nbytes = self._sizes.pop(text, None)
+        if nbytes is not None:
+            self._notify_keys_deleted([object_key_of(text)], [file_size(nbytes)])
+
+    # -- status, lifecycle ------------------------------------------------------------------
+
+    def report_status(self) -> dict:
+        self._report_evictions()
+        stats = self.store.stats() if not self.store.closed else {}
+        with self._lock:
+            counters = dict(self._counters)
+            objects = len(self._sizes)
+        io = self.io_errors.snapshot()
+        healthy = not self._closed and not self.io_errors.recent(UNHEALTHY_AFTER_IO_ERROR_S)
+        return {
+            "is_healthy": healthy,
+            "type": "PersistingL2Adapter",
+            "storage_path": str(self.params.storage_path),
+            "namespace": self.params.namespace,
+            "durability": self.params.durability,
+            "fsync": self.params.fsync,
+            "stored_object_count": objects,
+            "used_bytes": stats.get("disk_bytes", 0),
+            "capacity_bytes": self.params.capacity,
+            "locked_key_count": self._locks.count(),
+            "expired_locks": self._locks.expired,
+            "checksum_failures": stats.get("corruptions", 0),
+            "evictions": counters.get("evictions", 0),
+            "store_failures": counters.get("store_failures", 0),
+            "load_failures": counters.get("load_failed", 0),
+            "load_misses": counters.get("load_miss", 0) + counters.get("load_absent", 0),
+            "layout_mismatches": counters.get("load_layout_mismatch", 0),
+            **io,
+        }
+
+    def close(self) -> None:
+        """Finish the tasks submitted so far, then close the store (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._control.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        self._report_evictions()
+        self._locks.clear()
+        self.store.close()
+        for board in (self._store_tasks, self._lookup_tasks, self._load_tasks):
+            board.close()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _submit(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> None:
+        if self._closed:
+            raise StoreClosedError("PersistingL2Adapter is closed")
+        pool.submit(_logged, fn, *args)
+
+    def _text(self, key: ObjectKey, *, failure: str | None = None) -> str | None:
+        """The key string of ``key``, or None if Persisting cannot represent it (such a key
+        is never stored, so it is a miss; a store of it is a counted ``failure``)."""
+        try:
+            return key_string(object_key_text(self.params.namespace, key))
+        except (InvalidKeyError, InvalidNameError) as exc:
+            if failure is not None:
+                self._store_failed(repr(key), exc)
+            return None
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in at most ``parts`` contiguous, non-empty ranges."""
+    parts = max(1, min(parts, n))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+
+def _logged(fn: Any, *args: Any) -> None:
+    """Run a task body; an exception it lets out is logged, never lost silently."""
+    try:
+        fn(*args)
+    except Exception:
+        logger.exception("Persisting L2 task %s failed", getattr(fn, "__name__", fn))
+
+
+__all__ = ["PersistingL2Adapter", "PersistingL2AdapterConfig"]

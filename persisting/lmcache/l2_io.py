@@ -1,0 +1,129 @@
+"""The L2 adapter's chunk I/O: LMCache MemoryObjs into the Persisting store and back.
+
+A chunk is stored as its tensor with its real shape, dtype and memory format (raw bytes
+for an object of several layer groups), so a load can refuse a chunk whose layout is not
+the destination's: a miss, never wrong bytes. Loads read straight into the destination
+object's buffer and the disk tier verifies the chunk's checksum on the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.memory_management import MemoryObj
+
+from persisting.errors import PersistingError
+from persisting.kv import KVStore, Layout
+from persisting.kv.layout import encode_value
+
+#: A chunk a store task handled: its key, key string, payload bytes, and whether it was
+#: written now (False: it was stored already).
+Stored = tuple[ObjectKey, str, int, bool]
+#: Told of a chunk that could not be stored or loaded, with the error.
+OnFailure = Callable[[str, BaseException], None]
+#: What a load of one chunk found.
+LoadOutcome = Literal["hit", "absent", "layout_mismatch", "miss", "failed"]
+
+
+def value_of(obj: MemoryObj) -> Any:
+    """The object's bytes as Persisting stores them: its tensor with its real shape and
+    dtype, or raw bytes for an object of several layer groups."""
+    meta = obj.metadata
+    if meta.shapes is None or len(meta.shapes) <= 1:
+        tensor = obj.tensor
+        if tensor is None:
+            raise PersistingError("MemoryObj was invalidated")
+        return tensor
+    return torch.frombuffer(obj.byte_array, dtype=torch.uint8)
+
+
+def layout_of(obj: MemoryObj) -> Layout:
+    """The layout a chunk stored from ``obj`` has (and a chunk loaded into it must have)."""
+    return encode_value(value_of(obj), obj.metadata.fmt.name, check_shape=False)[0]
+
+
+def store_objects(
+    store: KVStore, items: list[tuple[ObjectKey, str, MemoryObj]], failed: OnFailure
+) -> tuple[bool, list[Stored]]:
+    """Store ``(key, key string, object)`` items, one batch per memory format (one by one
+    if a batch is refused). Returns whether all were stored, and what was."""
+    ok = True
+    stored: list[Stored] = []
+    groups: dict[str, list[tuple[ObjectKey, str, Any, str | None]]] = {}
+    last_of_row: dict[tuple[str, int, int, str], str] = {}
+    for key, text, obj in items:
+        row = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
+        parent = last_of_row.get(row)  # the chunk before it in the same request row
+        last_of_row[row] = text
+        try:
+            value = value_of(obj)
+        except PersistingError as exc:
+            failed(text, exc)
+            ok = False
+            continue
+        groups.setdefault(obj.metadata.fmt.name, []).append((key, text, value, parent))
+    for fmt, group in groups.items():
+        ok = _put_group(store, fmt, group, stored, failed) and ok
+    return ok, stored
+
+
+def _put_group(
+    store: KVStore,
+    fmt: str,
+    items: list[tuple[ObjectKey, str, Any, str | None]],
+    stored: list[Stored],
+    failed: OnFailure,
+) -> bool:
+    # Stored last chunk first, so the store's LRU order ends with a request's first chunk as
+    # the most recent one (LMCache's policies read a batch the same way): a prefix outlives
+    # its suffix. Prefix-aware eviction uses the parents instead.
+    ordered = items[::-1]
+    try:
+        results = store.batched_put(
+            [text for _k, text, _v, _p in ordered],
+            [value for _k, _t, value, _p in ordered],
+            fmt=fmt,
+            parents=[parent for *_, parent in ordered],
+            check_shape=False,  # LMCache owns its layouts; store them as they are
+        )
+    except PersistingError as exc:
+        if len(items) == 1:
+            failed(items[0][1], exc)
+            return False
+        before = len(stored)
+        ok = all([_put_group(store, fmt, [item], stored, failed) for item in ordered])
+        stored[before:] = stored[before:][::-1]  # reported in request order
+        return ok
+    for (key, text, value, _p), result in zip(items, results[::-1], strict=True):
+        stored.append((key, text, value.numel() * value.element_size(), result.stored))
+    return True
+
+
+def load_object(store: KVStore, text: str, obj: MemoryObj, failed: OnFailure) -> LoadOutcome:
+    """Read the chunk stored under ``text`` into ``obj``, if its layout is ``obj``'s."""
+    try:
+        stored = store.layout(text)
+        if stored is None:
+            return "absent"
+        if not stored.matches(layout_of(obj)):
+            return "layout_mismatch"
+        if store.get_into(text, obj.byte_array.cast("B")) is not None:
+            return "hit"
+    except Exception as exc:
+        failed(text, exc)
+        return "failed"
+    return "miss"  # damaged (the store dropped it), or evicted meanwhile
+
+
+__all__ = [
+    "LoadOutcome",
+    "OnFailure",
+    "Stored",
+    "layout_of",
+    "load_object",
+    "store_objects",
+    "value_of",
+]

@@ -1,0 +1,209 @@
+"""Settings of the LMCache plugins, read from LMCache's own configuration.
+
+The in-process plugin reads LMCache's ``extra_config`` keys ``persisting.*``
+(:func:`settings_from_extra_config`); the L2 adapter of LMCache's multiprocess mode reads
+the ``adapter_params`` of its plugin adapter entry (:func:`l2_params`). Sizes are bytes or
+a number with a unit (:func:`parse_size`: ``64GiB``, ``512MB``), since LMCache users size
+in GB. Nothing here imports LMCache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+from persisting.config import DURABILITY_ALIASES, GiB, KVSettings, PersistingSettings
+from persisting.errors import ConfigError
+
+#: extra_config keys start with this prefix.
+PREFIX = "persisting."
+_KV_FIELDS = frozenset(KVSettings.model_fields)
+#: KV settings that are byte sizes (and so accept units).
+SIZE_FIELDS = frozenset(name for name in _KV_FIELDS if name.endswith("_bytes"))
+_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes from ``value``: an int, or a string with an optional unit (``512MB`` is
+    512*10^6, ``64GiB`` 64*2^30, ``1.5GiB``, ``16 MiB``, ``4096``). ``name`` is the key
+    the user wrote, for the error message."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{name} must be a size in bytes or with a unit, got {value!r}")
+    if isinstance(value, int | float) and value < 0:
+        raise ConfigError(f"{name} must not be negative, got {value!r}")
+    try:
+        return int(_BYTE_SIZE.validate_python(value))
+    except ValidationError as exc:
+        raise ConfigError(
+            f"{name} must be a size in bytes or with a unit (512MB, 64GiB), got {value!r}"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class PluginOptions:
+    """Settings of the plugin itself (not of the store)."""
+
+    #: Threads writing puts, and threads reading batched gets in parallel.
+    io_threads: int = 4
+    #: Seconds the pins of an asynchronous lookup are held when its load never comes.
+    lookup_pin_ttl_s: float = 60.0
+
+
+_OPTION_FIELDS = frozenset(PluginOptions.__dataclass_fields__)
+
+
+def _plugin_options(raw: dict[str, Any]) -> PluginOptions:
+    try:
+        threads = int(raw.get("io_threads", PluginOptions.io_threads))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{PREFIX}io_threads must be an int, got {raw['io_threads']!r}") from exc
+    if threads < 1:
+        raise ConfigError(f"{PREFIX}io_threads must be >= 1, got {threads}")
+    try:
+        ttl = float(raw.get("lookup_pin_ttl_s", PluginOptions.lookup_pin_ttl_s))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{PREFIX}lookup_pin_ttl_s must be a number, got {raw['lookup_pin_ttl_s']!r}"
+        ) from exc
+    if not ttl > 0:
+        raise ConfigError(f"{PREFIX}lookup_pin_ttl_s must be > 0, got {ttl}")
+    return PluginOptions(io_threads=threads, lookup_pin_ttl_s=ttl)
+
+
+def settings_from_extra_config(
+    extra_config: Mapping[str, Any] | None, chunk_size: int | None = None
+) -> tuple[PersistingSettings, PluginOptions]:
+    """Persisting settings from LMCache's ``extra_config`` keys ``persisting.*``.
+
+    ``persisting.config`` names a TOML file; ``persisting.storage_path`` and any KV setting
+    (``persisting.memory_bytes`` or ``persisting.kv.memory_bytes``...) override it, the
+    ``PERSISTING_*`` environment and the defaults. LMCache's ``chunk_size`` is the store's
+    chunk size unless ``persisting.chunk_size`` says otherwise. Unknown keys are an error.
+    """
+    toml_file: str | None = None
+    top: dict[str, Any] = {}
+    kv: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    if chunk_size is not None:
+        kv["chunk_size"] = chunk_size
+    for raw_key, value in (extra_config or {}).items():
+        if not isinstance(raw_key, str) or not raw_key.startswith(PREFIX):
+            continue
+        name = raw_key[len(PREFIX) :]
+        if name.startswith("kv."):
+            name = name[3:]
+            if name not in _KV_FIELDS:
+                raise ConfigError(f"unknown extra_config key {raw_key!r}")
+        if name == "config":
+            toml_file = str(value)
+        elif name == "storage_path":
+            top["storage_path"] = value
+        elif name in _OPTION_FIELDS:
+            options[name] = value
+        elif name in SIZE_FIELDS:
+            kv[name] = parse_size(value, raw_key)
+        elif name in _KV_FIELDS:
+            kv[name] = value
+        else:
+            known = sorted(["config", "storage_path", *_OPTION_FIELDS, *_KV_FIELDS])
+            raise ConfigError(
+                f"unknown extra_config key {raw_key!r}; known: {[PREFIX + k for k in known]}"
+            )
+    plugin_options = _plugin_options(options)
+    settings = PersistingSettings.load(toml_file, **top, kv=kv)
+    if "durability" not in settings.kv.model_fields_set and settings.kv.memory_bytes > 0:
+        # Unless told otherwise, complete puts like LMCache's own backends do: once the chunk
+        # is stored and readable (memory tier), with its disk write following behind.
+        settings = settings.model_copy(
+            update={"kv": settings.kv.model_copy(update={"durability": "async"})}
+        )
+    return settings, plugin_options
+
+
+@dataclass(frozen=True)
+class L2Params:
+    """The L2 adapter's ``adapter_params`` (see ``docs/lmcache.md``)."""
+
+    #: The Persisting storage root; chunks go to ``<storage_path>/kv/<namespace>/``.
+    storage_path: Path
+    #: Bytes on disk the adapter may use (payload files, counted in 4 KiB blocks).
+    capacity: int = 64 * GiB
+    #: When a store task completes: ``sync`` (written through), ``async`` (in the memory
+    #: tier, written behind) or ``write_back`` (written when evicted from memory).
+    durability: Literal["sync", "async", "write_back"] = "sync"
+    #: Whether sync stores fsync before they complete (False: page cache, as ``fs`` does).
+    fsync: bool = True
+    #: A Persisting memory tier in front of the disk (LMCache's L1 is memory already).
+    memory_bytes: int = 0
+    #: The Persisting model namespace (directory) that holds every key of this adapter.
+    namespace: str = "lmcache"
+    #: Eviction order when the capacity is reached: ``lru`` or ``prefix``.
+    eviction: Literal["lru", "prefix"] = "lru"
+    #: Threads running store and load tasks.
+    io_threads: int = 4
+    #: Seconds a lookup's lock holds a chunk when LMCache never unlocks it.
+    lock_ttl_s: float = 300.0
+
+
+_L2_FIELDS = {f.name for f in fields(L2Params)}
+
+
+def l2_params(raw: Mapping[str, Any]) -> L2Params:
+    """Validated :class:`L2Params` from ``adapter_params`` (sizes accept units)."""
+    unknown = sorted(set(raw) - _L2_FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown adapter_params {unknown}; known: {sorted(_L2_FIELDS)}")
+    if not raw.get("storage_path"):
+        raise ConfigError("adapter_params.storage_path is required")
+    values: dict[str, Any] = {"storage_path": Path(str(raw["storage_path"]))}
+    for name in ("capacity", "memory_bytes"):
+        if name in raw:
+            values[name] = parse_size(raw[name], f"adapter_params.{name}")
+    durability = raw.get("durability", L2Params.durability)
+    durability = DURABILITY_ALIASES.get(durability, durability)
+    if durability not in ("sync", "async", "write_back"):
+        raise ConfigError(
+            f"adapter_params.durability must be sync, async or write_back, not {durability!r}"
+        )
+    values["durability"] = durability
+    if durability != "sync" and values.get("memory_bytes", 0) <= 0:
+        raise ConfigError(f"adapter_params.durability={durability!r} needs memory_bytes > 0")
+    eviction = raw.get("eviction", L2Params.eviction)
+    if eviction not in ("lru", "prefix"):
+        raise ConfigError(f"adapter_params.eviction must be lru or prefix, not {eviction!r}")
+    values["eviction"] = eviction
+    fsync = raw.get("fsync", True)
+    if not isinstance(fsync, bool):
+        raise ConfigError(f"adapter_params.fsync must be true or false, not {fsync!r}")
+    values["fsync"] = fsync
+    namespace = raw.get("namespace", L2Params.namespace)
+    if not isinstance(namespace, str) or not namespace or "@" in namespace:
+        raise ConfigError(f"adapter_params.namespace must be a name without '@', not {namespace!r}")
+    values["namespace"] = namespace
+    threads = raw.get("io_threads", L2Params.io_threads)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"adapter_params.io_threads must be an int >= 1, not {threads!r}")
+    values["io_threads"] = threads
+    ttl = raw.get("lock_ttl_s", L2Params.lock_ttl_s)
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+        raise ConfigError(f"adapter_params.lock_ttl_s must be a number > 0, not {ttl!r}")
+    values["lock_ttl_s"] = float(ttl)
+    params = L2Params(**values)
+    if params.capacity <= 0:
+        raise ConfigError("adapter_params.capacity must be > 0")
+    return params
+
+
+__all__ = [
+    "PREFIX",
+    "SIZE_FIELDS",
+    "L2Params",
+    "PluginOptions",
+    "l2_params",
+    "parse_size",
+    "settings_from_extra_config",
+]

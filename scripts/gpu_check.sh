@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One-shot GPU check, run on a device machine: tests_gpu/, then benchmarks/ttft_bench.py.
+# Everything it measures lands in $OUT (the device tool brings that folder back):
+#   gpu_check.log      all output (environment, pytest, benchmark tables)
+#   tests_gpu.xml      pytest's JUnit report
+#   ttft_8b.json       Llama-3.1-8B shape, prefixes 4k/16k/32k + 128
+#   ttft_32b.json      Qwen2.5-32B shape, prefix 32k + 128 (when the GPU has >= 100 GiB)
+#
+# The machine has CUDA torch and transformers but lacks pylance, pydantic(-settings) and
+# pulsing. Prepare their wheels once, here, from the project root (takes ~4 minutes):
+#   bash ../shared/tools/device-carry.sh        # builds .devcarry/ (ignored by git)
+# then call the device tool with
+#   command: bash scripts/gpu_check.sh   carry: [".devcarry"]   timeout_s: 560
+# It is sized to finish in about 8 minutes on an H200; each step has its own time limit so
+# a hang in one still leaves the others' figures. Exit status: 0 when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+echo "== gpu_check $(date -u +%FT%TZ) in $PWD, results in $OUT"
+
+if [ -f .devcarry/setup.sh ]; then
+  bash .devcarry/setup.sh || { echo "setting up .devcarry failed"; exit 3; }
+else
+  echo "no .devcarry/: assuming pylance, pydantic and pulsing are installed"
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c 'import sys, torch, transformers, numpy
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "transformers", transformers.__version__, "numpy", numpy.__version__)
+print("device", torch.cuda.get_device_name(0))' || exit 4
+
+status=0
+echo "== tests_gpu"
+timeout 150 python3 -m pytest tests_gpu -q -s -p no:cacheprovider \
+  --junitxml="$OUT/tests_gpu.xml" || status=1
+
+echo "== ttft_bench: llama-3.1-8b"
+timeout 170 python3 benchmarks/ttft_bench.py --models llama-3.1-8b \
+  --prefixes 4096 16384 32768 --workdir /tmp --json "$OUT/ttft_8b.json" || status=1
+
+echo "== ttft_bench: qwen2.5-32b"
+timeout 150 python3 benchmarks/ttft_bench.py --models qwen2.5-32b \
+  --prefixes 32768 --workdir /tmp --json "$OUT/ttft_32b.json" || status=1
+
+echo "== gpu_check finished with status $status"
+exit $status
