@@ -8,7 +8,18 @@ actor messages, what a remote client uses). The baseline is the same gets on a
 ``KVStore`` opened in this process with the same settings, measured in the same run.
 Every value read is checked bit-exact against what was stored, in the first round.
 
+The first row, **first get**, is the case a new prompt meets: each key read once. Per
+round, 16 fresh chunks of [2, 16, 256, 512] bf16 are stored in the server's memory tier and
+in the in-process store's; each side then gets one other key (warm-up) and, timed, each of
+the 16 keys once, each value dropped before the next get (as an engine that moves each
+chunk to the GPU and lets it go; both sides then reuse warm pages). Before each timed
+phase the disk is let settle (``os.sync()`` and a pause: this machine's disk keeps
+flushing after fsync returns and slows whatever runs next), and the side that goes first
+alternates per round.
+The ratio is the median over rounds of in-process time / service time.
+
     .venv/bin/python benchmarks/service_bench.py [--chunks 16] [--rounds 9] [--batch 8]
+        [--first-rounds 7] [--settle-s 2]
 
 Prints one line per case with MB/s and the ratio to the in-process store; the goal for the
 same-host path is >= 0.7x.
@@ -34,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from actors.launch import free_loopback_port  # noqa: E402
+from persisting.actors.launch import free_loopback_port  # noqa: E402
 from persisting.kv import ChunkKey, KVStore, open_kv_store  # noqa: E402
 from persisting.service import KVCacheClient  # noqa: E402
 
@@ -64,7 +75,7 @@ def _server(root: Path, name: str, addr: str, memory_bytes: int, seeds: str | No
         PERSISTING_SERVICE__SEEDS=json.dumps([seeds] if seeds else []),
     )
     return subprocess.Popen(
-        [sys.executable, "-m", "actors.launch"],
+        [sys.executable, "-m", "persisting.actors.launch"],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -75,10 +86,62 @@ def _server(root: Path, name: str, addr: str, memory_bytes: int, seeds: str | No
 
 
 def _wait_ready(proc: Any) -> None:
-    line = proc.stdout.readline()
-    if "serving" not in line:
-        proc.kill()  # so reading the rest of its output cannot block
-        raise RuntimeError(f"server did not start: {line}{proc.stdout.read()}")
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "persisting: serving" in line:
+            return
+        if len(seen) > 200:
+            break
+    proc.kill()  # so reading the rest of its output cannot block
+    raise RuntimeError(f"server did not start: {''.join(seen)}{proc.stdout.read()}")
+
+
+def _settle(seconds: float) -> None:
+    """Let the disk finish flushing before a timed phase (see the module docstring)."""
+    os.sync()
+    time.sleep(seconds)
+
+
+async def _first_gets(
+    store: KVStore, client: KVCacheClient, rounds: int, settle_s: float
+) -> tuple[float, float, float]:
+    """The first-get row: MB/s in-process, MB/s through the service, median time ratio."""
+    shape = (2, 16, 256, 512)
+    nbytes = 2 * 16 * 256 * 512 * 2
+    generator = torch.Generator().manual_seed(11)
+    times: dict[str, list[float]] = {"local": [], "service": []}
+    for r in range(rounds):
+        keys = [ChunkKey(MODEL, 1, 0, 1_000_000 + r * 100 + i, "bfloat16") for i in range(17)]
+        values = [torch.randn(*shape, generator=generator).to(torch.bfloat16) for _ in keys]
+        await client.batched_put(keys, values)
+        store.batched_put(keys, values)
+        warm, timed = keys[16], keys[:16]
+        order = ("local", "service") if r % 2 == 0 else ("service", "local")
+        for side in order:
+            _settle(settle_s)
+            missing = 0
+            if side == "local":
+                store.get(warm)
+                start = time.perf_counter()
+                for k in timed:
+                    missing += store.get(k) is None
+            else:
+                await client.get(warm)
+                start = time.perf_counter()
+                for k in timed:
+                    missing += await client.get(k) is None
+            times[side].append(time.perf_counter() - start)
+            if missing:
+                raise SystemExit(f"first get ({side}): {missing} key(s) missing")
+        await client.batched_remove(keys)  # the next round starts from fresh keys
+        store.batched_remove(keys)
+    total = 16 * nbytes
+    local, service = statistics.median(times["local"]), statistics.median(times["service"])
+    ratio = statistics.median(
+        [a / b for a, b in zip(times["local"], times["service"], strict=True)]
+    )
+    return total / local / 1e6, total / service / 1e6, ratio
 
 
 async def _paired(
@@ -137,6 +200,7 @@ async def _bench(args: argparse.Namespace) -> None:
         root = Path(tmp)
         mem_addr = f"127.0.0.1:{free_loopback_port()}"
         disk_addr = f"127.0.0.1:{free_loopback_port()}"
+        fits += 17 * (8 << 20)  # and one first-get round of 17 chunks at a time
         servers = [_server(root / "srv-mem", "bench-mem", mem_addr, fits, None)]
         _wait_ready(servers[0])
         servers.append(_server(root / "srv-disk", "bench-disk", disk_addr, 0, mem_addr))
@@ -162,6 +226,15 @@ async def _bench(args: argparse.Namespace) -> None:
                 f"{args.chunks} chunks of {nbytes / MiB:.0f} MiB, {args.rounds} rounds; "
                 f"same-host path active: {clients['memory'].same_host(mem_addr)}"
             )
+            if args.first_rounds:
+                base, cand, ratio = await _first_gets(
+                    local["memory"], clients["memory"], args.first_rounds, args.settle_s
+                )
+                print(
+                    f"memory first get, 16 keys once    in-process {base:7.0f} MB/s   "
+                    f"service {cand:7.0f} MB/s   ratio {ratio:5.2f}x "
+                    f"(median of {args.first_rounds} alternating rounds)"
+                )
             runs = [keys[i : i + args.batch] for i in range(0, len(keys), args.batch)]
             for tier in ("memory", "disk"):
                 store, client, message = local[tier], clients[tier], clients[tier + "/message"]
@@ -216,6 +289,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--chunk-mib", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--first-rounds", type=int, default=7, help="first-get rounds (0: skip)")
+    parser.add_argument("--settle-s", type=float, default=2.0, help="pause before timed phases")
     args = parser.parse_args()
     asyncio.run(_bench(args))
     sys.stdout.flush()

@@ -62,12 +62,13 @@ def persisting_serve(
 
 
 def _wait_until_serving(server: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:
-    """The server prints ``persisting: serving ...`` once its actor is registered."""
+    """The server logs ``persisting: serving ...`` once its actor is registered (after a
+    timestamp and level, or as a JSON field with --log-json)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace")
         for line in text.splitlines():
-            if line.startswith("persisting: serving"):
+            if "persisting: serving" in line:
                 return line
         if server.poll() is not None:
             raise RuntimeError(f"the server exited ({server.returncode}):\n{text}")

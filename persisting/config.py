@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     BeforeValidator,
     ByteSize,
@@ -171,7 +172,7 @@ class QueueSettings(BaseModel):
 class ServiceSettings(BaseModel):
     """The Pulsing actor service and its client."""
 
-    model_config = _SECTION
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, populate_by_name=True)
 
     name: str = "kvstore"
     """Actor name; every storage node of one service uses the same name."""
@@ -180,7 +181,10 @@ class ServiceSettings(BaseModel):
     seeds: list[str] = Field(default_factory=list)
     """Cluster members to join (servers) or to find the servers through (clients)."""
     passphrase: str | None = None
-    """Cluster passphrase: turns on TLS; clients need the same (unset: no TLS)."""
+    """Cluster passphrase (TLS). Unset: a server generates one, kept in ``passphrase_file``,
+    and serves loopback only (see persisting.service.passphrase)."""
+    passphrase_file: Path | None = None
+    """Where a generated passphrase is kept (default: $XDG_STATE_HOME/persisting/passphrase)."""
     max_inflight: int = Field(default=16, gt=0, le=16)
     """Requests in flight per server per client (Pulsing's connection pool is 16)."""
     lease_ttl_s: float = Field(default=30.0, gt=0)
@@ -189,8 +193,13 @@ class ServiceSettings(BaseModel):
     """Serve Prometheus metrics on this port (0: any free port; unset: none)."""
     event_topic: str = "kv-events"
     """Queue topic of prewarm/evict events."""
-    message_chunk_bytes: Bytes = Field(default=4 * MiB, gt=0)
-    """Largest payload in one message on the message path."""
+    message_part_bytes: Bytes = Field(
+        default=4 * MiB,
+        gt=0,
+        validation_alias=AliasChoices("message_part_bytes", "message_chunk_bytes"),
+    )
+    """Largest payload part one message carries on the message path (remote clients);
+    ``message_chunk_bytes`` is its earlier name, still accepted."""
     request_timeout_s: float = Field(default=30.0, gt=0)
     """A request unanswered this long counts as a failure of its server."""
     lanes: int = Field(default=4, gt=0, le=16)
@@ -205,6 +214,15 @@ class ServiceSettings(BaseModel):
     """How long connect waits for servers to appear."""
     event_batch_records: int = Field(default=64, gt=0)
     """Events applied (and committed) per step."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """The server's log level."""
+    log_format: Literal["text", "json"] = "text"
+    """The server's log format: text lines, or one JSON object per line."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("addr")
     @classmethod
@@ -315,6 +333,15 @@ def setting_fields(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
     return out
 
 
+def accepted_names(model: type[BaseModel]) -> set[str]:
+    """The keys ``model`` takes: its field names and the earlier names still accepted."""
+    names = set(model.model_fields)
+    for info in model.model_fields.values():
+        if isinstance(info.validation_alias, AliasChoices):
+            names.update(str(choice) for choice in info.validation_alias.choices)
+    return names
+
+
 def closest(name: str, candidates: list[str] | tuple[str, ...] | set[str]) -> str | None:
     """The candidate most like ``name`` (a typo's intended key), if any is close."""
     found = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
@@ -339,7 +366,7 @@ def check_keys(data: Mapping[str, Any], where: str, model: type[BaseModel] | Non
         section = fields[key]
         if section is not None and isinstance(value, Mapping):
             for sub in value:
-                if sub not in section.model_fields:
+                if sub not in accepted_names(section):
                     raise ConfigError(_unknown(f"{key}.{sub}", section.model_fields, where))
 
 
@@ -368,7 +395,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
                 guess = closest(section_name, {k for k, v in fields.items() if v is not None})
                 hint = f"; did you mean {_variable(f'{guess}.{field}')}?" if guess else ""
                 raise ConfigError(f"unknown setting {variable} in {where}{hint}")
-            if field not in section.model_fields:
+            if field not in accepted_names(section):
                 raise ConfigError(
                     _unknown(f"{section_name}.{field}", section.model_fields, where, _variable)
                 )

@@ -1,4 +1,4 @@
-"""``persisting serve | demo | prewarm``: the actor service (``actors/``) and its event topic."""
+"""``persisting serve | demo | prewarm``: the actor service (``persisting/actors/``), its topic."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -32,6 +33,16 @@ from persisting.errors import ConfigError, ServiceUnavailableError
 
 if TYPE_CHECKING:
     from persisting.config import PersistingSettings
+
+
+class LogLevel(str, Enum):
+    """The server log levels ``serve --log-level`` takes."""
+
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
 
 ModelsOption = Annotated[
     list[str] | None,
@@ -138,12 +149,29 @@ def serve(
     no_events: Annotated[
         bool, typer.Option("--no-events", help="Do not consume the prewarm/evict topic.")
     ] = False,
+    log_level: Annotated[
+        LogLevel | None, typer.Option(help="Server log level (default: settings, info).")
+    ] = None,
+    log_json: Annotated[
+        bool, typer.Option("--log-json", help="Log one JSON object per line.")
+    ] = False,
     config: ConfigOption = None,
 ) -> None:
-    """Serve the KV store as a Pulsing actor until Ctrl-C (embedded storage root by default)."""
-    from actors.launch import serve as serve_forever
+    """Serve the KV store as a Pulsing actor until Ctrl-C (embedded storage root by default).
 
-    flags = {"addr": addr, "seeds": seeds or None, "name": name, "metrics_port": metrics_port}
+    With no passphrase configured it generates one, which clients of the same user on this
+    host find by themselves, and serves loopback only (see docs/service.md).
+    """
+    from persisting.actors.launch import serve as serve_forever
+
+    flags = {
+        "addr": addr,
+        "seeds": seeds or None,
+        "name": name,
+        "metrics_port": metrics_port,
+        "log_level": log_level.value if log_level is not None else None,
+        "log_format": "json" if log_json else None,
+    }
     for address in [addr] if addr else []:
         socket_address(address, "--addr")
     for seed in seeds or []:
@@ -166,7 +194,7 @@ def demo(
     through the event topic, show the stats, and exit."""
     import os
 
-    from actors.launch import run_demo
+    from persisting.actors.launch import run_demo
 
     settings = service_settings(config, storage_path, model)
     storage_folder(
@@ -214,7 +242,7 @@ def prewarm(
     json_out: JsonFlag = False,
 ) -> None:
     """Publish a prewarm (or --evict) event to the serving actor's event topic."""
-    from actors.kv_events import prewarm as publish
+    from persisting.actors.kv_events import prewarm as publish
 
     if bool(keys) == (tokens_file is not None):
         fail("give --key (one or more) or --tokens, not both and not neither", EXIT_BAD_INPUT)

@@ -1,12 +1,11 @@
-"""The KV-cache service: wire protocol, client, placement and session bookkeeping.
+"""The KV-cache service: wire protocol, client, server handler, placement and sessions.
 
 ``from persisting.service import KVCacheClient`` gives the client of the
-``KVCacheStorageActor`` service (``actors/kv_cache_storage.py``). The protocol, routing,
-session and same-host modules do not import Pulsing; only the client does.
+``KVCacheStorageActor`` service (:mod:`persisting.actors.kv_cache_storage`). The protocol,
+handler, routing, session and same-host modules do not import Pulsing; only the client does.
 """
 
-from persisting.service.client import KVCacheClient, PutResult
+from persisting.service.client import KVCacheClient, PutResult, SyncKVCacheClient, connect_sync
 from persisting.service.protocol import PROTOCOL_VERSION
-from persisting.service.sync_client import SyncKVCacheClient
 
-__all__ = ["PROTOCOL_VERSION", "KVCacheClient", "PutResult", "SyncKVCacheClient"]
+__all__ = ["PROTOCOL_VERSION", "KVCacheClient", "PutResult", "SyncKVCacheClient", "connect_sync"]

@@ -7,8 +7,10 @@ client sends its requests there. Payloads still travel through the shared-memory
 the leased payload files; the channel carries only the small protocol messages.
 
 The socket is created mode 0600 in a fresh private directory, so only the server's user
-can connect, and it refuses ``hello``: every request must carry a session id that a
-``hello`` through Pulsing handed out. Frames are ``<u32 length><u64 request id><pickle>``,
+can connect; the server also checks each connection's peer credentials (``SO_PEERCRED``)
+and closes one from any other user unread, should the folder's mode ever be widened. It
+refuses ``hello``: every request must carry a session id that a ``hello`` through Pulsing
+(and so through its passphrase) handed out. Frames are ``<u32 length><u64 request id><pickle>``,
 and both sides decode them with :func:`~persisting.service.protocol.safe_loads` (plain
 values only). Requests are answered concurrently and matched to callers by id. The
 server side runs on its own threads (blocking sockets); the client side is asyncio.
@@ -102,6 +104,8 @@ class LocalChannelServer:
         self._connections: set[socket.socket] = set()
         self._closed = False
         self.path: str | None = None
+        #: Connections closed unread because their peer was another user.
+        self.refused = 0
 
     def start(self) -> str:
         """Listen (mode 0600 socket in a fresh private folder); returns the socket's path."""
@@ -142,6 +146,10 @@ class LocalChannelServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            if not _same_user(conn):
+                self.refused += 1
+                conn.close()
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -184,6 +192,23 @@ class LocalChannelServer:
             frame = _frame(request_id, error_reply(exc))
         with send_lock, contextlib.suppress(OSError):
             conn.sendall(frame)
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the peer of a Unix-socket connection runs as this process's user (where the
+    platform says; elsewhere the socket's mode is the only check)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return True
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, option, _PEERCRED.size)
+    except OSError:
+        return False
+    _pid, uid, _gid = _PEERCRED.unpack(creds)
+    return bool(uid == os.geteuid())
+
+
+_PEERCRED = struct.Struct("3i")
 
 
 def _read_frame_blocking(reader: BinaryIO) -> tuple[int, Any]:

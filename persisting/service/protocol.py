@@ -1,7 +1,7 @@
-"""The service's versioned wire protocol: request and reply envelopes, and their checks.
+"""The service's versioned wire protocol: the table of operations, envelopes and checks.
 
-Every request is a plain dict ``{"v": 1, "op": ..., "sid": ..., "model": ..., **args}`` and
-every reply is ``{"v": 1, "ok": True, "result": ...}`` or ``{"v": 1, "ok": False, "error":
+Every request is a plain dict ``{"v": 2, "op": ..., "sid": ..., "model": ..., **args}`` and
+every reply is ``{"v": 2, "ok": True, "result": ...}`` or ``{"v": 2, "ok": False, "error":
 {"code": ..., "message": ...}}``. Only plain values travel (dict, list, str, int, float,
 bool, None, bytes), so either side can decode a message without trusting the other to send
 code: replies are unpickled with :func:`safe_loads`, which refuses every class.
@@ -9,9 +9,11 @@ code: replies are unpickled with :func:`safe_loads`, which refuses every class.
 Errors are never raised across the wire: the server turns a :class:`PersistingError` into
 its ``code`` and the client raises the same class again (:func:`unwrap_reply`).
 
-Payload bytes ride in messages only on the remote (message) path, and then in chunks of at
-most ``max_chunk`` bytes; same-host clients read stored bytes directly (see
-:mod:`persisting.service.shared_memory` and the ``loc`` reply of ``get``).
+:data:`OPS` is the one table of operations: the server's dispatch, which requests it
+answers without a thread hop, and which need no model all derive from it. Payload bytes
+ride in messages only on the remote (message) path, in parts of at most the server's
+``message_part_bytes``; same-host clients read stored bytes themselves (see
+:mod:`persisting.service.same_host` and the ``location`` entries of a ``get`` reply).
 """
 
 from __future__ import annotations
@@ -25,35 +27,66 @@ from typing import Any
 from persisting.errors import PersistingError, ProtocolError, error_class_for
 
 #: Bumped on any incompatible change; a server refuses requests of another version.
-PROTOCOL_VERSION = 1
+#: 2: same-host puts carry their checksum and a ticket (see ``withdraw``); hello names the
+#: message part size ``message_part_bytes``; ``lookup_tokens``.
+PROTOCOL_VERSION = 2
 
-#: Operations a server answers, with the argument names each one requires.
-OPS: dict[str, tuple[str, ...]] = {
-    "hello": (),
-    "bye": (),
-    "renew": (),
-    "put": ("items", "fmt"),
-    "upload_begin": ("nbytes",),
-    "upload_part": ("upload", "offset", "data"),
-    "get": ("keys",),
-    "read_part": ("transfer", "offset", "length"),
-    "end_transfer": ("transfer",),
-    "release": ("keys",),
-    "contains": ("keys",),
-    "layout": ("keys",),
-    "lookup_prefix": ("keys",),
-    "remove": ("keys",),
-    "pin": ("keys",),
-    "unpin": ("keys",),
-    "prefetch": ("keys",),
-    "touch": ("keys",),
-    "stats": (),
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """What the protocol knows of one operation."""
+
+    #: Arguments a request must carry (others are optional).
+    args: tuple[str, ...] = ()
+    #: Concerns the session or the whole server rather than one model's store.
+    model_free: bool = False
+    #: Does no file I/O (a memory copy at most): answered on the receiving thread or event
+    #: loop instead of the handler's thread pool.
+    light: bool = False
+    #: Light only when this argument is true (a same-host ``get`` reads no file itself).
+    light_if: str | None = None
+
+
+#: Every operation a server answers.
+OPS: dict[str, Op] = {
+    "hello": Op(model_free=True),  # maps the client's arena: a file open
+    "bye": Op(model_free=True, light=True),
+    "renew": Op(model_free=True, light=True),
+    "withdraw": Op(("tickets",), model_free=True, light=True),
+    "put": Op(("items", "fmt")),
+    "upload_begin": Op(("nbytes",), model_free=True),
+    "upload_part": Op(("upload", "offset", "data"), model_free=True),
+    "get": Op(("keys",), light_if="direct"),
+    "read_part": Op(("transfer", "offset", "length"), model_free=True),
+    "end_transfer": Op(("transfer",), model_free=True, light=True),
+    "release": Op(("keys",), light=True),
+    "touch": Op(("keys",), light=True),
+    "contains": Op(("keys",), light=True),
+    "layout": Op(("keys",), light=True),
+    "lookup_prefix": Op(("keys",), light=True),
+    "lookup_tokens": Op(("tokens",), light=True),
+    "remove": Op(("keys",)),
+    "pin": Op(("keys",), light=True),
+    "unpin": Op(("keys",), light=True),
+    "prefetch": Op(("keys",)),
+    "stats": Op(model_free=True, light=True),
 }
 
-#: Operations that do not name a model (they concern the session or the whole server).
-MODEL_FREE_OPS = frozenset(
-    {"hello", "bye", "renew", "read_part", "end_transfer", "upload_begin", "upload_part", "stats"}
-)
+#: Operations that do not name a model (derived from :data:`OPS`).
+MODEL_FREE_OPS = frozenset(name for name, op in OPS.items() if op.model_free)
+
+
+def is_light(message: object) -> bool:
+    """True for a request that does no file I/O, and for a malformed one (refusing it is
+    quick): such requests are answered without a hop to the handler's threads."""
+    if not isinstance(message, Mapping):
+        return True
+    name = message.get("op")
+    op = OPS.get(name) if isinstance(name, str) else None
+    if op is None or op.light:
+        return True
+    return op.light_if is not None and bool(message.get(op.light_if))
+
 
 #: Most keys one request may carry (bounds the work and the reply size of one message).
 MAX_KEYS_PER_REQUEST = 4096
@@ -101,7 +134,7 @@ def parse_request(message: object) -> Request:
     if op not in MODEL_FREE_OPS and not isinstance(model, str):
         raise ProtocolError(f"operation {op!r} needs a model name")
     args = {k: v for k, v in message.items() if k not in ("v", "op", "sid", "model")}
-    missing = [name for name in OPS[op] if name not in args]
+    missing = [name for name in OPS[op].args if name not in args]
     if missing:
         raise ProtocolError(f"operation {op!r} is missing {', '.join(missing)}")
     if "keys" in args:  # required by most operations
@@ -182,19 +215,22 @@ def is_plain(value: object, depth: int = 0) -> bool:
     kind = type(value)  # exact types: a subclass may carry behaviour
     if kind in _PLAIN_TYPES:
         return True
-    if kind in (list, tuple):
-        return all(is_plain(v, depth + 1) for v in value)  # type: ignore[attr-defined]
-    if kind is dict:
+    if isinstance(value, list | tuple) and kind in (list, tuple):
+        return all(is_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict) and kind is dict:
         return all(isinstance(k, str) and is_plain(v, depth + 1) for k, v in value.items())
     return False
 
 
 __all__ = [
     "MAX_KEYS_PER_REQUEST",
+    "MODEL_FREE_OPS",
     "OPS",
     "PROTOCOL_VERSION",
+    "Op",
     "Request",
     "error_reply",
+    "is_light",
     "is_plain",
     "make_request",
     "ok_reply",

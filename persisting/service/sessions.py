@@ -1,7 +1,8 @@
 """Client sessions on a server, and the pins, read leases and buffers each one holds.
 
 Everything a client takes through the service (a pin, a read lease on a stored payload, a
-half-sent upload, a half-read transfer) belongs to its session, and a session lives only
+half-sent upload, a half-read transfer, a request using its shared-memory arena) belongs
+to its session, and a session lives only
 ``ttl_s`` seconds past its last request or renewal. A client that crashes stops renewing,
 its session expires, and the server gives back everything it held; nothing stays pinned
 forever. This module is plain bookkeeping (no Pulsing, no store): the server applies what
@@ -22,6 +23,9 @@ from persisting.errors import CapacityError, ProtocolError, SessionExpiredError
 
 #: (model, key) -- what a pin or a lease is taken on.
 Holding = tuple[str, str]
+
+#: Most tickets one withdraw may name, and withdrawn tickets a session remembers.
+MAX_TICKETS = 4096
 
 
 @dataclass
@@ -47,6 +51,12 @@ class Session:
     staged: dict[str, Staged] = field(default_factory=dict)
     staged_bytes: int = 0
     resources: list[Any] = field(default_factory=list)  # closed when the session ends
+    #: Tickets of requests reading or writing the client's arena right now.
+    tickets_running: set[int] = field(default_factory=set)
+    #: Tickets the client withdrew, oldest first: such a request, arriving late, must not
+    #: touch the arena. Only the last MAX_TICKETS are kept (a request is late by
+    #: milliseconds, not by thousands of withdrawals).
+    tickets_withdrawn: dict[int, None] = field(default_factory=dict)
 
     def close_resources(self) -> None:
         for resource in self.resources:
@@ -170,6 +180,48 @@ class SessionTable:
     def pin_count(self) -> int:
         return sum(sum(s.pins.values()) for s in self._sessions.values())
 
+    # -- arena tickets -----------------------------------------------------------------
+    #
+    # A same-host request that reads or writes the client's arena carries a ticket. A
+    # client whose request was cancelled or timed out cannot know whether the server has
+    # read (or written) those pages yet, so it keeps them out of use and *withdraws* the
+    # ticket: the server answers which of its tickets it will never touch the arena for
+    # again (not running now; one arriving later is refused), and only those pages go back
+    # into use.
+
+    @staticmethod
+    def begin_ticket(session: Session, ticket: object) -> None:
+        """Mark a request as using the arena; refused if its ticket was withdrawn."""
+        if isinstance(ticket, bool) or not isinstance(ticket, int):
+            raise ProtocolError(f"a ticket must be an int, got {ticket!r}")
+        if ticket in session.tickets_withdrawn:
+            del session.tickets_withdrawn[ticket]
+            raise ProtocolError(f"request {ticket} was withdrawn by the client")
+        if ticket in session.tickets_running:
+            raise ProtocolError(f"ticket {ticket} is already in use")
+        session.tickets_running.add(ticket)
+
+    @staticmethod
+    def end_ticket(session: Session, ticket: int) -> None:
+        session.tickets_running.discard(ticket)
+
+    @staticmethod
+    def withdraw(session: Session, tickets: object) -> list[int]:
+        """The tickets among ``tickets`` whose arena pages the client may reuse now."""
+        if not isinstance(tickets, list) or len(tickets) > MAX_TICKETS:
+            raise ProtocolError(f"tickets must be a list of at most {MAX_TICKETS} ints")
+        safe = []
+        for ticket in tickets:
+            if isinstance(ticket, bool) or not isinstance(ticket, int):
+                raise ProtocolError(f"a ticket must be an int, got {ticket!r}")
+            if ticket in session.tickets_running:
+                continue
+            session.tickets_withdrawn[ticket] = None
+            if len(session.tickets_withdrawn) > MAX_TICKETS:
+                del session.tickets_withdrawn[next(iter(session.tickets_withdrawn))]
+            safe.append(ticket)
+        return safe
+
     # -- staged buffers (uploads and message-path transfers) ---------------------------
 
     def stage(self, session: Session, staged: Staged) -> str:
@@ -205,4 +257,4 @@ class SessionTable:
         return self._staged_total
 
 
-__all__ = ["Holding", "Session", "SessionTable", "Staged"]
+__all__ = ["MAX_TICKETS", "Holding", "Session", "SessionTable", "Staged"]

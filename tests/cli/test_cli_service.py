@@ -157,3 +157,52 @@ def _tokens(tmp_path: Path) -> Path:
     path = tmp_path / "tokens.txt"
     path.write_text(" ".join(str(t) for t in range(1024)))
     return path
+
+
+@pytest.mark.timeout(240)
+def test_serve_logs_a_banner_and_a_stop_line_as_json(tmp_path: Path) -> None:
+    from persisting import __version__
+
+    root = tmp_path / "root"
+    log = tmp_path / "serve.log"
+    port = free_port()
+    with processes() as procs:
+        server = spawn(
+            [
+                PERSISTING,
+                "serve",
+                "--storage-path",
+                "root",  # relative: the banner shows it absolute
+                "-m",
+                MODEL,
+                "--addr",
+                f"127.0.0.1:{port}",
+                "--metrics-port",
+                "0",
+                "--log-json",
+                "--log-level",
+                "info",
+                "--no-events",
+            ],
+            server_env(root),
+            log,
+            cwd=tmp_path,
+        )
+        procs.append(server)
+        wait_for_log(log, '"event": "serving"', server)
+        records = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+        banner = next(r for r in records if r.get("event") == "serving")
+        assert banner["version"] == __version__
+        assert banner["storage_path"] == str(root)
+        assert banner["models"] == [MODEL] and banner["addr"] == f"127.0.0.1:{port}"
+        assert banner["passphrase_from"].startswith("generated")
+        metrics_url = banner["metrics_url"]
+        assert metrics_url and not metrics_url.endswith(":0/metrics")  # the port bound
+        assert "persisting_kv" in _scrape(metrics_url)
+        store = next(r for r in records if r.get("event") == "store")
+        assert store["model"] == MODEL and store["memory_bytes"] == 64 << 20
+        assert store["disk_bytes"] == 512 << 20 and store["durability"] == "sync"
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+    records = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    assert any(r.get("event") == "stopped" and r["actor"] == "kvstore" for r in records)

@@ -83,7 +83,7 @@ def _well_formed(sid: st.SearchStrategy) -> st.SearchStrategy:
                 "op": st.just(op),
                 "sid": sid,
                 "model": st.just(MODEL),
-                **{name: ARGS for name in OPS[op]},
+                **{name: ARGS for name in OPS[op].args},
             },
             optional={"expect": VALUES, "release": KEYS},
         )
@@ -197,10 +197,14 @@ async def _raw_garbage_then_client(addr: str, rounds: int) -> dict[str, Any]:
     import pulsing
     import torch
 
-    from persisting.config import PersistingSettings
+    from persisting.config import PersistingSettings, ServiceSettings
     from persisting.service import KVCacheClient
+    from persisting.service.passphrase import client_passphrase
 
-    await pulsing.init(addr=None, seeds=[addr])
+    # The server generated a passphrase for loopback use; this same-user process reads it.
+    await pulsing.init(
+        addr=None, seeds=[addr], passphrase=client_passphrase(None, ServiceSettings())
+    )
     system = pulsing.get_system()
     ref = None
     deadline = time.monotonic() + 30
@@ -270,7 +274,7 @@ def fuzz_server(root: Path, rounds: int) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "actors.launch"],
+            [sys.executable, "-m", "persisting.actors.launch"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -32,6 +32,8 @@ HARNESSES: dict[str, tuple[str, list[str]]] = {
     ),
     "kv_diskfull": ("harness_kv_diskfull.py", []),
     "kv_misuse": ("harness_kv_misuse.py", ["--rounds", "5"]),
+    "service_cancelled_puts": ("harness_cancelled_puts.py", ["--runs", "100"]),
+    "service_attack": ("harness_service_attack.py", ["--rounds", "3"]),
 }
 
 PROMISES = """\
@@ -76,6 +78,24 @@ PROMISES = """\
   futures); `stats()["waiters"]` counts the waits in progress.
 - **The service answers garbage with typed errors and keeps serving.** Every request is
   checked before use; every failure comes back as a structured reply with an error code.
+- **Nothing answers an unauthenticated peer.** Pulsing unpickles what arrives before an
+  actor sees it, so the service never starts Pulsing without a passphrase: one configured,
+  or one generated, kept 0600 for clients of the same user and good for loopback only
+  (a non-loopback address without a configured passphrase is refused). The local channel
+  answers only its own user (0700 folder, peer credentials checked). A user of another uid
+  gets nothing executed and no answer from a default server (figures below).
+- **A cancelled or timed-out same-host request never lets its shared pages be reused
+  while the server may still touch them.** Arena regions are lent per request (a ticket);
+  those of a request that ended without an answer stay quarantined until the server,
+  asked to withdraw the ticket, says it will never touch them. Arena puts also carry the
+  client's checksum, checked by the server before and after storing. Before, cancelled
+  puts stored another key's bytes in nearly every run (figures below).
+- **A failed request does not lose the read leases riding on it.** Releases go back into
+  the queue and leave with the next request, so no payload file stays leased (and
+  unevictable) for the rest of a session.
+- **One page size.** The server lays out values in a client's arena window on this host's
+  page size (`persisting.shm.PAGE`), the one the client rounds with, so ranges never
+  overlap on 16/64 KiB-page hosts (tested as if on a 16 KiB-page host).
 - **A full disk is a `CapacityError`.** Puts fail cleanly, reads go on, and writes work
   again once space returns.
 - **Capacity holds for a directory as a whole**, across processes sharing it, and covers
@@ -276,6 +296,63 @@ def render(results: dict[str, dict]) -> str:
                     f" / {a['drop_while_open']['store_intact']}",
                 ),
             ],
+        )
+    cancelled = results.get("service_cancelled_puts")
+    if cancelled:
+        after = cancelled["after_restart"]
+        lines += _section(
+            "### Cancelled same-host puts (12 concurrent 4 MiB puts cancelled after 30 ms, "
+            "then 12 others)",
+            [
+                ("runs", cancelled["runs"]),
+                ("cancelled puts", cancelled["cancelled_puts"]),
+                (
+                    "cancelled keys holding their own value",
+                    cancelled["cancelled_keys_with_own_value"],
+                ),
+                ("cancelled keys missing (never stored)", cancelled["cancelled_keys_missing"]),
+                ("cancelled keys holding another key's value", cancelled["wrong_values"]),
+                (
+                    "after a restart: own / missing / wrong",
+                    f"{after['own']} / {after['missing']} / {after['wrong']}",
+                ),
+                (
+                    "bytes the server found changed under it",
+                    cancelled["server_refused_changed_bytes"],
+                ),
+                (
+                    "arena bytes still quarantined at the end",
+                    cancelled["client_counters"].get("arena_quarantined_bytes", 0),
+                ),
+                ("seconds", cancelled["seconds"]),
+            ],
+            "Missing after the restart: the 1 GiB disk budget evicted them (a miss, never "
+            "wrong data). Before the arena loans, 3 of 3 runs of the reported case left 5-6 "
+            "cancelled keys holding another key's value; this harness found 34 in 8 runs.",
+        )
+    attack = results.get("service_attack")
+    if attack:
+        answered = attack["answered"]
+        lines += _section(
+            "### An unprivileged local user against a default `persisting serve`",
+            [
+                ("attacker", f"uid {attack['attacker_uid']}, {attack['rounds']} rounds"),
+                ("attempts (doors x rounds)", attack["attempts"]),
+                ("objects the server unpickled (code run)", int(attack["executed"])),
+                ("answers", sum(answered.values())),
+                *((f"answers: {door.replace('_', ' ')}", n) for door, n in answered.items()),
+                ("server still serving afterwards", attack["server_alive_after"]),
+                (
+                    "same-user client connected with no configuration",
+                    attack["legit_client_connected_unconfigured"],
+                ),
+            ],
+            "Doors: the generated passphrase file, Pulsing without the passphrase (resolve "
+            "and ask with a pickle that creates a file), raw bytes to the port (HTTP/1.1, an "
+            "HTTP/2 preface, a bare pickle: the reply is a TLS alert), the local channel, and "
+            "the local channel with its folder opened up (the peer-credential check closes "
+            "the connection unread). Against the server before this, the pickle ran and "
+            "Pulsing answered.",
         )
     lines += ["## Reproduce", "", "```bash"]
     for name, (script, args) in HARNESSES.items():

@@ -122,3 +122,22 @@ def test_published_doc_is_rendered_from_the_harness_json() -> None:
     assert doc == make_report.render(results)
     assert results["kv_crash"]["kills"] >= 30
     assert results["kv_crash"]["lost_acknowledged"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cancelled_same_host_puts_never_store_another_keys_bytes() -> None:
+    # Its own process: it runs a Pulsing client. 8 runs x 12 cancelled puts; the old client
+    # stored another key's bytes under several cancelled keys in nearly every run.
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "harness_cancelled_puts.py"), "--runs", "8"],
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    assert r["cancelled_puts"] == 96
+    assert r["wrong_values"] == 0 and r["wrong_values_after_restart"] == 0, r
+    # the case is exercised: some cancelled puts were stored, some were not
+    assert r["cancelled_keys_with_own_value"] + r["cancelled_keys_missing"] == 96

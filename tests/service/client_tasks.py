@@ -29,8 +29,10 @@ def _settings(args: dict[str, Any]) -> PersistingSettings:
         "discovery_timeout_s": args.get("discovery_timeout_s", 15.0),
         "member_retry_s": 0.5,
         "request_timeout_s": 10.0,
-        "message_chunk_bytes": args.get("chunk_bytes", 256 << 10),
+        "message_part_bytes": args.get("part_bytes", 256 << 10),
     }
+    if "passphrase_file" in args:  # where a generated passphrase would be looked for
+        service["passphrase_file"] = args["passphrase_file"]
     return PersistingSettings(models=[MODEL], service=service)
 
 
@@ -263,8 +265,8 @@ async def sync_roundtrip(args: dict[str, Any]) -> dict[str, Any]:
     return await asyncio.to_thread(work)
 
 
-async def remembered_places(args: dict[str, Any]) -> dict[str, Any]:
-    """Memory hits served from remembered pool places: exact, never stale, reported."""
+async def remembered_locations(args: dict[str, Any]) -> dict[str, Any]:
+    """Memory hits served from remembered pool locations: exact, never stale, reported."""
     reader = await _connect(args)
     other = await _connect(args)  # a second session, as another client would have
     base = args["base"]
@@ -272,7 +274,7 @@ async def remembered_places(args: dict[str, Any]) -> dict[str, Any]:
         keys = [key(base + i) for i in range(4)]
         values = [tensor(base + i, tokens=64, hidden=256) for i in range(4)]
         await reader.batched_put(keys, values)
-        first = [await reader.get(k) for k in keys]  # asked: the places are learned
+        first = [await reader.get(k) for k in keys]  # asked: the locations are learned
         asked_hits = reader.counters["get_hits_remembered"]
         again = [await reader.get(k) for k in keys]  # served without asking
         remembered = reader.counters["get_hits_remembered"] - asked_hits
@@ -293,7 +295,7 @@ async def remembered_places(args: dict[str, Any]) -> dict[str, Any]:
             "remembered": remembered,
             "get_into_exact": into is not None and torch.equal(out, values[1]),
             "after_remove_is_miss": after_remove is None,
-            "stale_places_dropped": reader.counters["pool_retries"],
+            "stale_locations_dropped": reader.counters["pool_retries"],
             "server_saw_remembered_hits": service.get("get_hits_remembered", 0),
         }
     finally:
@@ -301,8 +303,28 @@ async def remembered_places(args: dict[str, Any]) -> dict[str, Any]:
         await reader.close()
 
 
+async def token_lookups(args: dict[str, Any]) -> dict[str, Any]:
+    """Store the first chunks of a token sequence, then look it up by tokens."""
+    client = await _connect(args)
+    try:
+        chunk = client.chunk_size  # the server's
+        hasher = TokenHasher(model=MODEL, chunk_size=chunk)
+        tokens = list(range(args["base"], args["base"] + 5 * chunk + 7))
+        keys = [k for _s, _e, k in hasher.process_tokens(tokens)]
+        stored = args["stored"]
+        await client.batched_put(keys[:stored], [tensor(i, tokens=chunk) for i in range(stored)])
+        return {
+            "chunk_size": chunk,
+            "hit_tokens": await client.lookup_tokens(tokens),
+            "with_hasher": await client.lookup_tokens(tokens, hasher=hasher),
+        }
+    finally:
+        await client.close()
+
+
 TASKS = {
-    "remembered_places": remembered_places,
+    "token_lookups": token_lookups,
+    "remembered_locations": remembered_locations,
     "sync_roundtrip": sync_roundtrip,
     "roundtrip": roundtrip,
     "connect_only": connect_only,

@@ -55,11 +55,13 @@ def server_env(root: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(
+    args: list[str], env: dict[str, str], log: Path, cwd: Path = REPO
+) -> subprocess.Popen[bytes]:
     """A process in its own session (so the whole group can be killed), output to ``log``."""
     handle = open(log, "wb")  # noqa: SIM115 - closed by the OS when the child exits
     return subprocess.Popen(
-        args, env=env, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        args, env=env, cwd=cwd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
     )
 
 
@@ -70,7 +72,7 @@ def start_pulsing_actor(
     args = [
         str(Path(sys.executable).with_name("pulsing")),
         "actor",
-        "actors.kv_cache_storage.KVCacheStorageActor",
+        "persisting.actors.kv_cache_storage.KVCacheStorageActor",
         "-",
         "--name",
         name,
@@ -83,9 +85,9 @@ def start_pulsing_actor(
 
 
 def start_serve(root: Path, port: int, log: Path, **extra: str) -> subprocess.Popen[bytes]:
-    """A server started by ``actors.launch.serve`` (what ``persisting serve`` runs)."""
+    """A server started by ``persisting.actors.launch.serve`` (what ``persisting serve`` runs)."""
     env = server_env(root, PERSISTING_SERVICE__ADDR=f"127.0.0.1:{port}", **extra)
-    return spawn([sys.executable, "-m", "actors.launch"], env, log)
+    return spawn([sys.executable, "-m", "persisting.actors.launch"], env, log)
 
 
 def wait_for_log(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from service_helpers import MODEL, OTHER_MODEL, key
 
-from actors.kv_events import publish_events
+from persisting.actors.kv_events import publish_events
 from persisting.config import PersistingSettings
 from persisting.errors import InvalidValueError
 from persisting.kv import TokenHasher
@@ -74,7 +74,7 @@ def test_published_events_come_back_from_the_queue_in_order(tmp_path: Path) -> N
 
 
 def test_prewarm_helper_publishes_one_checked_event(tmp_path: Path) -> None:
-    from actors.kv_events import prewarm
+    from persisting.actors.kv_events import prewarm
 
     settings = PersistingSettings(
         storage_path=tmp_path / "root", models=[MODEL], kv={"chunk_size": 16}

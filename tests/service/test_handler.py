@@ -24,8 +24,9 @@ from persisting.errors import (
 from persisting.kv import KVStore, Layout, open_kv_store
 from persisting.kv.layout import checksum, decode_value, encode_value
 from persisting.service.handler import StorageHandler
-from persisting.service.protocol import make_request, unwrap_reply
+from persisting.service.protocol import PROTOCOL_VERSION, make_request, unwrap_reply
 from persisting.service.same_host import ClientArena, read_file_into
+from persisting.service.sessions import SessionTable
 
 
 class FakeClock:
@@ -51,7 +52,7 @@ def store(tmp_path: Path) -> Iterator[KVStore]:
 
 @pytest.fixture
 def handler(store: KVStore, clock: FakeClock) -> Iterator[StorageHandler]:
-    h = StorageHandler({MODEL: store}, lease_ttl_s=10.0, chunk_bytes=64 << 10, clock=clock)
+    h = StorageHandler({MODEL: store}, lease_ttl_s=10.0, message_part_bytes=64 << 10, clock=clock)
     yield h
     h.close()
 
@@ -168,7 +169,7 @@ def test_same_host_gets_hand_out_file_locations_under_a_lease(
         put_inline(handler, sid, 5, value)
         entry = call(handler, "get", sid, keys=[str(key(5)), str(key(6))], direct=True)
         assert entry[1] is None
-        path, offset, nbytes, digest = entry[0]["loc"]
+        path, offset, nbytes, digest = entry[0]["file"]
         out = np.empty(nbytes, np.uint8)
         read_file_into(path, offset, memoryview(out))
         assert checksum(out) == digest
@@ -198,9 +199,11 @@ def test_arena_puts_and_memory_only_gets(tmp_path: Path, clock: FakeClock) -> No
                 "key": str(key(7)),
                 "layout": layout.to_dict(),
                 "parent": None,
-                "source": {"shm": region.offset},
+                "checksum": checksum(view),
+                "source": {"arena": region.offset},
             }
-            assert call(handler, "put", sid, items=[item], fmt="KV_2LTD")[0]["tier"] == "memory"
+            put = call(handler, "put", sid, items=[item], fmt="KV_2LTD", ticket=1)
+            assert put[0]["tier"] == "memory"
             arena.region_view(region)[:] = bytes(layout.nbytes)  # the store kept its own copy
             arena.free(region)
             marker = call(handler, "get", sid, keys=[str(key(7))], direct=True)[0]
@@ -214,8 +217,9 @@ def test_arena_puts_and_memory_only_gets(tmp_path: Path, clock: FakeClock) -> No
                 keys=[str(key(7))],
                 direct=True,
                 arena=[region.offset, region.capacity],
+                ticket=2,
             )[0]
-            assert got["shm"] == region.offset
+            assert got["arena"] == region.offset
             copy = np.frombuffer(arena.region_view(region), np.uint8).copy()
             assert torch.equal(decode_value(layout, copy), value)
             with pytest.raises(ProtocolError):  # outside the arena's data area
@@ -224,7 +228,8 @@ def test_arena_puts_and_memory_only_gets(tmp_path: Path, clock: FakeClock) -> No
                     "put",
                     sid,
                     fmt="KV_2LTD",
-                    items=[dict(item, source={"shm": arena.size})],
+                    items=[dict(item, source={"arena": arena.size})],
+                    ticket=3,
                 )
         finally:
             handler.close()
@@ -292,7 +297,8 @@ def test_store_limits_and_protocol_mistakes_come_back_as_their_types(
     with pytest.raises(ProtocolError, match="needs a session"):
         call(handler, "contains", None, keys=[str(key(1))])
     with pytest.raises(ProtocolError, match="missing"):
-        unwrap_reply(asyncio.run(handler.handle({"v": 1, "op": "get", "sid": sid, "model": MODEL})))
+        message = {"v": PROTOCOL_VERSION, "op": "get", "sid": sid, "model": MODEL}
+        unwrap_reply(asyncio.run(handler.handle(message)))
 
 
 def test_index_operations(handler: StorageHandler) -> None:
@@ -312,7 +318,7 @@ def test_index_operations(handler: StorageHandler) -> None:
     assert stats["service"]["op_remove"] == 1
 
 
-def test_same_host_memory_hits_are_places_in_the_shared_pool(
+def test_same_host_memory_hits_are_locations_in_the_shared_pool(
     tmp_path: Path, clock: FakeClock
 ) -> None:
     from persisting.shm import SharedPoolReader
@@ -355,3 +361,140 @@ def test_same_host_memory_hits_are_places_in_the_shared_pool(
         finally:
             arena.close()
             handler.close()
+
+
+def _arena_item(arena: ClientArena, i: int, value: torch.Tensor) -> tuple[dict, Any]:
+    layout, view = encode_value(value, "KV_2LTD")
+    region = arena.allocate(layout.nbytes)
+    assert region is not None
+    arena.region_view(region)[:] = view
+    item = {
+        "key": str(key(i)),
+        "layout": layout.to_dict(),
+        "parent": None,
+        "checksum": checksum(view),
+        "source": {"arena": region.offset},
+    }
+    return item, region
+
+
+def test_arena_puts_need_a_ticket_and_a_withdrawn_ticket_never_reads_the_arena(
+    handler: StorageHandler, store: KVStore
+) -> None:
+    arena = ClientArena(4 << 20)
+    try:
+        sid = hello(handler, arena)
+        item, _region = _arena_item(arena, 20, tensor(20, tokens=16, hidden=64))
+        with pytest.raises(ProtocolError, match="needs a ticket"):
+            call(handler, "put", sid, items=[item], fmt="KV_2LTD")
+        # The client gave up on request 7 before it arrived: when it arrives, it is refused
+        # without touching the arena (the client may already have reused those pages).
+        assert call(handler, "withdraw", sid, tickets=[7, 8]) == [7, 8]
+        with pytest.raises(ProtocolError, match="withdrawn"):
+            call(handler, "put", sid, items=[item], fmt="KV_2LTD", ticket=7)
+        assert not store.contains(key(20))
+        assert call(handler, "put", sid, items=[item], fmt="KV_2LTD", ticket=9)[0]["stored"]
+        assert call(handler, "withdraw", sid, tickets=[9]) == [9]  # done: nothing left to wait for
+    finally:
+        arena.close()
+
+
+def test_a_ticket_still_running_is_not_settled_until_it_ends() -> None:
+    table = SessionTable(ttl_s=10.0)
+    session = table.open({})
+    table.begin_ticket(session, 1)
+    assert table.withdraw(session, [1, 2]) == [2]  # 1 may still touch the arena
+    with pytest.raises(ProtocolError, match="withdrawn"):
+        table.begin_ticket(session, 2)  # arrived after it was withdrawn
+    table.end_ticket(session, 1)
+    assert table.withdraw(session, [1]) == [1]
+    with pytest.raises(ProtocolError):
+        table.withdraw(session, ["x"])
+
+
+def test_arena_bytes_that_differ_from_the_clients_checksum_are_refused(
+    handler: StorageHandler, store: KVStore
+) -> None:
+    arena = ClientArena(4 << 20)
+    try:
+        sid = hello(handler, arena)
+        item, region = _arena_item(arena, 21, tensor(21, tokens=16, hidden=64))
+        other = encode_value(tensor(22, tokens=16, hidden=64), "KV_2LTD")[1]
+        arena.region_view(region)[:] = other  # reused before the server read it
+        with pytest.raises(CorruptValueError, match="checksum"):
+            call(handler, "put", sid, items=[item], fmt="KV_2LTD", ticket=1)
+        assert not store.contains(key(21))
+        with pytest.raises(ProtocolError, match="checksum"):
+            call(handler, "put", sid, items=[dict(item, checksum=None)], fmt="KV_2LTD", ticket=2)
+    finally:
+        arena.close()
+
+
+def test_arena_window_slots_follow_the_hosts_page_size(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on a 16 KiB-page host (ARM servers): values copied into a client's window start
+    # on page boundaries of *this host's* page size, the one the client rounds with too.
+    import persisting.shm.pages as pages
+
+    monkeypatch.setattr(pages, "PAGE", 16384)
+    value = np.arange(2500, dtype=np.float16).reshape(2, 1, 1250, 1)  # 5000 bytes
+    with open_kv_store(
+        tmp_path / "wb", MODEL, memory_bytes=8 << 20, disk_bytes=64 << 20, durability="write_back"
+    ) as store:
+        handler = StorageHandler({MODEL: store}, clock=clock)
+        arena = ClientArena(4 << 20)
+        try:
+            sid = hello(handler, arena)
+            for i in (30, 31):
+                layout, view = encode_value(value, "KV_2LTD")
+                item = {
+                    "key": str(key(i)),
+                    "layout": layout.to_dict(),
+                    "checksum": checksum(view),
+                    "source": {"inline": bytes(view)},
+                }
+                call(handler, "put", sid, items=[item], fmt="KV_2LTD")
+            window = arena.allocate(4 * 16384)
+            assert window is not None
+            entries = call(
+                handler,
+                "get",
+                sid,
+                keys=[str(key(30)), str(key(31))],
+                direct=True,
+                arena=[window.offset, window.capacity],
+                ticket=1,
+            )
+            assert [e["arena"] - window.offset for e in entries] == [0, 16384]
+        finally:
+            handler.close()
+            arena.close()
+
+
+def test_token_lookups_are_hashed_by_the_server_and_count_hit_tokens(
+    handler: StorageHandler, store: KVStore
+) -> None:
+    from persisting.kv import TokenHasher
+
+    sid = hello(handler)
+    hasher = TokenHasher(MODEL, chunk_size=16)
+    tokens = list(range(100))
+    keys = [k for _s, _e, k in hasher.process_tokens(tokens)]  # 6 full chunks
+    for i, chunk_key in enumerate(keys[:3]):
+        value = tensor(i, tokens=16, hidden=32)
+        layout, view = encode_value(value, "KV_2LTD")
+        item = {
+            "key": str(chunk_key),
+            "layout": layout.to_dict(),
+            "checksum": checksum(view),
+            "source": {"inline": bytes(view)},
+        }
+        call(handler, "put", sid, items=[item], fmt="KV_2LTD")
+    before = store.stats().get("lookup_hit_tokens", 0)
+    assert call(handler, "lookup_tokens", sid, tokens=tokens, hasher={"chunk_size": 16}) == 48
+    assert store.stats()["lookup_hit_tokens"] - before == 48
+    with pytest.raises(ProtocolError):
+        call(handler, "lookup_tokens", sid, tokens=[1 << 70], hasher={"chunk_size": 16})
+    with pytest.raises(ProtocolError):
+        call(handler, "lookup_tokens", sid, tokens=tokens, hasher={"model": "x"})

@@ -82,11 +82,11 @@ def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
         counters = result["client_counters"]
         if same_host:  # payloads never rode in messages
             # memory-tier hits were copied out of the server's shared pool by the client
-            assert counters.get("get_bytes_pool", 0) > 0 and counters["put_bytes_shm"] > 0
+            assert counters.get("get_bytes_pool", 0) > 0 and counters["put_bytes_arena"] > 0
             assert "get_bytes_message" not in counters and "put_bytes_message" not in counters
         else:
             assert counters["get_bytes_message"] > 0 and counters["put_bytes_message"] > 0
-            assert "get_bytes_direct" not in counters
+            assert "get_bytes_file" not in counters
 
 
 def test_the_server_exports_prometheus_metrics_of_its_stores(actor_server: str) -> None:
@@ -99,6 +99,26 @@ def test_the_server_exports_prometheus_metrics_of_its_stores(actor_server: str) 
     assert "persisting_kv" in text
 
 
+def _hit_tokens(text: str) -> float:
+    for line in text.splitlines():
+        if line.startswith("persisting_kv_hit_tokens_total{") and f'model="{MODEL}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_token_lookups_through_the_service_count_hit_tokens(actor_server: str) -> None:
+    import urllib.request
+
+    url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        before = _hit_tokens(r.read().decode())
+    result = run_client("token_lookups", {"seeds": [actor_server], "base": 50_000, "stored": 3})
+    assert result["hit_tokens"] == result["with_hasher"] == 3 * result["chunk_size"]
+    with urllib.request.urlopen(url, timeout=10) as r:
+        after = _hit_tokens(r.read().decode())
+    assert after - before == 2 * 3 * result["chunk_size"]  # both lookups, counted by the server
+
+
 def test_the_blocking_client_works_without_an_event_loop(actor_server: str) -> None:
     result = run_client("sync_roundtrip", {"seeds": [actor_server]})
     assert result == {"exact": True, "lookup": 3, "pinned": True, "members": [actor_server]}
@@ -107,7 +127,7 @@ def test_the_blocking_client_works_without_an_event_loop(actor_server: str) -> N
 def test_the_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
     code = (
         "import json, os\n"
-        "from actors.launch import run_demo\n"
+        "from persisting.actors.launch import run_demo\n"
         "from persisting.config import PersistingSettings\n"
         "print('RESULT ' + json.dumps(run_demo(PersistingSettings.load())), flush=True)\n"
         "os._exit(0)\n"
@@ -172,10 +192,9 @@ def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
         wait_for_log(log, "persisting: serving", procs[0])
         seeds = [f"127.0.0.1:{port}"]
         quick = {"seeds": seeds, "discovery_timeout_s": 4.0}
-        assert run_client("connect_only", quick) == {
-            "connected": False,
-            "error": "ServiceUnavailableError",
-        }
+        # No passphrase given and none generated on this host: refused before any network.
+        nowhere = {**quick, "passphrase_file": str(tmp_path / "none")}
+        assert run_client("connect_only", nowhere) == {"connected": False, "error": "ConfigError"}
         assert run_client("connect_only", {**quick, "passphrase": "wrong"}) == {
             "connected": False,
             "error": "ServiceUnavailableError",
@@ -184,6 +203,16 @@ def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
             "connected": True,
             "exact": True,
         }
+
+
+def test_a_server_started_by_pulsings_launcher_speaks_only_tls(actor_server: str) -> None:
+    # Pulsing's launcher passes no passphrase; the actor made it start with the generated
+    # one, which a client of this user reads (every other test here), and nothing else opens.
+    quick = {"seeds": [actor_server], "discovery_timeout_s": 3.0}
+    assert run_client("connect_only", {**quick, "passphrase": "guess"}) == {
+        "connected": False,
+        "error": "ServiceUnavailableError",
+    }
 
 
 def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with_it(
@@ -232,7 +261,7 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
     assert final["recovered"] == n
     assert sorted(final["members"]) == sorted(addrs)
     assert result["wrong"] == 0
-    assert result["remembered_hits"] > 0  # survivors' keys came from remembered places
+    assert result["remembered_hits"] > 0  # survivors' keys came from remembered locations
     for k, member in owners.items():
         expected = member != victim  # survivors' keys hit, the victim's are misses
         assert result["hits"][k] is expected, (k, member)
@@ -248,7 +277,7 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
 def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -> None:
     import asyncio
 
-    from actors.kv_events import publish_events
+    from persisting.actors.kv_events import publish_events
     from persisting.config import PersistingSettings
     from persisting.queue.positions import ConsumerPositions
     from persisting.service.events import evict_event, prewarm_event
@@ -300,13 +329,39 @@ def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -
     assert result["store"]["memory_items"] >= 10  # prewarmed into the (restarted) memory tier
 
 
-def test_memory_hits_come_from_remembered_pool_places_and_are_never_stale(
+def test_memory_hits_come_from_remembered_pool_locations_and_are_never_stale(
     actor_server: str,
 ) -> None:
-    result = run_client("remembered_places", {"seeds": [actor_server], "base": 700})
+    result = run_client("remembered_locations", {"seeds": [actor_server], "base": 700})
     assert result["exact"] and result["get_into_exact"]
     assert result["remembered"] == 4  # the second pass asked the server nothing
-    assert result["after_remove_is_miss"]  # removed elsewhere: the old place is not used
-    assert result["stale_places_dropped"] >= 1
+    assert result["after_remove_is_miss"]  # removed elsewhere: the old location is not used
+    assert result["stale_locations_dropped"] >= 1
     # hits the server never saw as requests still reached its counters (and its LRU)
     assert result["server_saw_remembered_hits"] >= 300
+
+
+def test_a_client_of_another_model_is_refused_at_once_and_leaves_nothing_pending(
+    actor_server: str,
+) -> None:
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    runs = []
+    for _ in range(2):  # the better of two: a loaded machine may stall one process start
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "tests/service/wrong_model_client.py"), actor_server],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=REPO,
+        )
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        runs.append((json.loads(line[7:]), proc))
+    result, proc = min(runs, key=lambda run: run[0].get("seconds", 99))
+    assert result["error"] == "AccessDeniedError", result
+    assert MODEL in result["message"] and "other/model" in result["message"]
+    assert result["seconds"] < 1.0  # not the 10 s discovery timeout
+    for _result, each in runs:
+        assert each.returncode == 0
+        assert "Task was destroyed" not in each.stderr and "Traceback" not in each.stderr
+        assert each.stderr.strip() == "", each.stderr

@@ -1,7 +1,8 @@
 """SyncKVCacheClient: the KV-cache client for code without an event loop.
 
 It runs a :class:`~persisting.service.client.KVCacheClient` on an event loop of its own
-thread and offers the same methods, blocking::
+thread and offers the same methods, blocking (``connect_sync`` is the same as
+``SyncKVCacheClient.connect``)::
 
     client = SyncKVCacheClient.connect(seeds=["127.0.0.1:8610"], model="meta-llama/Llama-3-8B")
     client.put(key, tensor)
@@ -12,12 +13,13 @@ thread and offers the same methods, blocking::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from persisting.kv import Layout, PutResult, TokenHasher
-from persisting.service.client import KVCacheClient
+from persisting.service.client.kv_cache_client import KVCacheClient
 
 T = TypeVar("T")
 
@@ -42,8 +44,7 @@ class SyncKVCacheClient:
                 KVCacheClient.connect(*args, **kwargs), loop
             ).result()
         except BaseException:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=5)
+            _stop(loop, thread)
             raise
         return cls(loop, thread, client)
 
@@ -109,8 +110,7 @@ class SyncKVCacheClient:
         try:
             self._run(self.client.close())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
+            _stop(self._loop, self._thread)
 
     def __enter__(self) -> SyncKVCacheClient:
         return self
@@ -119,4 +119,28 @@ class SyncKVCacheClient:
         self.close()
 
 
-__all__ = ["SyncKVCacheClient"]
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Cancel what still runs on the client's loop, stop it and close it (a loop closed
+    with tasks pending prints "Task was destroyed but it is pending!" at exit)."""
+
+    async def cancel_rest() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    if thread.is_alive():
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(cancel_rest(), loop).result(timeout=5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    if not thread.is_alive():
+        loop.close()
+
+
+def connect_sync(*args: Any, **kwargs: Any) -> SyncKVCacheClient:
+    """:meth:`KVCacheClient.connect` for code without an event loop."""
+    return SyncKVCacheClient.connect(*args, **kwargs)
+
+
+__all__ = ["SyncKVCacheClient", "connect_sync"]

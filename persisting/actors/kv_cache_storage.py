@@ -1,14 +1,17 @@
 """KVCacheStorageActor: a Pulsing actor serving the KV stores of the models it is set up for.
 
-Start it with ``persisting serve`` (see :mod:`actors.launch`) or with Pulsing's launcher::
+Start it with ``persisting serve`` (see :mod:`persisting.actors.launch`) or with Pulsing's
+launcher::
 
     PERSISTING_STORAGE_PATH=./data PERSISTING_MODELS=meta-llama/Llama-3-8B \\
-        pulsing actor actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
+        pulsing actor persisting.actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
         --addr 127.0.0.1:8610
 
 Pulsing 0.1.2's launcher passes no constructor arguments, so an actor built without any
 reads :class:`~persisting.config.PersistingSettings` (``PERSISTING_*`` variables or the TOML
-file named by ``PERSISTING_CONFIG``).
+file named by ``PERSISTING_CONFIG``). Nothing is served without a passphrase: the actor
+refuses a Pulsing system that :mod:`persisting.actors.system` did not start, and under the
+launcher it makes the launcher's system start with the server's passphrase.
 
 Pulsing hands one actor one message at a time, so the actor also spawns ``lanes - 1``
 helper actors over the same stores; a client spreads its requests over all of them, and
@@ -26,11 +29,20 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pulsing
 
+from persisting.actors.logs import configure_logging, log_banner, log_stop, logger
+from persisting.actors.system import (
+    arm_launcher,
+    is_authenticated,
+    passphrase_source,
+    require_authenticated,
+)
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.kv import KVStore
@@ -58,7 +70,19 @@ class KVCacheStorageActor(pulsing.Actor):
         settings: PersistingSettings | None = None,
         models: Sequence[str] | None = None,
     ):
+        launched = settings is None  # by Pulsing's launcher: no arguments
         self.settings = settings if settings is not None else PersistingSettings.load()
+        service = self.settings.service
+        if pulsing.is_initialized():
+            if not is_authenticated(pulsing.get_system()):
+                raise ConfigError(
+                    "refusing to serve in a Pulsing system started without Persisting's "
+                    "passphrase: start it with persisting.actors.system.start_system"
+                )
+        else:  # Pulsing's launcher starts the system after building the actor
+            arm_launcher(service)
+        if launched:
+            configure_logging(service.log_level, service.log_format)
         names = list(models if models is not None else self.settings.models)
         if not names:
             raise ConfigError(
@@ -68,7 +92,6 @@ class KVCacheStorageActor(pulsing.Actor):
             validate_name(name, "model")
         if len(set(names)) != len(names):
             raise ConfigError(f"models listed twice: {names}")
-        service = self.settings.service
         self.stores: dict[str, KVStore] = {}
         try:
             for name in names:
@@ -81,7 +104,7 @@ class KVCacheStorageActor(pulsing.Actor):
         self.handler = StorageHandler(
             self.stores,
             lease_ttl_s=service.lease_ttl_s,
-            chunk_bytes=service.message_chunk_bytes,
+            message_part_bytes=service.message_part_bytes,
             max_inflight=service.max_inflight,
             threads=max(2, service.lanes),
             node={
@@ -99,6 +122,9 @@ class KVCacheStorageActor(pulsing.Actor):
         self._sweeper: asyncio.Task[None] | None = None
         self._channel: LocalChannelServer | None = None
         self._closed = False
+        #: The name clients resolve (the launcher's ``--name`` is not passed to actors).
+        self.name = service.name
+        self._started_at = time.monotonic()
 
     def _serve_metrics(self, port: int) -> None:
         """Prometheus figures of every served store and the event consumer's lag."""
@@ -113,7 +139,20 @@ class KVCacheStorageActor(pulsing.Actor):
     # -- Pulsing lifecycle ---------------------------------------------------------------
 
     def on_start(self, actor_id: Any) -> None:
+        require_authenticated()  # before the first message: refuse rather than serve
         self._actor_id = str(actor_id)
+        system = pulsing.get_system()
+        try:
+            log_banner(
+                name=self.name,
+                addr=str(system.addr),
+                storage_path=str(Path(self.settings.storage_path).absolute()),
+                stores=self.stores,
+                metrics_url=self.metrics_server.url if self.metrics_server is not None else None,
+                passphrase_from=passphrase_source(system),
+            )
+        except Exception:  # a broken banner must not stop the service
+            logger.exception("persisting: could not write the start-up banner")
 
     def on_stop(self) -> None:
         self.close()
@@ -174,6 +213,7 @@ class KVCacheStorageActor(pulsing.Actor):
             self.metrics_server.close()
         self.handler.close()
         self._close_stores()
+        log_stop(self.name, self._started_at, self.handler.counters)
 
     def _close_stores(self) -> None:
         for store in self.stores.values():

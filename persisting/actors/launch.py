@@ -3,14 +3,14 @@
 These are the plain functions behind ``persisting serve`` and ``persisting demo``:
 
 * :func:`serve` joins (or starts) a Pulsing cluster, spawns a
-  :class:`~actors.kv_cache_storage.KVCacheStorageActor` for the configured models, runs
+  :class:`~persisting.actors.kv_cache_storage.KVCacheStorageActor` for the configured models, runs
   the prewarm/evict event consumer beside it, and blocks until SIGINT/SIGTERM.
 * :func:`run_demo` runs a bounded end-to-end session against a served store on the
   embedded default storage root (store, read back, lookup, evict and prewarm through the
   event topic, stats) and returns what it saw.
-* :func:`prewarm` (in :mod:`actors.kv_events`) feeds the event topic.
+* :func:`prewarm` (in :mod:`persisting.actors.kv_events`) feeds the event topic.
 
-``python -m actors.launch`` runs :func:`serve` with settings from the environment.
+``python -m persisting.actors.launch`` runs :func:`serve` with settings from the environment.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ import numpy as np
 import pulsing
 import torch
 
-from actors.kv_cache_storage import KVCacheStorageActor
-from actors.kv_events import EventConsumer, publish_events
+from persisting.actors.kv_cache_storage import KVCacheStorageActor
+from persisting.actors.kv_events import EventConsumer, publish_events
+from persisting.actors.logs import configure_logging
+from persisting.actors.system import start_system
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.kv import TokenHasher
@@ -81,8 +83,14 @@ async def start_service(
     """Spawn the storage actor (and the event consumer) in this process's Pulsing system.
 
     Arguments left out come from ``settings.service`` (addr, seeds, passphrase, name).
+    Pulsing is started with the server's passphrase (:mod:`persisting.actors.system`):
+    the configured one, or one generated for loopback use; a non-loopback address without
+    a configured passphrase is a ConfigError.
     """
     settings = settings if settings is not None else PersistingSettings.load()
+    if passphrase is not None:
+        service = settings.service.model_copy(update={"passphrase": passphrase})
+        settings = settings.model_copy(update={"service": service})
     service = settings.service
     models = list(models if models is not None else settings.models)
     if not models:
@@ -90,16 +98,17 @@ async def start_service(
     name = name or service.name
     owns = False
     if not pulsing.is_initialized():
-        await pulsing.init(
-            addr=addr if addr is not None else service.addr,
-            seeds=list(seeds if seeds is not None else service.seeds) or None,
-            passphrase=passphrase if passphrase is not None else service.passphrase,
+        await start_system(
+            service,
+            addr if addr is not None else service.addr,
+            list(seeds if seeds is not None else service.seeds),
         )
         owns = True
     system = pulsing.get_system()
     actor: KVCacheStorageActor | None = None
     try:
         actor = KVCacheStorageActor(settings, models)
+        actor.name = name
         await system.spawn(actor, name=name, public=True)
     except BaseException:
         if actor is not None:
@@ -131,7 +140,10 @@ def serve(
 
     With ``exit_process`` (the default) the process ends with ``os._exit(0)`` once the
     service has stopped: Pulsing 0.1.2 may crash at interpreter exit after a shutdown.
+    The log (banner, stop line) follows ``settings.service.log_level``/``log_format``.
     """
+    settings = settings if settings is not None else PersistingSettings.load()
+    configure_logging(settings.service.log_level, settings.service.log_format)
 
     async def run() -> None:
         running = await start_service(
@@ -150,12 +162,6 @@ def serve(
                 loop.add_signal_handler(sig, stop.set)
         if on_ready is not None:
             on_ready(running)
-        else:
-            print(
-                f"persisting: serving {', '.join(sorted(running.actor.stores))} as "
-                f"{running.name!r} at {running.addr} (storage {running.settings.storage_path})",
-                flush=True,
-            )
         await stop.wait()
         await running.stop()
 
@@ -241,8 +247,8 @@ async def _demo(settings: PersistingSettings, chunks: int) -> dict[str, Any]:
                 "sessions",
                 "get_hits",
                 "get_misses",
-                "get_bytes_direct",
-                "put_bytes_shm",
+                "get_bytes_file",
+                "put_bytes_arena",
                 "put_bytes_message",
                 "get_bytes_message",
             )
@@ -285,7 +291,7 @@ async def _until(probe: Callable[[], Any], expect: Any, timeout_s: float = 30.0)
 
 
 def main() -> None:
-    """``python -m actors.launch``: serve with settings from the environment / TOML."""
+    """``python -m persisting.actors.launch``: serve with settings from the environment / TOML."""
     serve(PersistingSettings.load())
 
 

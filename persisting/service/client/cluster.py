@@ -1,0 +1,315 @@
+"""The members a client knows: discovery, hello, keepalive, failure marking, placement.
+
+Every storage actor registered under the service's name is a member. The client opens a
+session on each (``hello``), maps its shared pool and opens its local channel when they
+share a host, renews the sessions in the background, and takes a member that fails a
+request out of use until a probe reaches it again. Keys are placed on members by
+rendezvous hashing (:mod:`persisting.service.routing`); :meth:`Cluster.on_owners` runs
+one owner's share of a batch at a time and moves a failed owner's share to the next live
+member in each key's ranking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from persisting.config import ServiceSettings
+from persisting.errors import (
+    AccessDeniedError,
+    PersistingError,
+    ServiceUnavailableError,
+    StorageIOError,
+)
+from persisting.service.client.member import TRANSPORT_ERRORS, Member, MemberFailed
+from persisting.service.client.transport import Transport
+from persisting.service.local_channel import LocalChannel
+from persisting.service.protocol import make_request, unwrap_reply
+from persisting.service.routing import Membership, group_by_owner
+from persisting.service.same_host import ClientArena
+from persisting.shm import SharedPoolReader
+
+logger = logging.getLogger("persisting.service.client")
+
+
+class Cluster:
+    """The members serving one model under one actor name, as one client sees them."""
+
+    def __init__(
+        self,
+        system: Any,
+        name: str,
+        model: str,
+        service: ServiceSettings,
+        counters: Counter[str],
+        arena: ClientArena | None,
+    ):
+        self.system = system
+        self.name = name
+        self.model = model
+        self.counters = counters
+        self.arena = arena
+        self.max_inflight = service.max_inflight
+        #: Largest payload part in one message (the smaller of ours and the servers').
+        self.message_part_bytes = service.message_part_bytes
+        self.membership = Membership(retry_s=service.member_retry_s)
+        self.members: dict[str, Member] = {}
+        self.transport = Transport(
+            model,
+            service.request_timeout_s,
+            counters,
+            rehello=self.hello,
+            answered=lambda member: self.membership.mark_up(member.addr),
+            restore=self.restore,
+        )
+
+    async def call(self, member: Member, op: str, **args: Any) -> Any:
+        return await self.transport.call(member, op, **args)
+
+    # -- discovery -----------------------------------------------------------------------
+
+    async def discover(self, min_members: int = 0, wait_s: float = 0.0) -> None:
+        """Learn the members registered under ``name``; wait for ``min_members`` of them.
+
+        A member that answers but does not serve the model is an AccessDeniedError at
+        once when no member found serves it: waiting would not change its answer.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            found = await self._instances()
+            refused: list[str] = []
+            for addr, node_id in found.items():
+                known = self.members.get(addr)
+                if known is None or known.node_id != node_id:  # new, or restarted
+                    try:
+                        await self._attach(addr, node_id)
+                        self.membership.mark_up(addr)
+                    except AccessDeniedError as exc:
+                        refused.append(str(exc))
+                    except (MemberFailed, PersistingError):
+                        pass
+            live = [a for a in found if a in self.members]
+            self.membership.update(live)
+            if len(live) >= min_members:
+                return
+            if refused and not live:
+                raise AccessDeniedError(refused[0])
+            if loop.time() >= deadline:
+                raise ServiceUnavailableError(
+                    f"found {len(live)} {self.name!r} server(s) serving {self.model!r}; "
+                    f"wanted {min_members} (is the server up, and the passphrase right?)"
+                )
+            await asyncio.sleep(0.2)
+
+    async def _instances(self) -> dict[str, int]:
+        try:
+            instances = await self.system.get_named_instances(self.name)
+        except TRANSPORT_ERRORS:
+            return {}
+        return {
+            str(i["addr"]): int(i["node_id"])
+            for i in instances
+            if str(i.get("status", "Alive")) == "Alive" and i.get("addr")
+        }
+
+    async def _attach(self, addr: str, node_id: int) -> None:
+        try:
+            ref = await self.system.resolve_named(self.name, node_id=node_id)
+        except TRANSPORT_ERRORS as exc:
+            raise MemberFailed(addr, exc) from exc
+        member = Member(
+            addr=addr, node_id=node_id, refs=[ref], semaphore=asyncio.Semaphore(self.max_inflight)
+        )
+        previous = self.members.get(addr)
+        if previous is not None:  # it restarted: what the old process held is gone
+            await self._drop_same_host(previous)
+            member.loans = previous.loans  # freed once the old process is known gone
+        try:
+            await self.hello(member)
+            if self.model not in member.info.get("models", ()):
+                raise AccessDeniedError(
+                    f"{addr} serves {member.info.get('models')}, not {self.model!r}"
+                )
+        except BaseException:
+            await self._drop_same_host(member)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.call(member, "bye"), timeout=0.5)
+            raise
+        lanes = []
+        for lane in member.info.get("lanes", ()):
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                lanes.append(await self.system.resolve_named(lane, node_id=node_id, timeout=2.0))
+        if lanes:
+            member.refs = lanes
+        self.members[addr] = member
+        self.membership.add(addr)
+
+    async def hello(self, member: Member) -> None:
+        """Open a session on ``member`` (and its same-host paths, if it maps our arena)."""
+        client_info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname()}
+        arena = self.arena
+        if arena is not None:
+            client_info["arena"] = {
+                "path": str(arena.path),
+                "size": arena.size,
+                "nonce": arena.nonce,
+            }
+        message = make_request("hello", model=self.model, client=client_info)
+        info = unwrap_reply(await self.transport.ask(member, message))
+        member.info = info
+        member.sid = info["sid"]
+        member.same_host = bool(info.get("shm")) and arena is not None
+        member.semaphore = asyncio.Semaphore(
+            min(self.max_inflight, int(info.get("max_inflight", 16)))
+        )
+        part = info.get("message_part_bytes")
+        if isinstance(part, int) and part > 0:
+            self.message_part_bytes = min(self.message_part_bytes, part)
+        await self._drop_same_host(member)
+        await self.restore(member)
+
+    async def restore(self, member: Member) -> None:
+        """Map the member's shared pool and open its local channel (same host only)."""
+        member.needs_restore = False
+        if not member.same_host:
+            return
+        pool = member.info.get("pool")
+        if member.pool is None and isinstance(pool, dict):
+            try:
+                member.pool = SharedPoolReader(str(pool["path"]), int(pool["size"]))
+            except (StorageIOError, KeyError, TypeError, ValueError):
+                member.pool = None  # e.g. another mount namespace: the arena path still works
+        path = member.info.get("local_channel")
+        if member.channel is None and path:
+            try:
+                member.channel = await LocalChannel.open(str(path))
+            except OSError:
+                member.channel = None  # e.g. another mount namespace: stay on Pulsing
+
+    async def _drop_same_host(self, member: Member) -> None:
+        """Close the member's channel, unmap its pool and forget every location in it."""
+        if member.channel is not None:
+            channel, member.channel = member.channel, None
+            await channel.close()
+        self.forget_pool(member)
+
+    @staticmethod
+    def forget_pool(member: Member) -> None:
+        if member.pool is not None:
+            member.pool.close()
+            member.pool = None
+        member.locations.clear()
+        member.touched.clear()
+
+    # -- liveness -------------------------------------------------------------------------
+
+    def failed(self, exc: MemberFailed) -> None:
+        """Take a member out of use until a probe reaches it again."""
+        self.counters["member_failures"] += 1
+        self.membership.mark_down(exc.member)
+        member = self.members.get(exc.member)
+        if member is not None and member.pool is not None:
+            self.forget_pool(member)
+            member.needs_restore = True  # once it answers again
+        logger.warning(
+            "kv service member %s failed; left out until a probe (every %.1fs) reaches it: %s",
+            exc.member,
+            self.membership.retry_s,
+            exc,
+        )
+
+    def keepalive_period(self) -> float:
+        ttl = min(
+            (float(m.info.get("lease_ttl_s", 30.0)) for m in self.members.values()), default=30.0
+        )
+        return max(0.2, min(ttl / 3.0, self.membership.retry_s))
+
+    async def keepalive_round(self) -> None:
+        """Pick up new or restarted members, probe failed ones, renew every session."""
+        with contextlib.suppress(Exception):
+            await self.discover()
+        for addr in self.membership.probes_due():  # a success brings a member back
+            with contextlib.suppress(MemberFailed, PersistingError):
+                await self.call(self.members[addr], "renew")
+        for member in list(self.members.values()):
+            if not self.membership.is_live(member.addr):
+                continue
+            try:
+                await self.call(member, "renew")
+            except MemberFailed as exc:
+                self.failed(exc)
+            except PersistingError:
+                pass
+
+    async def close(self) -> None:
+        """End every session (best effort) and release the same-host resources."""
+        for member in list(self.members.values()):
+            if member.sid is None or not self.membership.is_live(member.addr):
+                continue
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.call(member, "bye"), timeout=2.0)
+        for member in self.members.values():
+            await self._drop_same_host(member)
+
+    # -- placement ------------------------------------------------------------------------
+
+    def live(self) -> list[str]:
+        return [m for m in self.membership.live if m in self.members]
+
+    async def on_owners(
+        self,
+        keys: list[str],
+        fn: Callable[[Member, list[int]], Awaitable[None]],
+        on_lost: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """Run ``fn(member, indices)`` for each owner's share of ``keys``, concurrently.
+
+        A member that fails is marked down and its share placed again over the members
+        still live (where a key lives while its owner is away). Keys no live member could
+        take go to ``on_lost`` (reads: misses), or raise ServiceUnavailableError.
+        """
+        live = self.live()
+        pending = list(range(len(keys)))
+        if len(live) == 1 and keys:  # the common single-server case: no fan-out machinery
+            pending = await self._run_share(self.members[live[0]], pending, fn)
+            if not pending:
+                return
+        for _ in range(len(self.members) + 1):
+            live = self.live()
+            if not pending or not live:
+                break
+            groups = group_by_owner([keys[i] for i in pending], live)
+            jobs = [(member, [pending[j] for j in idx]) for member, idx in groups.items()]
+            outcomes = await asyncio.gather(
+                *(self._run_share(self.members[m], share, fn) for m, share in jobs)
+            )
+            pending = [i for failed in outcomes for i in failed]
+        if pending:
+            if on_lost is None:
+                raise ServiceUnavailableError(
+                    f"no live {self.name!r} server took {len(pending)} key(s)"
+                )
+            on_lost(pending)
+
+    async def _run_share(
+        self,
+        member: Member,
+        share: list[int],
+        fn: Callable[[Member, list[int]], Awaitable[None]],
+    ) -> list[int]:
+        try:
+            await fn(member, share)
+        except MemberFailed as exc:
+            self.failed(exc)
+            return share
+        return []
+
+
+__all__ = ["Cluster"]

@@ -1,0 +1,432 @@
+"""KVCacheClient: the KV store's API, served by one or more KVCacheStorageActor nodes.
+
+::
+
+    client = await KVCacheClient.connect(seeds=["127.0.0.1:8610"], name="kvstore",
+                                         model="meta-llama/Llama-3-8B")
+    await client.put(key, tensor)
+    tensor = await client.get(key)           # None on a miss
+    hit_chunks = await client.lookup_prefix(keys)
+
+The method names and results are those of the local :class:`persisting.kv.KVStore`;
+:class:`~persisting.service.client.sync.SyncKVCacheClient` offers them without ``await``.
+This class is the facade; the work is done by the cluster (members, discovery,
+placement), the transport, the reader and the writer of this package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pulsing
+
+from persisting.config import PersistingSettings
+from persisting.errors import ConfigError, InvalidKeyError, InvalidValueError
+from persisting.kv import Layout, PutResult, TokenHasher
+from persisting.kv.keys import ChunkKey, key_string
+from persisting.service.client.cluster import Cluster
+from persisting.service.client.member import Member, MemberFailed
+from persisting.service.client.reads import Reader
+from persisting.service.client.regions import ArenaLoans
+from persisting.service.client.writes import Writer
+from persisting.service.passphrase import client_passphrase
+from persisting.service.routing import rank_members
+from persisting.service.same_host import ClientArena
+from persisting.shm import shm_available
+
+
+class KVCacheClient:
+    """Asynchronous client of the KV-cache service (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model: str,
+        settings: PersistingSettings,
+        system: Any,
+        same_host: bool = True,
+        owns_system: bool = False,
+    ):
+        self.name = name
+        self.model = model
+        self.settings = settings
+        self.counters: Counter[str] = Counter()
+        self._owns_system = owns_system
+        self._arena = _open_arena(settings.service.shm_arena_bytes) if same_host else None
+        self.cluster = Cluster(system, name, model, settings.service, self.counters, self._arena)
+        call = self.cluster.call
+        self._loans = ArenaLoans(self._arena, self.counters, call) if self._arena else None
+        self._reader = Reader(
+            self.cluster,
+            self._arena,
+            self._loans,
+            self.counters,
+            self._key,
+            result_buffer_bytes=settings.kv.result_buffer_bytes,
+        )
+        self._copier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-copy")
+        self._writer = Writer(
+            self.cluster, self._arena, self._loans, self.counters, self._copier, self._key
+        )
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closed = False
+
+    # -- connecting ---------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        seeds: Sequence[str] | None = None,
+        name: str | None = None,
+        model: str | None = None,
+        *,
+        passphrase: str | None = None,
+        settings: PersistingSettings | None = None,
+        same_host: bool = True,
+        min_members: int = 1,
+    ) -> KVCacheClient:
+        """Join the cluster (unless Pulsing is already initialised) and find the servers.
+
+        The passphrase is ``passphrase``, else ``settings.service.passphrase``, else the
+        one a server on this host generated (:mod:`persisting.service.passphrase`).
+        ``same_host=False`` forces the message path even on the server's host. A server
+        that answers but serves another model is an AccessDeniedError at once.
+        """
+        settings = settings or PersistingSettings()
+        service = settings.service
+        name = name or service.name
+        if model is None:
+            if not settings.models:
+                raise ConfigError("connect needs model= (or settings.models)")
+            model = settings.models[0]
+        owns = False
+        if not pulsing.is_initialized():
+            seed_list = list(seeds) if seeds is not None else list(service.seeds)
+            secret = client_passphrase(passphrase, service)
+            await pulsing.init(addr=None, seeds=seed_list or None, passphrase=secret)
+            owns = True
+        client = cls(
+            name=name,
+            model=model,
+            settings=settings,
+            system=pulsing.get_system(),
+            same_host=same_host,
+            owns_system=owns,
+        )
+        try:
+            wait_s = service.discovery_timeout_s
+            await client.cluster.discover(min_members=min_members, wait_s=wait_s)
+        except BaseException:
+            await client.close()
+            raise
+        client._tasks.append(asyncio.create_task(client._keepalive()))
+        return client
+
+    async def _keepalive(self) -> None:
+        """Renew every session well inside its TTL, probe members that failed, pick up new
+        or restarted members, and settle arena loans of requests that ended early."""
+        while not self._closed:
+            await asyncio.sleep(self.cluster.keepalive_period())
+            await self.cluster.keepalive_round()
+            if self._loans is None:
+                continue
+            for member in list(self.cluster.members.values()):
+                if member.loans and self.cluster.membership.is_live(member.addr):
+                    await self._loans.settle(member)
+
+    async def close(self) -> None:
+        """Say goodbye to every member (their sessions end now) and stop background work."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._loans is not None:
+            await self._loans.close()
+        await self.cluster.close()
+        self._reader.close()
+        self._copier.shutdown(wait=True)
+        if self._arena is not None:
+            self._arena.close()
+        # Drop what holds Pulsing objects while the interpreter is whole: Pulsing 0.1.2's
+        # threads releasing them during interpreter finalization can crash the process.
+        for member in self.cluster.members.values():
+            member.refs.clear()
+        self.cluster.members.clear()
+        self.cluster.system = None
+        if self._owns_system:
+            with contextlib.suppress(Exception):
+                await pulsing.shutdown()
+            gc.collect()
+
+    async def __aenter__(self) -> KVCacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _key(self, key: object) -> str:
+        """The key's string form, checked to be a key of this client's model."""
+        text = key_string(key)  # validates strings; ChunkKeys are valid by construction
+        model = key.model if isinstance(key, ChunkKey) else text.split("@", 1)[0]
+        if model != self.model:
+            raise InvalidKeyError(f"key of model {model!r} used with a client of {self.model!r}")
+        return text
+
+    # -- values -------------------------------------------------------------------------
+
+    async def put(
+        self, key: Any, value: Any, fmt: str = "KV_2LTD", parent: Any = None
+    ) -> PutResult:
+        """Store one value on its owner; see :meth:`batched_put`."""
+        parents = None if parent is None else [parent]
+        return (await self._writer.batched_put([key], [value], fmt=fmt, parents=parents))[0]
+
+    async def batched_put(
+        self,
+        keys: Sequence[Any],
+        values: Sequence[Any],
+        fmt: str = "KV_2LTD",
+        parents: Sequence[Any] | None = None,
+    ) -> list[PutResult]:
+        """Store values on their owners (one commit per owner and batch)."""
+        return await self._writer.batched_put(keys, values, fmt=fmt, parents=parents)
+
+    async def get(self, key: Any, expect: Layout | None = None) -> Any:
+        """The value stored under ``key`` (the kind it was put as), or None on a miss."""
+        return (await self._reader.batched_get([key], expect=expect))[0]
+
+    async def batched_get(self, keys: Sequence[Any], expect: Layout | None = None) -> list[Any]:
+        """Values of ``keys`` (None for misses, including keys of members that are down)."""
+        return await self._reader.batched_get(keys, expect=expect)
+
+    async def get_into(self, key: Any, out: Any, expect: Layout | None = None) -> Layout | None:
+        """Copy the payload of ``key`` into ``out`` (a writable buffer of exactly its size)."""
+        return await self._reader.get_into(key, out, expect=expect)
+
+    # -- index operations ---------------------------------------------------------------
+
+    async def contains(self, key: Any) -> bool:
+        return (await self._presence([self._key(key)]))[0]
+
+    async def _presence(self, keys: list[str]) -> list[bool]:
+        found = [False] * len(keys)
+
+        async def ask(member: Member, share: list[int]) -> None:
+            for start in range(0, len(share), 1024):
+                part = share[start : start + 1024]
+                flags = await self.cluster.call(member, "contains", keys=[keys[i] for i in part])
+                for i, flag in zip(part, flags, strict=True):
+                    found[i] = found[i] or bool(flag)
+
+        await self.cluster.on_owners(keys, ask, on_lost=self._reader.count_lost)
+        return found
+
+    async def layout(self, key: Any) -> Layout | None:
+        text = self._key(key)
+        box: list[Layout | None] = [None]
+
+        async def ask(member: Member, _share: list[int]) -> None:
+            got = (await self.cluster.call(member, "layout", keys=[text]))[0]
+            box[0] = None if got is None else Layout.from_dict(got)
+
+        await self.cluster.on_owners([text], ask, on_lost=self._reader.count_lost)
+        return box[0]
+
+    async def lookup_prefix(self, keys: Sequence[Any]) -> int:
+        """Leading chunks present; with one key list per rank, a chunk counts only when
+        every rank's piece is present. Keys on members that are down count as misses."""
+        if keys and isinstance(keys[0], list | tuple):
+            ranks = [[self._key(k) for k in rank] for rank in keys]
+            n = min(len(r) for r in ranks) if ranks else 0
+            flat = [rank[i] for i in range(n) for rank in ranks]
+            present = await self._presence(flat)
+            width = len(ranks)
+            for chunk in range(n):
+                if not all(present[chunk * width : (chunk + 1) * width]):
+                    return chunk
+            return n
+        texts = [self._key(k) for k in keys]
+        single = self._single_member()
+        if single is not None and texts:
+            try:
+                return int(await self.cluster.call(single, "lookup_prefix", keys=texts))
+            except MemberFailed as exc:
+                self.cluster.failed(exc)
+                return 0
+        present = await self._presence(texts)
+        for i, flag in enumerate(present):
+            if not flag:
+                return i
+        return len(texts)
+
+    def _single_member(self) -> Member | None:
+        live = self.cluster.live()
+        return self.cluster.members[live[0]] if len(live) == 1 else None
+
+    @property
+    def chunk_size(self) -> int:
+        """The token chunk size the servers hash this model with (from their hello)."""
+        for member in self.cluster.members.values():
+            size = (member.info.get("chunk_sizes") or {}).get(self.model)
+            if isinstance(size, int) and size > 0:
+                return size
+        return self.settings.kv.chunk_size
+
+    async def lookup_tokens(self, tokens: Any, hasher: TokenHasher | None = None) -> int:
+        """Leading tokens whose chunks are all stored (hashed with the servers' chunk size
+        unless a ``hasher`` is given).
+
+        With one server, the server hashes and looks up (one request), so its store counts
+        the hit tokens (``persisting_kv_hit_tokens_total``) as for an in-process lookup.
+        """
+        hasher = hasher or TokenHasher(model=self.model, chunk_size=self.chunk_size)
+        single = self._single_member()
+        wire = _hasher_settings(hasher, self.model)
+        if single is not None and wire is not None:
+            ids = _token_ids(tokens)
+            try:
+                return int(
+                    await self.cluster.call(single, "lookup_tokens", tokens=ids, hasher=wire)
+                )
+            except MemberFailed as exc:
+                self.cluster.failed(exc)
+                return 0
+        chunks = hasher.process_tokens(tokens)
+        hits = await self.lookup_prefix([key for _s, _e, key in chunks])
+        return chunks[hits - 1][1] if hits else 0
+
+    async def remove(self, key: Any, force: bool = True) -> bool:
+        return (await self.batched_remove([key], force=force)) > 0
+
+    async def batched_remove(self, keys: Sequence[Any], force: bool = True) -> int:
+        """Remove ``keys`` from every live member (a key may linger on a member that held it
+        before a failover); returns how many keys were removed somewhere."""
+        texts = [self._key(k) for k in keys]
+        removed = [False] * len(texts)
+
+        async def on(member: Member) -> None:
+            for text in texts:
+                member.locations.pop(text, None)
+            try:
+                flags = await self.cluster.call(member, "remove", keys=texts, force=force)
+            except MemberFailed as exc:
+                self.cluster.failed(exc)
+                return
+            for i, flag in enumerate(flags):
+                removed[i] = removed[i] or bool(flag)
+
+        await asyncio.gather(*(on(self.cluster.members[m]) for m in self.cluster.live()))
+        return sum(removed)
+
+    async def pin(self, key: Any) -> bool:
+        """Pin ``key`` on its owner for as long as this client lives (renewed by TTL)."""
+        return await self._on_owner_flag("pin", key)
+
+    async def unpin(self, key: Any) -> bool:
+        return await self._on_owner_flag("unpin", key)
+
+    async def _on_owner_flag(self, op: str, key: Any) -> bool:
+        text = self._key(key)
+        box = [False]
+
+        async def ask(member: Member, _share: list[int]) -> None:
+            box[0] = bool((await self.cluster.call(member, op, keys=[text]))[0])
+
+        await self.cluster.on_owners([text], ask, on_lost=self._reader.count_lost)
+        return box[0]
+
+    async def prefetch(self, keys: Sequence[Any]) -> int:
+        """Load disk hits into the owners' memory tiers; returns how many are in memory."""
+        texts = [self._key(k) for k in keys]
+        total = [0]
+
+        async def ask(member: Member, share: list[int]) -> None:
+            for start in range(0, len(share), 1024):
+                part = [texts[i] for i in share[start : start + 1024]]
+                total[0] += int(await self.cluster.call(member, "prefetch", keys=part))
+
+        await self.cluster.on_owners(texts, ask, on_lost=self._reader.count_lost)
+        return total[0]
+
+    async def stats(self) -> dict[str, Any]:
+        """Each live member's store and service counters, plus this client's."""
+        members: dict[str, Any] = {}
+
+        async def on(addr: str) -> None:
+            try:
+                members[addr] = await self.cluster.call(self.cluster.members[addr], "stats")
+            except MemberFailed as exc:
+                self.cluster.failed(exc)
+
+        await asyncio.gather(*(on(m) for m in self.cluster.live()))
+        return {
+            "model": self.model,
+            "members": members,
+            "live_members": self.cluster.live(),
+            "known_members": self.cluster.membership.known,
+            "client": dict(self.counters),
+        }
+
+    def member_of(self, key: Any) -> str | None:
+        """The live member that owns ``key`` now (None if none is live)."""
+        ranking = rank_members(self._key(key), self.cluster.live())
+        return ranking[0] if ranking else None
+
+    @property
+    def members(self) -> list[str]:
+        return self.cluster.live()
+
+    def same_host(self, member: str) -> bool:
+        """True if this client reads ``member``'s payloads directly (same-host path)."""
+        m = self.cluster.members.get(member)
+        return bool(m and m.same_host)
+
+
+def _open_arena(size: int) -> ClientArena | None:
+    if size <= 0 or not shm_available():
+        return None
+    try:
+        return ClientArena(size)
+    except OSError:
+        return None
+
+
+def _token_ids(tokens: Any) -> list[int]:
+    try:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidValueError(f"tokens must be 64-bit integers: {exc}") from exc
+    return [int(t) for t in ids.tolist()]
+
+
+def _hasher_settings(hasher: TokenHasher, model: str) -> dict[str, Any] | None:
+    """``hasher``'s settings for a server to rebuild it, or None when it cannot be rebuilt
+    from them (another model, or tags): then the client hashes itself."""
+    if type(hasher) is not TokenHasher or hasher.model != model:
+        return None
+    settings: dict[str, Any] = {
+        "chunk_size": hasher.chunk_size,
+        "world_size": hasher.world_size,
+        "worker_id": hasher.worker_id,
+        "dtype": hasher.dtype,
+        "save_unfull_chunk": hasher.save_unfull_chunk,
+    }
+    probe = [0] * hasher.chunk_size  # tags are not among the settings: compare one key
+    if TokenHasher(model, **settings).process_tokens(probe) != hasher.process_tokens(probe):
+        return None
+    return settings
+
+
+__all__ = ["KVCacheClient", "PutResult"]

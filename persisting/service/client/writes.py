@@ -1,0 +1,180 @@
+"""A client's writes: ``put`` and ``batched_put`` over the members.
+
+On the same host a value is copied into the client's arena and the server stores it from
+there, checking it against the checksum the client computed; the arena regions are lent
+for the request (:class:`~persisting.service.client.regions.ArenaLoans`), so a cancelled
+or timed-out put can never have its bytes overwritten before the server read them. Other
+clients send values in messages: inline up to one message part, else uploaded in parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+from typing import Any
+
+from persisting.errors import PersistingError
+from persisting.kv import Layout, PutResult
+from persisting.kv.keys import key_string
+from persisting.kv.layout import checksum, encode_value
+from persisting.service.client.cluster import Cluster
+from persisting.service.client.member import Member
+from persisting.service.client.regions import ArenaLoans
+from persisting.service.client.sources import copy_into
+from persisting.service.same_host import ClientArena, Region
+
+#: One item of a put: key, layout, payload bytes, parent key.
+Item = tuple[str, Layout, memoryview, "str | None"]
+
+
+class Writer:
+    """Writes values for a :class:`~persisting.service.client.KVCacheClient`."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        arena: ClientArena | None,
+        loans: ArenaLoans | None,
+        counters: Counter[str],
+        copier: Executor,
+        key_of: Any,
+    ):
+        self.cluster = cluster
+        self.arena = arena
+        self.loans = loans
+        self.counters = counters
+        self._copier = copier
+        self._key = key_of
+
+    async def batched_put(
+        self,
+        keys: Sequence[Any],
+        values: Sequence[Any],
+        fmt: str = "KV_2LTD",
+        parents: Sequence[Any] | None = None,
+    ) -> list[PutResult]:
+        """Store values on their owners (one commit per owner and batch).
+
+        A value goes to the next member in its key's ranking when its owner is down;
+        ServiceUnavailableError only when no member at all takes it.
+        """
+        if len(keys) != len(values) or (parents is not None and len(parents) != len(keys)):
+            raise PersistingError("keys, values and parents must have the same length")
+        texts = [self._key(k) for k in keys]
+        parent_texts = [
+            None if p is None else key_string(p) for p in (parents or [None] * len(keys))
+        ]
+        encoded = [encode_value(v, fmt) for v in values]  # validates before any network
+        results: list[PutResult | None] = [None] * len(texts)
+
+        async def put_share(member: Member, share: list[int]) -> None:
+            sizes = [encoded[i][0].nbytes for i in share]
+            for part in _batches(share, sizes, self._batch_bytes()):
+                items = [(texts[i], encoded[i][0], encoded[i][1], parent_texts[i]) for i in part]
+                stored = await self._put_items(member, items, fmt)
+                for i, result in zip(part, stored, strict=True):
+                    results[i] = result
+
+        await self.cluster.on_owners(texts, put_share)
+        return [r for r in results if r is not None]
+
+    def _batch_bytes(self) -> int:
+        arena = self.arena
+        return max(self.cluster.message_part_bytes, (arena.size // 4) if arena is not None else 0)
+
+    async def _put_items(self, member: Member, items: list[Item], fmt: str) -> list[PutResult]:
+        regions: list[Region] = []
+        wire: list[dict[str, Any]] = []
+        copy: Future[None] | None = None
+        try:
+            for key, layout, data, parent in items:
+                item: dict[str, Any] = {"key": key, "layout": layout.to_dict(), "parent": parent}
+                region = self._region(member, layout.nbytes)
+                if region is not None:
+                    regions.append(region)
+                    copy = self._copy(self.arena.region_view(region), data)  # type: ignore[union-attr]
+                    if copy is not None:
+                        await asyncio.wrap_future(copy)
+                    item["checksum"] = checksum(data)
+                    item["source"] = {"arena": region.offset}
+                    self.counters["put_bytes_arena"] += layout.nbytes
+                else:
+                    item["checksum"] = checksum(data)
+                    item["source"] = await self._upload(member, data)
+                    self.counters["put_bytes_message"] += layout.nbytes
+                wire.append(item)
+        except BaseException:  # not sent: only our own copy may still write into them
+            if copy is not None and not copy.done():
+                copy.add_done_callback(lambda _done: self._free(regions))
+            else:
+                self._free(regions)
+            raise
+        if not regions:
+            reply = await self.cluster.call(member, "put", items=wire, fmt=fmt)
+            return [PutResult(**r) for r in reply]
+        assert self.loans is not None
+        try:
+            reply = await self.loans.lend(member, regions, "put", items=wire, fmt=fmt)
+        except PersistingError:
+            self._free(regions)  # answered: the server is done with them
+            raise
+        self._free(regions)
+        return [PutResult(**r) for r in reply]
+
+    def _region(self, member: Member, nbytes: int) -> Region | None:
+        if not member.same_host or self.arena is None or self.loans is None:
+            return None
+        return self.arena.allocate(nbytes)
+
+    def _free(self, regions: list[Region]) -> None:
+        for region in regions:
+            self.arena.free(region)  # type: ignore[union-attr]
+
+    def _copy(self, dst: memoryview, src: memoryview) -> Future[None] | None:
+        """Copy ``src`` into ``dst``: large values on a thread (several copies of a batch
+        then run at once), returning its future; small ones here (None)."""
+        if len(src) >= (1 << 20):
+            return self._copier.submit(copy_into, dst, src)
+        copy_into(dst, src)
+        return None
+
+    async def _upload(self, member: Member, data: memoryview) -> dict[str, Any]:
+        part = self.cluster.message_part_bytes
+        if len(data) <= part:
+            return {"inline": bytes(data)}
+        call = self.cluster.call
+        upload = await call(member, "upload_begin", nbytes=len(data))
+        await asyncio.gather(
+            *(
+                call(
+                    member,
+                    "upload_part",
+                    upload=upload,
+                    offset=offset,
+                    data=bytes(data[offset : offset + part]),
+                )
+                for offset in range(0, len(data), part)
+            )
+        )
+        return {"upload": upload}
+
+
+def _batches(indices: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """Split ``indices`` into runs whose ``sizes`` add up to at most ``limit`` (>= 1 each)."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, size in zip(indices, sizes, strict=True):
+        if current and used + size > limit:
+            out.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += size
+    if current:
+        out.append(current)
+    return out
+
+
+__all__ = ["Writer"]
