@@ -26,7 +26,7 @@ from typing import NoReturn
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
 from persisting.kv import recency
 from persisting.kv.index import DiskEntry, LruIndex
-from persisting.kv.layout import Layout, checksum
+from persisting.kv.layout import Layout
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
     BLOCK,
@@ -70,12 +70,13 @@ EvictionListener = Callable[[list[tuple[str, int]]], None]
 class WriteItem:
     """One value to write. ``cancelled`` (set by a remove) makes the write lose: an item
     cancelled before its batch starts is skipped, one cancelled while being written is
-    unlinked instead of published."""
+    unlinked instead of published. ``checksum`` None: hash ``data`` while writing it (the
+    tier fills it in)."""
 
     key: str
     layout: Layout
     data: memoryview
-    checksum: int
+    checksum: int | None
     parent: str | None
     cancelled: bool = False
 
@@ -348,8 +349,12 @@ class DiskTier:
         done: list[Path] = []
         try:
             for it, p in zip(todo, pending, strict=True):
-                header = FileHeader(it.key, it.layout, it.checksum, it.parent)
-                done.append(self.files.finish(p, header, it.data, durable=durable))
+                # An item without a checksum gets it hashed as it is written.
+                header = FileHeader(it.key, it.layout, it.checksum or 0, it.parent)
+                hashed = it.checksum is None
+                written = self.files.finish(p, header, it.data, durable=durable, hashed=hashed)
+                it.checksum = written.checksum
+                done.append(p.final)
             if durable:
                 self.files.sync_dirs(done)
         except BaseException:
@@ -368,6 +373,7 @@ class DiskTier:
                 if it.cancelled:  # removed while being written: the remove wins
                     cancelled.append((path, size))
                     continue
+                assert it.checksum is not None  # set when its file was written
                 self.index.add(it.key, DiskEntry(it.layout, it.checksum, it.parent, tag))
                 rows.append(MetaRow(it.key, tag, it.layout, it.checksum, it.parent, path))
         released = sum(size for path, size in cancelled if self.files.unlink(path))
@@ -464,8 +470,7 @@ class DiskTier:
             entry.readers += 1
         path = self.files.path(key, entry.tag)
         try:
-            self.files.read_into(path, out)
-            ok = checksum(out) == entry.checksum
+            ok = self.files.read_into(path, out) == entry.checksum
         except FileNotFoundError:
             self._forget(key, entry)
             return None

@@ -17,6 +17,7 @@ namespaces, and two stores of one process share a pid).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -62,8 +63,18 @@ def file_size(nbytes: int) -> int:
     return HEADER_BYTES + round_to_block(nbytes)
 
 
-def read_file_range(path: str | os.PathLike[str], offset: int, out: memoryview) -> None:
-    """Fill ``out`` with exactly ``len(out)`` bytes of ``path`` from ``offset``.
+#: Bytes read per step by :func:`read_file_range` when it also hashes: a piece is hashed
+#: right after it lands, while it is still in the core's L2 cache (xxh3 runs there ~3x as
+#: fast as over a whole chunk that has fallen out to L3 or memory).
+HASH_PIECE = 256 << 10
+
+
+def read_file_range(
+    path: str | os.PathLike[str], offset: int, out: memoryview, *, hashed: bool = False
+) -> int | None:
+    """Fill ``out`` with exactly ``len(out)`` bytes of ``path`` from ``offset``; with
+    ``hashed``, return the xxh3-64 of those bytes, computed piece by piece as they arrive
+    (the same value :func:`persisting.kv.layout.checksum` gives over ``out``).
 
     One open and positioned reads straight into the destination: no intermediate buffer.
     FileNotFoundError propagates (the file was removed, e.g. evicted: a miss to the caller);
@@ -75,19 +86,24 @@ def read_file_range(path: str | os.PathLike[str], offset: int, out: memoryview) 
         raise
     except OSError as exc:
         raise StorageIOError(f"cannot open {path}: {exc}") from exc
+    digest = xxhash.xxh3_64() if hashed else None
     try:
         done, size = 0, len(out)
         while done < size:
-            n = os.preadv(fd, [out[done:]], offset + done)
+            piece = out[done : done + HASH_PIECE] if digest is not None else out[done:]
+            n = os.preadv(fd, [piece], offset + done)
             if n == 0:
                 raise CorruptValueError(
                     f"{path} is shorter than expected ({offset + done} < {offset + size})"
                 )
+            if digest is not None:
+                digest.update(piece[:n])
             done += n
     except OSError as exc:
         raise StorageIOError(f"reading {path} failed: {exc}") from exc
     finally:
         os.close(fd)
+    return digest.intdigest() if digest is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,15 +192,31 @@ class PayloadFiles:
         return PendingFile(fd, tmp, self.path(key, tag))
 
     def finish(
-        self, pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
-    ) -> Path:
-        """Write header and payload, fsync if ``durable``, and rename the file into place.
+        self,
+        pending: PendingFile,
+        header: FileHeader,
+        payload: memoryview,
+        *,
+        durable: bool,
+        hashed: bool = False,
+    ) -> FileHeader:
+        """Write header and payload, fsync if ``durable``, and rename the file into place;
+        returns the header written.
 
-        The caller fsyncs the destination directories (:meth:`sync_dirs`) once per batch to
-        make the renames durable. The tmp file stays locked until it has its final name.
+        With ``hashed``, the header's checksum is not known yet: the payload is written
+        first, piece by piece, each piece hashed right after it is written (while it is
+        still in cache: one pass over the caller's memory instead of two), then the header
+        with that checksum. The caller fsyncs the destination directories
+        (:meth:`sync_dirs`) once per batch to make the renames durable. The tmp file stays
+        locked until it has its final name, so a half-written file is never published.
         """
         try:
-            _write_all(pending.fd, [header.encode(), payload])
+            if hashed:
+                digest = _write_hashed(pending.fd, payload, HEADER_BYTES)
+                header = dataclasses.replace(header, checksum=digest)
+                _write_all(pending.fd, [header.encode()], offset=0)
+            else:
+                _write_all(pending.fd, [header.encode(), payload])
             if durable:
                 fsync_fd(pending.fd)
         except OSError as exc:
@@ -198,7 +230,7 @@ class PayloadFiles:
             raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
-        return pending.final
+        return header
 
     def _make_subdir(self, path: Path) -> None:
         """Create a ``payload/<hh>`` directory on first use (OSError keeps its errno, so a
@@ -225,12 +257,15 @@ class PayloadFiles:
             fsync_dir(directory)
 
     @staticmethod
-    def read_into(path: Path, out: memoryview) -> None:
-        """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes).
+    def read_into(path: Path, out: memoryview) -> int:
+        """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes) and return
+        its checksum (:func:`persisting.kv.layout.checksum`), computed as it is read.
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
         """
-        read_file_range(path, HEADER_BYTES, out)
+        digest = read_file_range(path, HEADER_BYTES, out, hashed=True)
+        assert digest is not None
+        return digest
 
     @staticmethod
     def read_header(path: Path) -> FileHeader:
@@ -326,10 +361,27 @@ def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:
     return StorageIOError(f"{what}: {exc}")
 
 
-def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+def _write_hashed(fd: int, payload: memoryview, offset: int) -> int:
+    """Write ``payload`` at ``offset`` in :data:`HASH_PIECE` pieces, hashing each piece
+    right after it is written; returns the xxh3-64 of the whole payload."""
+    view = memoryview(payload).cast("B")
+    digest = xxhash.xxh3_64()
+    for start in range(0, len(view), HASH_PIECE):
+        piece = view[start : start + HASH_PIECE]
+        _write_all(fd, [piece], offset=offset + start)
+        digest.update(piece)
+    return digest.intdigest()
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int | None = None) -> None:
+    """Write every byte of ``buffers`` at the file position, or at ``offset`` if given."""
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
-        written = os.writev(fd, views)
+        if offset is None:
+            written = os.writev(fd, views)
+        else:
+            written = os.pwritev(fd, views, offset)
+            offset += written
         while views and written >= len(views[0]):
             written -= len(views[0])
             views.pop(0)

@@ -127,8 +127,11 @@ class Writes:
         else:
             parent_texts = [None] * len(texts)
         encoded = [self._encode(v, fmt, check_shape) for v in values]
+        # Write-through to disk hashes each value as it writes it (one pass over the
+        # caller's memory, not two); every other path needs the checksum now.
+        hash_now = self.durability != "sync" or self._t.disk is None
         items = [
-            WriteItem(k, layout, view, checksum(view), parent)
+            WriteItem(k, layout, view, checksum(view) if hash_now else None, parent)
             for k, (layout, view), parent in zip(texts, encoded, parent_texts, strict=True)
         ]
         if self.durability == "sync":
@@ -177,12 +180,16 @@ class Writes:
             for i, it in enumerate(items)
             if i not in results and t.memory.fits(it.layout.nbytes)
         }
+        for i in copies:  # not written to disk (not admitted, or present): hash it here
+            if items[i].checksum is None:
+                items[i].checksum = checksum(items[i].data)
         with t.lock:
             for i, it in enumerate(items):
                 if i in results:
                     continue
                 inserted = False
                 if i in copies:
+                    assert it.checksum is not None
                     inserted, _ = t.memory.insert(
                         it.key, it.layout, copies[i], it.checksum, it.parent, dirty=False
                     )
@@ -208,6 +215,7 @@ class Writes:
             return present
         # Outside the lock: the copy is the big cost.
         buffer = owned_copy(it.data, t.memory_buffer)
+        assert it.checksum is not None  # memory-first puts hash before anything else
         with t.lock:
             present = self._present_result(it.key)
             if present is not None:
@@ -221,7 +229,7 @@ class Writes:
                     return PutResult(it.key, "memory", False, stored=False)
             elif self.durability == "async" or not inserted:
                 # Write-behind (or straight to disk: memory could not hold the value).
-                item = WriteItem(it.key, it.layout, memoryview(buffer), it.checksum, it.parent)
+                item = WriteItem(it.key, it.layout, buffer.data, it.checksum, it.parent)
                 self._inflight[it.key] = PendingWrite(item, on_complete)
                 self._writer.submit(item)
             elif on_complete is not None:  # write-back: told when the value reaches disk
@@ -261,9 +269,7 @@ class Writes:
             for key, entry in evicted:
                 if not entry.dirty or key in self._inflight:
                     continue  # clean, or a write-behind already has its bytes
-                item = WriteItem(
-                    key, entry.layout, memoryview(entry.buffer), entry.checksum, entry.parent
-                )
+                item = WriteItem(key, entry.layout, entry.buffer.data, entry.checksum, entry.parent)
                 todo.append(PendingWrite(item, self._dirty_callbacks.pop(key, None)))
                 self._inflight[key] = todo[-1]
         if not todo:
