@@ -3,7 +3,8 @@
 Each adapter is built by LMCache's own config parsing and factory from its ``--l2-adapter``
 JSON and driven through ``L2AdapterInterface`` as LMCache's controllers drive it: tasks
 submitted, completion observed on the event fds. Per round, each adapter gets a fresh
-directory and the same ``--chunks`` objects (``TensorMemoryObj`` s of ``--shape``):
+directory and the same ``--chunks`` objects (``TensorMemoryObj`` s of ``--shape``), and
+the round goes phase by phase, the adapters back to back within each phase:
 
 * store: every chunk, ``--batch`` keys per store task, all tasks in flight at once, timed
   until the last task completes;
@@ -15,16 +16,18 @@ directory and the same ``--chunks`` objects (``TensorMemoryObj`` s of ``--shape`
   finds its files again but starts from zero usage: its capacity accounting and eviction
   order are gone).
 
-The disk is settled (``os.sync()`` and a pause) before every timed phase, adapters
-alternate which goes first each round, and figures are medians over rounds. Ratios are
-Persisting / fs (> 1: Persisting is faster). ``fs_native`` (LMCache's C++ connector) runs
-too when this LMCache build has it.
+The disk is settled (``os.sync()`` and a pause) before every timed phase, the adapters
+take turns going first (rotated each round, so use a multiple of their number as
+``--rounds``), rates are medians over rounds, and each ratio (Persisting / fs, > 1:
+Persisting is faster) is the median of the per-round ratios, both sides of which ran
+seconds apart. ``fs_native`` (LMCache's C++ connector) runs too when this LMCache build
+has it.
 
 Persisting runs with ``fsync: false`` by default, like ``fs`` (neither waits for the disk:
 both survive a crash of the process, not of the machine); ``--fsync`` also measures it
 with ``fsync: true``.
 
-    .venv/bin/python benchmarks/lmcache_l2_bench.py                  # 64 chunks of 4 MiB
+    .venv/bin/python benchmarks/lmcache_l2_bench.py --fsync          # 64 chunks of 4 MiB
     .venv/bin/python benchmarks/lmcache_l2_bench.py --chunks 8 --shape 2,4,16,256 \\
         --rounds 1 --settle 0                                        # a smoke run
 """
@@ -200,41 +203,43 @@ def settle(seconds: float) -> None:
     time.sleep(seconds)
 
 
-def run_one(name: str, args: argparse.Namespace, base: Path, round_no: int, data: dict) -> dict:
-    directory = base / f"{name}-{round_no}"
+def run_round(names: list[str], args: argparse.Namespace, base: Path, round_no: int, data: dict):
+    """One round: every adapter on a fresh directory, phase by phase. Within each phase the
+    adapters run back to back (in ``names`` order, rotated by the caller each round), each
+    after the disk has settled, so both sides of a ratio see the same machine."""
     keys, objs, dest = make_keys(len(data["objs"]), round_no), data["objs"], data["dest"]
     nbytes = sum(o.get_size() for o in objs)
     capacity = 4 * nbytes + (64 << 20)
-    adapter = make_adapter(name, directory, capacity)
+    dirs = {name: base / f"{name}-{round_no}" for name in names}
+    out = {name: {"adapter": name, "round": round_no} for name in names}
+    adapters = {name: make_adapter(name, dirs[name], capacity) for name in names}
     try:
-        settle(args.settle)
-        store_s, failed_tasks = timed_store(adapter, keys, objs, args.batch)
-        settle(args.settle)
-        lookup_s, found = timed_lookup(adapter, keys, args.batch)
-        settle(args.settle)
-        load_s, loaded = timed_load(adapter, keys, dest, args.batch)
-        errors = integrity_errors(objs, dest) + (len(keys) - loaded)
+        for name in names:
+            settle(args.settle)
+            store_s, failed_tasks = timed_store(adapters[name], keys, objs, args.batch)
+            out[name].update(store_gbps=nbytes / store_s / 1e9, failed_store_tasks=failed_tasks)
+        for name in names:
+            settle(args.settle)
+            lookup_s, found = timed_lookup(adapters[name], keys, args.batch)
+            out[name].update(lookup_keys_per_s=len(keys) / lookup_s, found=found)
+        for name in names:
+            settle(args.settle)
+            load_s, loaded = timed_load(adapters[name], keys, dest, args.batch)
+            errors = integrity_errors(objs, dest) + (len(keys) - loaded)
+            out[name].update(load_gbps=nbytes / load_s / 1e9, integrity_errors=errors)
     finally:
-        adapter.close()
-    reopened = make_adapter(name, directory, capacity)
-    try:
-        _, found_after = timed_lookup(reopened, keys, args.batch)
-        usage_after = reopened.get_usage().total_bytes_used
-    finally:
-        reopened.close()
-    shutil.rmtree(directory, ignore_errors=True)
-    return {
-        "adapter": name,
-        "round": round_no,
-        "store_gbps": nbytes / store_s / 1e9,
-        "lookup_keys_per_s": len(keys) / lookup_s,
-        "load_gbps": nbytes / load_s / 1e9,
-        "failed_store_tasks": failed_tasks,
-        "found": found,
-        "integrity_errors": errors,
-        "found_after_restart": found_after,
-        "usage_after_restart": usage_after,
-    }
+        for adapter in adapters.values():
+            adapter.close()
+    for name in names:
+        reopened = make_adapter(name, dirs[name], capacity)
+        try:
+            _, found_after = timed_lookup(reopened, keys, args.batch)
+            usage_after = reopened.get_usage().total_bytes_used
+        finally:
+            reopened.close()
+        shutil.rmtree(dirs[name], ignore_errors=True)
+        out[name].update(found_after_restart=found_after, usage_after_restart=usage_after)
+    return [out[name] for name in names]
 
 
 def available(name: str, base: Path) -> str | None:
@@ -250,8 +255,7 @@ def available(name: str, base: Path) -> str | None:
 
 def summary(results: list[dict], name: str) -> dict[str, float]:
     mine = [r for r in results if r["adapter"] == name]
-    keys = ["store_gbps", "lookup_keys_per_s", "load_gbps"]
-    out = {k: statistics.median(r[k] for r in mine) for k in keys}
+    out = {k: statistics.median(r[k] for r in mine) for k in RATES}
     for k in ("integrity_errors", "failed_store_tasks"):
         out[k] = sum(r[k] for r in mine)
     out["found_after_restart"] = min(r["found_after_restart"] for r in mine)
@@ -259,12 +263,23 @@ def summary(results: list[dict], name: str) -> dict[str, float]:
     return out
 
 
+RATES = ("store_gbps", "lookup_keys_per_s", "load_gbps")
+
+
+def round_ratios(results: list[dict], name: str) -> dict[str, float]:
+    """Median over rounds of ``name``'s rate / fs's rate in the same round: a ratio of two
+    runs minutes apart would measure the machine's drift as much as the adapters."""
+    fs = {r["round"]: r for r in results if r["adapter"] == "fs"}
+    mine = [r for r in results if r["adapter"] == name]
+    return {k: statistics.median(r[k] / fs[r["round"]][k] for r in mine) for k in RATES}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chunks", type=int, default=64, help="objects per round")
     parser.add_argument("--shape", default="2,8,256,512", help="object shape (bfloat16)")
     parser.add_argument("--batch", type=int, default=8, help="keys per task")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--settle", type=float, default=5.0, help="pause after os.sync()")
     parser.add_argument("--fsync", action="store_true", help="also Persisting with fsync")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (a temp dir)")
@@ -290,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for round_no in range(args.rounds):
             order = names[round_no % len(names) :] + names[: round_no % len(names)]
-            for name in order:
-                result = run_one(name, args, base, round_no, data)
+            for result in run_round(order, args, base, round_no, data):
                 results.append(result)
+                name = result["adapter"]
                 print(
                     f"round {round_no} {name:>16}: store {result['store_gbps']:.2f} GB/s, "
                     f"lookup {result['lookup_keys_per_s']:,.0f} keys/s, "
@@ -303,7 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     table = {name: summary(results, name) for name in names}
-    fs = table["fs"]
     print()
     print(
         f"{'adapter':>16} {'store GB/s':>11} {'lookup k/s':>11} {'load GB/s':>10} "
@@ -316,15 +330,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['found_after_restart']:>14}/{args.chunks:<5} {row['usage_after_restart']:>20,}"
         )
     for name in names:
-        if name.startswith("persisting"):
-            row = table[name]
+        if name != "fs":
+            ratio = round_ratios(results, name)
             print(
-                f"{name} / fs: store {row['store_gbps'] / fs['store_gbps']:.2f}x, "
-                f"lookup {row['lookup_keys_per_s'] / fs['lookup_keys_per_s']:.2f}x, "
-                f"load {row['load_gbps'] / fs['load_gbps']:.2f}x"
+                f"{name} / fs (median of per-round ratios): "
+                f"store {ratio['store_gbps']:.2f}x, lookup {ratio['lookup_keys_per_s']:.2f}x, "
+                f"load {ratio['load_gbps']:.2f}x"
             )
     if args.json is not None:
-        args.json.write_text(json.dumps({"runs": results, "summary": table}, indent=2))
+        ratios = {name: round_ratios(results, name) for name in names if name != "fs"}
+        args.json.write_text(
+            json.dumps({"runs": results, "summary": table, "ratios": ratios}, indent=2)
+        )
     ours = [row for name, row in table.items() if name.startswith("persisting")]
     broken = any(row["integrity_errors"] for row in table.values()) or any(
         row["found_after_restart"] != args.chunks for row in ours
