@@ -125,6 +125,10 @@ class KVSettings(BaseModel):
     behind), "write_back" (in memory, written when evicted or on close)."""
     chunk_size: int = Field(default=256, gt=0)
     """Tokens per chunk when hashing token ids into keys."""
+    hash_scheme: Literal["persisting", "lmcache"] = "persisting"
+    """How token ids hash into chunk keys for ``lookup_tokens`` and token events:
+    "persisting" (its own chain, seeded by the model), or "lmcache" (the keys LMCache's
+    ``ChunkedTokenDatabase`` gives, for chunks LMCache stored through a Persisting plugin)."""
     max_value_bytes: Bytes = Field(default=1 * GiB, gt=0)
     """Largest value a put accepts."""
     eviction: Literal["lru", "prefix"] = "lru"

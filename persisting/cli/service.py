@@ -44,6 +44,13 @@ class LogLevel(str, Enum):
     error = "error"
 
 
+class HashSchemeChoice(str, Enum):
+    """The token hash schemes ``prewarm --hash-scheme`` takes (see TokenHasher)."""
+
+    persisting = "persisting"
+    lmcache = "lmcache"
+
+
 ModelsOption = Annotated[
     list[str] | None,
     typer.Option("--model", "-m", help="A model to serve (repeatable; default: settings)."),
@@ -237,6 +244,21 @@ def prewarm(
     world_size: Annotated[int, typer.Option(help="Hasher world size.")] = 1,
     worker_id: Annotated[int, typer.Option(help="Hasher worker id.")] = 0,
     dtype: Annotated[str, typer.Option(help="Key dtype (LMCache's names).")] = "bfloat16",
+    hash_scheme: Annotated[
+        HashSchemeChoice | None,
+        typer.Option(
+            help="How --tokens hash into keys: 'persisting', or 'lmcache' for chunks LMCache "
+            "stored through a Persisting plugin (default: the kv.hash_scheme setting).",
+            case_sensitive=False,
+        ),
+    ] = None,
+    save_unfull_chunk: Annotated[
+        bool,
+        typer.Option(
+            help="Also name the last partial chunk of --tokens (as LMCache's "
+            "save_unfull_chunk does)."
+        ),
+    ] = False,
     storage_path: StoragePathOption = None,
     config: ConfigOption = None,
     json_out: JsonFlag = False,
@@ -255,9 +277,16 @@ def prewarm(
             tokens = json.loads(text) if text.startswith("[") else [int(t) for t in text.split()]
         except ValueError as exc:
             fail(f"{tokens_file}: not a list of token ids ({exc})", EXIT_BAD_INPUT)
-    hasher: dict[str, Any] = {"world_size": world_size, "worker_id": worker_id, "dtype": dtype}
+    hasher: dict[str, Any] = {
+        "world_size": world_size,
+        "worker_id": worker_id,
+        "dtype": dtype,
+        "save_unfull_chunk": save_unfull_chunk,
+    }
     if chunk_size is not None:
         hasher["chunk_size"] = chunk_size
+    if hash_scheme is not None:
+        hasher["hash_scheme"] = hash_scheme.value
     published = publish(
         settings,
         model,
@@ -272,6 +301,9 @@ def prewarm(
         "published": published,
         "topic": settings.service.event_topic,
     }
+    if tokens is not None:  # how the tokens were hashed, so a miss can be explained
+        result["hash_scheme"] = hasher.get("hash_scheme", settings.kv.hash_scheme)
+        result["chunk_size"] = hasher.get("chunk_size", settings.kv.chunk_size)
     emit(
         result,
         json_out,

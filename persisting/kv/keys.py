@@ -327,11 +327,11 @@ class TokenHasher:
 
     ``scheme="lmcache"``: the hashes LMCache's ``ChunkedTokenDatabase`` gives for the same
     tokens and chunk size (:func:`lmcache_chunk_hash`, chained from 0), so keys match the
-    ones an LMCache engine stored through the Persisting plugin. Its default
-    ``save_unfull_chunk`` differs: LMCache keeps a last partial chunk unless its config
-    says otherwise, Persisting does not unless asked. The model name does not seed these
-    hashes (it is in the key), and LMCache configured with vLLM's ``sha256_cbor`` hashes
-    differently.
+    ones an LMCache engine stored through the Persisting plugin. ``save_unfull_chunk``
+    must be what LMCache's config says (False by default in 0.5.6, as here). The model name
+    does not seed these hashes (it is in the key), and LMCache configured with vLLM's
+    ``sha256_cbor`` hashes differently. LMCache's multiprocess mode hashes with its own
+    (blake3) hasher into ``ObjectKey`` s: not this scheme.
     """
 
     def __init__(

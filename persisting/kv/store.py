@@ -20,7 +20,7 @@ import numpy as np
 from persisting.config import DURABILITY_ALIASES, KVSettings, PersistingSettings
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
 from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
-from persisting.kv.keys import ChunkKey, TokenHasher
+from persisting.kv.keys import HASH_SCHEMES, ChunkKey, HashScheme, TokenHasher
 from persisting.kv.layout import Layout
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.policy import (
@@ -68,6 +68,7 @@ class KVStore:
         admission: str | AdmissionPolicy = "always",
         max_value_bytes: int | None = None,
         chunk_size: int = 256,
+        hash_scheme: HashScheme = "persisting",
         shared_memory: bool = False,
         result_buffer_bytes: int = 256 << 20,
         storage_access: str = "owner",
@@ -89,6 +90,10 @@ class KVStore:
         self.model = model
         self.durability: Durability = durability
         self.chunk_size = chunk_size
+        #: How :meth:`lookup_tokens` hashes token ids when no hasher is given.
+        self.hash_scheme: HashScheme = hash_scheme
+        if hash_scheme not in HASH_SCHEMES:
+            raise ConfigError(f"hash_scheme must be one of {HASH_SCHEMES}, not {hash_scheme!r}")
         self.max_value_bytes = max_value_bytes or max(memory_bytes, disk_bytes)
         self.root = StorageRoot(storage_path, storage_access)
         self.directory = self.root.kv_path(model)
@@ -129,6 +134,7 @@ class KVStore:
             admission=kv.admission,
             max_value_bytes=kv.max_value_bytes,
             chunk_size=kv.chunk_size,
+            hash_scheme=kv.hash_scheme,
             result_buffer_bytes=kv.result_buffer_bytes,
             storage_access=settings.storage_access,
         )
@@ -284,15 +290,20 @@ class KVStore:
         self._key(key)
         return False
 
+    def token_hasher(self) -> TokenHasher:
+        """The hasher token lookups use by default: this store's chunk size and scheme."""
+        return TokenHasher(self.model, chunk_size=self.chunk_size, scheme=self.hash_scheme)
+
     def lookup_tokens(
         self, tokens: Sequence[int] | np.ndarray, hasher: TokenHasher | None = None
     ) -> int:
-        """How many leading tokens are covered by stored chunks (hashed by Persisting).
+        """How many leading tokens are covered by stored chunks (hashed by ``hasher``, by
+        default with the store's chunk size and :attr:`hash_scheme`).
 
         Tokens must be integers that fit 64 bits (else InvalidValueError).
         """
         self._check_open()
-        hasher = hasher or TokenHasher(self.model, chunk_size=self.chunk_size)
+        hasher = hasher or self.token_hasher()
         chunks = hasher.process_tokens(tokens)
         n = self.lookup_prefix([key for _s, _e, key in chunks])
         hit_tokens = chunks[n - 1][1] if n else 0

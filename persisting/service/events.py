@@ -3,11 +3,16 @@
 An event asks the service to load chunks into its memory tier (``prewarm``) or to drop
 them from its index and disk (``evict``). It names its chunks either by key strings or by
 token ids plus the hasher settings that turn them into keys (chunk size, world size,
-worker id, dtype), so a scheduler that only knows token ids can still prewarm::
+worker id, dtype, hash scheme), so a scheduler that only knows token ids can still
+prewarm::
 
     {"op": "prewarm", "model": "meta-llama/Llama-3-8B", "keys": ["...@...", ...]}
     {"op": "evict", "model": "...", "tokens": [1, 2, ...], "chunk_size": 256,
-     "world_size": 1, "worker_id": 0, "dtype": "bfloat16"}
+     "world_size": 1, "worker_id": 0, "dtype": "bfloat16", "hash_scheme": "lmcache"}
+
+``hash_scheme`` is "persisting" (Persisting's own chain) or "lmcache" (the keys LMCache's
+``ChunkedTokenDatabase`` gives: chunks an LMCache engine stored through a Persisting
+plugin). A record without it (written before it existed) means "persisting".
 
 Records are flat (no nested structs) so any queue backend stores them as plain columns;
 fields an event does not use are written empty. Parsing checks everything and raises
@@ -19,11 +24,11 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from persisting.errors import InvalidKeyError, InvalidNameError, InvalidValueError
 from persisting.kv import TokenHasher
-from persisting.kv.keys import key_string
+from persisting.kv.keys import HASH_SCHEMES, HashScheme, key_string
 from persisting.lance_store.names import validate_name
 
 EventOp = Literal["prewarm", "evict"]
@@ -46,6 +51,7 @@ class KVEvent:
     worker_id: int = 0
     dtype: str = "bfloat16"
     save_unfull_chunk: bool = False
+    hash_scheme: HashScheme = "persisting"
 
     def keys(self) -> list[str]:
         """The key strings this event names (hashed from its tokens when it has them)."""
@@ -58,6 +64,7 @@ class KVEvent:
             worker_id=self.worker_id,
             dtype=self.dtype,
             save_unfull_chunk=self.save_unfull_chunk,
+            scheme=self.hash_scheme,
         )
         hashed = [str(key) for _s, _e, key in hasher.process_tokens(list(self.tokens))]
         return list(self.key_strings) + hashed
@@ -75,6 +82,7 @@ class KVEvent:
             "worker_id": self.worker_id,
             "dtype": self.dtype,
             "save_unfull_chunk": self.save_unfull_chunk,
+            "hash_scheme": self.hash_scheme,
         }
 
 
@@ -89,6 +97,7 @@ def make_event(
     worker_id: int = 0,
     dtype: str = "bfloat16",
     save_unfull_chunk: bool = False,
+    hash_scheme: str = "persisting",
 ) -> KVEvent:
     """A checked event from keys (ChunkKey or strings) and/or token ids."""
     record = {
@@ -101,6 +110,7 @@ def make_event(
         "worker_id": worker_id,
         "dtype": dtype,
         "save_unfull_chunk": save_unfull_chunk,
+        "hash_scheme": hash_scheme,
     }
     return parse_event(record)
 
@@ -159,6 +169,7 @@ def parse_event(record: Mapping[str, Any]) -> KVEvent:
         worker_id=_int(record.get("worker_id", 0), "worker_id", minimum=0),
         dtype=str(record.get("dtype") or "bfloat16"),
         save_unfull_chunk=bool(record.get("save_unfull_chunk", False)),
+        hash_scheme=_scheme(record.get("hash_scheme")),
     )
     if tokens:
         try:  # validates the hasher settings (dtype, ranks) up front
@@ -168,6 +179,14 @@ def parse_event(record: Mapping[str, Any]) -> KVEvent:
         except InvalidKeyError as exc:
             raise InvalidValueError(f"bad hasher settings in event: {exc}") from exc
     return event
+
+
+def _scheme(value: object) -> HashScheme:
+    if value is None or value == "":  # a record from before the field existed
+        return "persisting"
+    if value not in HASH_SCHEMES:
+        raise InvalidValueError(f"event hash_scheme must be one of {HASH_SCHEMES}, got {value!r}")
+    return cast(HashScheme, value)
 
 
 def _strings(value: object, name: str) -> list[str]:

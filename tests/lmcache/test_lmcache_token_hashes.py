@@ -24,6 +24,8 @@ from lmcache_harness import (
     wait_until,
 )
 
+from persisting.config import PersistingSettings
+from persisting.errors import ConfigError
 from persisting.kv import TokenHasher, open_kv_store
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,3 +85,15 @@ def test_chunks_an_engine_stored_are_found_and_prewarmed_by_token_ids(root: Path
         keys = [k for _s, _e, k in lmcache.process_tokens(tokens.tolist())]
         assert store.prefetch(keys) == 4  # prewarmed: all four now in the memory tier
         assert all(store.in_memory(k) for k in keys)
+    # A store configured with LMCache's scheme hashes that way without being told.
+    settings = PersistingSettings(kv={"hash_scheme": "lmcache", "chunk_size": CHUNK})
+    with open_kv_store(root, MODEL, memory_bytes=0, settings=settings) as store:
+        assert store.hash_scheme == "lmcache"
+        assert store.lookup_tokens(tokens.tolist()) == 4 * CHUNK
+
+
+def test_a_hash_scheme_setting_that_does_not_exist_is_a_config_error(root: Path) -> None:
+    with pytest.raises(ConfigError, match="hash_scheme"):
+        PersistingSettings(kv={"hash_scheme": "sha256_cbor"})
+    with pytest.raises(ConfigError, match="hash_scheme"):
+        open_kv_store(root, MODEL, memory_bytes=0, hash_scheme="sha256_cbor")

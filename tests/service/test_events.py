@@ -34,6 +34,21 @@ def test_events_by_key_and_by_tokens() -> None:
     assert parse_event(numpy_tokens).keys() == by_tokens.keys()
 
 
+def test_token_events_carry_their_hash_scheme() -> None:
+    tokens = list(range(600))
+    event = make_event("prewarm", MODEL, tokens=tokens, chunk_size=256, hash_scheme="lmcache")
+    lmcache = TokenHasher(MODEL, chunk_size=256, scheme="lmcache")
+    assert event.keys() == [str(k) for _s, _e, k in lmcache.process_tokens(tokens)]
+    assert event.keys()[0].split("@")[3] == "2b763dd00afa89c8"  # LMCache's own key
+    record = event.to_record()
+    assert record["hash_scheme"] == "lmcache" and parse_event(record) == event
+    older = {k: v for k, v in record.items() if k != "hash_scheme"}  # written before schemes
+    assert parse_event(older).hash_scheme == "persisting"
+    assert parse_event(dict(record, hash_scheme=None)).hash_scheme == "persisting"
+    with pytest.raises(InvalidValueError, match="hash_scheme"):
+        parse_event(dict(record, hash_scheme="sha256_cbor"))
+
+
 @pytest.mark.parametrize(
     ("record", "match"),
     [
@@ -95,3 +110,27 @@ def test_prewarm_helper_publishes_one_checked_event(tmp_path: Path) -> None:
     hasher = TokenHasher(MODEL, chunk_size=16)  # the settings' chunk size is the default
     assert first.keys() == [str(k) for _s, _e, k in hasher.process_tokens(list(range(40)))]
     assert (second.op, second.keys()) == ("evict", [str(key(3))])
+
+
+def test_prewarm_helper_hashes_with_the_configured_scheme(tmp_path: Path) -> None:
+    from persisting.actors.kv_events import prewarm
+
+    settings = PersistingSettings(
+        storage_path=tmp_path / "root",
+        models=[MODEL],
+        kv={"chunk_size": 16, "hash_scheme": "lmcache"},
+    )
+    assert prewarm(settings, MODEL, tokens=list(range(40))) == 1
+    assert prewarm(settings, MODEL, tokens=list(range(40)), hash_scheme="persisting") == 1
+
+    async def read() -> list[dict]:
+        consumer = QueueConsumer.open(settings.storage_path, "kv-events", 0, "t")
+        try:
+            return [r for _o, r in await consumer.poll(10)]
+        finally:
+            await consumer.close()
+
+    configured, explicit = (parse_event(r) for r in asyncio.run(read()))
+    assert (configured.hash_scheme, explicit.hash_scheme) == ("lmcache", "persisting")
+    lmcache = TokenHasher(MODEL, chunk_size=16, scheme="lmcache")
+    assert configured.keys() == [str(k) for _s, _e, k in lmcache.process_tokens(range(40))]

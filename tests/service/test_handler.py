@@ -498,3 +498,10 @@ def test_token_lookups_are_hashed_by_the_server_and_count_hit_tokens(
         call(handler, "lookup_tokens", sid, tokens=[1 << 70], hasher={"chunk_size": 16})
     with pytest.raises(ProtocolError):
         call(handler, "lookup_tokens", sid, tokens=tokens, hasher={"model": "x"})
+    # The scheme travels with the settings: LMCache's hashes name none of these chunks.
+    lmcache = {"chunk_size": 16, "hash_scheme": "lmcache"}
+    assert call(handler, "lookup_tokens", sid, tokens=tokens, hasher=lmcache) == 0
+    persisting = {"chunk_size": 16, "hash_scheme": "persisting"}
+    assert call(handler, "lookup_tokens", sid, tokens=tokens, hasher=persisting) == 48
+    with pytest.raises(ProtocolError, match="hash_scheme"):
+        call(handler, "lookup_tokens", sid, tokens=tokens, hasher={"hash_scheme": "sha256"})

@@ -22,7 +22,7 @@ import gc
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pulsing
@@ -30,7 +30,7 @@ import pulsing
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError, InvalidKeyError, InvalidValueError
 from persisting.kv import Layout, PutResult, TokenHasher
-from persisting.kv.keys import ChunkKey, key_string
+from persisting.kv.keys import HASH_SCHEMES, ChunkKey, HashScheme, key_string
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.member import Member, MemberFailed
 from persisting.service.client.reads import Reader
@@ -284,16 +284,30 @@ class KVCacheClient:
                 return size
         return self.settings.kv.chunk_size
 
+    @property
+    def hash_scheme(self) -> HashScheme:
+        """How the servers hash this model's token ids (from their hello, else the
+        client's own ``kv.hash_scheme``)."""
+        for member in self.cluster.members.values():
+            scheme = (member.info.get("hash_schemes") or {}).get(self.model)
+            if scheme in HASH_SCHEMES:
+                return cast(HashScheme, scheme)
+        return self.settings.kv.hash_scheme
+
     async def lookup_tokens(self, tokens: Any, hasher: TokenHasher | None = None) -> int:
         """Leading tokens whose chunks are all stored (hashed with the servers' chunk size
-        unless a ``hasher`` is given).
+        and hash scheme unless a ``hasher`` is given).
 
         With one server, the server hashes and looks up (one request), so its store counts
         the hit tokens (``persisting_kv_hit_tokens_total``) as for an in-process lookup.
         """
-        hasher = hasher or TokenHasher(model=self.model, chunk_size=self.chunk_size)
+        hasher = hasher or TokenHasher(
+            model=self.model, chunk_size=self.chunk_size, scheme=self.hash_scheme
+        )
         single = self._single_member()
-        wire = _hasher_settings(hasher, self.model)
+        wire = None
+        if single is not None:
+            wire = _hasher_settings(hasher, self.model, "hash_schemes" in single.info)
         if single is not None and wire is not None:
             ids = _token_ids(tokens)
             try:
@@ -411,9 +425,13 @@ def _token_ids(tokens: Any) -> list[int]:
     return [int(t) for t in ids.tolist()]
 
 
-def _hasher_settings(hasher: TokenHasher, model: str) -> dict[str, Any] | None:
+def _hasher_settings(hasher: TokenHasher, model: str, schemes_known: bool) -> dict[str, Any] | None:
     """``hasher``'s settings for a server to rebuild it, or None when it cannot be rebuilt
-    from them (another model, or tags): then the client hashes itself."""
+    from them (another model, or tags): then the client hashes itself.
+
+    The scheme is always sent to a server that knows schemes (``schemes_known``: its hello
+    lists them; its own default may be either), and to an older one only when it is not
+    Persisting's, which such a server refuses rather than hashing wrongly."""
     if type(hasher) is not TokenHasher or hasher.model != model:
         return None
     settings: dict[str, Any] = {
@@ -423,8 +441,12 @@ def _hasher_settings(hasher: TokenHasher, model: str) -> dict[str, Any] | None:
         "dtype": hasher.dtype,
         "save_unfull_chunk": hasher.save_unfull_chunk,
     }
+    if schemes_known or hasher.scheme != "persisting":
+        settings["hash_scheme"] = hasher.scheme
     probe = [0] * hasher.chunk_size  # tags are not among the settings: compare one key
-    if TokenHasher(model, **settings).process_tokens(probe) != hasher.process_tokens(probe):
+    rebuilt = {k: v for k, v in settings.items() if k != "hash_scheme"}
+    server_side = TokenHasher(model, **rebuilt, scheme=hasher.scheme)
+    if server_side.process_tokens(probe) != hasher.process_tokens(probe):
         return None
     return settings
 

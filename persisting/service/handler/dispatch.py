@@ -218,6 +218,7 @@ class StorageHandler:
             "models": sorted(self.stores),
             # Token hashing must use the store's chunk size, or lookups quietly miss.
             "chunk_sizes": {m: getattr(s, "chunk_size", None) for m, s in self.stores.items()},
+            "hash_schemes": {m: getattr(s, "hash_scheme", None) for m, s in self.stores.items()},
             "node": self.node,
             "lanes": list(self.lanes),
             "lease_ttl_s": self.lease_ttl_s,

@@ -8,6 +8,7 @@ from typing import Any
 
 from persisting.errors import ProtocolError
 from persisting.kv import TokenHasher
+from persisting.kv.keys import HASH_SCHEMES
 from persisting.service.handler.common import ServerState, plain_stats
 from persisting.service.protocol import MAX_KEYS_PER_REQUEST, Request
 from persisting.service.sessions import Session
@@ -19,6 +20,7 @@ _HASHER_ARGS = {
     "worker_id": int,
     "dtype": str,
     "save_unfull_chunk": bool,
+    "hash_scheme": str,
 }
 
 
@@ -59,7 +61,13 @@ class IndexOps:
         for name, value in options.items():
             if type(value) is not _HASHER_ARGS[name]:
                 raise ProtocolError(f"hasher setting {name} must be {_HASHER_ARGS[name].__name__}")
-        hasher = TokenHasher(str(request.model), **{"chunk_size": store.chunk_size, **options})
+        settings: dict[str, Any] = {"chunk_size": store.chunk_size, "scheme": store.hash_scheme}
+        settings.update({k: v for k, v in options.items() if k != "hash_scheme"})
+        if "hash_scheme" in options:
+            if options["hash_scheme"] not in HASH_SCHEMES:
+                raise ProtocolError(f"hash_scheme must be one of {HASH_SCHEMES}")
+            settings["scheme"] = options["hash_scheme"]
+        hasher = TokenHasher(str(request.model), **settings)
         limit = MAX_KEYS_PER_REQUEST * hasher.chunk_size
         if (
             not isinstance(tokens, list)
