@@ -238,6 +238,28 @@ def writable_bytes(out: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+#: Bytes copied, written or read per step where a payload is also hashed: each piece is
+#: hashed right after it lands, while it is still in the core's L2 cache (xxh3 runs there
+#: several times as fast as over a whole chunk that has fallen out to L3 or memory).
+HASH_PIECE = 256 << 10
+
+
+def owned_copy_hashed(
+    data: Any, allocate: Callable[[int], np.ndarray] = aligned_buffer
+) -> tuple[np.ndarray, int]:
+    """:func:`owned_copy` that also returns the :func:`checksum` of the bytes, each piece
+    hashed right after it is copied (one pass over the source instead of two)."""
+    source = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    source = source.reshape(-1).view(np.uint8)
+    out = allocate(source.nbytes)
+    digest = xxhash.xxh3_64()
+    for start in range(0, source.nbytes, HASH_PIECE):
+        piece = out[start : start + HASH_PIECE]
+        piece[:] = source[start : start + HASH_PIECE]
+        digest.update(piece.data)
+    return out, digest.intdigest()
+
+
 def owned_copy(data: Any, allocate: Callable[[int], np.ndarray] = aligned_buffer) -> np.ndarray:
     """A page-aligned private copy of a byte buffer, in memory from ``allocate(nbytes)``."""
     view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else data
@@ -271,6 +293,7 @@ __all__ = [
     "dtype_name",
     "encode_value",
     "owned_copy",
+    "owned_copy_hashed",
     "torch_dtype",
     "writable_bytes",
 ]

@@ -31,7 +31,7 @@ from pathlib import Path
 import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
-from persisting.kv.layout import Layout
+from persisting.kv.layout import HASH_PIECE, Layout
 from persisting.lance_store.access import (
     OWNER_ONLY,
     FileModes,
@@ -61,12 +61,6 @@ def round_to_block(n: int) -> int:
 def file_size(nbytes: int) -> int:
     """Bytes a payload file of ``nbytes`` occupies on disk (header + payload, block-rounded)."""
     return HEADER_BYTES + round_to_block(nbytes)
-
-
-#: Bytes read per step by :func:`read_file_range` when it also hashes: a piece is hashed
-#: right after it lands, while it is still in the core's L2 cache (xxh3 runs there ~3x as
-#: fast as over a whole chunk that has fallen out to L3 or memory).
-HASH_PIECE = 256 << 10
 
 
 def read_file_range(

@@ -25,10 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from persisting.errors import CapacityError, InvalidValueError, PersistingError
 from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
-from persisting.kv.layout import Layout, checksum, encode_value, owned_copy
+from persisting.kv.layout import Layout, encode_value, owned_copy, owned_copy_hashed
 from persisting.kv.policy import AdmissionPolicy
 from persisting.kv.tiers import KeyLike, Tiers
 from persisting.kv.write_behind import WriteBehind
@@ -127,11 +129,11 @@ class Writes:
         else:
             parent_texts = [None] * len(texts)
         encoded = [self._encode(v, fmt, check_shape) for v in values]
-        # Write-through to disk hashes each value as it writes it (one pass over the
-        # caller's memory, not two); every other path needs the checksum now.
-        hash_now = self.durability != "sync" or self._t.disk is None
+        # Each value is hashed where its bytes are first copied -- written to disk, or
+        # copied into the memory tier -- piece by piece as they go: one pass over the
+        # caller's memory, not two.
         items = [
-            WriteItem(k, layout, view, checksum(view) if hash_now else None, parent)
+            WriteItem(k, layout, view, None, parent)
             for k, (layout, view), parent in zip(texts, encoded, parent_texts, strict=True)
         ]
         if self.durability == "sync":
@@ -175,14 +177,14 @@ class Writes:
             assert t.disk is not None
             t.disk.write(to_disk, durable=self.fsync)
         # Copies for the memory tier are made outside the lock (they are the big cost).
-        copies = {
-            i: owned_copy(it.data, t.memory_buffer)
-            for i, it in enumerate(items)
-            if i not in results and t.memory.fits(it.layout.nbytes)
-        }
-        for i in copies:  # not written to disk (not admitted, or present): hash it here
-            if items[i].checksum is None:
-                items[i].checksum = checksum(items[i].data)
+        copies: dict[int, np.ndarray] = {}
+        for i, it in enumerate(items):
+            if i in results or not t.memory.fits(it.layout.nbytes):
+                continue
+            if it.checksum is None:  # not written to disk just now: hash it as it is copied
+                copies[i], it.checksum = owned_copy_hashed(it.data, t.memory_buffer)
+            else:
+                copies[i] = owned_copy(it.data, t.memory_buffer)
         with t.lock:
             for i, it in enumerate(items):
                 if i in results:
@@ -213,9 +215,8 @@ class Writes:
             present = self._present_result(it.key)
         if present is not None:
             return present
-        # Outside the lock: the copy is the big cost.
-        buffer = owned_copy(it.data, t.memory_buffer)
-        assert it.checksum is not None  # memory-first puts hash before anything else
+        # Outside the lock: the copy is the big cost (the checksum is made on the way).
+        buffer, it.checksum = owned_copy_hashed(it.data, t.memory_buffer)
         with t.lock:
             present = self._present_result(it.key)
             if present is not None:
