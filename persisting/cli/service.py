@@ -29,7 +29,7 @@ from persisting.cli.app import (
 from persisting.cli.checks import free_port, listen_address, storage_folder, writable_root
 from persisting.cli.output import emit, to_jsonable
 from persisting.config import socket_address
-from persisting.errors import ConfigError, ServiceUnavailableError
+from persisting.errors import ConfigError, PersistingError, ServiceUnavailableError
 
 if TYPE_CHECKING:
     from persisting.config import PersistingSettings
@@ -45,10 +45,12 @@ class LogLevel(str, Enum):
 
 
 class HashSchemeChoice(str, Enum):
-    """The token hash schemes ``prewarm --hash-scheme`` takes (see TokenHasher)."""
+    """The token hash schemes ``prewarm --hash-scheme`` takes: TokenHasher's two, and
+    LMCache's multiprocess server's (keys of chunks its Persisting L2 adapter stored)."""
 
     persisting = "persisting"
     lmcache = "lmcache"
+    lmcache_mp = "lmcache-mp"
 
 
 ModelsOption = Annotated[
@@ -242,13 +244,18 @@ def prewarm(
     evict: Annotated[bool, typer.Option(help="Publish an evict event instead.")] = False,
     chunk_size: Annotated[int | None, typer.Option(help="Hasher chunk size (tokens).")] = None,
     world_size: Annotated[int, typer.Option(help="Hasher world size.")] = 1,
-    worker_id: Annotated[int, typer.Option(help="Hasher worker id.")] = 0,
+    worker_id: Annotated[
+        int | None,
+        typer.Option(help="Hasher worker id (default 0; with lmcache-mp: every worker)."),
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Key dtype (LMCache's names).")] = "bfloat16",
     hash_scheme: Annotated[
         HashSchemeChoice | None,
         typer.Option(
-            help="How --tokens hash into keys: 'persisting', or 'lmcache' for chunks LMCache "
-            "stored through a Persisting plugin (default: the kv.hash_scheme setting).",
+            help="How --tokens hash into keys: 'persisting'; 'lmcache' for chunks LMCache "
+            "stored through the in-process plugin; 'lmcache-mp' for chunks its multiprocess "
+            "server stored through the L2 adapter (MODEL is then the adapter's namespace). "
+            "Default: the kv.hash_scheme setting.",
             case_sensitive=False,
         ),
     ] = None,
@@ -259,12 +266,22 @@ def prewarm(
             "save_unfull_chunk does)."
         ),
     ] = False,
+    lmcache_model: Annotated[
+        str | None,
+        typer.Option(help="lmcache-mp: the model name LMCache's server keys chunks with."),
+    ] = None,
+    cache_salt: Annotated[str, typer.Option(help="lmcache-mp: the requests' cache_salt.")] = "",
+    object_group: Annotated[
+        list[int] | None,
+        typer.Option(help="lmcache-mp: an object group id (repeatable; default 0)."),
+    ] = None,
     storage_path: StoragePathOption = None,
     config: ConfigOption = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Publish a prewarm (or --evict) event to the serving actor's event topic."""
     from persisting.actors.kv_events import prewarm as publish
+    from persisting.service.events import MAX_EVENT_KEYS
 
     if bool(keys) == (tokens_file is not None):
         fail("give --key (one or more) or --tokens, not both and not neither", EXIT_BAD_INPUT)
@@ -277,31 +294,48 @@ def prewarm(
             tokens = json.loads(text) if text.startswith("[") else [int(t) for t in text.split()]
         except ValueError as exc:
             fail(f"{tokens_file}: not a list of token ids ({exc})", EXIT_BAD_INPUT)
+    mp_chunk_size = chunk_size or settings.kv.chunk_size
+    if hash_scheme is HashSchemeChoice.lmcache_mp:
+        if tokens is None or lmcache_model is None:
+            fail("--hash-scheme lmcache-mp needs --tokens and --lmcache-model", EXIT_BAD_INPUT)
+        keys = _lmcache_mp_keys(
+            model,
+            tokens,
+            model_name=lmcache_model,
+            chunk_size=mp_chunk_size,
+            world_size=world_size,
+            worker_id=worker_id,
+            cache_salt=cache_salt,
+            object_group_ids=object_group or [0],
+        )
+        tokens = None
     hasher: dict[str, Any] = {
         "world_size": world_size,
-        "worker_id": worker_id,
+        "worker_id": worker_id or 0,
         "dtype": dtype,
         "save_unfull_chunk": save_unfull_chunk,
     }
     if chunk_size is not None:
         hasher["chunk_size"] = chunk_size
-    if hash_scheme is not None:
+    if hash_scheme is not None and hash_scheme is not HashSchemeChoice.lmcache_mp:
         hasher["hash_scheme"] = hash_scheme.value
-    published = publish(
-        settings,
-        model,
-        keys=keys or None,
-        tokens=tokens,
-        op="evict" if evict else "prewarm",
-        **hasher,
-    )
-    result = {
+    op = "evict" if evict else "prewarm"
+    if keys:  # one event per MAX_EVENT_KEYS keys
+        published = sum(
+            publish(settings, model, keys=keys[i : i + MAX_EVENT_KEYS], op=op)
+            for i in range(0, len(keys), MAX_EVENT_KEYS)
+        )
+    else:
+        published = publish(settings, model, tokens=tokens, op=op, **hasher)
+    result: dict[str, Any] = {
         "model": model,
-        "op": "evict" if evict else "prewarm",
+        "op": op,
         "published": published,
         "topic": settings.service.event_topic,
     }
-    if tokens is not None:  # how the tokens were hashed, so a miss can be explained
+    if hash_scheme is HashSchemeChoice.lmcache_mp:
+        result.update(hash_scheme="lmcache-mp", chunk_size=mp_chunk_size, chunks=len(keys or ()))
+    elif tokens is not None:  # how the tokens were hashed, so a miss can be explained
         result["hash_scheme"] = hasher.get("hash_scheme", settings.kv.hash_scheme)
         result["chunk_size"] = hasher.get("chunk_size", settings.kv.chunk_size)
     emit(
@@ -312,3 +346,17 @@ def prewarm(
             f"on topic {escape(str(result['topic']))}"
         ),
     )
+
+
+def _lmcache_mp_keys(namespace: str, tokens: list[int], **settings: Any) -> list[str]:
+    """Keys of the chunks LMCache's multiprocess server stores for ``tokens`` (see
+    :func:`persisting.lmcache.object_keys.object_keys_for_tokens`)."""
+    from persisting.lmcache.object_keys import object_keys_for_tokens
+
+    try:
+        keys = object_keys_for_tokens(namespace, tokens, **settings)
+    except (PersistingError, ValueError) as exc:
+        fail(f"cannot hash the tokens as LMCache's server does: {exc}", EXIT_BAD_INPUT)
+    if not keys:
+        fail(f"no whole chunk of {settings['chunk_size']} tokens in --tokens", EXIT_BAD_INPUT)
+    return keys

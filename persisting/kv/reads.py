@@ -60,7 +60,7 @@ class Reads:
                 out.append(None)
                 continue
             buffer = self._result_buffer(layout.nbytes)
-            got = self._read(text, memoryview(buffer))
+            got = self._read(text, buffer.data)
             out.append(decode_value(got, buffer) if got is not None else None)
         return out
 
@@ -162,7 +162,7 @@ class Reads:
                 continue
             buffer = t.memory_buffer(entry.layout.nbytes)
             assert t.disk is not None
-            layout = t.disk.read_into(text, memoryview(buffer))
+            layout = t.disk.read_into(text, buffer.data)
             if layout is None:
                 continue
             with t.lock:

@@ -13,10 +13,15 @@ Model and salt are percent-encoded (so no ``@``, ``%`` or control character reac
 string) and the hash's byte length is kept, so leading zero bytes survive. ``cache_salt``
 is part of every key it was stored under: a lookup under one salt builds another key and
 can never find another salt's chunk.
+
+:func:`object_keys_for_tokens` gives the key strings of the chunks LMCache's multiprocess
+server stores for token ids (its own token hasher and key expansion), so they can be
+prewarmed by token ids (``persisting prewarm --hash-scheme lmcache-mp``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from urllib.parse import quote, unquote
 
 from lmcache.v1.distributed.api import ObjectKey
@@ -62,4 +67,44 @@ def object_key_of(text: str) -> ObjectKey:
         raise InvalidKeyError(f"{text!r} is not an LMCache L2 object key") from exc
 
 
-__all__ = ["KEY_DTYPE", "object_key_of", "object_key_text"]
+def object_keys_for_tokens(
+    namespace: str,
+    tokens: Sequence[int],
+    *,
+    model_name: str,
+    chunk_size: int = 256,
+    world_size: int = 1,
+    worker_id: int | None = None,
+    cache_salt: str = "",
+    object_group_ids: Sequence[int] = (0,),
+    hash_algorithm: str = "blake3",
+) -> list[str]:
+    """The key strings (in ``namespace``) of the chunks LMCache's multiprocess server stores
+    for ``tokens``: its ``TokenHasher`` (``hash_algorithm``: its ``--hash-algorithm``, blake3
+    by default; whole chunks only) and its ``ipc_key_to_object_keys`` (``worker_id`` None:
+    every kv rank of ``world_size``), both LMCache's own code. Prefix order, for each object
+    group in turn."""
+    from lmcache.v1.distributed.api import ipc_key_to_object_keys
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    ids = [int(t) for t in tokens]
+    hashes = TokenHasher(chunk_size, hash_algorithm).compute_chunk_hashes(ids)
+    try:
+        ipc_key = IPCCacheServerKey(
+            model_name=model_name,
+            world_size=world_size,
+            worker_id=worker_id,
+            token_ids=tuple(ids),
+            start=0,
+            end=len(ids),
+            request_id="persisting-prewarm",
+            cache_salt=cache_salt,
+        )
+        groups = ipc_key_to_object_keys(ipc_key, hashes, list(object_group_ids)) if hashes else []
+    except ValueError as exc:  # LMCache's own checks (a salt with '/', a bad rank...)
+        raise InvalidKeyError(f"not an LMCache multiprocess key: {exc}") from exc
+    return [object_key_text(namespace, key) for group in groups for key in group]
+
+
+__all__ = ["KEY_DTYPE", "object_key_of", "object_key_text", "object_keys_for_tokens"]

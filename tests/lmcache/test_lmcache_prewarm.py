@@ -1,7 +1,10 @@
-"""Chunks an LMCache engine stored through the plugin are prewarmed by their token ids:
-``persisting prewarm --tokens FILE --hash-scheme lmcache`` publishes an event on the topic,
-the served actor's event consumer hashes the tokens as LMCache did and loads those chunks
-into its memory tier; a client's ``lookup_tokens`` uses the servers' scheme too."""
+"""Chunks LMCache stored through either plugin are prewarmed by their token ids.
+
+In-process plugin: ``persisting prewarm --tokens FILE --hash-scheme lmcache`` publishes an
+event on the topic, the served actor's event consumer hashes the tokens as LMCache's
+engine did and loads those chunks into its memory tier; a client's ``lookup_tokens`` uses
+the servers' scheme too. L2 adapter: ``--hash-scheme lmcache-mp`` names the chunks
+LMCache's multiprocess server stored (its own hasher and key expansion)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from l2_harness import LAYOUT, adapter_json, storage_manager, write_through_l1
+from lmcache.v1.distributed.api import ipc_key_to_object_keys
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from lmcache.v1.multiprocess.token_hasher import TokenHasher as ServerTokenHasher
 from lmcache_harness import (
     CHUNK,
     KV_SHAPE,
@@ -49,12 +56,12 @@ def engine_stores(root: Path, tokens: torch.Tensor) -> None:
         plugin_of(engine.storage_manager).flush()
 
 
-def prewarm_cli(root: Path, tokens_file: Path, *extra: str) -> dict:
+def prewarm_cli(root: Path, tokens_file: Path, *extra: str, model: str = MODEL) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
     env["PYTHONPATH"] = str(REPO)
     args = ["--json", "--storage-path", str(root), "--tokens", str(tokens_file)]
     out = subprocess.run(
-        [PERSISTING, "prewarm", MODEL, *args, "--chunk-size", str(CHUNK), *extra],
+        [PERSISTING, "prewarm", model, *args, "--chunk-size", str(CHUNK), *extra],
         capture_output=True,
         text=True,
         timeout=120,
@@ -120,3 +127,60 @@ def test_prewarm_by_token_ids_loads_what_lmcache_stored_into_memory(
             await running.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=200))
+
+
+def test_prewarm_by_token_ids_loads_what_lmcache_s_server_stored_through_the_l2_adapter(
+    root: Path, tmp_path: Path
+) -> None:
+    chunk = LAYOUT.shapes[0][2]  # tokens per chunk of the harness's L1 layout
+    assert chunk == CHUNK
+    tokens = list(range(3000, 3000 + 3 * chunk + 5))  # three whole chunks and a tail
+    # What LMCache's multiprocess server does with a store request: its hasher, its keys,
+    # its storage manager writing through L1 into the adapter.
+    hashes = ServerTokenHasher(chunk).compute_chunk_hashes(tokens)
+    request = IPCCacheServerKey(MODEL, 1, 0, tuple(tokens), 0, len(tokens), "store-1")
+    (keys,) = ipc_key_to_object_keys(request, hashes, [0])
+    assert len(keys) == 3
+    with storage_manager(adapter_json(root)) as manager:
+        write_through_l1(manager, keys)
+    tokens_file = tmp_path / "tokens.txt"
+    tokens_file.write_text(" ".join(map(str, tokens)))
+    settings = PersistingSettings(
+        storage_path=root, models=["lmcache"], kv={"memory_bytes": 16 << 20}
+    )
+    mp = ("--hash-scheme", "lmcache-mp", "--lmcache-model", MODEL)
+
+    async def scenario() -> None:
+        addr = f"127.0.0.1:{free_loopback_port()}"
+        running = await start_service(settings, models=["lmcache"], addr=addr)
+        try:
+            store = running.actor.handler.state.store("lmcache")
+            texts = [text for text, _n in store.stored_keys()]
+            assert len(texts) == 3 and not any(store.in_memory(t) for t in texts)
+            published = prewarm_cli(root, tokens_file, *mp, model="lmcache")
+            assert (published["published"], published["chunks"]) == (1, 3)
+            await until(lambda: all(store.in_memory(t) for t in texts))
+            assert running.consumer is not None
+            assert running.consumer.counters["prewarmed_chunks"] == 3
+        finally:
+            await running.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=200))
+
+
+def test_lmcache_mp_prewarm_needs_its_model_and_whole_chunks(root: Path, tmp_path: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)  # an existing root: the checks are prewarm's
+    tokens_file = tmp_path / "tokens.txt"
+    tokens_file.write_text("1 2 3")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
+    base = [PERSISTING, "prewarm", "lmcache", "--storage-path", str(root)]
+    base += ["--tokens", str(tokens_file), "--hash-scheme", "lmcache-mp"]
+    for extra, message in (
+        ([], "--lmcache-model"),
+        (["--lmcache-model", MODEL, "--chunk-size", "16"], "no whole chunk"),
+        (["--lmcache-model", MODEL, "--cache-salt", "a/b"], "cannot hash"),
+    ):
+        out = subprocess.run(
+            base + extra, capture_output=True, text=True, timeout=120, env=env, cwd=REPO
+        )
+        assert out.returncode == 2 and message in out.stderr, out.stderr
