@@ -128,6 +128,8 @@ def test_the_guide_runs_in_order(tmp_path: Path) -> None:
         "op": "evict",
         "published": 1,
         "topic": "kv-events",
+        "hash_scheme": "persisting",  # how the tokens were hashed
+        "chunk_size": 256,
     }
     assert "persisting-data" in output_of("settings_from_extra_config")
     inventory = output_of("persisting inspect")
