@@ -86,7 +86,8 @@ class KVApi(Protocol):
         self, key: KeyLike, value: Any, *, fmt: str = "KV_2LTD", parent: KeyLike | None = None
     ) -> PutResult:
         """Store one value. When it counts as stored depends on the store's durability
-        (in-process) or the owner's (service); putting an existing key is a no-op success."""
+        (in-process) or the owner's (service). Keys are content addresses: putting a key
+        that is present changes nothing (the result says ``stored=False``)."""
         ...
 
     def batched_put(
@@ -217,12 +218,6 @@ class AsyncKVApi(Protocol):
     async def close(self) -> None: ...
 
 
-def _unbound_signature(method: Callable[..., Any]) -> inspect.Signature:
-    """``method``'s signature without its ``self``: what the derived bound method takes."""
-    signature = inspect.signature(method)
-    return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
 class in_thread(Generic[Owner, P, R]):
     """``amethod = in_thread(method)`` in a class body: an async ``amethod`` that runs the
     instance's blocking ``method`` in a worker thread (:func:`asyncio.to_thread`), so the
@@ -233,8 +228,12 @@ class in_thread(Generic[Owner, P, R]):
 
     def __init__(self, method: Callable[Concatenate[Owner, P], R]) -> None:
         self._name = method.__name__
-        self._signature = _unbound_signature(method)
+        self.__signature__ = inspect.signature(method)
         self.__doc__ = f"Async :meth:`{self._name}`, run in a worker thread."
+
+    def __call__(self, obj: Owner, /, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
+        """Called on the class, as a plain method is: ``KVStore.aput(store, ...)``."""
+        return self.__get__(obj)(*args, **kwargs)
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> in_thread[Owner, P, R]: ...
@@ -252,7 +251,7 @@ class in_thread(Generic[Owner, P, R]):
         async def call(*args: P.args, **kwargs: P.kwargs) -> R:
             return await asyncio.to_thread(blocking, *args, **kwargs)
 
-        _describe(call, "a" + self._name, self.__doc__, self._signature)
+        _describe(call, "a" + self._name, self.__doc__, self.__signature__)
         return call
 
 
@@ -273,8 +272,12 @@ class through_loop(Generic[Owner, P, R]):
 
     def __init__(self, method: Callable[Concatenate[Owner, P], Coroutine[Any, Any, R]]) -> None:
         self._name = method.__name__
-        self._signature = _unbound_signature(method)
+        self.__signature__ = inspect.signature(method)
         self.__doc__ = method.__doc__
+
+    def __call__(self, obj: LoopRunner[Owner], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Called on the class, as a plain method is: ``SyncKVCacheClient.put(client, ...)``."""
+        return self.__get__(obj)(*args, **kwargs)
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> through_loop[Owner, P, R]: ...
@@ -291,17 +294,19 @@ class through_loop(Generic[Owner, P, R]):
         def call(*args: P.args, **kwargs: P.kwargs) -> R:
             return runner._run(awaited(*args, **kwargs))
 
-        _describe(call, self._name, self.__doc__, self._signature)
+        _describe(call, self._name, self.__doc__, self.__signature__)
         return call
 
 
 def _describe(
     function: Callable[..., Any], name: str, doc: str | None, signature: inspect.Signature
 ) -> None:
-    """Give a derived method the name, docstring and signature ``help()`` should show."""
+    """Give a derived bound method the name, docstring and signature (``signature`` is the
+    unbound one: its ``self`` is dropped) that ``help()`` should show."""
     function.__name__ = function.__qualname__ = name
     function.__doc__ = doc
-    function.__signature__ = signature  # type: ignore[attr-defined]
+    bound = list(signature.parameters.values())[1:]
+    function.__signature__ = signature.replace(parameters=bound)  # type: ignore[attr-defined]
 
 
 __all__ = [

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from persisting.errors import PersistingError, StorageIOError
+from persisting.errors import InvalidValueError, PersistingError, StorageIOError
 from persisting.kv import Layout
 from persisting.kv.layout import checksum, decode_value
 from persisting.service.client.member import Member, PoolLocation
@@ -46,7 +46,9 @@ class Destination:
         self.buffer: np.ndarray | None = None
         if out is not None:
             if len(out) != nbytes:
-                raise PersistingError(f"get_into needs a buffer of {nbytes} bytes, got {len(out)}")
+                raise InvalidValueError(
+                    f"get_into needs a buffer of {nbytes} bytes, got {len(out)}"
+                )
             self.target = out
             return
         buffer = results.take(nbytes) if results is not None else None
