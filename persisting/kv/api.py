@@ -228,8 +228,13 @@ class in_thread(Generic[Owner, P, R]):
 
     def __init__(self, method: Callable[Concatenate[Owner, P], R]) -> None:
         self._name = method.__name__
+        self._attribute = "a" + self._name  # the name it is assigned to (__set_name__)
         self.__signature__ = inspect.signature(method)
+        self._bound_signature = _without_self(self.__signature__)
         self.__doc__ = f"Async :meth:`{self._name}`, run in a worker thread."
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attribute = name
 
     def __call__(self, obj: Owner, /, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
         """Called on the class, as a plain method is: ``KVStore.aput(store, ...)``."""
@@ -251,7 +256,7 @@ class in_thread(Generic[Owner, P, R]):
         async def call(*args: P.args, **kwargs: P.kwargs) -> R:
             return await asyncio.to_thread(blocking, *args, **kwargs)
 
-        _describe(call, "a" + self._name, self.__doc__, self.__signature__)
+        _describe(call, self._attribute, self.__doc__, self._bound_signature)
         return call
 
 
@@ -273,6 +278,7 @@ class through_loop(Generic[Owner, P, R]):
     def __init__(self, method: Callable[Concatenate[Owner, P], Coroutine[Any, Any, R]]) -> None:
         self._name = method.__name__
         self.__signature__ = inspect.signature(method)
+        self._bound_signature = _without_self(self.__signature__)
         self.__doc__ = method.__doc__
 
     def __call__(self, obj: LoopRunner[Owner], /, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -294,19 +300,22 @@ class through_loop(Generic[Owner, P, R]):
         def call(*args: P.args, **kwargs: P.kwargs) -> R:
             return runner._run(awaited(*args, **kwargs))
 
-        _describe(call, self._name, self.__doc__, self.__signature__)
+        _describe(call, self._name, self.__doc__, self._bound_signature)
         return call
+
+
+def _without_self(signature: inspect.Signature) -> inspect.Signature:
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def _describe(
     function: Callable[..., Any], name: str, doc: str | None, signature: inspect.Signature
 ) -> None:
-    """Give a derived bound method the name, docstring and signature (``signature`` is the
-    unbound one: its ``self`` is dropped) that ``help()`` should show."""
+    """Give a derived bound method the name, docstring and signature ``help()`` shows
+    (a few attribute stores per access: nothing is computed on the call path)."""
     function.__name__ = function.__qualname__ = name
     function.__doc__ = doc
-    bound = list(signature.parameters.values())[1:]
-    function.__signature__ = signature.replace(parameters=bound)  # type: ignore[attr-defined]
+    function.__signature__ = signature  # type: ignore[attr-defined]
 
 
 __all__ = [
