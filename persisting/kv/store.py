@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
+
 from persisting.config import DURABILITY_ALIASES, KVSettings, PersistingSettings
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
-from persisting.kv.api import KVApi, PrefixKeys, Tokens, in_thread
+from persisting.kv.api import KVApi, in_thread
 from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
 from persisting.kv.keys import ChunkKey, TokenHasher
 from persisting.kv.layout import Layout
@@ -248,15 +250,12 @@ class KVStore(KVApi):
     # -- lookups ------------------------------------------------------------------------
 
     def contains(self, key: KeyLike) -> bool:
-        return self.batched_contains([key])[0]
-
-    def batched_contains(self, keys: Sequence[KeyLike]) -> list[bool]:
         self._check_open()
-        texts = [self._key(key) for key in keys]
+        text = self._key(key)
         with self._tiers.lock:
-            return [text in self.memory.index or self._tiers.on_disk(text) for text in texts]
+            return text in self.memory.index or self._tiers.on_disk(text)
 
-    def lookup_prefix(self, keys: PrefixKeys) -> int:
+    def lookup_prefix(self, keys: Sequence[KeyLike] | Sequence[Sequence[KeyLike]]) -> int:
         """How many leading chunks are present; stops at the first miss.
 
         Given one key list per TP rank, a chunk counts only if every rank's piece is there.
@@ -285,7 +284,9 @@ class KVStore(KVApi):
         self._key(key)
         return False
 
-    def lookup_tokens(self, tokens: Tokens, hasher: TokenHasher | None = None) -> int:
+    def lookup_tokens(
+        self, tokens: Sequence[int] | np.ndarray, hasher: TokenHasher | None = None
+    ) -> int:
         """How many leading tokens are covered by stored chunks (hashed by Persisting).
 
         Tokens must be integers that fit 64 bits (else InvalidValueError).
@@ -314,6 +315,13 @@ class KVStore(KVApi):
         text = self._key(key)
         with self._tiers.lock:
             return text in self.memory.index
+
+    def batched_contains(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """:meth:`contains` for a batch, under one hold of the store's lock."""
+        self._check_open()
+        texts = [self._key(key) for key in keys]
+        with self._tiers.lock:
+            return [text in self.memory.index or self._tiers.on_disk(text) for text in texts]
 
     def exists_in_put_tasks(self, key: KeyLike) -> bool:
         """True while ``key`` was put but is not yet on disk: a write-behind in progress
