@@ -1,4 +1,4 @@
-"""The read paths of a KV store: gets, reads into a caller's buffer, shared-pool locations,
+"""The read paths of a KV store: gets, reads into a caller's buffer, shared-pool places,
 and prefetch from disk into memory.
 
 A value is read from the memory tier when it is there (one copy, outside the lock, while
