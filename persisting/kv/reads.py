@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from persisting.errors import InvalidValueError
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import Layout, decode_value, writable_bytes
 from persisting.kv.tiers import KeyLike, Tiers
@@ -68,9 +69,13 @@ class Reads:
         text = self._t.key_text(key)
         view = writable_bytes(out)
         layout = self.layout_of(text)
-        if layout is None or not self.layout_ok(layout, expect) or layout.nbytes != len(view):
+        if layout is None or not self.layout_ok(layout, expect):
             self._t.op_stats.record("get", "", 0.0, 0, "miss")
             return None
+        if layout.nbytes != len(view):
+            raise InvalidValueError(
+                f"get_into needs a buffer of {layout.nbytes} bytes for {text}, got {len(view)}"
+            )
         return self._read(text, view)
 
     def shared_location(self, key: KeyLike, expect: Layout | None) -> SharedLocation | None:

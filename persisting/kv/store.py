@@ -10,7 +10,6 @@ Content-addressed keys never change value: putting an existing key is a no-op su
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -19,6 +18,7 @@ import numpy as np
 
 from persisting.config import DURABILITY_ALIASES, KVSettings, PersistingSettings
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
+from persisting.kv.api import KVApi, in_thread
 from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
 from persisting.kv.keys import ChunkKey, TokenHasher
 from persisting.kv.layout import Layout
@@ -48,7 +48,7 @@ def _open_pool(memory_bytes: int) -> SharedPool | None:
         return None
 
 
-class KVStore:
+class KVStore(KVApi):
     """A model namespace's KV chunks: memory tier over a Lance-indexed disk tier.
 
     Thread-safe. Use :func:`open_kv_store` to make one; close it (or use ``with``). While
@@ -316,6 +316,13 @@ class KVStore:
         with self._tiers.lock:
             return text in self.memory.index
 
+    def batched_contains(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """:meth:`contains` for a batch, under one hold of the store's lock."""
+        self._check_open()
+        texts = [self._key(key) for key in keys]
+        with self._tiers.lock:
+            return [text in self.memory.index or self._tiers.on_disk(text) for text in texts]
+
     def exists_in_put_tasks(self, key: KeyLike) -> bool:
         """True while ``key`` was put but is not yet on disk: a write-behind in progress
         (``async``), or a dirty memory entry not yet written back (``write_back``)."""
@@ -460,33 +467,25 @@ class KVStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- async variants -----------------------------------------------------------------
+    # -- async mirror: each method of the contract, run in a worker thread ---------------
 
-    async def aput(self, key: KeyLike, value: Any, **kw: Any) -> PutResult:
-        return await asyncio.to_thread(self.put, key, value, **kw)
-
-    async def abatched_put(
-        self, keys: Sequence[KeyLike], values: Sequence[Any], **kw: Any
-    ) -> list[PutResult]:
-        return await asyncio.to_thread(self.batched_put, keys, values, **kw)
-
-    async def aget(self, key: KeyLike, **kw: Any) -> Any:
-        return await asyncio.to_thread(self.get, key, **kw)
-
-    async def abatched_get(self, keys: Sequence[KeyLike], **kw: Any) -> list[Any]:
-        return await asyncio.to_thread(self.batched_get, keys, **kw)
-
-    async def acontains(self, key: KeyLike) -> bool:
-        return await asyncio.to_thread(self.contains, key)
-
-    async def alookup_prefix(self, keys: Sequence[Any]) -> int:
-        return await asyncio.to_thread(self.lookup_prefix, keys)
-
-    async def aremove(self, key: KeyLike, **kw: Any) -> bool:
-        return await asyncio.to_thread(self.remove, key, **kw)
-
-    async def aprefetch(self, keys: Sequence[KeyLike]) -> int:
-        return await asyncio.to_thread(self.prefetch, keys)
+    aput = in_thread(put)
+    abatched_put = in_thread(batched_put)
+    aget = in_thread(get)
+    abatched_get = in_thread(batched_get)
+    aget_into = in_thread(get_into)
+    alayout = in_thread(layout)
+    acontains = in_thread(contains)
+    abatched_contains = in_thread(batched_contains)
+    alookup_prefix = in_thread(lookup_prefix)
+    alookup_tokens = in_thread(lookup_tokens)
+    aremove = in_thread(remove)
+    abatched_remove = in_thread(batched_remove)
+    apin = in_thread(pin)
+    aunpin = in_thread(unpin)
+    aprefetch = in_thread(prefetch)
+    astats = in_thread(stats)
+    aclose = in_thread(close)
 
 
 def open_kv_store(

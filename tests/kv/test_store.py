@@ -256,8 +256,10 @@ def test_get_into_fills_a_caller_buffer(root: Path) -> None:
         out = torch.empty_like(t)
         layout = store.get_into(key(1), out.view(-1).view(torch.uint8))
         assert layout == Layout.of(t, "KV_2LTD") and torch.equal(out, t)
-        too_small = torch.empty(10, dtype=torch.uint8)
-        assert store.get_into(key(1), too_small) is None
+        too_small = torch.full((10,), 7, dtype=torch.uint8)
+        with pytest.raises(InvalidValueError, match=f"buffer of {t.numel() * 2} bytes"):
+            store.get_into(key(1), too_small)  # the caller's mistake, not a miss
+        assert bool((too_small == 7).all())
         with pytest.raises(InvalidValueError):
             store.get_into(key(1), bytes(t.numel() * 2))
 
