@@ -89,6 +89,8 @@ class KVStore:
             raise ConfigError(f"durability must be sync, async or write_back, not {durability!r}")
         if memory_bytes < 0 or disk_bytes < 0:
             raise ConfigError("tier capacities must not be negative")
+        if read_threads < 1:
+            raise ConfigError(f"read_threads must be at least 1, not {read_threads}")
         if durability != "sync" and memory_bytes == 0:
             raise ConfigError(f"durability={durability!r} needs a memory tier (memory_bytes > 0)")
         self.model = model
