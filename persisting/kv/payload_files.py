@@ -143,6 +143,8 @@ class PayloadFiles:
         self.modes = modes
         self.payload_dir = directory / "payload"
         self.tmp_dir = directory / "tmp"
+        #: ``payload/<hh>`` directories created whose entry is not yet synced.
+        self._new_subdirs: set[Path] = set()
         for d in (self.payload_dir, self.tmp_dir):
             make_dir(d, modes)
 
@@ -183,6 +185,16 @@ class PayloadFiles:
         The caller fsyncs the destination directories (:meth:`sync_dirs`) once per batch to
         make the renames durable. The tmp file stays locked until it has its final name.
         """
+        self.write(pending, header, payload, durable=durable)
+        return self.publish(pending)
+
+    @staticmethod
+    def write(
+        pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
+    ) -> None:
+        """Write header and payload into the tmp file, fsync it if ``durable`` (thread-safe
+        per file: a batch writes its files on several threads, so their syncs can share
+        the filesystem's journal commits). On failure the tmp file is removed."""
         try:
             _write_all(pending.fd, [header.encode(), payload])
             if durable:
@@ -190,6 +202,10 @@ class PayloadFiles:
         except OSError as exc:
             PayloadFiles.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
+
+    def publish(self, pending: PendingFile) -> Path:
+        """Rename a written tmp file into place (creating its ``payload/<hh>`` directory on
+        first use) and let go of it."""
         try:
             self._make_subdir(pending.final.parent)
             os.rename(pending.tmp, pending.final)
@@ -202,7 +218,8 @@ class PayloadFiles:
 
     def _make_subdir(self, path: Path) -> None:
         """Create a ``payload/<hh>`` directory on first use (OSError keeps its errno, so a
-        full filesystem still reads as one)."""
+        full filesystem still reads as one). Its entry in ``payload/`` is made durable by
+        :meth:`sync_dirs` with the batch that created it."""
         if path.is_dir():
             return
         try:
@@ -210,6 +227,7 @@ class PayloadFiles:
         except FileExistsError:
             return
         restrict(path, self.modes.directory)
+        self._new_subdirs.add(path)
 
     @staticmethod
     def abort(pending: PendingFile) -> None:
@@ -219,10 +237,21 @@ class PayloadFiles:
                 os.close(pending.fd)
             pending.fd = -1
 
-    @staticmethod
-    def sync_dirs(paths: list[Path]) -> None:
-        for directory in sorted({p.parent for p in paths}):
+    def sync_dirs(self, paths: list[Path]) -> None:
+        """Make the renames of ``paths`` durable: fsync each destination directory once, and
+        ``payload/`` itself when a ``payload/<hh>`` directory was created since the last
+        call (else a crash could lose that directory, with every file renamed into it).
+
+        Called after the whole batch is renamed: on journalling filesystems the first
+        directory sync commits every rename of the batch, and the others find nothing left
+        to do."""
+        directories = sorted({p.parent for p in paths})
+        created = [d for d in directories if d in self._new_subdirs]
+        for directory in directories:
             fsync_dir(directory)
+        if created:
+            fsync_dir(self.payload_dir)
+            self._new_subdirs.difference_update(created)
 
     @staticmethod
     def read_into(path: Path, out: memoryview) -> None:

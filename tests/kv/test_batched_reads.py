@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from kv_helpers import MODEL, key, tensor
+
 from persisting.config import KVSettings, PersistingSettings
 from persisting.cuda import DeviceCopier, PinnedRegion
 from persisting.errors import ConfigError, InvalidValueError
@@ -130,7 +130,9 @@ def test_a_damaged_chunk_in_a_parallel_batch_is_a_counted_miss(root: Path) -> No
         outs = [torch.empty_like(tensor(i)) for i in range(6)]
         layouts = s.batched_get_into([key(i) for i in range(6)], outs)
         assert layouts[2] is None
-        assert all(layouts[i] is not None and torch.equal(outs[i], tensor(i)) for i in (0, 1, 3, 4, 5))
+        assert all(
+            layouts[i] is not None and torch.equal(outs[i], tensor(i)) for i in (0, 1, 3, 4, 5)
+        )
         assert s.stats()["corruptions"] == 1
         assert not s.contains(key(2))
 
