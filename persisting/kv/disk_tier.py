@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -484,8 +484,11 @@ class DiskTier:
 
     # -- reading ------------------------------------------------------------------------
 
-    def read_into(self, key: str, out: memoryview) -> Layout | None:
-        """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum.
+    def read_into(
+        self, key: str, out: memoryview, *, executor: Executor | None = None, parts: int = 1
+    ) -> Layout | None:
+        """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum; in
+        ``parts`` positioned reads at once on ``executor`` when given.
 
         Returns None on a miss, including a file evicted by another process mid-way and a
         checksum failure (the damaged chunk is then dropped and counted).
@@ -501,7 +504,7 @@ class DiskTier:
             entry.readers += 1
         path = self.files.path(key, entry.tag)
         try:
-            self.files.read_into(path, out)
+            self.files.read_into(path, out, executor=executor, parts=parts)
             ok = checksum(out) == entry.checksum
         except FileNotFoundError:
             self._forget(key, entry)

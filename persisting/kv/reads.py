@@ -73,6 +73,10 @@ def _gather(futures: list[tuple[int, Future[Layout | None]]], got: list[Layout |
     return nbytes
 
 
+#: The smallest part a value is split into when its reads run at once (see ``_split``).
+SPLIT_BYTES = 1 << 20
+
+
 class Reads:
     """Gets over the tiers; ``write_back`` takes the dirty entries a prefetch evicts."""
 
@@ -220,28 +224,38 @@ class Reads:
         with self._t.lock:
             entry.readers -= 1
 
-    def _read_disk(self, text: str, view: memoryview) -> Layout | None:
-        """One timed disk read (on a reader thread or the caller's)."""
+    def _read_disk(self, text: str, view: memoryview, parts: int = 1) -> Layout | None:
+        """One timed disk read (on a reader thread, or on the caller's in ``parts`` reads
+        at once on the reader threads)."""
         t = self._t
         if t.disk is None:
             t.op_stats.record("get", "", 0.0, 0, "miss")
             return None
         start = time.perf_counter()
-        layout = t.disk.read_into(text, view)
+        executor = self._readers() if parts > 1 else None
+        layout = t.disk.read_into(text, view, executor=executor, parts=parts)
         seconds = time.perf_counter() - start
         t.op_stats.record(
             "get", "disk", seconds, len(view) if layout else 0, "hit" if layout else "miss"
         )
         return layout
 
-    def _submit(self, text: str, view: memoryview) -> Future[Layout | None]:
-        """Start one disk read: on a reader thread, or done here when there is no pool."""
+    def _split(self, batch: int) -> bool:
+        """Whether a batch of ``batch`` disk reads is better read one value at a time, each
+        split into parts read at once: when it is too small to keep the threads busy."""
+        return self.read_threads > 1 and batch * 2 <= self.read_threads
+
+    def _submit(self, text: str, view: memoryview, split: bool) -> Future[Layout | None]:
+        """Start one disk read on a reader thread; or, with ``split`` (or no reader
+        threads), do it now on this thread, in parts of at least :data:`SPLIT_BYTES` read
+        by the reader threads at once."""
         executor = self._readers()
-        if executor is not None:
+        if executor is not None and not split:
             return executor.submit(self._read_disk, text, view)
+        parts = min(self.read_threads, len(view) // SPLIT_BYTES) if split else 1
         done: Future[Layout | None] = Future()
         try:
-            done.set_result(self._read_disk(text, view))
+            done.set_result(self._read_disk(text, view, parts))
         except BaseException as exc:
             done.set_exception(exc)
         return done
@@ -254,11 +268,12 @@ class Reads:
         memory, disk = self._claim_memory(texts, [len(v) if v is not None else None for v in views])
         start = time.perf_counter()
         futures: list[tuple[int, Future[Layout | None]]] = []
+        split = self._split(len(disk))
         try:
-            for i in disk:  # in flight while this thread copies the memory hits
+            for i in disk if not split else ():  # in flight while this thread copies
                 view = views[i]
                 assert view is not None
-                futures.append((i, self._submit(texts[i], view)))
+                futures.append((i, self._submit(texts[i], view, split=False)))
             for i, entry in memory:
                 view = views[i]
                 assert view is not None
@@ -271,6 +286,12 @@ class Reads:
                 t.op_stats.record("get", "memory", seconds, len(view), "hit")
                 t.bandwidth.record("memory", len(view), seconds)
                 got[i] = entry.layout
+            if split:
+                start = time.perf_counter()
+                for i in disk:  # one value at a time, each in parts read at once
+                    view = views[i]
+                    assert view is not None
+                    futures.append((i, self._submit(texts[i], view, split=True)))
         finally:
             got_bytes = _gather(futures, got)
         if got_bytes:
@@ -312,12 +333,14 @@ class Reads:
         )
         start = time.perf_counter()
         got_bytes = 0
+        split = self._split(len(disk))
         try:
             for i in disk:
                 while len(pending) >= window:
                     got_bytes += self._send_up(copier, pending.popleft(), outs, got)
                 buffer = copier.host_buffer(_tensor_nbytes(outs[i]))
-                pending.append((i, buffer, self._submit(texts[i], memoryview(buffer))))
+                read = self._submit(texts[i], memoryview(buffer), split)
+                pending.append((i, buffer, read))
             while pending:
                 got_bytes += self._send_up(copier, pending.popleft(), outs, got)
         finally:  # never let a staging buffer go while a reader still fills it

@@ -4,6 +4,7 @@ achieved, and the load-or-recompute plan built on it."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -246,3 +247,31 @@ def test_a_plan_with_no_hit_is_empty(root: Path) -> None:
         assert (plan.hit_tokens, plan.load_tokens, plan.load_chunks) == (0, 0, 0)
         with pytest.raises(InvalidValueError, match="positive"):
             s.lookup_tokens(list(range(40)), recompute_tokens_per_s=0)
+
+
+def test_a_lone_large_value_is_read_in_parts_at_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Too few values to keep the reader threads busy: each is split into block-aligned
+    parts read at once (bit-exact, odd sizes too); a truncated file is still a miss."""
+    from persisting.kv import payload_files
+
+    real = payload_files._pread_exact
+    threads: list[str] = []
+
+    def traced(fd: int, path: object, out: memoryview, offset: int) -> None:
+        threads.append(threading.current_thread().name)
+        real(fd, path, out, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(payload_files, "_pread_exact", traced)
+    value = torch.arange(3 * MiB + 77, dtype=torch.uint8).reshape(1, -1)
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB, read_threads=4) as s:
+        s.put(key(0), value, fmt="binary", check_shape=False)
+        got = s.get(key(0))
+        assert torch.equal(got, value)
+        assert len(threads) == 3 and all(t.startswith("persisting-kv-read") for t in threads)
+        out = torch.empty_like(value)
+        assert s.get_into(key(0), out) is not None and torch.equal(out, value)
+        os.truncate(payload_path(s, key(0)), HEADER_BYTES + 2 * MiB)
+        assert s.get(key(0)) is None
+        assert not s.contains(key(0))
