@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from kv_helpers import MODEL, key, tensor
+
 from persisting.kv import open_kv_store
 from persisting.lance_store import durable
 
