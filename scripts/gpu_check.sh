@@ -38,7 +38,7 @@ timeout 150 python3 -m pytest tests_gpu -q -s -p no:cacheprovider \
   --junitxml="$OUT/tests_gpu.xml" || status=1
 
 echo "== device_bench: the store's device path vs the physical path (issue 12)"
-timeout 120 python3 benchmarks/device_bench.py --device cuda --chunk-mib 32 --chunks 8 \
+timeout 90 python3 benchmarks/device_bench.py --device cuda --chunk-mib 32 --chunks 8 \
   --rounds 3 --settle-s 2 --dir /tmp --json "$OUT/device.json" || status=1
 
 echo "== ttft_bench: llama-3.1-8b"

@@ -177,7 +177,7 @@ class Writes:
             copier = self._t.host.copier(device)
             landed = copier.to_host(values[i] for i in indexes)
             for i, host in zip(indexes, landed, strict=True):
-                views[i] = memoryview(host)
+                views[i] = host.data
         return [(lay, view) for lay, view in zip(layouts, views, strict=True)]  # type: ignore[misc]
 
     def _check_size(self, layout: Layout) -> Layout:
@@ -255,7 +255,7 @@ class Writes:
                     return PutResult(it.key, "memory", False, stored=False)
             elif self.durability == "async" or not inserted:
                 # Write-behind (or straight to disk: memory could not hold the value).
-                item = WriteItem(it.key, it.layout, memoryview(buffer), it.checksum, it.parent)
+                item = WriteItem(it.key, it.layout, buffer.data, it.checksum, it.parent)
                 self._inflight[it.key] = PendingWrite(item, on_complete)
                 self._writer.submit(item)
             elif on_complete is not None:  # write-back: told when the value reaches disk
@@ -295,9 +295,7 @@ class Writes:
             for key, entry in evicted:
                 if not entry.dirty or key in self._inflight:
                     continue  # clean, or a write-behind already has its bytes
-                item = WriteItem(
-                    key, entry.layout, memoryview(entry.buffer), entry.checksum, entry.parent
-                )
+                item = WriteItem(key, entry.layout, entry.buffer.data, entry.checksum, entry.parent)
                 todo.append(PendingWrite(item, self._dirty_callbacks.pop(key, None)))
                 self._inflight[key] = todo[-1]
         if not todo:

@@ -150,7 +150,7 @@ class Reads:
             got = self._fill(texts, outs)
             return [out if ok is not None else None for out, ok in zip(outs, got, strict=True)]
         buffers = [self._result_buffer(lay.nbytes) if lay is not None else None for lay in layouts]
-        views = [memoryview(b) if b is not None else None for b in buffers]
+        views = [b.data if b is not None else None for b in buffers]
         got = self._fill_host(texts, views)
         return [
             decode_value(layout, buffer) if layout is not None and buffer is not None else None
@@ -339,7 +339,7 @@ class Reads:
                 while len(pending) >= window:
                     got_bytes += self._send_up(copier, pending.popleft(), outs, got)
                 buffer = copier.host_buffer(_tensor_nbytes(outs[i]))
-                read = self._submit(texts[i], memoryview(buffer), split)
+                read = self._submit(texts[i], buffer.data, split)
                 pending.append((i, buffer, read))
             while pending:
                 got_bytes += self._send_up(copier, pending.popleft(), outs, got)
@@ -425,7 +425,7 @@ class Reads:
                 continue
             buffer = t.memory_buffer(entry.layout.nbytes)
             assert t.disk is not None
-            layout = t.disk.read_into(text, memoryview(buffer))
+            layout = t.disk.read_into(text, buffer.data)
             if layout is None:
                 continue
             with t.lock:
