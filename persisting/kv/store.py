@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -21,9 +21,10 @@ from persisting.config import DURABILITY_ALIASES, KVSettings, PersistingSettings
 from persisting.cuda import DEFAULT_STAGING_BYTES, StoreHostMemory
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
 from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
-from persisting.kv.keys import ChunkKey, TokenHasher
+from persisting.kv.keys import TokenHasher
 from persisting.kv.layout import Layout
-from persisting.kv.load_plan import HitChunk, LoadPlan, TierBandwidth
+from persisting.kv.load_plan import LoadPlan, TierBandwidth
+from persisting.kv.lookups import Lookups
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.policy import (
     AdmissionPolicy,
@@ -134,6 +135,7 @@ class KVStore:
         )
         results = RecycledBuffers(result_buffer_bytes) if result_buffer_bytes > 0 else None
         self._reads = Reads(self._tiers, results, self._writes.write_back, read_threads)
+        self._lookups = Lookups(self._tiers, chunk_size)
         self._closed = False
 
     def _release_tiers(self) -> None:
@@ -302,9 +304,7 @@ class KVStore:
 
     def contains(self, key: KeyLike) -> bool:
         self._check_open()
-        text = self._key(key)
-        with self._tiers.lock:
-            return text in self.memory.index or self._tiers.on_disk(text)
+        return self._lookups.contains(key)
 
     def lookup_prefix(self, keys: Sequence[KeyLike] | Sequence[Sequence[KeyLike]]) -> int:
         """How many leading chunks are present; stops at the first miss.
@@ -312,28 +312,7 @@ class KVStore:
         Given one key list per TP rank, a chunk counts only if every rank's piece is there.
         """
         self._check_open()
-        if not keys:
-            return 0
-        per_rank = isinstance(keys[0], list | tuple)
-        ranks = cast("list[Sequence[KeyLike]]", list(keys) if per_rank else [keys])
-        length = min(len(r) for r in ranks)
-        hits = 0
-        with self._tiers.lock:
-            for i in range(length):
-                if not all(self._present(r[i]) for r in ranks):
-                    break
-                hits += 1
-        self.op_stats.count("lookup_hit_chunks", hits)
-        return hits
-
-    def _present(self, key: KeyLike) -> bool:
-        """Membership on the hot path: a stored string was validated when it was stored, so
-        only a miss pays for parsing (which raises for a malformed key)."""
-        text = key.to_string() if isinstance(key, ChunkKey) else key
-        if isinstance(text, str) and (text in self.memory.index or self._tiers.on_disk(text)):
-            return True
-        self._key(key)
-        return False
+        return self._lookups.lookup_prefix(keys)
 
     def lookup_tokens(
         self,
@@ -353,12 +332,7 @@ class KVStore:
                 tokens, recompute_tokens_per_s=recompute_tokens_per_s, hasher=hasher
             ).load_tokens
         self._check_open()
-        hasher = hasher or TokenHasher(self.model, chunk_size=self.chunk_size)
-        chunks = hasher.process_tokens(tokens)
-        n = self.lookup_prefix([key for _s, _e, key in chunks])
-        hit_tokens = chunks[n - 1][1] if n else 0
-        self.op_stats.count("lookup_hit_tokens", hit_tokens)
-        return hit_tokens
+        return self._lookups.lookup_tokens(tokens, hasher)
 
     def plan_tokens(
         self,
@@ -376,31 +350,10 @@ class KVStore:
         prefill; the plan loads the prefix that saves the most (see
         :mod:`persisting.kv.load_plan`). A disk hit slower than recomputing is not loaded
         unless faster chunks after it pay for it. Counts ``load_plan_load_tokens`` and
-        ``load_plan_recompute_tokens`` (and chunks) in :attr:`op_stats`.
+        ``load_plan_recompute_tokens`` (and ``_chunks``) in :attr:`op_stats`.
         """
         self._check_open()
-        hasher = hasher or TokenHasher(self.model, chunk_size=self.chunk_size)
-        chunks = hasher.process_tokens(tokens)
-        n = self.lookup_prefix([key for _s, _e, key in chunks])
-        hits: list[HitChunk] = []
-        with self._tiers.lock:
-            for start, end, key in chunks[:n]:
-                text = self._key(key)
-                entry = self.memory.index.get(text)
-                if entry is not None:
-                    hits.append(HitChunk("memory", end - start, entry.layout.nbytes))
-                    continue
-                disk_entry = self.disk.entry(text) if self.disk is not None else None
-                if disk_entry is None:  # removed since the lookup: the prefix ends here
-                    break
-                hits.append(HitChunk("disk", end - start, disk_entry.layout.nbytes))
-        plan = self._tiers.bandwidth.plan(hits, recompute_tokens_per_s, min_saving_s)
-        self.op_stats.count("lookup_hit_tokens", plan.hit_tokens)
-        self.op_stats.count("load_plan_load_tokens", plan.load_tokens)
-        self.op_stats.count("load_plan_recompute_tokens", plan.recompute_tokens)
-        self.op_stats.count("load_plan_load_chunks", plan.load_chunks)
-        self.op_stats.count("load_plan_recompute_chunks", len(hits) - plan.load_chunks)
-        return plan
+        return self._lookups.plan_tokens(tokens, recompute_tokens_per_s, hasher, min_saving_s)
 
     @property
     def bandwidth(self) -> TierBandwidth:
