@@ -161,7 +161,7 @@ STORE_FIGURES: tuple[StoreFigure, ...] = (
         "persisting_kv_read_bandwidth_bytes_per_second",
         "gauge",
         "read_bandwidth_{tier}",
-        "Read bandwidth gets achieved lately, by tier (a moving average; absent before the "
+        "Read bandwidth gets achieved lately, by tier (a moving average; 0 before the "
         "tier's first read).",
     ),
     StoreFigure("items", "persisting_kv_items", "gauge", "{tier}_items", "Chunks held, by tier."),

@@ -493,8 +493,9 @@ class KVStore:
                 )
         out["read_threads"] = self._reads.read_threads
         out["pinned"] = self.host.pinned
-        for tier, rate in self._tiers.bandwidth.snapshot().items():
-            out[f"read_bandwidth_{tier}"] = int(rate)
+        rates = self._tiers.bandwidth.snapshot()
+        for tier in ("memory", "disk") if self.disk is not None else ("memory",):
+            out[f"read_bandwidth_{tier}"] = int(rates.get(tier, 0))  # 0: not read yet
         out.update(counters)
         return out
 
