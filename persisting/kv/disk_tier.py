@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -62,9 +62,6 @@ class Location:
 #: the delete of what it evicted. A Lance commit (a data file, a manifest and a transaction
 #: file) grew meta.lance by 12-16 KiB each on ext4 here.
 METADATA_COMMIT_BYTES = 32 << 10
-
-#: Files of one durable batch written (and fsynced) at once.
-WRITE_THREADS = 8
 
 #: Told which chunks eviction removed, as ``(key, bytes on disk)``.
 EvictionListener = Callable[[list[tuple[str, int]]], None]
@@ -111,8 +108,6 @@ class DiskTier:
         self.index: LruIndex[DiskEntry] = LruIndex()
         self._lock = threading.RLock()
         self._writing: set[str] = set()
-        #: Threads writing the files of a durable batch (started with the first one).
-        self._writers: ThreadPoolExecutor | None = None
         self._closed = False
         self.evictions = 0
         self.corruptions = 0
@@ -353,7 +348,8 @@ class DiskTier:
                 raise
         done: list[Path] = []
         try:
-            self._write_files(todo, pending, durable)
+            headers = [FileHeader(it.key, it.layout, it.checksum, it.parent) for it in todo]
+            self.files.write_batch(pending, headers, [it.data for it in todo], durable=durable)
             for p in pending:
                 done.append(self.files.publish(p))
             if durable:
@@ -381,37 +377,6 @@ class DiskTier:
             self.usage.add(-released)
         self.meta.add(rows)
         return {row.key for row in rows}
-
-    def _write_files(
-        self, todo: list[WriteItem], pending: list[PendingFile], durable: bool
-    ) -> None:
-        """Write (and with ``durable`` fsync) a batch's tmp files. Several at once when the
-        batch must be durable: concurrent fsyncs share the filesystem's journal commits,
-        where one after another each waits for a commit of its own. On failure every tmp
-        file of the batch is removed and the first error raised."""
-        headers = [FileHeader(it.key, it.layout, it.checksum, it.parent) for it in todo]
-        if not durable or len(todo) == 1:
-            for it, p, header in zip(todo, pending, headers, strict=True):
-                self.files.write(p, header, it.data, durable=durable)
-            return
-        with self._lock:
-            if self._writers is None:
-                self._writers = ThreadPoolExecutor(
-                    WRITE_THREADS, thread_name_prefix="persisting-kv-write"
-                )
-            writers = self._writers
-        futures = [
-            writers.submit(self.files.write, p, header, it.data, durable=True)
-            for it, p, header in zip(todo, pending, headers, strict=True)
-        ]
-        failure: BaseException | None = None
-        for future in futures:  # all of them, so no writer still runs when we clean up
-            exc = future.exception()
-            failure = failure or exc
-        if failure is not None:
-            for p in pending:
-                self.files.abort(p)
-            raise failure
 
     def _growth_of(self, todo: list[WriteItem], tags: list[int]) -> int:
         """What a batch adds on disk besides its payload files until the overhead is next
@@ -586,8 +551,7 @@ class DiskTier:
         self.meta.close()
         self._closed = True
         self.usage.close()
-        if self._writers is not None:
-            self._writers.shutdown(wait=True)
+        self.files.close()
 
 
 def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:
