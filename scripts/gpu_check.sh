@@ -12,7 +12,7 @@
 #   bash ../shared/tools/device-carry.sh        # builds .devcarry/ (ignored by git)
 # then call the device tool with
 #   command: bash scripts/gpu_check.sh   carry: [".devcarry"]   timeout_s: 560
-# It is sized to finish in about 8 minutes on an H200; each step has its own time limit so
+# It is sized to finish in about 9 minutes on an H200; each step has its own time limit so
 # a hang in one still leaves the others' figures. Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
