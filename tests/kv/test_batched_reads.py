@@ -275,3 +275,42 @@ def test_a_lone_large_value_is_read_in_parts_at_once(
         os.truncate(payload_path(s, key(0)), HEADER_BYTES + 2 * MiB)
         assert s.get(key(0)) is None
         assert not s.contains(key(0))
+
+
+def test_large_values_of_a_batch_are_each_read_in_parts_by_a_few_runners(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of several large values: each is read by one of two runner threads as
+    parts on the reader threads (bit-exact; a damaged one is still a counted miss)."""
+    from persisting.kv import payload_files
+
+    real = payload_files._pread_exact
+    part_threads: list[str] = []
+
+    def traced(fd: int, path: object, out: memoryview, offset: int) -> None:
+        part_threads.append(threading.current_thread().name)
+        real(fd, path, out, offset)  # type: ignore[arg-type]
+
+    values = [torch.full((1, 2 * MiB + 4096 * i), i, dtype=torch.uint8) for i in range(5)]
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB, read_threads=4) as s:
+        keys = [key(i) for i in range(5)]
+        s.batched_put(keys, values, fmt="binary", check_shape=False)
+        flip_payload_byte(payload_path(s, key(3)))
+        value_threads: set[str] = set()
+        s.op_stats.listeners.append(
+            lambda op, tier, *_a: (
+                value_threads.add(threading.current_thread().name)
+                if (op, tier) == ("get", "disk")
+                else None
+            )
+        )
+        monkeypatch.setattr(payload_files, "_pread_exact", traced)
+        got = s.batched_get(keys)
+        assert got[3] is None
+        assert all(torch.equal(got[i], values[i]) for i in (0, 1, 2, 4))
+        assert len(part_threads) == 2 * 5  # two parts per value (4 threads / 2 runners)
+        assert all(t.startswith("persisting-kv-read_") for t in part_threads)
+        assert value_threads and all(
+            t.startswith("persisting-kv-read-value") for t in value_threads
+        )
+        assert s.stats()["corruptions"] == 1
