@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -347,9 +348,10 @@ class DiskTier:
                 raise
         done: list[Path] = []
         try:
-            for it, p in zip(todo, pending, strict=True):
-                header = FileHeader(it.key, it.layout, it.checksum, it.parent)
-                done.append(self.files.finish(p, header, it.data, durable=durable))
+            headers = [FileHeader(it.key, it.layout, it.checksum, it.parent) for it in todo]
+            self.files.write_batch(pending, headers, [it.data for it in todo], durable=durable)
+            for p in pending:
+                done.append(self.files.publish(p))
             if durable:
                 self.files.sync_dirs(done)
         except BaseException:
@@ -447,8 +449,11 @@ class DiskTier:
 
     # -- reading ------------------------------------------------------------------------
 
-    def read_into(self, key: str, out: memoryview) -> Layout | None:
-        """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum.
+    def read_into(
+        self, key: str, out: memoryview, *, executor: Executor | None = None, parts: int = 1
+    ) -> Layout | None:
+        """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum; in
+        ``parts`` positioned reads at once on ``executor`` when given.
 
         Returns None on a miss, including a file evicted by another process mid-way and a
         checksum failure (the damaged chunk is then dropped and counted).
@@ -464,7 +469,7 @@ class DiskTier:
             entry.readers += 1
         path = self.files.path(key, entry.tag)
         try:
-            self.files.read_into(path, out)
+            self.files.read_into(path, out, executor=executor, parts=parts)
             ok = checksum(out) == entry.checksum
         except FileNotFoundError:
             self._forget(key, entry)
@@ -546,6 +551,7 @@ class DiskTier:
         self.meta.close()
         self._closed = True
         self.usage.close()
+        self.files.close()
 
 
 def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:

@@ -147,6 +147,41 @@ def _check_format(fmt: object, shape: tuple[int, ...], check_shape: bool = True)
     return fmt
 
 
+def is_device_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor on a device other than the CPU (not ``meta``)."""
+    torch = loaded_torch()
+    return (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and value.device.type not in ("cpu", "meta")
+    )
+
+
+def tensor_layout(value: Any, fmt: str, *, check_shape: bool = True) -> Layout:
+    """The layout a torch tensor (on any device) is stored with; validates it, copies
+    nothing (a device tensor's bytes are moved by the caller)."""
+    import torch
+
+    if value.layout != torch.strided:
+        raise InvalidValueError(f"{value.layout} tensors cannot be stored; make it dense")
+    if value.device.type == "meta":
+        raise InvalidValueError("a meta-device tensor has no data to store")
+    names = _torch_to_name()
+    if value.dtype not in names:
+        raise InvalidValueError(f"unsupported tensor dtype {value.dtype}")
+    shape = tuple(int(x) for x in value.shape)
+    layout = Layout(
+        shape,
+        names[value.dtype],
+        _check_format(fmt, shape, check_shape),
+        value.numel() * value.element_size(),
+        "torch",
+    )
+    if layout.nbytes == 0:
+        raise InvalidValueError("zero-size values cannot be stored")
+    return layout
+
+
 def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Layout, memoryview]:
     """Validate ``value`` and return its layout and a read-only byte view of its data.
 
@@ -156,31 +191,16 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
     """
     torch = loaded_torch()
     if torch is not None and isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
-            raise InvalidValueError(f"{value.layout} tensors cannot be stored; make it dense")
-        if value.device.type == "meta":
-            raise InvalidValueError("a meta-device tensor has no data to store")
+        layout = tensor_layout(value, fmt, check_shape=check_shape)
         if value.device.type != "cpu":
-            value = value.to("cpu")
-        names = _torch_to_name()
-        if value.dtype not in names:
-            raise InvalidValueError(f"unsupported tensor dtype {value.dtype}")
-        value = value.detach()
-        tensor = value.contiguous()
-        shape = tuple(int(x) for x in tensor.shape)
-        layout = Layout(
-            shape,
-            names[tensor.dtype],
-            _check_format(fmt, shape, check_shape),
-            tensor.numel() * tensor.element_size(),
-            "torch",
-        )
+            value = value.to("cpu")  # KVStore copies device tensors down itself (pinned)
+        tensor = value.detach().contiguous()
         raw = (
             tensor.reshape(-1).view(torch.uint8).numpy()
             if tensor.numel()
             else np.empty(0, np.uint8)
         )
-        view = memoryview(raw).cast("B")
+        view = raw.data.cast("B")
     elif isinstance(value, np.ndarray):
         if value.dtype not in _NUMPY_TO_NAME:
             raise InvalidValueError(f"unsupported array dtype {value.dtype}")
@@ -193,7 +213,7 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
             int(array.nbytes),
             "numpy",
         )
-        view = memoryview(array.reshape(-1).view(np.uint8)).cast("B")
+        view = array.reshape(-1).view(np.uint8).data.cast("B")
     elif isinstance(value, bytes | bytearray | memoryview):
         view = memoryview(value)
         if not view.c_contiguous:
@@ -251,7 +271,7 @@ def decode_value(layout: Layout, buffer: np.ndarray) -> Any:
 
 def checksum(data: memoryview | np.ndarray | bytes) -> int:
     """64-bit xxh3 of the payload bytes (verified on every read from disk)."""
-    return xxhash.xxh3_64_intdigest(data)
+    return xxhash.xxh3_64_intdigest(data.data if isinstance(data, np.ndarray) else data)
 
 
 __all__ = [
@@ -261,7 +281,9 @@ __all__ = [
     "checksum",
     "decode_value",
     "encode_value",
+    "is_device_tensor",
     "owned_copy",
+    "tensor_layout",
     "torch_dtype",
     "writable_bytes",
 ]

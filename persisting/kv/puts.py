@@ -28,7 +28,14 @@ from typing import Any, Literal
 from persisting.errors import CapacityError, InvalidValueError, PersistingError
 from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
-from persisting.kv.layout import Layout, checksum, encode_value, owned_copy
+from persisting.kv.layout import (
+    Layout,
+    checksum,
+    encode_value,
+    is_device_tensor,
+    owned_copy,
+    tensor_layout,
+)
 from persisting.kv.policy import AdmissionPolicy
 from persisting.kv.tiers import KeyLike, Tiers
 from persisting.kv.write_behind import WriteBehind
@@ -126,7 +133,7 @@ class Writes:
             parent_texts = [None, *texts[:-1]]
         else:
             parent_texts = [None] * len(texts)
-        encoded = [self._encode(v, fmt, check_shape) for v in values]
+        encoded = self._encode_all(values, fmt, check_shape)
         items = [
             WriteItem(k, layout, view, checksum(view), parent)
             for k, (layout, view), parent in zip(texts, encoded, parent_texts, strict=True)
@@ -145,8 +152,35 @@ class Writes:
                     notify(on_complete, r, self._t)
         return results
 
-    def _encode(self, value: Any, fmt: str, check_shape: bool) -> tuple[Layout, memoryview]:
-        layout, view = encode_value(value, fmt, check_shape=check_shape)
+    def _encode_all(
+        self, values: Sequence[Any], fmt: str, check_shape: bool
+    ) -> list[tuple[Layout, memoryview]]:
+        """Every value's layout and host bytes, all validated before any byte moves.
+
+        Tensors on a device are copied down here, on a side stream into the pinned staging
+        ring (:meth:`~persisting.cuda.DeviceCopier.to_host`; non-contiguous ones are made
+        contiguous on the device), never through pageable ``.to("cpu")`` copies.
+        """
+        on_device: dict[str, list[int]] = {}
+        layouts: list[Layout | None] = []
+        views: list[memoryview | None] = []
+        for i, value in enumerate(values):
+            if is_device_tensor(value):
+                layouts.append(self._check_size(tensor_layout(value, fmt, check_shape=check_shape)))
+                views.append(None)
+                on_device.setdefault(str(value.device), []).append(i)
+            else:
+                layout, view = encode_value(value, fmt, check_shape=check_shape)
+                layouts.append(self._check_size(layout))
+                views.append(view)
+        for device, indexes in on_device.items():
+            copier = self._t.host.copier(device)
+            landed = copier.to_host(values[i] for i in indexes)
+            for i, host in zip(indexes, landed, strict=True):
+                views[i] = host.data
+        return [(lay, view) for lay, view in zip(layouts, views, strict=True)]  # type: ignore[misc]
+
+    def _check_size(self, layout: Layout) -> Layout:
         if layout.nbytes > self.max_value_bytes:
             raise CapacityError(
                 f"value of {layout.nbytes} bytes exceeds the {self.max_value_bytes}-byte limit"
@@ -154,7 +188,7 @@ class Writes:
         disk = self._t.disk
         if layout.nbytes > max(self._t.memory.capacity, disk.capacity if disk else 0):
             raise CapacityError(f"value of {layout.nbytes} bytes cannot fit any tier")
-        return layout, view
+        return layout
 
     def _put_sync(self, items: list[WriteItem]) -> list[PutResult]:
         t = self._t
@@ -221,7 +255,7 @@ class Writes:
                     return PutResult(it.key, "memory", False, stored=False)
             elif self.durability == "async" or not inserted:
                 # Write-behind (or straight to disk: memory could not hold the value).
-                item = WriteItem(it.key, it.layout, memoryview(buffer), it.checksum, it.parent)
+                item = WriteItem(it.key, it.layout, buffer.data, it.checksum, it.parent)
                 self._inflight[it.key] = PendingWrite(item, on_complete)
                 self._writer.submit(item)
             elif on_complete is not None:  # write-back: told when the value reaches disk
@@ -261,9 +295,7 @@ class Writes:
             for key, entry in evicted:
                 if not entry.dirty or key in self._inflight:
                     continue  # clean, or a write-behind already has its bytes
-                item = WriteItem(
-                    key, entry.layout, memoryview(entry.buffer), entry.checksum, entry.parent
-                )
+                item = WriteItem(key, entry.layout, entry.buffer.data, entry.checksum, entry.parent)
                 todo.append(PendingWrite(item, self._dirty_callbacks.pop(key, None)))
                 self._inflight[key] = todo[-1]
         if not todo:

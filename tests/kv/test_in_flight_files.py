@@ -23,14 +23,14 @@ HERE = Path(__file__).parent
 def pause_writes(store, started: threading.Event, go: threading.Event) -> None:
     """Make ``store``'s writer stop after creating its tmp files, until ``go``."""
     files = store.disk.files
-    real = files.finish
+    real = files.publish
 
     def finish(*args, **kwargs):
         started.set()
         assert go.wait(60)
         return real(*args, **kwargs)
 
-    files.finish = finish
+    files.publish = finish
 
 
 def test_two_stores_of_one_process_keep_each_others_in_flight_files(root: Path) -> None:
@@ -75,7 +75,7 @@ from persisting.kv import open_kv_store
 root, go_file = sys.argv[1], sys.argv[2]
 store = open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 << 20)
 files = store.disk.files
-real = files.finish
+real = files.publish
 told = []
 def finish(*args, **kwargs):
     if not told:
@@ -83,7 +83,7 @@ def finish(*args, **kwargs):
     while not os.path.exists(go_file):
         threading.Event().wait(0.01)
     return real(*args, **kwargs)
-files.finish = finish
+files.publish = finish
 results = store.batched_put([key(i) for i in range(3)], [tensor(i) for i in range(3)])
 store.close()
 print("stored", sum(r.stored for r in results), flush=True)
@@ -149,14 +149,14 @@ from kv_helpers import MODEL, big, key
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=int(sys.argv[2]))
 files = store.disk.files
-real = files.finish
+real = files.publish
 done = []
 def finish(*args, **kwargs):
     if len(done) == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # one file written, seven still reserved
     done.append(real(*args, **kwargs))
     return done[-1]
-files.finish = finish
+files.publish = finish
 store.batched_put([key(100 + i) for i in range(8)], [big(100 + i) for i in range(8)])
 """
 
