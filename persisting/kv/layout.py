@@ -180,7 +180,7 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
             if tensor.numel()
             else np.empty(0, np.uint8)
         )
-        view = memoryview(raw).cast("B")
+        view = raw.data.cast("B")
     elif isinstance(value, np.ndarray):
         if value.dtype not in _NUMPY_TO_NAME:
             raise InvalidValueError(f"unsupported array dtype {value.dtype}")
@@ -193,7 +193,7 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
             int(array.nbytes),
             "numpy",
         )
-        view = memoryview(array.reshape(-1).view(np.uint8)).cast("B")
+        view = array.reshape(-1).view(np.uint8).data.cast("B")
     elif isinstance(value, bytes | bytearray | memoryview):
         view = memoryview(value)
         if not view.c_contiguous:
@@ -251,7 +251,7 @@ def decode_value(layout: Layout, buffer: np.ndarray) -> Any:
 
 def checksum(data: memoryview | np.ndarray | bytes) -> int:
     """64-bit xxh3 of the payload bytes (verified on every read from disk)."""
-    return xxhash.xxh3_64_intdigest(data)
+    return xxhash.xxh3_64_intdigest(data.data if isinstance(data, np.ndarray) else data)
 
 
 __all__ = [
