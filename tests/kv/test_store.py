@@ -284,8 +284,10 @@ def test_closed_store_and_bad_settings(root: Path) -> None:
         open_store(root, durability="later")
     with pytest.raises(ConfigError):
         open_store(root, durability="async", memory_bytes=0)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="unknown eviction policy 'random'"):
         open_store(root, eviction="random")
+    with pytest.raises(ConfigError, match="unknown admission policy 'never'"):
+        open_store(root, admission="never")
 
 
 def test_async_variants(root: Path) -> None:
