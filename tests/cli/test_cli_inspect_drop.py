@@ -10,11 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_ops_helpers import FILE_BYTES, MODEL, fill, key, open_store, same, value, write_queue
 from typer.testing import CliRunner, Result
 
 from persisting.cli import app
 from persisting.lance_store import StorageRoot
+from tests.cli.cli_ops_helpers import (
+    FILE_BYTES,
+    MODEL,
+    fill,
+    key,
+    open_store,
+    same,
+    value,
+    write_queue,
+)
 
 runner = CliRunner()
 OTHER = "org/small-model"

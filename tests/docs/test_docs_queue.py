@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from docs_helpers import REPO, RUN_LANGUAGES, fenced_blocks, run_block, run_env
 
 from persisting.queue.positions import ConsumerPositions
+from tests.docs.docs_helpers import REPO, RUN_LANGUAGES, fenced_blocks, run_block, run_env
 
 PAGE = REPO / "docs" / "queue.md"
 

@@ -13,7 +13,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from docs_helpers import (
+
+from persisting.lance_store import StorageRoot
+from persisting.queue.positions import ConsumerPositions
+from tests.docs.docs_helpers import (
     REPO,
     RUN_LANGUAGES,
     Background,
@@ -25,9 +28,6 @@ from docs_helpers import (
     start_background,
     substitute,
 )
-
-from persisting.lance_store import StorageRoot
-from persisting.queue.positions import ConsumerPositions
 
 GUIDE = REPO / "docs" / "user-guide.md"
 MODEL = "meta-llama/Llama-3-8B"

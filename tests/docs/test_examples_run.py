@@ -12,7 +12,8 @@ import socket
 from pathlib import Path
 
 import pytest
-from docs_helpers import REPO, run_example
+
+from tests.docs.docs_helpers import REPO, run_example
 
 MODEL_DIR = "meta-llama%2FLlama-3-8B"
 

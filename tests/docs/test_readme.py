@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from docs_helpers import REPO, fenced_blocks, run_env
+
+from tests.docs.docs_helpers import REPO, fenced_blocks, run_env
 
 README = REPO / "README.md"
 GUIDE = REPO / "docs" / "user-guide.md"

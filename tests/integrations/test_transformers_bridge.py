@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
 
 from persisting.errors import InvalidValueError
 from persisting.integrations.transformers import dtype_name, forward, load_prefix, save_prefix
 from persisting.kv import KVStore, TokenHasher, open_kv_store
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-from service_helpers import free_port, processes, start_serve, wait_for_log
+from tests import child_env
+from tests.integrations.hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
+from tests.service.service_helpers import free_port, processes, start_serve, wait_for_log
 
 
 def store_at(root: Path, **options) -> KVStore:
@@ -128,8 +127,7 @@ def run_client_task(args: dict) -> dict:
     import os
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env = child_env({k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")})
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("hf_client_task.py")), json.dumps(args)],
         env=env,

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
 
 from persisting.errors import (
     CapacityError,
@@ -20,6 +19,7 @@ from persisting.errors import (
 )
 from persisting.kv import Layout, TokenHasher, open_kv_store
 from persisting.lance_store import StorageRoot
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 

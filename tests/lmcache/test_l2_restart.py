@@ -5,7 +5,6 @@ back). LMCache's own disk adapters forget usage and order on restart."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from l2_harness import (
+
+from persisting.lmcache import PersistingL2Adapter
+from tests import child_env
+from tests.lmcache.l2_harness import (
     adapter_json,
     adapter_of,
     bytes_of,
@@ -28,9 +30,7 @@ from l2_harness import (
     tensor_obj,
     wait_until,
 )
-from l2_writer import BIG, BIG_SHAPE, KEYS
-
-from persisting.lmcache import PersistingL2Adapter
+from tests.lmcache.l2_writer import BIG, BIG_SHAPE, KEYS
 
 pytestmark = pytest.mark.timeout(240)
 HERE = Path(__file__).parent
@@ -38,10 +38,7 @@ CHUNK_BYTES = 2 * 4 * 16 * 256 * 2
 
 
 def run_writer(root: Path, mode: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = child_env()
     return subprocess.run(
         [sys.executable, str(HERE / "l2_writer.py"), str(root), mode],
         env=env,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from lmcache_harness import (
+
+from tests import child_env
+from tests.lmcache.lmcache_harness import (
     PLUGIN,
     key,
     make_config,
@@ -25,10 +26,7 @@ COUNT = 6
 
 
 def run_writer(root: Path, disk: Path, durability: str, ending: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = child_env()
     return subprocess.run(
         [
             sys.executable,

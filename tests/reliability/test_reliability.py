@@ -7,15 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-import harness_fuzz
-import harness_kv_concurrency
-import harness_kv_corruption
-import harness_kv_crash
-import harness_kv_diskfull
-import harness_kv_misuse
-import harness_queue_crash
-import make_report
 import pytest
+
+from tests import child_env
+from tests.reliability import (
+    harness_fuzz,
+    harness_kv_concurrency,
+    harness_kv_corruption,
+    harness_kv_crash,
+    harness_kv_diskfull,
+    harness_kv_misuse,
+    harness_queue_crash,
+    make_report,
+)
 
 
 @pytest.mark.timeout(300)
@@ -40,7 +44,8 @@ def test_garbage_over_the_protocol_gets_typed_replies_and_service_keeps_serving(
     out = subprocess.run(
         [
             sys.executable,
-            str(Path(__file__).parent / "harness_protocol_fuzz.py"),
+            "-m",
+            "tests.reliability.harness_protocol_fuzz",
             "--examples",
             "600",
             "--raw",
@@ -48,6 +53,7 @@ def test_garbage_over_the_protocol_gets_typed_replies_and_service_keeps_serving(
             "--seed",
             "11",
         ],
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=240,
@@ -130,7 +136,8 @@ def test_cancelled_same_host_puts_never_store_another_keys_bytes() -> None:
     # Its own process: it runs a Pulsing client. 8 runs x 12 cancelled puts; the old client
     # stored another key's bytes under several cancelled keys in nearly every run.
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "harness_cancelled_puts.py"), "--runs", "8"],
+        [sys.executable, "-m", "tests.reliability.harness_cancelled_puts", "--runs", "8"],
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=360,

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from service_helpers import MODEL, REPO, free_port, server_env
+
+from tests.service.service_helpers import MODEL, REPO, free_port, server_env
 
 PERSISTING = str(Path(sys.executable).with_name("persisting"))
 HARNESS = REPO / "tests" / "reliability" / "harness_service_attack.py"

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from service_helpers import (
+
+from tests.service.service_helpers import (
     MODEL,
     REPO,
     free_port,
