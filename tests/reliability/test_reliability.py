@@ -22,6 +22,7 @@ from tests.reliability import (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_30_times_loses_no_acknowledged_write(tmp_path: Path) -> None:
     r = harness_kv_crash.run(tmp_path, kills=30, seed=11, time_budget_s=200)
@@ -30,6 +31,7 @@ def test_sigkill_30_times_loses_no_acknowledged_write(tmp_path: Path) -> None:
     assert (r["lost_acknowledged"], r["wrong_reads"], r["torn_visible"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_30_times_loses_no_acknowledged_queue_record(tmp_path: Path) -> None:
     r = harness_queue_crash.run(tmp_path, kills=30, seed=11, time_budget_s=200)
@@ -38,6 +40,7 @@ def test_sigkill_30_times_loses_no_acknowledged_queue_record(tmp_path: Path) -> 
     assert (r["lost_acknowledged"], r["wrong_records"], r["duplicated_records"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_garbage_over_the_protocol_gets_typed_replies_and_service_keeps_serving() -> None:
     # Its own process: it starts a Pulsing system, which may crash at interpreter exit.
@@ -66,6 +69,7 @@ def test_garbage_over_the_protocol_gets_typed_replies_and_service_keeps_serving(
     assert r["outcomes"].get("ok", 0) > 0  # fuzzing reached real operations too
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_kind_of_corruption_gives_misses_never_wrong_data() -> None:
     r = harness_kv_corruption.run(rounds=1, seed=11)
@@ -78,6 +82,7 @@ def test_every_kind_of_corruption_gives_misses_never_wrong_data() -> None:
             assert o["misses"] == 1, o  # exactly the damaged value is lost
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_concurrent_processes_no_wrong_data_capacity_held() -> None:
     r = harness_kv_concurrency.run(procs=3, seconds=10, seed=11)
@@ -86,6 +91,7 @@ def test_concurrent_processes_no_wrong_data_capacity_held() -> None:
     assert r["capacity_held"], r
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fuzzed_hostile_input_gets_typed_errors() -> None:
     r = harness_fuzz.run(examples=120, seed=11)
@@ -102,6 +108,7 @@ def test_disk_full_is_a_clean_capacity_error() -> None:
     assert r["torn_files_visible"] == 0 and r["puts_ok_after_space_returned"] == 5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore:lance is not fork-safe")
 def test_attacks_and_careless_use_against_the_kv_store_all_fail() -> None:
