@@ -32,6 +32,7 @@ def generate(tmp_path: Path) -> Path:
     return trace
 
 
+@pytest.mark.slow
 def test_generate_then_replay_reports_percentiles_and_writes_the_plot(tmp_path: Path) -> None:
     trace = generate(tmp_path)
     plot = tmp_path / "replay.png"
@@ -119,6 +120,7 @@ def test_help_lists_the_commands() -> None:
     assert "generate" in result.stdout and "replay" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_console_script_generates_replays_and_plots(tmp_path: Path) -> None:
     script = str(Path(sys.executable).with_name("persisting"))

@@ -163,6 +163,7 @@ def test_drop_rejects_unsafe_names_and_never_leaves_the_root(root: Path) -> None
     assert StorageRoot(root).list_models() == [MODEL]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_drop_asks_on_a_terminal(root: Path) -> None:
     fill(root, MODEL, 2)

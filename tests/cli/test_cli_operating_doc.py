@@ -67,6 +67,7 @@ def shims(env: dict[str, str]) -> str:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_shell_blocks_run_in_order(tmp_path: Path, served: tuple[str, KVMetrics]) -> None:
     url, _metrics = served

@@ -54,6 +54,7 @@ def invoke(*args: object, env: dict[str, str] | None = None) -> Result:
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "160", **(env or {})})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_stats_of_a_running_server_match_its_store(root: Path) -> None:
     write_queue(root, "kv-events", 0, 10, consumers={"prewarm": 4})

@@ -15,6 +15,7 @@ from tests.docs.docs_helpers import REPO, RUN_LANGUAGES, fenced_blocks, run_bloc
 PAGE = REPO / "docs" / "queue.md"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_queue_page_runs_in_order(tmp_path: Path) -> None:
     work = tmp_path / "work"
