@@ -103,6 +103,7 @@ def test_bad_inputs_are_refused_clearly(root: Path) -> None:
             dtype_name(torch.complex64)
 
 
+@pytest.mark.slow
 def test_through_the_service_client_in_another_process(tmp_path: Path) -> None:
     port = free_port()
     with processes() as procs:

@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from persisting.kv import open_kv_store
@@ -99,6 +100,7 @@ def in_new_pid_namespace() -> list[str]:
     return [unshare, "--pid", "--fork"] if probe.returncode == 0 else []
 
 
+@pytest.mark.slow
 def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path) -> None:
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as mine:
         go = root / "go"

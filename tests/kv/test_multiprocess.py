@@ -22,6 +22,7 @@ from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key, shared_dir_worke
 MiB = 1 << 20
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_processes_sharing_a_directory_never_read_wrong_data(root: Path) -> None:
     value_file = file_size(big(0).numel() * 2)
@@ -89,6 +90,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkill_loses_no_acknowledged_sync_put(root: Path) -> None:
     acked: list[int] = []

@@ -74,6 +74,7 @@ def copy_of(root: Path, tmp_path: Path) -> Path:
     return target
 
 
+@pytest.mark.slow
 def test_chunks_usage_and_keys_come_back(written: tuple[Path, dict], tmp_path: Path) -> None:
     root, report = written
     with storage_manager(adapter_json(copy_of(root, tmp_path), capacity="64MiB")) as manager:
@@ -88,6 +89,7 @@ def test_chunks_usage_and_keys_come_back(written: tuple[Path, dict], tmp_path: P
         assert_every_chunk_loads(manager)
 
 
+@pytest.mark.slow
 def test_lmcache_s_eviction_policy_gets_the_order_back(
     written: tuple[Path, dict], tmp_path: Path
 ) -> None:
@@ -101,6 +103,7 @@ def test_lmcache_s_eviction_policy_gets_the_order_back(
     assert set(report["order"][-3:]) == read_last
 
 
+@pytest.mark.slow
 def test_lmcache_evicts_in_the_order_kept_across_the_restart(
     written: tuple[Path, dict], tmp_path: Path
 ) -> None:
@@ -121,6 +124,7 @@ def test_lmcache_evicts_in_the_order_kept_across_the_restart(
         assert ranks == list(range(len(gone)))
 
 
+@pytest.mark.slow
 def test_completed_stores_survive_sigkill(tmp_path: Path) -> None:
     root = tmp_path / "root"
     result = run_writer(root, "kill")
@@ -130,6 +134,7 @@ def test_completed_stores_survive_sigkill(tmp_path: Path) -> None:
         assert_every_chunk_loads(manager)
 
 
+@pytest.mark.slow
 def test_a_store_torn_by_sigkill_is_never_visible(tmp_path: Path) -> None:
     root = tmp_path / "root"
     result = run_writer(root, "torn")

@@ -59,6 +59,7 @@ def assert_all_chunks_back(root: Path, disk: Path) -> None:
             obj.ref_count_down()
 
 
+@pytest.mark.slow
 def test_chunks_survive_a_clean_restart_in_a_new_process(tmp_path: Path) -> None:
     root, disk = tmp_path / "root", tmp_path / "lmcache-disk"
     result = run_writer(root, disk, "async", "close")
@@ -68,6 +69,7 @@ def test_chunks_survive_a_clean_restart_in_a_new_process(tmp_path: Path) -> None
     assert_all_chunks_back(root, disk)
 
 
+@pytest.mark.slow
 def test_completed_sync_puts_survive_sigkill(tmp_path: Path) -> None:
     root, disk = tmp_path / "root", tmp_path / "lmcache-disk"
     result = run_writer(root, disk, "sync", "kill")
