@@ -32,7 +32,6 @@ def generate(tmp_path: Path) -> Path:
     return trace
 
 
-@pytest.mark.slow
 def test_generate_then_replay_reports_percentiles_and_writes_the_plot(tmp_path: Path) -> None:
     trace = generate(tmp_path)
     plot = tmp_path / "replay.png"

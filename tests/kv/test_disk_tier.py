@@ -101,7 +101,6 @@ def run_reader(root: Path) -> list[str]:
     return out.stdout.split("\n")
 
 
-@pytest.mark.slow
 def test_bit_exact_round_trip_through_a_fresh_process(root: Path) -> None:
     with open_kv_store(root, MODEL, memory_bytes=MiB, disk_bytes=64 * MiB) as store:
         store.put(key(1), tensor(1))
@@ -111,7 +110,6 @@ def test_bit_exact_round_trip_through_a_fresh_process(root: Path) -> None:
     assert lines[1] == "A 1"
 
 
-@pytest.mark.slow
 def test_flipped_payload_byte_is_a_miss_counted_and_dropped(root: Path) -> None:
     with open_kv_store(root, MODEL, memory_bytes=MiB, disk_bytes=64 * MiB) as store:
         store.put(key(1), tensor(1))

@@ -64,7 +64,6 @@ def test_store_lookup_retrieve_round_trip_through_the_plugin(root: Path) -> None
         assert plugin.stats()["stores"][engine.metadata.model_name]["corruptions"] == 0
 
 
-@pytest.mark.slow
 def test_a_new_engine_on_the_same_root_finds_the_chunks(root: Path) -> None:
     tokens = torch.arange(7, 7 + 3 * CHUNK)
     slots = torch.arange(3 * CHUNK)

@@ -69,7 +69,6 @@ def test_garbage_over_the_protocol_gets_typed_replies_and_service_keeps_serving(
     assert r["outcomes"].get("ok", 0) > 0  # fuzzing reached real operations too
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_kind_of_corruption_gives_misses_never_wrong_data() -> None:
     r = harness_kv_corruption.run(rounds=1, seed=11)
@@ -91,7 +90,6 @@ def test_concurrent_processes_no_wrong_data_capacity_held() -> None:
     assert r["capacity_held"], r
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fuzzed_hostile_input_gets_typed_errors() -> None:
     r = harness_fuzz.run(examples=120, seed=11)
@@ -108,7 +106,6 @@ def test_disk_full_is_a_clean_capacity_error() -> None:
     assert r["torn_files_visible"] == 0 and r["puts_ok_after_space_returned"] == 5
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.filterwarnings("ignore:lance is not fork-safe")
 def test_attacks_and_careless_use_against_the_kv_store_all_fail() -> None:
