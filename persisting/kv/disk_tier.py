@@ -10,6 +10,9 @@ the lock and counter files, quarantined metadata -- measured after each metadata
 Eviction unlinks payload files until both fit, so ``du -s`` of the directory stays within
 the budget, except for metadata growth since the last commit's measurement (one commit's
 rows and manifest) until the next.
+
+Over 500 lines on purpose: the index, the byte accounting and the files change together
+under one lock, and that invariant reads best in one class.
 """
 
 from __future__ import annotations

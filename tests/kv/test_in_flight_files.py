@@ -10,14 +10,15 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
-from kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size, round_to_block
+from tests import child_env
+from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
 
 MiB = 1 << 20
-HERE = Path(__file__).parent
 
 
 def pause_writes(store, started: threading.Event, go: threading.Event) -> None:
@@ -69,8 +70,7 @@ def test_two_stores_of_one_process_keep_each_others_in_flight_files(root: Path) 
 
 WRITER_IN_ANOTHER_NAMESPACE = """
 import os, sys, threading
-sys.path.insert(0, sys.argv[3])
-from kv_helpers import MODEL, key, tensor
+from tests.kv.kv_helpers import MODEL, key, tensor
 from persisting.kv import open_kv_store
 root, go_file = sys.argv[1], sys.argv[2]
 store = open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 << 20)
@@ -100,6 +100,7 @@ def in_new_pid_namespace() -> list[str]:
     return [unshare, "--pid", "--fork"] if probe.returncode == 0 else []
 
 
+@pytest.mark.slow
 def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path) -> None:
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as mine:
         go = root / "go"
@@ -111,8 +112,8 @@ def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path)
                 WRITER_IN_ANOTHER_NAMESPACE,
                 str(root),
                 str(go),
-                str(HERE),
             ],
+            env=child_env(),
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -144,8 +145,7 @@ def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path)
 
 KILLED_MID_BATCH = """
 import os, signal, sys
-sys.path.insert(0, sys.argv[3])
-from kv_helpers import MODEL, big, key
+from tests.kv.kv_helpers import MODEL, big, key
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=int(sys.argv[2]))
 files = store.disk.files
@@ -169,7 +169,8 @@ def test_a_writer_killed_mid_batch_gives_its_reservation_back(root: Path) -> Non
         assert store.disk is not None
         store.batched_put(mine[:6], [big(i) for i in range(6)])
         killed = subprocess.run(
-            [sys.executable, "-c", KILLED_MID_BATCH, str(root), str(capacity), str(HERE)],
+            [sys.executable, "-c", KILLED_MID_BATCH, str(root), str(capacity)],
+            env=child_env(),
             timeout=120,
         )
         assert killed.returncode == -9

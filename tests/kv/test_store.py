@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
 
 from persisting.errors import (
     CapacityError,
@@ -20,6 +19,7 @@ from persisting.errors import (
 )
 from persisting.kv import Layout, TokenHasher, open_kv_store
 from persisting.lance_store import StorageRoot
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 
@@ -286,8 +286,10 @@ def test_closed_store_and_bad_settings(root: Path) -> None:
         open_store(root, durability="later")
     with pytest.raises(ConfigError):
         open_store(root, durability="async", memory_bytes=0)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="unknown eviction policy 'random'"):
         open_store(root, eviction="random")
+    with pytest.raises(ConfigError, match="unknown admission policy 'never'"):
+        open_store(root, admission="never")
 
 
 def test_async_variants(root: Path) -> None:

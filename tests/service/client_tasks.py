@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from service_helpers import MODEL, key, tensor
 
 from persisting.config import PersistingSettings
 from persisting.errors import PersistingError
 from persisting.kv import Layout, TokenHasher
 from persisting.service import KVCacheClient, SyncKVCacheClient
+from tests.service.service_helpers import MODEL, key, tensor
 
 
 def _settings(args: dict[str, Any]) -> PersistingSettings:
