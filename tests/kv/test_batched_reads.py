@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
 
 from persisting.config import KVSettings, PersistingSettings
 from persisting.cuda import DeviceCopier, PinnedRegion
@@ -19,6 +18,7 @@ from persisting.errors import ConfigError, InvalidValueError
 from persisting.kv import KVStore, TokenHasher, open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES
 from persisting.metrics import KVMetrics
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 

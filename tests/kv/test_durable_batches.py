@@ -9,10 +9,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from kv_helpers import MODEL, key, tensor
 
 from persisting.kv import open_kv_store
 from persisting.lance_store import durable
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 
