@@ -182,13 +182,13 @@ import numpy as np
 from tests.reliability.rel_common import MODEL, key_text
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=int(sys.argv[2]))
-files, real, done = store.disk.files, store.disk.files.finish, []
+files, real, done = store.disk.files, store.disk.files.publish, []
 def finish(*args, **kwargs):
     if done:
         os.kill(os.getpid(), signal.SIGKILL)
     done.append(real(*args, **kwargs))
     return done[-1]
-files.finish = finish
+files.publish = finish
 store.batched_put([key_text(100 + i) for i in range(8)],
                   [np.full((2, 8192, 64), 100 + i, np.float16) for i in range(8)], fmt="KV_2TD")
 """
