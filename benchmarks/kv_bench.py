@@ -11,8 +11,13 @@ For each chunk size it measures, alternating store and baseline rounds:
 - warm get from memory                  vs  one memcpy into a freshly allocated tensor
 
 and ``lookup_prefix`` of a 512-chunk prefix over an index of 10k and 1M keys against a
-plain dict membership test, plus the index's memory per key. Ratios > 1 mean faster than
-the baseline. Figures are medians of several rounds (these machines are shared and noisy).
+plain dict membership test, plus the index's memory per key; then the two cold-read rows of
+``cold_reads.py`` (a get of each key in a fresh process vs a raw read into a fresh tensor,
+and a cold ``batched_get`` vs a raw multi-threaded ``preadv`` of the same files; see there).
+Ratios > 1 mean faster than the baseline. Figures are medians of several rounds (these
+machines are shared and noisy). Before each timed phase the disk is let settle (``os.sync()``
+and ``--settle-s``), and store and baseline alternate going first: a disk still flushing
+what the previous phase wrote slows the next one 3-4x.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ import tracemalloc
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cold_reads
 
 from persisting.kv import ChunkKey, Layout, open_kv_store
 from persisting.kv.index import DiskEntry
@@ -85,7 +93,7 @@ def timed(fn, *args):
     return time.perf_counter() - start, result
 
 
-def bench_size(workdir: Path, size_mib: int, count: int) -> dict[str, float]:
+def bench_size(workdir: Path, size_mib: int, count: int, settle_s: float = 5.0) -> dict[str, float]:
     nbytes = size_mib * MiB
     values = [chunk(nbytes, i) for i in range(count)]
     base_dir = workdir / f"baseline-{size_mib}"
@@ -117,19 +125,30 @@ def bench_size(workdir: Path, size_mib: int, count: int) -> dict[str, float]:
         ) as async_store,
     ):
         for i, v in enumerate(values):
-            rows["put_base"].append(gbps(timed(baseline_write, base_dir / f"{i}", v)[0]))
-            rows["put_sync"].append(gbps(timed(sync_store.put, key(i), v)[0]))
+            cold_reads.settle(settle_s / 4)
+            put_base = lambda i=i, v=v: rows["put_base"].append(  # noqa: E731
+                gbps(timed(baseline_write, base_dir / f"{i}", v)[0])
+            )
+            put_sync = lambda i=i, v=v: rows["put_sync"].append(  # noqa: E731
+                gbps(timed(sync_store.put, key(i), v)[0])
+            )
+            for phase in (put_base, put_sync) if i % 2 == 0 else (put_sync, put_base):
+                phase()
             rows["put_async"].append(gbps(timed(async_store.put, key(i), v)[0]))
             async_store.flush()  # untimed: its write-behind must not slow the next rounds
+        cold_reads.settle(settle_s)
         for i, v in enumerate(values):
             loc = sync_store.lease(key(i), 0.0)
             assert loc is not None
             drop_cache(loc.path)
             drop_cache(str(base_dir / f"{i}"))
-            rows["cold_base"].append(gbps(timed(baseline_read, base_dir / f"{i}", v)[0]))
+            if i % 2:
+                rows["cold_base"].append(gbps(timed(baseline_read, base_dir / f"{i}", v)[0]))
             secs, got = timed(sync_store.get, key(i))
             rows["cold_get"].append(gbps(secs))
             assert torch.equal(got, v)
+            if i % 2 == 0:
+                rows["cold_base"].append(gbps(timed(baseline_read, base_dir / f"{i}", v)[0]))
         for i, v in enumerate(values):
             rows["memcpy"].append(gbps(timed(lambda src: torch.empty_like(src).copy_(src), v)[0]))
             secs, got = timed(async_store.get, key(i))
@@ -189,12 +208,14 @@ def main() -> None:
     parser.add_argument("--index-sizes", type=int, nargs="+", default=[10_000, 1_000_000])
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: tmp)")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--skip-cold", action="store_true", help="leave out cold_reads' rows")
+    cold_reads.add_arguments(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
-        results = {"sizes": [], "lookup": []}
+        results: dict = {"sizes": [], "lookup": []}
         for size in args.sizes_mib:
-            row = bench_size(work, size, args.count)
+            row = bench_size(work, size, args.count, args.settle_s)
             results["sizes"].append(row)
             print(
                 f"{size:>3} MiB  durable put {row['put_sync_gbps']:.2f} GB/s vs write+fsync "
@@ -215,6 +236,9 @@ def main() -> None:
                 f"{row['index_bytes_per_key']:.0f} B/key",
                 flush=True,
             )
+        if not args.skip_cold:
+            results["cold"] = cold_reads.run(args, work)
+            print(cold_reads.summary(results["cold"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     json.dump(results, sys.stdout, indent=2)

@@ -143,6 +143,9 @@ class KVSettings(BaseModel):
     pinned_staging_bytes: Bytes = Field(default=256 * MiB, ge=0)
     """The pinned staging region through which disk hits go up to a device and device values
     come down for puts (one region, carved per chunk; 0: no staging region)."""
+    read_threads: int = Field(default=8, ge=1, le=256)
+    """Disk reads a batched get keeps in flight (positioned reads release the GIL; 1 reads
+    one chunk after another)."""
 
     @field_validator("durability", mode="before")
     @classmethod

@@ -141,6 +141,29 @@ STORE_FIGURES: tuple[StoreFigure, ...] = (
         "recovered_files",
         "Payload files found on open that the metadata did not know (adopted).",
     ),
+    StoreFigure(
+        "load_plan_load_tokens",
+        "persisting_kv_load_plan_load_tokens",
+        "counter",
+        "load_plan_load_tokens",
+        "Hit tokens a load-or-recompute plan chose to load, summed over plans.",
+    ),
+    StoreFigure(
+        "load_plan_recompute_tokens",
+        "persisting_kv_load_plan_recompute_tokens",
+        "counter",
+        "load_plan_recompute_tokens",
+        "Hit tokens a load-or-recompute plan left to recompute (slower to read than to "
+        "prefill), summed over plans.",
+    ),
+    StoreFigure(
+        "read_bandwidth",
+        "persisting_kv_read_bandwidth_bytes_per_second",
+        "gauge",
+        "read_bandwidth_{tier}",
+        "Read bandwidth gets achieved lately, by tier (a moving average; 0 before the "
+        "tier's first read).",
+    ),
     StoreFigure("items", "persisting_kv_items", "gauge", "{tier}_items", "Chunks held, by tier."),
     StoreFigure(
         "bytes",

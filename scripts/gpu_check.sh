@@ -3,6 +3,7 @@
 # Everything it measures lands in $OUT (the device tool brings that folder back):
 #   gpu_check.log      all output (environment, pytest, benchmark tables)
 #   tests_gpu.xml      pytest's JUnit report
+#   device.json        store device path vs pinned copies / raw reads (benchmarks/device_bench.py)
 #   ttft_8b.json       Llama-3.1-8B shape, prefixes 4k/16k/32k + 128
 #   ttft_32b.json      Qwen2.5-32B shape, prefix 32k + 128 (when the GPU has >= 100 GiB)
 #
@@ -11,7 +12,7 @@
 #   bash ../shared/tools/device-carry.sh        # builds .devcarry/ (ignored by git)
 # then call the device tool with
 #   command: bash scripts/gpu_check.sh   carry: [".devcarry"]   timeout_s: 560
-# It is sized to finish in about 8 minutes on an H200; each step has its own time limit so
+# It is sized to finish in about 9 minutes on an H200; each step has its own time limit so
 # a hang in one still leaves the others' figures. Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,10 @@ status=0
 echo "== tests_gpu"
 timeout 150 python3 -m pytest tests_gpu -q -s -p no:cacheprovider \
   --junitxml="$OUT/tests_gpu.xml" || status=1
+
+echo "== device_bench: the store's device path vs the physical path (issue 12)"
+timeout 90 python3 benchmarks/device_bench.py --device cuda --chunk-mib 32 --chunks 8 \
+  --rounds 3 --settle-s 2 --dir /tmp --json "$OUT/device.json" || status=1
 
 echo "== ttft_bench: llama-3.1-8b"
 timeout 170 python3 benchmarks/ttft_bench.py --models llama-3.1-8b \

@@ -24,7 +24,7 @@ from persisting.kv import ChunkKey, Layout, open_kv_store
 from persisting.shm import create_shm_file
 
 MiB = 1 << 20
-DEVICE = torch.device("cuda", torch.cuda.current_device())
+DEVICE = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
 #: GPU clock cycles of a stall queued before a copy (tens of milliseconds on an H200).
 STALL = 200_000_000
 

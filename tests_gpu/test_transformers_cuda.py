@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
-from hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
-
 from persisting.cuda import shared_copier
 from persisting.integrations.transformers import forward, load_prefix, save_prefix
 from persisting.kv import open_kv_store
+from tests.integrations.hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
 
 
 def test_a_cuda_cache_round_trips_through_pinned_staging_bit_exact(root: Path) -> None:

@@ -11,6 +11,8 @@ and moves bytes between it and a device:
   allocate and rounds every size up to a power of two;
 - :class:`HostRegistration`: page-locks memory that exists already (the same-host shared
   pool, an mmap), so copies from it to a device run at DMA speed too;
+- :class:`StoreHostMemory`: what one KV store uses of all this (its memory tier and staging
+  ring carved from one pinned region, its shared pool registered, a copier per device);
 - :class:`DeviceCopier`: device-to-host copies into pinned buffers and host-to-device copies
   out of them, on a side stream ordered against the caller's stream by events, and a
   staging ring (:meth:`DeviceCopier.upload`) in which chunk i+1 is read from disk while
@@ -28,6 +30,7 @@ are marked with ``record_stream`` for torch's caching allocator.
 """
 
 from persisting.cuda.copies import DEFAULT_STAGING_BYTES, DeviceCopier, shared_copier
+from persisting.cuda.host import StoreHostMemory
 from persisting.cuda.pinned import (
     PINNED_MODES,
     HostRegistration,
@@ -46,6 +49,7 @@ __all__ = [
     "HostRegistration",
     "PinnedMode",
     "PinnedRegion",
+    "StoreHostMemory",
     "cuda_available",
     "open_region",
     "register_host_memory",

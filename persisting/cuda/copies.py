@@ -154,6 +154,11 @@ class DeviceCopier:
         event.synchronize()
         return True
 
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """A staging buffer for the caller to fill and hand to :meth:`to_device` (which keeps
+        it until its copy ran): waits for copies in flight when the region is full."""
+        return self._host_buffer(nbytes)
+
     def _host_buffer(self, nbytes: int) -> np.ndarray:
         """Staging room for ``nbytes``, waiting for copies in flight to give some back;
         pageable memory when the value is larger than the staging region, or it is held."""

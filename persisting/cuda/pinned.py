@@ -159,12 +159,33 @@ class PinnedRegion:
             raise InvalidValueError(f"a region needs a positive capacity, not {capacity}")
         self.capacity = round_to_page(capacity)
         self._map = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._start = 0
         self._pages = PageAllocator(None, 0, self.capacity)
+        self._parent: PinnedRegion | None = None
         self.registration = HostRegistration(self._map) if pin else None
 
     @property
     def pinned(self) -> bool:
+        if self._parent is not None:
+            return self._parent.pinned
         return self.registration is not None and self.registration.active
+
+    def carve(self, nbytes: int) -> PinnedRegion | None:
+        """A part of ``nbytes`` (page-rounded) of this region with an allocator of its own,
+        or None when there is no room: the same pinned pages, under a separate budget (the
+        store carves its memory tier and its staging ring out of one pinned region, so
+        neither can starve the other). The part's range never returns to this region."""
+        got = self._pages.allocate(nbytes)
+        if got is None:
+            return None
+        part = PinnedRegion.__new__(PinnedRegion)
+        part.capacity = got[1]
+        part._map = self._map
+        part._start = got[0]
+        part._pages = PageAllocator(None, got[0], got[0] + got[1])
+        part._parent = self
+        part.registration = None
+        return part
 
     def allocate(self, nbytes: int) -> np.ndarray | None:
         """A buffer of ``nbytes`` from the region, or None when it has no room (or closed)."""
@@ -179,7 +200,7 @@ class PinnedRegion:
 
     def owns(self, array: np.ndarray) -> bool:
         """Whether ``array`` lies in this region."""
-        start = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
+        start = np.frombuffer(self._map, np.uint8, count=1).ctypes.data + self._start
         return start <= array.ctypes.data < start + self.capacity
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 Nothing here imports Pulsing, the service, the plugin or the CLI.
 """
 
+from persisting.kv.api import AsyncKVApi, KVApi
 from persisting.kv.disk_tier import Location
 from persisting.kv.keys import ChunkKey, LayerChunkKey, TokenHasher, key_string, parse_key
 from persisting.kv.layout import MEMORY_FORMATS, Layout
@@ -13,13 +14,15 @@ from persisting.kv.policy import (
     PrefixAwareEviction,
     SecondSightingAdmit,
 )
-from persisting.kv.store import KVStore, PutResult, Tier, open_kv_store
+from persisting.kv.store import KVStore, PutResult, SharedLocation, Tier, open_kv_store
 
 __all__ = [
     "MEMORY_FORMATS",
     "AdmissionPolicy",
+    "AsyncKVApi",
     "ChunkKey",
     "EvictionPolicy",
+    "KVApi",
     "KVStore",
     "LRUEviction",
     "LayerChunkKey",
@@ -28,6 +31,7 @@ __all__ = [
     "PrefixAwareEviction",
     "PutResult",
     "SecondSightingAdmit",
+    "SharedLocation",
     "Tier",
     "TokenHasher",
     "key_string",

@@ -10,6 +10,9 @@ the lock and counter files, quarantined metadata -- measured after each metadata
 Eviction unlinks payload files until both fit, so ``du -s`` of the directory stays within
 the budget, except for metadata growth since the last commit's measurement (one commit's
 rows and manifest) until the next.
+
+Over 500 lines on purpose: the index, the byte accounting and the files change together
+under one lock, and that invariant reads best in one class.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -348,13 +352,16 @@ class DiskTier:
                 raise
         done: list[Path] = []
         try:
-            for it, p in zip(todo, pending, strict=True):
-                # An item without a checksum gets it hashed as it is written.
-                header = FileHeader(it.key, it.layout, it.checksum or 0, it.parent)
-                hashed = it.checksum is None
-                written = self.files.finish(p, header, it.data, durable=durable, hashed=hashed)
-                it.checksum = written.checksum
-                done.append(p.final)
+            # An item without a checksum gets it made as its file is written.
+            headers = [FileHeader(it.key, it.layout, it.checksum or 0, it.parent) for it in todo]
+            hashed = [it.checksum is None for it in todo]
+            written = self.files.write_batch(
+                pending, headers, [it.data for it in todo], durable=durable, hashed=hashed
+            )
+            for it, header in zip(todo, written, strict=True):
+                it.checksum = header.checksum
+            for p in pending:
+                done.append(self.files.publish(p))
             if durable:
                 self.files.sync_dirs(done)
         except BaseException:
@@ -453,8 +460,11 @@ class DiskTier:
 
     # -- reading ------------------------------------------------------------------------
 
-    def read_into(self, key: str, out: memoryview) -> Layout | None:
-        """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum.
+    def read_into(
+        self, key: str, out: memoryview, *, executor: Executor | None = None, parts: int = 1
+    ) -> Layout | None:
+        """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum; in
+        ``parts`` positioned reads at once on ``executor`` when given.
 
         Returns None on a miss, including a file evicted by another process mid-way and a
         checksum failure (the damaged chunk is then dropped and counted).
@@ -470,7 +480,8 @@ class DiskTier:
             entry.readers += 1
         path = self.files.path(key, entry.tag)
         try:
-            ok = self.files.read_into(path, out) == entry.checksum
+            digest = self.files.read_into(path, out, executor=executor, parts=parts)
+            ok = digest == entry.checksum
         except FileNotFoundError:
             self._forget(key, entry)
             return None
@@ -551,6 +562,7 @@ class DiskTier:
         self.meta.close()
         self._closed = True
         self.usage.close()
+        self.files.close()
 
 
 def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:

@@ -224,7 +224,7 @@ def key_string(key: object) -> str:
         return key.to_string()
     if not isinstance(key, str):
         parse_key(key)  # raises the typed error
-    return _checked(key)  # type: ignore[arg-type]
+    return _checked(key)
 
 
 @lru_cache(maxsize=1 << 16)

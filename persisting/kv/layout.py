@@ -155,6 +155,41 @@ def _check_format(fmt: object, shape: tuple[int, ...], check_shape: bool = True)
     return fmt
 
 
+def is_device_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor on a device other than the CPU (not ``meta``)."""
+    torch = loaded_torch()
+    return (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and value.device.type not in ("cpu", "meta")
+    )
+
+
+def tensor_layout(value: Any, fmt: str, *, check_shape: bool = True) -> Layout:
+    """The layout a torch tensor (on any device) is stored with; validates it, copies
+    nothing (a device tensor's bytes are moved by the caller)."""
+    import torch
+
+    if value.layout != torch.strided:
+        raise InvalidValueError(f"{value.layout} tensors cannot be stored; make it dense")
+    if value.device.type == "meta":
+        raise InvalidValueError("a meta-device tensor has no data to store")
+    names = _torch_to_name()
+    if value.dtype not in names:
+        raise InvalidValueError(f"unsupported tensor dtype {value.dtype}")
+    shape = tuple(int(x) for x in value.shape)
+    layout = Layout(
+        shape,
+        names[value.dtype],
+        _check_format(fmt, shape, check_shape),
+        value.numel() * value.element_size(),
+        "torch",
+    )
+    if layout.nbytes == 0:
+        raise InvalidValueError("zero-size values cannot be stored")
+    return layout
+
+
 def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Layout, memoryview]:
     """Validate ``value`` and return its layout and a read-only byte view of its data.
 
@@ -164,25 +199,10 @@ def encode_value(value: Any, fmt: str, *, check_shape: bool = True) -> tuple[Lay
     """
     torch = loaded_torch()
     if torch is not None and isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
-            raise InvalidValueError(f"{value.layout} tensors cannot be stored; make it dense")
-        if value.device.type == "meta":
-            raise InvalidValueError("a meta-device tensor has no data to store")
+        layout = tensor_layout(value, fmt, check_shape=check_shape)
         if value.device.type != "cpu":
-            value = value.to("cpu")
-        names = _torch_to_name()
-        if value.dtype not in names:
-            raise InvalidValueError(f"unsupported tensor dtype {value.dtype}")
-        value = value.detach()
-        tensor = value.contiguous()
-        shape = tuple(int(x) for x in tensor.shape)
-        layout = Layout(
-            shape,
-            names[tensor.dtype],
-            _check_format(fmt, shape, check_shape),
-            tensor.numel() * tensor.element_size(),
-            "torch",
-        )
+            value = value.to("cpu")  # KVStore copies device tensors down itself (pinned)
+        tensor = value.detach().contiguous()
         raw = (
             tensor.reshape(-1).view(torch.uint8).numpy()
             if tensor.numel()
@@ -292,8 +312,10 @@ __all__ = [
     "decode_value",
     "dtype_name",
     "encode_value",
+    "is_device_tensor",
     "owned_copy",
     "owned_copy_hashed",
+    "tensor_layout",
     "torch_dtype",
     "writable_bytes",
 ]

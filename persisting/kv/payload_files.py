@@ -24,7 +24,9 @@ import json
 import os
 import secrets
 import struct
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +48,9 @@ MAGIC = b"PKVCHNK1"
 #: (files move between hosts); 4 KiB is also what O_DIRECT and most filesystems want.
 BLOCK = 4096
 HEADER_BYTES = BLOCK
-_PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
+_PREFIX = struct.Struct("<8sIQ")
+#: Files of one durable batch written (and fsynced) at once.
+WRITE_THREADS = 8  # magic, json length, xxh64 of the json
 
 
 def key_hash(key: str) -> int:
@@ -64,13 +68,22 @@ def file_size(nbytes: int) -> int:
 
 
 def read_file_range(
-    path: str | os.PathLike[str], offset: int, out: memoryview, *, hashed: bool = False
+    path: str | os.PathLike[str],
+    offset: int,
+    out: memoryview,
+    *,
+    executor: Executor | None = None,
+    parts: int = 1,
+    hashed: bool = False,
 ) -> int | None:
     """Fill ``out`` with exactly ``len(out)`` bytes of ``path`` from ``offset``; with
-    ``hashed``, return the xxh3-64 of those bytes, computed piece by piece as they arrive
-    (the same value :func:`persisting.kv.layout.checksum` gives over ``out``).
+    ``hashed``, return the xxh3-64 of those bytes (:func:`persisting.kv.layout.checksum`):
+    read in one part, each piece is hashed as it lands, while still in cache.
 
     One open and positioned reads straight into the destination: no intermediate buffer.
+    With an ``executor`` and ``parts > 1`` the range is read as that many block-aligned
+    parts at once (a disk that serves several requests in flight reads one large value
+    faster so; the calling thread must not be one of the executor's).
     FileNotFoundError propagates (the file was removed, e.g. evicted: a miss to the caller);
     a file shorter than the range is a CorruptValueError; any other failure a StorageIOError.
     """
@@ -80,23 +93,43 @@ def read_file_range(
         raise
     except OSError as exc:
         raise StorageIOError(f"cannot open {path}: {exc}") from exc
-    digest = xxhash.xxh3_64() if hashed else None
     try:
-        done, size = 0, len(out)
-        while done < size:
-            piece = out[done : done + HASH_PIECE] if digest is not None else out[done:]
-            n = os.preadv(fd, [piece], offset + done)
-            if n == 0:
-                raise CorruptValueError(
-                    f"{path} is shorter than expected ({offset + done} < {offset + size})"
-                )
-            if digest is not None:
-                digest.update(piece[:n])
-            done += n
+        if executor is None or parts <= 1:
+            return _pread_exact(fd, path, out, offset, hashed)
+        step = round_to_block(-(-len(out) // parts))
+        futures = [
+            executor.submit(_pread_exact, fd, path, out[start : start + step], offset + start)
+            for start in range(0, len(out), step)
+        ]
+        first: BaseException | None = None
+        for future in futures:  # every part, so none still writes ``out`` once we return
+            first = first or future.exception()
+        if first is not None:
+            raise first
     except OSError as exc:
         raise StorageIOError(f"reading {path} failed: {exc}") from exc
     finally:
         os.close(fd)
+    return xxhash.xxh3_64_intdigest(out) if hashed else None  # parts: hashed once all landed
+
+
+def _pread_exact(
+    fd: int, path: str | os.PathLike[str], out: memoryview, offset: int, hashed: bool = False
+) -> int | None:
+    """Read exactly ``len(out)`` bytes at ``offset``; with ``hashed``, in
+    :data:`HASH_PIECE` pieces, each hashed right after it lands (returns the xxh3-64)."""
+    digest = xxhash.xxh3_64() if hashed else None
+    done, size = 0, len(out)
+    while done < size:
+        piece = out[done : done + HASH_PIECE] if digest is not None else out[done:]
+        n = os.preadv(fd, [piece], offset + done)
+        if n == 0:
+            raise CorruptValueError(
+                f"{path} is shorter than expected ({offset + done} < {offset + size})"
+            )
+        if digest is not None:
+            digest.update(piece[:n])
+        done += n
     return digest.intdigest() if digest is not None else None
 
 
@@ -153,6 +186,11 @@ class PayloadFiles:
         self.modes = modes
         self.payload_dir = directory / "payload"
         self.tmp_dir = directory / "tmp"
+        #: ``payload/<hh>`` directories created whose entry is not yet synced.
+        self._new_subdirs: set[Path] = set()
+        #: Threads writing the files of a durable batch (started with the first one).
+        self._writers: ThreadPoolExecutor | None = None
+        self._writers_lock = threading.Lock()
         for d in (self.payload_dir, self.tmp_dir):
             make_dir(d, modes)
 
@@ -186,7 +224,18 @@ class PayloadFiles:
         return PendingFile(fd, tmp, self.path(key, tag))
 
     def finish(
-        self,
+        self, pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
+    ) -> Path:
+        """Write header and payload, fsync if ``durable``, and rename the file into place.
+
+        The caller fsyncs the destination directories (:meth:`sync_dirs`) once per batch to
+        make the renames durable. The tmp file stays locked until it has its final name.
+        """
+        self.write(pending, header, payload, durable=durable)
+        return self.publish(pending)
+
+    @staticmethod
+    def write(
         pending: PendingFile,
         header: FileHeader,
         payload: memoryview,
@@ -194,16 +243,15 @@ class PayloadFiles:
         durable: bool,
         hashed: bool = False,
     ) -> FileHeader:
-        """Write header and payload, fsync if ``durable``, and rename the file into place;
-        returns the header written.
+        """Write header and payload into the tmp file, fsync it if ``durable`` (thread-safe
+        per file: a batch writes its files on several threads, so their syncs can share
+        the filesystem's journal commits). On failure the tmp file is removed. Returns the
+        header written.
 
-        With ``hashed``, the header's checksum is not known yet: the payload is written
-        first, piece by piece, each piece hashed right after it is written (while it is
-        still in cache: one pass over the caller's memory instead of two), then the header
-        with that checksum. The caller fsyncs the destination directories
-        (:meth:`sync_dirs`) once per batch to make the renames durable. The tmp file stays
-        locked until it has its final name, so a half-written file is never published.
-        """
+        With ``hashed`` the header's checksum is not known yet: the payload is written
+        first, in pieces, each hashed right after it is written (while still in cache: one
+        pass over the caller's memory instead of two), then the header with that checksum.
+        The tmp file is only published once whole, so a torn one is never visible."""
         try:
             if hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES)
@@ -216,6 +264,58 @@ class PayloadFiles:
         except OSError as exc:
             PayloadFiles.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
+        return header
+
+    def write_batch(
+        self,
+        pending: list[PendingFile],
+        headers: list[FileHeader],
+        payloads: list[memoryview],
+        *,
+        durable: bool,
+        hashed: list[bool] | None = None,
+    ) -> list[FileHeader]:
+        """:meth:`write` each file of a batch. Several at once when the batch must be
+        durable: concurrent fsyncs share the filesystem's journal commits, where one after
+        another each waits for a commit of its own. On failure every tmp file of the batch
+        is removed and the first error raised (once no writer runs any more). ``hashed``
+        says per file whether its checksum is made as it is written (see :meth:`write`);
+        returns the headers written."""
+        hashes = hashed if hashed is not None else [False] * len(pending)
+        if not durable or len(pending) == 1:
+            return [
+                self.write(p, header, payload, durable=durable, hashed=h)
+                for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True)
+            ]
+        with self._writers_lock:
+            if self._writers is None:
+                self._writers = ThreadPoolExecutor(
+                    WRITE_THREADS, thread_name_prefix="persisting-kv-write"
+                )
+            writers = self._writers
+        futures = [
+            writers.submit(self.write, p, header, payload, durable=True, hashed=h)
+            for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True)
+        ]
+        failure: BaseException | None = None
+        for future in futures:
+            failure = failure or future.exception()
+        if failure is not None:
+            for p in pending:
+                self.abort(p)
+            raise failure
+        return [future.result() for future in futures]
+
+    def close(self) -> None:
+        """Stop the writer threads (a no-op when none was started)."""
+        with self._writers_lock:
+            writers, self._writers = self._writers, None
+        if writers is not None:
+            writers.shutdown(wait=True)
+
+    def publish(self, pending: PendingFile) -> Path:
+        """Rename a written tmp file into place (creating its ``payload/<hh>`` directory on
+        first use) and let go of it."""
         try:
             self._make_subdir(pending.final.parent)
             os.rename(pending.tmp, pending.final)
@@ -224,11 +324,12 @@ class PayloadFiles:
             raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
-        return header
+        return pending.final
 
     def _make_subdir(self, path: Path) -> None:
         """Create a ``payload/<hh>`` directory on first use (OSError keeps its errno, so a
-        full filesystem still reads as one)."""
+        full filesystem still reads as one). Its entry in ``payload/`` is made durable by
+        :meth:`sync_dirs` with the batch that created it."""
         if path.is_dir():
             return
         try:
@@ -236,6 +337,7 @@ class PayloadFiles:
         except FileExistsError:
             return
         restrict(path, self.modes.directory)
+        self._new_subdirs.add(path)
 
     @staticmethod
     def abort(pending: PendingFile) -> None:
@@ -245,19 +347,35 @@ class PayloadFiles:
                 os.close(pending.fd)
             pending.fd = -1
 
-    @staticmethod
-    def sync_dirs(paths: list[Path]) -> None:
-        for directory in sorted({p.parent for p in paths}):
+    def sync_dirs(self, paths: list[Path]) -> None:
+        """Make the renames of ``paths`` durable: fsync each destination directory once, and
+        ``payload/`` itself when a ``payload/<hh>`` directory was created since the last
+        call (else a crash could lose that directory, with every file renamed into it).
+
+        Called after the whole batch is renamed: on journalling filesystems the first
+        directory sync commits every rename of the batch, and the others find nothing left
+        to do."""
+        directories = sorted({p.parent for p in paths})
+        created = [d for d in directories if d in self._new_subdirs]
+        for directory in directories:
             fsync_dir(directory)
+        if created:
+            fsync_dir(self.payload_dir)
+            self._new_subdirs.difference_update(created)
 
     @staticmethod
-    def read_into(path: Path, out: memoryview) -> int:
-        """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes) and return
-        its checksum (:func:`persisting.kv.layout.checksum`), computed as it is read.
+    def read_into(
+        path: Path, out: memoryview, *, executor: Executor | None = None, parts: int = 1
+    ) -> int:
+        """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes), in
+        ``parts`` reads at once on ``executor`` when given (see :func:`read_file_range`),
+        and return its checksum (:func:`persisting.kv.layout.checksum`), made as it is read.
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
         """
-        digest = read_file_range(path, HEADER_BYTES, out, hashed=True)
+        digest = read_file_range(
+            path, HEADER_BYTES, out, executor=executor, parts=parts, hashed=True
+        )
         assert digest is not None
         return digest
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import TypeVar
 
 import xxhash
 
@@ -90,22 +91,33 @@ class SecondSightingAdmit(AdmissionPolicy):
         return self.sighted(key)
 
 
+_P = TypeVar("_P")
+
+_EVICTION: dict[str, type[EvictionPolicy]] = {"lru": LRUEviction, "prefix": PrefixAwareEviction}
+_ADMISSION: dict[str, type[AdmissionPolicy]] = {
+    "always": AlwaysAdmit,
+    "second_sighting": SecondSightingAdmit,
+}
+
+
 def eviction_policy(name: str | EvictionPolicy) -> EvictionPolicy:
+    """The eviction policy named ``name`` (a policy object passes through)."""
     if isinstance(name, EvictionPolicy):
         return name
-    policies = {"lru": LRUEviction, "prefix": PrefixAwareEviction}
-    if name not in policies:
-        raise ConfigError(f"unknown eviction policy {name!r}; choose from {sorted(policies)}")
-    return policies[name]()
+    return _named("eviction", _EVICTION, name)()
 
 
 def admission_policy(name: str | AdmissionPolicy) -> AdmissionPolicy:
+    """The admission policy named ``name`` (a policy object passes through)."""
     if isinstance(name, AdmissionPolicy):
         return name
-    policies = {"always": AlwaysAdmit, "second_sighting": SecondSightingAdmit}
+    return _named("admission", _ADMISSION, name)()
+
+
+def _named(kind: str, policies: dict[str, type[_P]], name: str) -> type[_P]:
     if name not in policies:
-        raise ConfigError(f"unknown admission policy {name!r}; choose from {sorted(policies)}")
-    return policies[name]()
+        raise ConfigError(f"unknown {kind} policy {name!r}; choose from {sorted(policies)}")
+    return policies[name]
 
 
 __all__ = [

@@ -30,7 +30,14 @@ import numpy as np
 from persisting.errors import CapacityError, InvalidValueError, PersistingError
 from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
-from persisting.kv.layout import Layout, encode_value, owned_copy, owned_copy_hashed
+from persisting.kv.layout import (
+    Layout,
+    encode_value,
+    is_device_tensor,
+    owned_copy,
+    owned_copy_hashed,
+    tensor_layout,
+)
 from persisting.kv.policy import AdmissionPolicy
 from persisting.kv.tiers import KeyLike, Tiers
 from persisting.kv.write_behind import WriteBehind
@@ -128,7 +135,7 @@ class Writes:
             parent_texts = [None, *texts[:-1]]
         else:
             parent_texts = [None] * len(texts)
-        encoded = [self._encode(v, fmt, check_shape) for v in values]
+        encoded = self._encode_all(values, fmt, check_shape)
         # Each value is hashed where its bytes are first copied -- written to disk, or
         # copied into the memory tier -- piece by piece as they go: one pass over the
         # caller's memory, not two.
@@ -150,8 +157,35 @@ class Writes:
                     notify(on_complete, r, self._t)
         return results
 
-    def _encode(self, value: Any, fmt: str, check_shape: bool) -> tuple[Layout, memoryview]:
-        layout, view = encode_value(value, fmt, check_shape=check_shape)
+    def _encode_all(
+        self, values: Sequence[Any], fmt: str, check_shape: bool
+    ) -> list[tuple[Layout, memoryview]]:
+        """Every value's layout and host bytes, all validated before any byte moves.
+
+        Tensors on a device are copied down here, on a side stream into the pinned staging
+        ring (:meth:`~persisting.cuda.DeviceCopier.to_host`; non-contiguous ones are made
+        contiguous on the device), never through pageable ``.to("cpu")`` copies.
+        """
+        on_device: dict[str, list[int]] = {}
+        layouts: list[Layout | None] = []
+        views: list[memoryview | None] = []
+        for i, value in enumerate(values):
+            if is_device_tensor(value):
+                layouts.append(self._check_size(tensor_layout(value, fmt, check_shape=check_shape)))
+                views.append(None)
+                on_device.setdefault(str(value.device), []).append(i)
+            else:
+                layout, view = encode_value(value, fmt, check_shape=check_shape)
+                layouts.append(self._check_size(layout))
+                views.append(view)
+        for device, indexes in on_device.items():
+            copier = self._t.host.copier(device)
+            landed = copier.to_host(values[i] for i in indexes)
+            for i, host in zip(indexes, landed, strict=True):
+                views[i] = host.data
+        return [(lay, view) for lay, view in zip(layouts, views, strict=True)]  # type: ignore[misc]
+
+    def _check_size(self, layout: Layout) -> Layout:
         if layout.nbytes > self.max_value_bytes:
             raise CapacityError(
                 f"value of {layout.nbytes} bytes exceeds the {self.max_value_bytes}-byte limit"
@@ -159,7 +193,7 @@ class Writes:
         disk = self._t.disk
         if layout.nbytes > max(self._t.memory.capacity, disk.capacity if disk else 0):
             raise CapacityError(f"value of {layout.nbytes} bytes cannot fit any tier")
-        return layout, view
+        return layout
 
     def _put_sync(self, items: list[WriteItem]) -> list[PutResult]:
         t = self._t

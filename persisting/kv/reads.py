@@ -1,23 +1,35 @@
-"""The read paths of a KV store: gets, reads into a caller's buffer, shared-pool places,
-and prefetch from disk into memory.
+"""The read paths of a KV store: gets, reads into a caller's buffers (host or device),
+shared-pool locations, and prefetch from disk into memory.
 
 A value is read from the memory tier when it is there (one copy, outside the lock, while
-the entry is marked as being read so it cannot be evicted), else from the disk tier (one
+the entry is marked as being read so it cannot be evicted), else from the disk tier (a
 positioned read into the destination, then a checksum check). A layout other than the one
 the reader expects is a miss.
+
+A batch keeps up to ``read_threads`` disk reads in flight (positioned reads release the
+GIL), while the calling thread copies the batch's memory hits. Destinations on a device go
+through :class:`~persisting.cuda.DeviceCopier`: a memory hit is one asynchronous copy up
+from the (pinned) memory tier; a disk hit is read into the pinned staging ring and sent up
+while later chunks are still being read, so a destination is written only once its read
+succeeded. Every timed read feeds the store's :class:`~persisting.kv.load_plan.TierBandwidth`.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from persisting.cuda import DeviceCopier
+from persisting.errors import InvalidValueError
 from persisting.kv.index import MemoryEntry
-from persisting.kv.layout import Layout, decode_value, writable_bytes
+from persisting.kv.layout import Layout, decode_value, is_device_tensor, torch_dtype, writable_bytes
 from persisting.kv.tiers import KeyLike, Tiers
 from persisting.shm import RecycledBuffers, aligned_buffer
 
@@ -32,6 +44,41 @@ class SharedLocation:
     generation: int
 
 
+def _tensor_nbytes(tensor: Any) -> int:
+    return int(tensor.numel()) * int(tensor.element_size())
+
+
+def _is_device(device: Any) -> bool:
+    """Whether ``device`` names something other than the CPU (``"cuda:0"``, a torch device)."""
+    return str(device).split(":", 1)[0] != "cpu"
+
+
+def _gather(futures: list[tuple[int, Future[Layout | None]]], got: list[Layout | None]) -> int:
+    """Wait for every disk read of a batch (all of them, even after one failed, so no
+    reader still writes a destination once the call returns); record what each read,
+    then raise the first failure. Returns the bytes read."""
+    nbytes = 0
+    first: BaseException | None = None
+    for i, future in futures:
+        try:
+            layout = future.result()
+        except BaseException as exc:
+            first = first or exc
+            continue
+        got[i] = layout
+        if layout is not None:
+            nbytes += layout.nbytes
+    if first is not None:
+        raise first
+    return nbytes
+
+
+#: The smallest part a value is split into when its reads run at once (see ``_split``).
+SPLIT_BYTES = 1 << 20
+#: Large values of a batch read at once, each as parts (see ``Reads._submit``).
+RUNNERS = 2
+
+
 class Reads:
     """Gets over the tiers; ``write_back`` takes the dirty entries a prefetch evicts."""
 
@@ -40,38 +87,310 @@ class Reads:
         tiers: Tiers,
         results: RecycledBuffers | None,
         write_back: Callable[[list[tuple[str, MemoryEntry]]], None],
+        read_threads: int = 8,
     ):
         self._t = tiers
         self._results = results
         self._write_back = write_back
+        if read_threads < 1:
+            raise InvalidValueError(f"read_threads must be at least 1, not {read_threads}")
+        self.read_threads = read_threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._runner: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    def _readers(self) -> ThreadPoolExecutor | None:
+        """The pool of disk readers, started on the first batch that needs it."""
+        if self.read_threads <= 1:
+            return None
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.read_threads, thread_name_prefix="persisting-kv-read"
+                )
+            return self._executor
+
+    def close(self) -> None:
+        with self._executor_lock:
+            pools = (self._runner, self._executor)
+            self._runner = self._executor = None
+        for pool in pools:  # runners first: they wait on the readers
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def _result_buffer(self, nbytes: int) -> np.ndarray:
         """Room for a value :meth:`batched_get` returns: reused pages while any are free."""
         buffer = self._results.take(nbytes) if self._results is not None else None
         return buffer if buffer is not None else aligned_buffer(nbytes)
 
-    def batched_get(self, keys: Sequence[KeyLike], expect: Layout | None) -> list[Any]:
-        out: list[Any] = []
-        for key in keys:
-            text = self._t.key_text(key)
-            layout = self.layout_of(text)
-            if layout is None or not self.layout_ok(layout, expect):
-                self._t.op_stats.record("get", "", 0.0, 0, "miss")
-                out.append(None)
-                continue
-            buffer = self._result_buffer(layout.nbytes)
-            got = self._read(text, buffer.data)
-            out.append(decode_value(got, buffer) if got is not None else None)
-        return out
+    # -- gets ---------------------------------------------------------------------------
 
-    def get_into(self, key: KeyLike, out: Any, expect: Layout | None) -> Layout | None:
-        text = self._t.key_text(key)
-        view = writable_bytes(out)
+    def _wanted(self, text: str, expect: Layout | None, nbytes: int | None = None) -> Layout | None:
+        """``text``'s stored layout if a reader expecting ``expect`` (and a destination of
+        ``nbytes``) may have it; else None, counted as a miss."""
         layout = self.layout_of(text)
-        if layout is None or not self.layout_ok(layout, expect) or layout.nbytes != len(view):
+        if layout is None or not self.layout_ok(layout, expect):
             self._t.op_stats.record("get", "", 0.0, 0, "miss")
             return None
-        return self._read(text, view)
+        if nbytes is not None and layout.nbytes != nbytes:
+            raise InvalidValueError(
+                f"get_into needs a buffer of {layout.nbytes} bytes for {text}, got {nbytes}"
+            )
+        return layout
+
+    def batched_get(
+        self, keys: Sequence[KeyLike], expect: Layout | None, device: Any = None
+    ) -> list[Any]:
+        texts = [self._t.key_text(key) for key in keys]
+        layouts = [self._wanted(text, expect) for text in texts]
+        if device is not None and _is_device(device):
+            import torch
+
+            outs = [
+                torch.empty(lay.shape, dtype=torch_dtype(lay.dtype), device=device)
+                if lay is not None
+                else None
+                for lay in layouts
+            ]
+            got = self._fill(texts, outs)
+            return [out if ok is not None else None for out, ok in zip(outs, got, strict=True)]
+        buffers = [self._result_buffer(lay.nbytes) if lay is not None else None for lay in layouts]
+        views = [b.data if b is not None else None for b in buffers]
+        got = self._fill_host(texts, views)
+        return [
+            decode_value(layout, buffer) if layout is not None and buffer is not None else None
+            for layout, buffer in zip(got, buffers, strict=True)
+        ]
+
+    def get_into(self, key: KeyLike, out: Any, expect: Layout | None) -> Layout | None:
+        return self.batched_get_into([key], [out], expect)[0]
+
+    def batched_get_into(
+        self, keys: Sequence[KeyLike], outs: Sequence[Any], expect: Layout | None
+    ) -> list[Layout | None]:
+        if len(keys) != len(outs):
+            raise InvalidValueError(f"{len(keys)} keys but {len(outs)} outs")
+        texts = [self._t.key_text(key) for key in keys]
+        targets: list[Any] = []
+        for out in outs:  # every destination is checked before anything is read
+            if is_device_tensor(out):
+                targets.append(out)
+            else:
+                targets.append(writable_bytes(out))
+        sized: list[Any] = []
+        for text, target in zip(texts, targets, strict=True):
+            nbytes = _tensor_nbytes(target) if is_device_tensor(target) else len(target)
+            sized.append(target if self._wanted(text, expect, nbytes) is not None else None)
+        return self._fill(texts, sized)
+
+    def _fill(self, texts: list[str], targets: list[Any]) -> list[Layout | None]:
+        """Fill each target (a host memoryview, a device tensor, or None: skip) with its
+        key's payload; the layout read per target, None on a miss or damage."""
+        got: list[Layout | None] = [None] * len(texts)
+        host = [i for i, t in enumerate(targets) if t is not None and not is_device_tensor(t)]
+        by_device: dict[str, list[int]] = collections.defaultdict(list)
+        for i, target in enumerate(targets):
+            if target is not None and is_device_tensor(target):
+                by_device[str(target.device)].append(i)
+        for device, indexes in by_device.items():
+            copier = self._t.host.copier(device)
+            filled = self.fill_staged(
+                copier, [texts[i] for i in indexes], [targets[i] for i in indexes]
+            )
+            for i, layout in zip(indexes, filled, strict=True):
+                got[i] = layout
+        if host:
+            filled = self._fill_host([texts[i] for i in host], [targets[i] for i in host])
+            for i, layout in zip(host, filled, strict=True):
+                got[i] = layout
+        return got
+
+    def _claim_memory(
+        self, texts: Sequence[str], sizes: Sequence[int | None]
+    ) -> tuple[list[tuple[int, MemoryEntry]], list[int]]:
+        """Split a batch into memory hits (marked as being read) and the rest, to be read
+        from disk; entries whose size is None are skipped."""
+        t = self._t
+        memory: list[tuple[int, MemoryEntry]] = []
+        disk: list[int] = []
+        with t.lock:
+            for i, (text, nbytes) in enumerate(zip(texts, sizes, strict=True)):
+                if nbytes is None:
+                    continue
+                entry = t.memory.index.get(text, touch=True)
+                if entry is not None and entry.layout.nbytes == nbytes:
+                    entry.readers += 1
+                    memory.append((i, entry))
+                else:
+                    disk.append(i)
+        return memory, disk
+
+    def _release(self, entry: MemoryEntry) -> None:
+        with self._t.lock:
+            entry.readers -= 1
+
+    def _read_disk(self, text: str, view: memoryview, parts: int = 1) -> Layout | None:
+        """One timed disk read (on a reader thread, or on the caller's in ``parts`` reads
+        at once on the reader threads)."""
+        t = self._t
+        if t.disk is None:
+            t.op_stats.record("get", "", 0.0, 0, "miss")
+            return None
+        start = time.perf_counter()
+        executor = self._readers() if parts > 1 else None
+        layout = t.disk.read_into(text, view, executor=executor, parts=parts)
+        seconds = time.perf_counter() - start
+        t.op_stats.record(
+            "get", "disk", seconds, len(view) if layout else 0, "hit" if layout else "miss"
+        )
+        return layout
+
+    def _split(self, batch: int) -> bool:
+        """Whether a batch of ``batch`` disk reads is better read one value at a time, each
+        split into parts read at once: when it is too small to keep the threads busy."""
+        return self.read_threads > 1 and batch * 2 <= self.read_threads
+
+    def _runners(self) -> ThreadPoolExecutor:
+        """Threads that each read one large value as parts on the reader threads, so the
+        next value is being read while one is checked (started on first use)."""
+        with self._executor_lock:
+            if self._runner is None:
+                self._runner = ThreadPoolExecutor(
+                    RUNNERS, thread_name_prefix="persisting-kv-read-value"
+                )
+            return self._runner
+
+    def _submit(self, text: str, view: memoryview, split: bool) -> Future[Layout | None]:
+        """Start one disk read; or, with ``split`` (or no reader threads), do it now on this
+        thread, in parts of at least :data:`SPLIT_BYTES` read by the reader threads at once.
+
+        In a batch, a value of several :data:`SPLIT_BYTES` is read by one of
+        :data:`RUNNERS` threads as ``read_threads / RUNNERS`` parts at once (sequential
+        parts of a few values in flight read faster here than whole values one per
+        thread); a smaller one by one reader thread."""
+        executor = self._readers()
+        if executor is not None and not split:
+            parts = min(self.read_threads // RUNNERS, len(view) // SPLIT_BYTES)
+            if parts > 1:
+                return self._runners().submit(self._read_disk, text, view, parts)
+            return executor.submit(self._read_disk, text, view)
+        parts = min(self.read_threads, len(view) // SPLIT_BYTES) if split else 1
+        done: Future[Layout | None] = Future()
+        try:
+            done.set_result(self._read_disk(text, view, parts))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+    def _fill_host(
+        self, texts: list[str], views: Sequence[memoryview | None]
+    ) -> list[Layout | None]:
+        t = self._t
+        got: list[Layout | None] = [None] * len(texts)
+        memory, disk = self._claim_memory(texts, [len(v) if v is not None else None for v in views])
+        start = time.perf_counter()
+        futures: list[tuple[int, Future[Layout | None]]] = []
+        split = self._split(len(disk))
+        try:
+            for i in disk if not split else ():  # in flight while this thread copies
+                view = views[i]
+                assert view is not None
+                futures.append((i, self._submit(texts[i], view, split=False)))
+            for i, entry in memory:
+                view = views[i]
+                assert view is not None
+                copy_start = time.perf_counter()
+                try:
+                    # One thread per copy: the destination is the caller's, often just
+                    # allocated, and several threads faulting its pages in at once contend
+                    # on the process's page tables (torch's parallel copy into fresh memory
+                    # ran at under half the speed of numpy's single-threaded one on the
+                    # 2-core machine).
+                    np.frombuffer(view, dtype=np.uint8)[:] = entry.buffer
+                finally:
+                    self._release(entry)
+                seconds = time.perf_counter() - copy_start
+                t.op_stats.record("get", "memory", seconds, len(view), "hit")
+                t.bandwidth.record("memory", len(view), seconds)
+                got[i] = entry.layout
+            if split:
+                start = time.perf_counter()
+                for i in disk:  # one value at a time, each in parts read at once
+                    view = views[i]
+                    assert view is not None
+                    futures.append((i, self._submit(texts[i], view, split=True)))
+        finally:
+            got_bytes = _gather(futures, got)
+        if got_bytes:
+            t.bandwidth.record("disk", got_bytes, time.perf_counter() - start)
+        return got
+
+    def fill_staged(
+        self, copier: DeviceCopier, texts: Sequence[str], outs: Sequence[Any]
+    ) -> list[Layout | None]:
+        """Fill tensors on ``copier``'s device: memory hits in one batch of asynchronous
+        copies up, disk hits read (``read_threads`` at a time) into staging buffers that go
+        up in order as their reads complete. An out is written only when its read
+        succeeded. Returns once the copies are issued; work the caller queues on its
+        current stream afterwards sees the data. (With a ``cpu`` copier the same pipeline
+        runs into CPU tensors: that is how it is tested without a GPU.)"""
+        t = self._t
+        got: list[Layout | None] = [None] * len(texts)
+        memory, disk = self._claim_memory(texts, [_tensor_nbytes(out) for out in outs])
+        if memory:
+            start = time.perf_counter()
+            try:
+                copier.to_device(
+                    [entry.buffer for _i, entry in memory], [outs[i] for i, _e in memory]
+                )
+            finally:
+                for _i, entry in memory:
+                    self._release(entry)
+            seconds = time.perf_counter() - start
+            for i, entry in memory:
+                t.op_stats.record(
+                    "get", "memory", seconds / len(memory), entry.layout.nbytes, "hit"
+                )
+                got[i] = entry.layout
+        if not disk:
+            return got
+        window = max(1, self.read_threads)
+        pending: collections.deque[tuple[int, np.ndarray, Future[Layout | None]]] = (
+            collections.deque()
+        )
+        start = time.perf_counter()
+        got_bytes = 0
+        split = self._split(len(disk))
+        try:
+            for i in disk:
+                while len(pending) >= window:
+                    got_bytes += self._send_up(copier, pending.popleft(), outs, got)
+                buffer = copier.host_buffer(_tensor_nbytes(outs[i]))
+                read = self._submit(texts[i], buffer.data, split)
+                pending.append((i, buffer, read))
+            while pending:
+                got_bytes += self._send_up(copier, pending.popleft(), outs, got)
+        finally:  # never let a staging buffer go while a reader still fills it
+            for _i, _buffer, future in pending:
+                future.exception()
+        if got_bytes:
+            t.bandwidth.record("disk", got_bytes, time.perf_counter() - start)
+        return got
+
+    @staticmethod
+    def _send_up(
+        copier: DeviceCopier,
+        item: tuple[int, np.ndarray, Future[Layout | None]],
+        outs: Sequence[Any],
+        got: list[Layout | None],
+    ) -> int:
+        i, buffer, future = item
+        layout = future.result()
+        if layout is None:
+            return 0
+        copier.to_device([buffer], [outs[i]])
+        got[i] = layout
+        return buffer.nbytes
 
     def shared_location(self, key: KeyLike, expect: Layout | None) -> SharedLocation | None:
         t = self._t
@@ -118,35 +437,6 @@ class Reads:
                 if disk_entry is not None:
                     return disk_entry.layout
         return None
-
-    def _read(self, text: str, view: memoryview) -> Layout | None:
-        t = self._t
-        start = time.perf_counter()
-        with t.lock:
-            entry = t.memory.index.get(text, touch=True)
-            if entry is not None:
-                entry.readers += 1
-        if entry is not None:
-            try:
-                # One thread per copy: the destination is the caller's, often just allocated,
-                # and several threads faulting its pages in at once contend on the process's
-                # page tables (torch's parallel copy into fresh memory ran at under half the
-                # speed of numpy's single-threaded one on the 2-core machine).
-                np.frombuffer(view, dtype=np.uint8)[:] = entry.buffer
-            finally:
-                with t.lock:
-                    entry.readers -= 1
-            t.op_stats.record("get", "memory", time.perf_counter() - start, len(view), "hit")
-            return entry.layout
-        if t.disk is None:
-            t.op_stats.record("get", "", 0.0, 0, "miss")
-            return None
-        layout = t.disk.read_into(text, view)
-        if layout is None:
-            t.op_stats.record("get", "disk", time.perf_counter() - start, 0, "miss")
-            return None
-        t.op_stats.record("get", "disk", time.perf_counter() - start, len(view), "hit")
-        return layout
 
     def prefetch(self, keys: Sequence[KeyLike]) -> int:
         t = self._t

@@ -10,18 +10,21 @@ Content-addressed keys never change value: putting an existing key is a no-op su
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from persisting.config import DURABILITY_ALIASES, KVSettings, PersistingSettings
+from persisting.cuda import DEFAULT_STAGING_BYTES, StoreHostMemory
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
+from persisting.kv.api import KVApi, in_thread
 from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
-from persisting.kv.keys import HASH_SCHEMES, ChunkKey, HashScheme, TokenHasher
+from persisting.kv.keys import HASH_SCHEMES, HashScheme, TokenHasher
 from persisting.kv.layout import Layout
+from persisting.kv.load_plan import LoadPlan, TierBandwidth
+from persisting.kv.lookups import Lookups
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.policy import (
     AdmissionPolicy,
@@ -48,7 +51,7 @@ def _open_pool(memory_bytes: int) -> SharedPool | None:
         return None
 
 
-class KVStore:
+class KVStore(KVApi):
     """A model namespace's KV chunks: memory tier over a Lance-indexed disk tier.
 
     Thread-safe. Use :func:`open_kv_store` to make one; close it (or use ``with``). While
@@ -74,6 +77,9 @@ class KVStore:
         storage_access: str = "owner",
         fsync: bool = True,
         on_disk_evict: EvictionListener | None = None,
+        read_threads: int = 8,
+        pinned_memory: str = "auto",
+        pinned_staging_bytes: int = DEFAULT_STAGING_BYTES,
     ):
         validate_name(model, "model")
         if "@" in model:
@@ -85,15 +91,17 @@ class KVStore:
             raise ConfigError(f"durability must be sync, async or write_back, not {durability!r}")
         if memory_bytes < 0 or disk_bytes < 0:
             raise ConfigError("tier capacities must not be negative")
+        if read_threads < 1:
+            raise ConfigError(f"read_threads must be at least 1, not {read_threads}")
         if durability != "sync" and memory_bytes == 0:
             raise ConfigError(f"durability={durability!r} needs a memory tier (memory_bytes > 0)")
         self.model = model
         self.durability: Durability = durability
         self.chunk_size = chunk_size
-        #: How :meth:`lookup_tokens` hashes token ids when no hasher is given.
-        self.hash_scheme: HashScheme = hash_scheme
         if hash_scheme not in HASH_SCHEMES:
             raise ConfigError(f"hash_scheme must be one of {HASH_SCHEMES}, not {hash_scheme!r}")
+        #: How :meth:`lookup_tokens` hashes token ids when no hasher is given.
+        self.hash_scheme: HashScheme = hash_scheme
         self.max_value_bytes = max_value_bytes or max(memory_bytes, disk_bytes)
         self.root = StorageRoot(storage_path, storage_access)
         self.directory = self.root.kv_path(model)
@@ -115,13 +123,33 @@ class KVStore:
                 raise
         #: Memory-tier buffers readable by same-host processes (see :meth:`shared_location`).
         self.pool = _open_pool(memory_bytes) if shared_memory else None
-        self._tiers = Tiers(model, self.memory, self.disk, self.pool, self.op_stats)
+        try:
+            #: Pinned memory tier and staging ring, device copiers (plain memory without CUDA).
+            self.host = StoreHostMemory(
+                mode=pinned_memory,
+                memory_bytes=memory_bytes,
+                staging_bytes=pinned_staging_bytes,
+                pool=self.pool,
+            )
+        except BaseException:
+            self._release_tiers()
+            raise
+        self._tiers = Tiers(model, self.memory, self.disk, self.pool, self.op_stats, self.host)
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync
         )
         results = RecycledBuffers(result_buffer_bytes) if result_buffer_bytes > 0 else None
-        self._reads = Reads(self._tiers, results, self._writes.write_back)
+        self._reads = Reads(self._tiers, results, self._writes.write_back, read_threads)
+        self._lookups = Lookups(self._tiers, chunk_size, hash_scheme)
         self._closed = False
+
+    def _release_tiers(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        if self._namespace is not None:
+            self._namespace.release()
+        if self.pool is not None:
+            self.pool.close()
 
     @classmethod
     def from_settings(cls, settings: PersistingSettings, model: str, **overrides: Any) -> KVStore:
@@ -137,6 +165,9 @@ class KVStore:
             hash_scheme=kv.hash_scheme,
             result_buffer_bytes=kv.result_buffer_bytes,
             storage_access=settings.storage_access,
+            read_threads=kv.read_threads,
+            pinned_memory=kv.pinned_memory,
+            pinned_staging_bytes=kv.pinned_staging_bytes,
         )
         options.update(overrides)
         return cls(settings.storage_path, model, **options)
@@ -208,18 +239,41 @@ class KVStore:
 
     # -- get ----------------------------------------------------------------------------
 
-    def get(self, key: KeyLike, *, expect: Layout | None = None) -> Any:
-        """The value (same kind as was put) or None on a miss, a layout mismatch or damage."""
-        return self.batched_get([key], expect=expect)[0]
+    def get(self, key: KeyLike, *, expect: Layout | None = None, device: Any = None) -> Any:
+        """The value (same kind as was put) or None on a miss, a layout mismatch or damage;
+        with ``device`` (``"cuda:0"``...) a tensor on that device."""
+        return self.batched_get([key], expect=expect, device=device)[0]
 
-    def batched_get(self, keys: Sequence[KeyLike], *, expect: Layout | None = None) -> list[Any]:
+    def batched_get(
+        self, keys: Sequence[KeyLike], *, expect: Layout | None = None, device: Any = None
+    ) -> list[Any]:
+        """One value (or None) per key. Disk hits are read ``read_threads`` at a time.
+
+        ``device`` other than the CPU returns torch tensors on that device: memory hits go
+        up in one asynchronous copy each from (pinned) host memory, disk hits through the
+        pinned staging ring. The copies are ordered before the work the caller queues next
+        on its current stream (no host-side wait).
+        """
         self._check_open()
-        return self._reads.batched_get(keys, expect)
+        return self._reads.batched_get(keys, expect, device)
 
     def get_into(self, key: KeyLike, out: Any, *, expect: Layout | None = None) -> Layout | None:
-        """Copy ``key``'s payload into the writable buffer ``out`` (exactly nbytes long)."""
+        """Copy ``key``'s payload into ``out``: a writable host buffer or CPU tensor, or a
+        tensor on a device, of exactly the value's byte size (another size is an
+        InvalidValueError, ``out`` untouched). Returns the layout read, or None on a miss, a
+        layout mismatch, or damage (a device ``out`` is then left untouched; a host one may
+        hold part of a damaged read, never reported as a hit)."""
         self._check_open()
         return self._reads.get_into(key, out, expect)
+
+    def batched_get_into(
+        self, keys: Sequence[KeyLike], outs: Sequence[Any], *, expect: Layout | None = None
+    ) -> list[Layout | None]:
+        """:meth:`get_into` for a batch (host and device destinations may be mixed): every
+        destination is checked before anything is read, disk hits are read ``read_threads``
+        at a time, device destinations are filled as in :meth:`batched_get`."""
+        self._check_open()
+        return self._reads.batched_get_into(keys, outs, expect)
 
     def shared_location(
         self, key: KeyLike, *, expect: Layout | None = None
@@ -257,9 +311,7 @@ class KVStore:
 
     def contains(self, key: KeyLike) -> bool:
         self._check_open()
-        text = self._key(key)
-        with self._tiers.lock:
-            return text in self.memory.index or self._tiers.on_disk(text)
+        return self._lookups.contains(key)
 
     def lookup_prefix(self, keys: Sequence[KeyLike] | Sequence[Sequence[KeyLike]]) -> int:
         """How many leading chunks are present; stops at the first miss.
@@ -267,48 +319,58 @@ class KVStore:
         Given one key list per TP rank, a chunk counts only if every rank's piece is there.
         """
         self._check_open()
-        if not keys:
-            return 0
-        per_rank = isinstance(keys[0], list | tuple)
-        ranks = cast("list[Sequence[KeyLike]]", list(keys) if per_rank else [keys])
-        length = min(len(r) for r in ranks)
-        hits = 0
-        with self._tiers.lock:
-            for i in range(length):
-                if not all(self._present(r[i]) for r in ranks):
-                    break
-                hits += 1
-        self.op_stats.count("lookup_hit_chunks", hits)
-        return hits
-
-    def _present(self, key: KeyLike) -> bool:
-        """Membership on the hot path: a stored string was validated when it was stored, so
-        only a miss pays for parsing (which raises for a malformed key)."""
-        text = key.to_string() if isinstance(key, ChunkKey) else key
-        if isinstance(text, str) and (text in self.memory.index or self._tiers.on_disk(text)):
-            return True
-        self._key(key)
-        return False
+        return self._lookups.lookup_prefix(keys)
 
     def token_hasher(self) -> TokenHasher:
         """The hasher token lookups use by default: this store's chunk size and scheme."""
         return TokenHasher(self.model, chunk_size=self.chunk_size, scheme=self.hash_scheme)
 
     def lookup_tokens(
-        self, tokens: Sequence[int] | np.ndarray, hasher: TokenHasher | None = None
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        hasher: TokenHasher | None = None,
+        *,
+        recompute_tokens_per_s: float | None = None,
     ) -> int:
         """How many leading tokens are covered by stored chunks (hashed by ``hasher``, by
         default with the store's chunk size and :attr:`hash_scheme`).
 
+        With ``recompute_tokens_per_s`` (the engine's prefill rate), how many of them are
+        worth loading rather than recomputing: :meth:`plan_tokens`'s ``load_tokens``.
         Tokens must be integers that fit 64 bits (else InvalidValueError).
         """
+        if recompute_tokens_per_s is not None:
+            return self.plan_tokens(
+                tokens, recompute_tokens_per_s=recompute_tokens_per_s, hasher=hasher
+            ).load_tokens
         self._check_open()
-        hasher = hasher or self.token_hasher()
-        chunks = hasher.process_tokens(tokens)
-        n = self.lookup_prefix([key for _s, _e, key in chunks])
-        hit_tokens = chunks[n - 1][1] if n else 0
-        self.op_stats.count("lookup_hit_tokens", hit_tokens)
-        return hit_tokens
+        return self._lookups.lookup_tokens(tokens, hasher)
+
+    def plan_tokens(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        recompute_tokens_per_s: float,
+        hasher: TokenHasher | None = None,
+        min_saving_s: float = 0.0,
+    ) -> LoadPlan:
+        """Load or recompute: of the stored prefix of ``tokens``, the leading part worth
+        loading at a prefill rate of ``recompute_tokens_per_s``.
+
+        Each hit chunk costs its bytes over the read bandwidth its tier achieved lately
+        (:attr:`bandwidth`; a tier never read yet counts as free) and saves its tokens'
+        prefill; the plan loads the prefix that saves the most (see
+        :mod:`persisting.kv.load_plan`). A disk hit slower than recomputing is not loaded
+        unless faster chunks after it pay for it. Counts ``load_plan_load_tokens`` and
+        ``load_plan_recompute_tokens`` (and ``_chunks``) in :attr:`op_stats`.
+        """
+        self._check_open()
+        return self._lookups.plan_tokens(tokens, recompute_tokens_per_s, hasher, min_saving_s)
+
+    @property
+    def bandwidth(self) -> TierBandwidth:
+        """The read bandwidth each tier achieved on this store's gets (a moving average)."""
+        return self._tiers.bandwidth
 
     def stored_keys(self) -> list[tuple[str, int]]:
         """Every stored key with its payload size: the disk tier's keys from the first to the
@@ -326,6 +388,13 @@ class KVStore:
         text = self._key(key)
         with self._tiers.lock:
             return text in self.memory.index
+
+    def batched_contains(self, keys: Sequence[KeyLike]) -> list[bool]:
+        """:meth:`contains` for a batch, under one hold of the store's lock."""
+        self._check_open()
+        texts = [self._key(key) for key in keys]
+        with self._tiers.lock:
+            return [text in self.memory.index or self._tiers.on_disk(text) for text in texts]
 
     def exists_in_put_tasks(self, key: KeyLike) -> bool:
         """True while ``key`` was put but is not yet on disk: a write-behind in progress
@@ -441,6 +510,11 @@ class KVStore:
                     recovered_files=self.disk.recovered_files,
                     reclaimed_bytes=self.disk.reclaimed_bytes,
                 )
+        out["read_threads"] = self._reads.read_threads
+        out["pinned"] = self.host.pinned
+        rates = self._tiers.bandwidth.snapshot()
+        for tier in ("memory", "disk") if self.disk is not None else ("memory",):
+            out[f"read_bandwidth_{tier}"] = int(rates.get(tier, 0))  # 0: not read yet
         out.update(counters)
         return out
 
@@ -458,12 +532,9 @@ class KVStore:
             self._writes.close()
         finally:
             self._closed = True
-            if self.disk is not None:
-                self.disk.close()
-            if self._namespace is not None:
-                self._namespace.release()
-            if self.pool is not None:
-                self.pool.close()
+            self._reads.close()
+            self.host.close()  # copies done and pages unlocked before the pool goes
+            self._release_tiers()
 
     def __enter__(self) -> KVStore:
         return self
@@ -471,33 +542,25 @@ class KVStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- async variants -----------------------------------------------------------------
+    # -- async mirror: each method of the contract, run in a worker thread ---------------
 
-    async def aput(self, key: KeyLike, value: Any, **kw: Any) -> PutResult:
-        return await asyncio.to_thread(self.put, key, value, **kw)
-
-    async def abatched_put(
-        self, keys: Sequence[KeyLike], values: Sequence[Any], **kw: Any
-    ) -> list[PutResult]:
-        return await asyncio.to_thread(self.batched_put, keys, values, **kw)
-
-    async def aget(self, key: KeyLike, **kw: Any) -> Any:
-        return await asyncio.to_thread(self.get, key, **kw)
-
-    async def abatched_get(self, keys: Sequence[KeyLike], **kw: Any) -> list[Any]:
-        return await asyncio.to_thread(self.batched_get, keys, **kw)
-
-    async def acontains(self, key: KeyLike) -> bool:
-        return await asyncio.to_thread(self.contains, key)
-
-    async def alookup_prefix(self, keys: Sequence[Any]) -> int:
-        return await asyncio.to_thread(self.lookup_prefix, keys)
-
-    async def aremove(self, key: KeyLike, **kw: Any) -> bool:
-        return await asyncio.to_thread(self.remove, key, **kw)
-
-    async def aprefetch(self, keys: Sequence[KeyLike]) -> int:
-        return await asyncio.to_thread(self.prefetch, keys)
+    aput = in_thread(put)
+    abatched_put = in_thread(batched_put)
+    aget = in_thread(get)
+    abatched_get = in_thread(batched_get)
+    aget_into = in_thread(get_into)
+    alayout = in_thread(layout)
+    acontains = in_thread(contains)
+    abatched_contains = in_thread(batched_contains)
+    alookup_prefix = in_thread(lookup_prefix)
+    alookup_tokens = in_thread(lookup_tokens)
+    aremove = in_thread(remove)
+    abatched_remove = in_thread(batched_remove)
+    apin = in_thread(pin)
+    aunpin = in_thread(unpin)
+    aprefetch = in_thread(prefetch)
+    astats = in_thread(stats)
+    aclose = in_thread(close)
 
 
 def open_kv_store(

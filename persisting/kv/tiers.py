@@ -12,9 +12,11 @@ import threading
 
 import numpy as np
 
+from persisting.cuda.host import StoreHostMemory
 from persisting.errors import InvalidKeyError
 from persisting.kv.disk_tier import DiskTier
 from persisting.kv.keys import ChunkKey, key_string
+from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.stats import StoreStats
 from persisting.shm import SharedPool, aligned_buffer
@@ -32,12 +34,17 @@ class Tiers:
         disk: DiskTier | None,
         pool: SharedPool | None,
         op_stats: StoreStats,
+        host: StoreHostMemory,
     ):
         self.model = model
         self.memory = memory
         self.disk = disk
         self.pool = pool
         self.op_stats = op_stats
+        #: Pinned memory and device copiers (plain memory on hosts without CUDA).
+        self.host = host
+        #: Read bandwidth each tier achieved (load-or-recompute plans use it).
+        self.bandwidth = TierBandwidth()
         #: Orders index changes of both tiers (never held across disk I/O or big copies).
         self.lock = threading.RLock()
 
@@ -53,12 +60,18 @@ class Tiers:
         return self.disk is not None and key in self.disk
 
     def memory_buffer(self, nbytes: int) -> np.ndarray:
-        """Room for a memory-tier value: in the shared pool while it has room, else private."""
+        """Room for a memory-tier value: in the shared pool while it has room, else in the
+        pinned region (where CUDA is), else private pageable memory."""
         if self.pool is not None:
             buffer = self.pool.allocate(nbytes)
             if buffer is not None:
                 return buffer
             self.op_stats.count("pool_full")
+        elif self.host.pin:
+            buffer = self.host.memory_buffer(nbytes)
+            if buffer is not None:
+                return buffer
+            self.op_stats.count("pinned_full")
         return aligned_buffer(nbytes)
 
 

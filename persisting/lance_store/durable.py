@@ -20,22 +20,19 @@ def fsync_fd(fd: int) -> None:
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
     """Flush a file's data and metadata to stable storage."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise StorageIOError(f"cannot open {path} for fsync: {exc}") from exc
-    try:
-        fsync_fd(fd)
-    finally:
-        os.close(fd)
+    _fsync_path(path, os.O_RDONLY, "")
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """Make a directory's entries (new, renamed or removed files) durable."""
+    _fsync_path(path, os.O_RDONLY | os.O_DIRECTORY, "directory ")
+
+
+def _fsync_path(path: str | os.PathLike[str], flags: int, what: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(path, flags)
     except OSError as exc:
-        raise StorageIOError(f"cannot open directory {path} for fsync: {exc}") from exc
+        raise StorageIOError(f"cannot open {what}{path} for fsync: {exc}") from exc
     try:
         fsync_fd(fd)
     finally:

@@ -206,14 +206,7 @@ class LanceTable:
             return self.version
         with self._lock:
             try:
-                self._dataset = lance.write_dataset(
-                    table,
-                    str(self.path),
-                    schema=table.schema,
-                    mode="append",
-                    data_storage_version=DATA_STORAGE_VERSION,
-                    allow_external_blob_outside_bases=self._has_blobs,
-                )
+                self._dataset = self._write(table, "append")
             except Exception as exc:  # lance raises OSError and ValueError variants
                 raise StorageIOError(f"append to {self.path} failed: {exc}") from exc
             self._apply_modes()
@@ -229,14 +222,7 @@ class LanceTable:
         with self._lock:
             config = dict(self._dataset.config())
             try:
-                lance.write_dataset(
-                    rows,
-                    str(self.path),
-                    schema=rows.schema,
-                    mode="overwrite",
-                    data_storage_version=DATA_STORAGE_VERSION,
-                    allow_external_blob_outside_bases=self._has_blobs,
-                )
+                self._write(rows, "overwrite")
                 if config:
                     self._private_handle().update_config(dict[str, str | None](config))
             except Exception as exc:
@@ -246,6 +232,18 @@ class LanceTable:
             if durable:
                 self.sync()
             return self._dataset.version
+
+    def _write(self, rows: pa.Table, mode: str) -> lance.LanceDataset:
+        """One ``lance.write_dataset`` commit of ``rows`` in this table's format (the caller
+        holds the lock)."""
+        return lance.write_dataset(
+            rows,
+            str(self.path),
+            schema=rows.schema,
+            mode=mode,
+            data_storage_version=DATA_STORAGE_VERSION,
+            allow_external_blob_outside_bases=self._has_blobs,
+        )
 
     def _as_table(self, rows: Rows) -> pa.Table:
         schema = self._dataset.schema

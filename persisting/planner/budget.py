@@ -243,8 +243,8 @@ def _hardware(
     share = Fraction(min(in_memory, i.prefixes), i.prefixes) if in_memory is not None else None
     disk_reads = read_rate * (1 - (share or 0)) / nodes
     disk_writes = write_rate / nodes
-    read_bw = Fraction(i.disk_read) if i.disk_read is not None else None  # type: ignore[arg-type]
-    write_bw = Fraction(i.disk_write) if i.disk_write is not None else None  # type: ignore[arg-type]
+    read_bw = Fraction(i.disk_read) if i.disk_read is not None else None
+    write_bw = Fraction(i.disk_write) if i.disk_write is not None else None
     limits: dict[str, Fraction] = {}
     nic = Fraction(i.nic_gbps) * 10**9 / 8 * Fraction(i.nic_efficiency)
     limits["NIC"] = nic * nodes / bytes_per_prefix
@@ -296,7 +296,7 @@ def _recompute(i: PlanInputs, bytes_per_prefix: int, nic_usable: Fraction) -> Re
         return None
     flops = None
     if i.prefill_tokens_per_s is not None:
-        tokens_per_s = Fraction(i.prefill_tokens_per_s)  # type: ignore[arg-type]
+        tokens_per_s = Fraction(i.prefill_tokens_per_s)
     else:
         preset = i.preset
         assert preset is not None and i.gpu is not None  # checked by PlanInputs
@@ -304,7 +304,7 @@ def _recompute(i: PlanInputs, bytes_per_prefix: int, nic_usable: Fraction) -> Re
         tokens_per_s = i.tp * find_gpu(i.gpu).bf16_flops * Fraction(i.mfu) / flops
     per_token = i.shape.stored_bytes_per_token
     break_even = tokens_per_s * per_token
-    disk = Fraction(i.disk_read) if i.disk_read is not None else None  # type: ignore[arg-type]
+    disk = Fraction(i.disk_read) if i.disk_read is not None else None
     return RecomputePlan(
         prefill_tokens_per_s=math.floor(tokens_per_s),
         prefill_flops_per_token=flops,

@@ -136,7 +136,7 @@ class TopicReader:
         """A blocking twin (Pulsing's ``SyncQueueReader`` over this reader)."""
         from pulsing.streaming.sync_queue import SyncQueueReader
 
-        return SyncQueueReader(self)  # type: ignore[arg-type]
+        return SyncQueueReader(self)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.reader, name)

@@ -19,6 +19,9 @@ the next flush, so a crash loses what was put since.
 Only one process may write a bucket (an ``flock`` on ``writer.lock``, released by the kernel
 even on ``kill -9``); any number of ``read_only=True`` backends, in any process, read it and
 see each flush as it is committed.
+
+Over 500 lines on purpose: this is Pulsing's backend interface, one class whose methods
+share the buffer, log and worker; their mechanics already live in the modules named above.
 """
 
 from __future__ import annotations

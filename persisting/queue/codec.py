@@ -66,7 +66,7 @@ _PACKER = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
-    """Bytes for a normalized record (see :func:`persisting.queue.schema.normalize_record`)."""
+    """Bytes for a normalized record (see :func:`persisting.queue.records.normalize_record`)."""
     return _PACKER.pack(record)
 
 

@@ -115,6 +115,11 @@ class SharedPool:
     def free_bytes(self) -> int:
         return self._pages.free_bytes
 
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The pool's whole mapping (to page-lock its data area for DMA; never to write)."""
+        return self._map
+
     def unlink(self) -> None:
         unlink_quietly(self.path)
 

@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 PATHS = ("memory_get", "memory_ring", "disk_get", "disk_ring")
 
 
+@pytest.mark.slow
 def test_the_tiny_ttft_run_restores_bit_exact_and_reports_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "ttft.json"
     proc = subprocess.run(

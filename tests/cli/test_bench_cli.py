@@ -119,6 +119,7 @@ def test_help_lists_the_commands() -> None:
     assert "generate" in result.stdout and "replay" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_console_script_generates_replays_and_plots(tmp_path: Path) -> None:
     script = str(Path(sys.executable).with_name("persisting"))

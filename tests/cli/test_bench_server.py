@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-from service_helpers import (
+from tests.service.service_helpers import (
     MODEL,
     REPO,
     free_port,

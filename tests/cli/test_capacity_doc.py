@@ -94,6 +94,7 @@ def test_the_figures_quoted_for_the_hardware_and_recompute() -> None:
     assert r["prefill_tokens_per_s"] == 20_060
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_bench_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

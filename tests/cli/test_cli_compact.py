@@ -7,10 +7,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cli_ops_helpers import MODEL, fill, key, open_store, read_queue, same, value, write_queue
 from typer.testing import CliRunner, Result
 
 from persisting.cli import app
+from tests.cli.cli_ops_helpers import (
+    MODEL,
+    fill,
+    key,
+    open_store,
+    read_queue,
+    same,
+    value,
+    write_queue,
+)
 
 runner = CliRunner()
 OTHER = "org/small-model"

@@ -10,11 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_ops_helpers import FILE_BYTES, MODEL, fill, key, open_store, same, value, write_queue
 from typer.testing import CliRunner, Result
 
 from persisting.cli import app
 from persisting.lance_store import StorageRoot
+from tests.cli.cli_ops_helpers import (
+    FILE_BYTES,
+    MODEL,
+    fill,
+    key,
+    open_store,
+    same,
+    value,
+    write_queue,
+)
 
 runner = CliRunner()
 OTHER = "org/small-model"
@@ -154,6 +163,7 @@ def test_drop_rejects_unsafe_names_and_never_leaves_the_root(root: Path) -> None
     assert StorageRoot(root).list_models() == [MODEL]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_drop_asks_on_a_terminal(root: Path) -> None:
     fill(root, MODEL, 2)

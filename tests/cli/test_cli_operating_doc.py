@@ -13,12 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_ops_helpers import key, open_store, value
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs"))
-from docs_helpers import fenced_blocks
 
 from persisting.metrics import LATENCY_METRIC, QUEUE_LAG_METRIC, STORE_FIGURES, KVMetrics
+from tests.cli.cli_ops_helpers import key, open_store, value
+from tests.docs.docs_helpers import fenced_blocks
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 
@@ -69,6 +67,7 @@ def shims(env: dict[str, str]) -> str:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_shell_blocks_run_in_order(tmp_path: Path, served: tuple[str, KVMetrics]) -> None:
     url, _metrics = served

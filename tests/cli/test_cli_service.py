@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-from service_helpers import (
+from tests.service.service_helpers import (
     MODEL,
     REPO,
     free_port,
@@ -51,6 +50,7 @@ def _scrape(url: str) -> str:
         return response.read().decode()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_serve_answers_clients_exposes_metrics_and_takes_prewarm_events(tmp_path: Path) -> None:
     root = tmp_path / "root"
@@ -159,6 +159,7 @@ def _tokens(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_serve_logs_a_banner_and_a_stop_line_as_json(tmp_path: Path) -> None:
     from persisting import __version__

@@ -9,13 +9,6 @@ from pathlib import Path
 import prometheus_client
 import pytest
 import torch
-from cli_ops_helpers import (
-    MODEL,
-    key,
-    open_store,
-    value,
-    write_queue,
-)
 from prometheus_client.parser import text_string_to_metric_families
 
 from persisting.errors import ConfigError
@@ -28,6 +21,13 @@ from persisting.metrics import (
     KVMetrics,
     figure_values,
     start_metrics_server,
+)
+from tests.cli.cli_ops_helpers import (
+    MODEL,
+    key,
+    open_store,
+    value,
+    write_queue,
 )
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

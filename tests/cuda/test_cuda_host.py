@@ -89,6 +89,45 @@ def test_without_cuda_nothing_is_pinned_and_device_copies_are_refused() -> None:
 # -- the region ----------------------------------------------------------------------------
 
 
+def test_carved_parts_share_the_region_under_budgets_of_their_own() -> None:
+    region = PinnedRegion(10 * PAGE, pin=False)
+    tier = region.carve(6 * PAGE)
+    ring = region.carve(3 * PAGE)
+    assert tier is not None and ring is not None
+    assert region.carve(2 * PAGE) is None  # one page left
+    assert (tier.capacity, ring.capacity) == (6 * PAGE, 3 * PAGE)
+    a = tier.allocate(6 * PAGE)
+    assert a is not None and tier.owns(a) and region.owns(a) and not ring.owns(a)
+    assert tier.allocate(PAGE) is None  # the tier is full; the ring is not
+    b = ring.allocate(2 * PAGE)
+    assert b is not None and ring.owns(b) and not tier.owns(b)
+    a[:] = 1
+    b[:] = 2
+    assert int(a.max()) == 1 and int(b.min()) == 2  # disjoint
+    del a
+    gc.collect()
+    assert tier.free_bytes == 6 * PAGE
+    assert tier.pinned is False and ring.pinned is False
+    ring.close()
+    tier.close()
+    region.close()
+
+
+def test_store_host_memory_without_cuda_pins_nothing_and_stages_through_plain_memory() -> None:
+    from persisting.cuda import StoreHostMemory
+
+    host = StoreHostMemory(mode="auto", memory_bytes=1 << 20, staging_bytes=4 * PAGE)
+    assert host.pin is False and host.pinned is False
+    assert host.memory_buffer(PAGE) is None  # the tier allocates as before
+    copier = host.copier("cpu")
+    assert copier is host.copier(torch.device("cpu"))
+    buffer = copier.host_buffer(PAGE)
+    assert copier.staging is not None and copier.staging.owns(buffer)
+    host.close()
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        StoreHostMemory(mode="on", memory_bytes=1 << 20, staging_bytes=PAGE)
+
+
 def test_a_region_hands_out_disjoint_aligned_ranges_that_return_when_garbage() -> None:
     region = PinnedRegion(10 * PAGE, pin=False)
     assert region.capacity == 10 * PAGE and region.free_bytes == 10 * PAGE

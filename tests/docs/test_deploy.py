@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from dockerfile_parse import DockerfileParser
-from docs_helpers import REPO, fenced_blocks
 
 from persisting.config import PersistingSettings
+from tests.docs.docs_helpers import REPO, fenced_blocks
 
 DEPLOY = REPO / "deploy"
 UNIT = DEPLOY / "persisting.service"

@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
-from docs_helpers import REPO, RUN_LANGUAGES, fenced_blocks, run_block, run_env
 
 from persisting.queue.positions import ConsumerPositions
+from tests.docs.docs_helpers import REPO, RUN_LANGUAGES, fenced_blocks, run_block, run_env
 
 PAGE = REPO / "docs" / "queue.md"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_queue_page_runs_in_order(tmp_path: Path) -> None:
     work = tmp_path / "work"

@@ -13,7 +13,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from docs_helpers import (
+
+from persisting.lance_store import StorageRoot
+from persisting.queue.positions import ConsumerPositions
+from tests.docs.docs_helpers import (
     REPO,
     RUN_LANGUAGES,
     Background,
@@ -25,9 +28,6 @@ from docs_helpers import (
     start_background,
     substitute,
 )
-
-from persisting.lance_store import StorageRoot
-from persisting.queue.positions import ConsumerPositions
 
 GUIDE = REPO / "docs" / "user-guide.md"
 MODEL = "meta-llama/Llama-3-8B"
@@ -59,6 +59,7 @@ def with_free_ports(blocks: list[Block]) -> tuple[list[Block], dict[str, str]]:
     return substitute(blocks, mapping), mapping
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_guide_runs_in_order(tmp_path: Path) -> None:
     blocks, addrs = with_free_ports(guide_blocks())
@@ -170,6 +171,7 @@ def test_only_the_install_blocks_are_left_out_and_one_is_the_readmes() -> None:
             assert block.marker in (None, "background", "no-test"), block.where()
 
 
+@pytest.mark.slow
 def test_the_guides_lmcache_yaml_loads_the_plugin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

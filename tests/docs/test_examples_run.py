@@ -12,7 +12,8 @@ import socket
 from pathlib import Path
 
 import pytest
-from docs_helpers import REPO, run_example
+
+from tests.docs.docs_helpers import REPO, run_example
 
 MODEL_DIR = "meta-llama%2FLlama-3-8B"
 
@@ -74,6 +75,7 @@ def test_kv_native_cleans_up_its_temporary_root(tmp_path: Path) -> None:
     assert not Path(root).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_lmcache_plugin(tmp_path: Path) -> None:
     pytest.importorskip("lmcache", reason="LMCache is not installed (PERSISTING_SKIP_LMCACHE=1?)")
@@ -94,6 +96,7 @@ def test_lmcache_plugin(tmp_path: Path) -> None:
     assert (root / "lmcache.yaml").is_file() and (root / "kv" / MODEL_DIR).is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_lmcache_mp_adapter(tmp_path: Path) -> None:
     pytest.importorskip("lmcache", reason="LMCache is not installed (PERSISTING_SKIP_LMCACHE=1?)")
@@ -114,6 +117,7 @@ def test_lmcache_mp_adapter(tmp_path: Path) -> None:
     assert (root / "kv" / "lmcache").is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_service_client(tmp_path: Path) -> None:
     root = tmp_path / "root"
@@ -134,6 +138,7 @@ def test_service_client(tmp_path: Path) -> None:
     assert (root / "kv" / MODEL_DIR).is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_prewarm_job(tmp_path: Path) -> None:
     root = tmp_path / "root"

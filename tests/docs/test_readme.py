@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from docs_helpers import REPO, fenced_blocks, run_env
+
+from tests.docs.docs_helpers import REPO, fenced_blocks, run_env
 
 README = REPO / "README.md"
 GUIDE = REPO / "docs" / "user-guide.md"
@@ -74,7 +75,13 @@ def test_the_two_commands_are_the_ones_ci_and_the_guide_run() -> None:
         "bash scripts/install.sh && .venv/bin/persisting serve --model meta-llama/Llama-3-8B",
         "bash scripts/install.sh && .venv/bin/python -m pytest",
     ]
+    # CI runs the test command's install, then the lint and type gates, then its pytest.
     ci = (REPO / ".ci" / "run").read_text()
-    assert commands[1] in ci
+    code = "\n".join(line for line in ci.splitlines() if not line.lstrip().startswith("#"))
+    install, tests = commands[1].split(" && ")
+    gates = [".venv/bin/ruff check .", ".venv/bin/ruff format --check .", ".venv/bin/mypy"]
+    steps = [install, *gates, tests]
+    assert all(step in code for step in steps), steps
+    assert [code.index(step) for step in steps] == sorted(code.index(step) for step in steps)
     # serve's defaults make the first one work as typed: a model, the default root and addr.
     assert re.search(r"--model [\w./-]+$", commands[0])

@@ -10,17 +10,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
-from hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
 
 from persisting.config import PersistingSettings
 from persisting.integrations.transformers import forward, load_prefix, save_prefix
 from persisting.kv import TokenHasher
 from persisting.service import SyncKVCacheClient
+from tests.integrations.hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
 
 
 def main(args: dict) -> dict:

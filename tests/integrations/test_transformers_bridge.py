@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
 
 from persisting.errors import InvalidValueError
 from persisting.integrations.transformers import dtype_name, forward, load_prefix, save_prefix
 from persisting.kv import KVStore, TokenHasher, open_kv_store
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-from service_helpers import free_port, processes, start_serve, wait_for_log
+from tests import child_env
+from tests.integrations.hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
+from tests.service.service_helpers import free_port, processes, start_serve, wait_for_log
 
 
 def store_at(root: Path, **options) -> KVStore:
@@ -104,6 +103,7 @@ def test_bad_inputs_are_refused_clearly(root: Path) -> None:
             dtype_name(torch.complex64)
 
 
+@pytest.mark.slow
 def test_through_the_service_client_in_another_process(tmp_path: Path) -> None:
     port = free_port()
     with processes() as procs:
@@ -128,8 +128,7 @@ def run_client_task(args: dict) -> dict:
     import os
     import subprocess
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env = child_env({k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")})
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("hf_client_task.py")), json.dumps(args)],
         env=env,

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import MODEL, key
 
 from persisting.errors import CapacityError
 from persisting.kv import open_kv_store
+from tests.kv.kv_helpers import MODEL, key
 
 MiB = 1 << 20
 

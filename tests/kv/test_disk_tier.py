@@ -11,11 +11,11 @@ import lance
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES
 from persisting.lance_store import StorageRoot
+from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
 
 MiB = 1 << 20
 
@@ -77,7 +77,7 @@ READ_SCRIPT = """
 import sys, torch, numpy as np
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], {model!r}, memory_bytes=0, disk_bytes=64 << 20)
-from kv_helpers import key, tensor
+from tests.kv.kv_helpers import key, tensor
 t = store.get(key(1)); a = store.get(key(2))
 want_a = np.arange(1000, dtype=np.float64).reshape(2, 10, 50)
 same_t = t is not None and torch.equal(t.view(torch.int16), tensor(1).view(torch.int16))

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
 
 from persisting.kv import open_kv_store
 from persisting.lance_store import StorageRoot
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 NOBODY = 65534

@@ -10,27 +10,28 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
-from kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size, round_to_block
+from tests import child_env
+from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
 
 MiB = 1 << 20
-HERE = Path(__file__).parent
 
 
 def pause_writes(store, started: threading.Event, go: threading.Event) -> None:
     """Make ``store``'s writer stop after creating its tmp files, until ``go``."""
     files = store.disk.files
-    real = files.finish
+    real = files.publish
 
     def finish(*args, **kwargs):
         started.set()
         assert go.wait(60)
         return real(*args, **kwargs)
 
-    files.finish = finish
+    files.publish = finish
 
 
 def test_two_stores_of_one_process_keep_each_others_in_flight_files(root: Path) -> None:
@@ -69,13 +70,12 @@ def test_two_stores_of_one_process_keep_each_others_in_flight_files(root: Path) 
 
 WRITER_IN_ANOTHER_NAMESPACE = """
 import os, sys, threading
-sys.path.insert(0, sys.argv[3])
-from kv_helpers import MODEL, key, tensor
+from tests.kv.kv_helpers import MODEL, key, tensor
 from persisting.kv import open_kv_store
 root, go_file = sys.argv[1], sys.argv[2]
 store = open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 << 20)
 files = store.disk.files
-real = files.finish
+real = files.publish
 told = []
 def finish(*args, **kwargs):
     if not told:
@@ -83,7 +83,7 @@ def finish(*args, **kwargs):
     while not os.path.exists(go_file):
         threading.Event().wait(0.01)
     return real(*args, **kwargs)
-files.finish = finish
+files.publish = finish
 results = store.batched_put([key(i) for i in range(3)], [tensor(i) for i in range(3)])
 store.close()
 print("stored", sum(r.stored for r in results), flush=True)
@@ -100,6 +100,7 @@ def in_new_pid_namespace() -> list[str]:
     return [unshare, "--pid", "--fork"] if probe.returncode == 0 else []
 
 
+@pytest.mark.slow
 def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path) -> None:
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as mine:
         go = root / "go"
@@ -111,8 +112,8 @@ def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path)
                 WRITER_IN_ANOTHER_NAMESPACE,
                 str(root),
                 str(go),
-                str(HERE),
             ],
+            env=child_env(),
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -144,19 +145,18 @@ def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path)
 
 KILLED_MID_BATCH = """
 import os, signal, sys
-sys.path.insert(0, sys.argv[3])
-from kv_helpers import MODEL, big, key
+from tests.kv.kv_helpers import MODEL, big, key
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=int(sys.argv[2]))
 files = store.disk.files
-real = files.finish
+real = files.publish
 done = []
 def finish(*args, **kwargs):
     if len(done) == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # one file written, seven still reserved
     done.append(real(*args, **kwargs))
     return done[-1]
-files.finish = finish
+files.publish = finish
 store.batched_put([key(100 + i) for i in range(8)], [big(100 + i) for i in range(8)])
 """
 
@@ -169,7 +169,8 @@ def test_a_writer_killed_mid_batch_gives_its_reservation_back(root: Path) -> Non
         assert store.disk is not None
         store.batched_put(mine[:6], [big(i) for i in range(6)])
         killed = subprocess.run(
-            [sys.executable, "-c", KILLED_MID_BATCH, str(root), str(capacity), str(HERE)],
+            [sys.executable, "-c", KILLED_MID_BATCH, str(root), str(capacity)],
+            env=child_env(),
             timeout=120,
         )
         assert killed.returncode == -9

@@ -12,15 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import MODEL, OVERHEAD_ROOM, big, key, shared_dir_worker, tensor
 
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size
 from persisting.lance_store import StorageRoot
+from tests import child_env
+from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key, shared_dir_worker, tensor
 
 MiB = 1 << 20
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_processes_sharing_a_directory_never_read_wrong_data(root: Path) -> None:
     value_file = file_size(big(0).numel() * 2)
@@ -57,14 +59,15 @@ def test_a_process_sees_the_other_processes_chunks_after_refresh(root: Path) -> 
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as mine:
         mine.put(key(0), tensor(0))
         code = (
-            "import sys; sys.path.insert(0, sys.argv[2]);"
-            "from kv_helpers import MODEL, key, tensor;"
+            "import sys;"
+            "from tests.kv.kv_helpers import MODEL, key, tensor;"
             "from persisting.kv import open_kv_store;"
             "s = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=64 << 20);"
             "assert s.contains(key(0)); s.put(key(1), tensor(1)); s.remove(key(0)); s.close()"
         )
         subprocess.run(
-            [sys.executable, "-c", code, str(root), str(Path(__file__).parent)],
+            [sys.executable, "-c", code, str(root)],
+            env=child_env(),
             check=True,
             timeout=120,
         )
@@ -76,11 +79,10 @@ def test_a_process_sees_the_other_processes_chunks_after_refresh(root: Path) -> 
 
 WRITER = """
 import sys
-sys.path.insert(0, sys.argv[2])
-from kv_helpers import MODEL, key, tensor
+from tests.kv.kv_helpers import MODEL, key, tensor
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=1 << 30, durability="sync")
-i = int(sys.argv[3])
+i = int(sys.argv[2])
 while True:
     store.put(key(i), tensor(i, tokens=64))
     print(i, flush=True)  # acknowledged
@@ -88,13 +90,15 @@ while True:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sigkill_loses_no_acknowledged_sync_put(root: Path) -> None:
     acked: list[int] = []
     start = 0
     for kill in range(5):
         proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(root), str(Path(__file__).parent), str(start)],
+            [sys.executable, "-c", WRITER, str(root), str(start)],
+            env=child_env(),
             stdout=subprocess.PIPE,
             text=True,
         )

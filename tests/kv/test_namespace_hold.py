@@ -11,19 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
 
 from persisting.errors import NamespaceInUseError
 from persisting.kv import open_kv_store
 from persisting.lance_store import StorageRoot
+from tests import child_env
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
-HERE = Path(__file__).parent
 
 HOLDER = """
 import sys
-sys.path.insert(0, sys.argv[2])
-from kv_helpers import MODEL, key, tensor
+from tests.kv.kv_helpers import MODEL, key, tensor
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=64 << 20)
 store.put(key(7), tensor(7))
@@ -36,7 +35,8 @@ store.close()
 
 def start_holder(root: Path) -> subprocess.Popen[str]:
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(root), str(HERE)],
+        [sys.executable, "-c", HOLDER, str(root)],
+        env=child_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, key
 
 from persisting.kv import open_kv_store
 from persisting.kv.layout import checksum
 from persisting.kv.payload_files import HASH_PIECE, HEADER_BYTES, PayloadFiles, read_file_range
+from tests.kv.kv_helpers import MODEL, key
 
 MiB = 1 << 20
 #: Sizes around the hashing piece: smaller, exactly one, one and a bit, several.

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
 
 from persisting.kv import KVStore, PutResult, open_kv_store
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 VALUE_BYTES = tensor(0).numel() * 2

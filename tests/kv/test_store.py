@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
 
 from persisting.errors import (
     CapacityError,
@@ -20,6 +19,7 @@ from persisting.errors import (
 )
 from persisting.kv import Layout, TokenHasher, open_kv_store
 from persisting.lance_store import StorageRoot
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 
@@ -256,8 +256,10 @@ def test_get_into_fills_a_caller_buffer(root: Path) -> None:
         out = torch.empty_like(t)
         layout = store.get_into(key(1), out.view(-1).view(torch.uint8))
         assert layout == Layout.of(t, "KV_2LTD") and torch.equal(out, t)
-        too_small = torch.empty(10, dtype=torch.uint8)
-        assert store.get_into(key(1), too_small) is None
+        too_small = torch.full((10,), 7, dtype=torch.uint8)
+        with pytest.raises(InvalidValueError, match=f"buffer of {t.numel() * 2} bytes"):
+            store.get_into(key(1), too_small)  # the caller's mistake, not a miss
+        assert bool((too_small == 7).all())
         with pytest.raises(InvalidValueError):
             store.get_into(key(1), bytes(t.numel() * 2))
 
@@ -284,8 +286,10 @@ def test_closed_store_and_bad_settings(root: Path) -> None:
         open_store(root, durability="later")
     with pytest.raises(ConfigError):
         open_store(root, durability="async", memory_bytes=0)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="unknown eviction policy 'random'"):
         open_store(root, eviction="random")
+    with pytest.raises(ConfigError, match="unknown admission policy 'never'"):
+        open_store(root, admission="never")
 
 
 def test_async_variants(root: Path) -> None:

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from kv_helpers import MODEL, key, tensor
 
 from persisting.errors import (
     InvalidValueError,
@@ -20,6 +19,7 @@ from persisting.errors import (
     StoreClosedError,
 )
 from persisting.kv import KVStore, open_kv_store
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 

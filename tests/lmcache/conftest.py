@@ -18,7 +18,8 @@ import pytest
 
 pytest.importorskip("lmcache", reason="LMCache is not installed (PERSISTING_SKIP_LMCACHE=1?)")
 from lmcache.v1.storage_backend.storage_manager import StorageManager
-from lmcache_harness import make_config, storage_manager
+
+from tests.lmcache.lmcache_harness import make_config, storage_manager
 
 
 @pytest.fixture

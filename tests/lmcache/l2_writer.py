@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from l2_harness import (
+from tests.lmcache.l2_harness import (
     adapter_json,
     adapter_of,
     l2_adapter,

@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from lmcache_harness import filled, key, make_config, plugin_of, storage_manager
+from tests.lmcache.lmcache_harness import filled, key, make_config, plugin_of, storage_manager
 
 
 def main() -> None:

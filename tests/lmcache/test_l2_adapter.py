@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from l2_harness import (
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+
+from persisting.errors import ConfigError
+from persisting.kv import key_string
+from persisting.kv.payload_files import file_size
+from persisting.lmcache import PersistingL2Adapter, PersistingL2AdapterConfig
+from persisting.lmcache.object_keys import object_key_of, object_key_text
+from tests.lmcache.l2_harness import (
     MODEL,
     Recorder,
     adapter_json,
@@ -29,15 +38,6 @@ from l2_harness import (
     tensor_obj,
     wait_until,
 )
-from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
-from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
-
-from persisting.errors import ConfigError
-from persisting.kv import key_string
-from persisting.kv.payload_files import file_size
-from persisting.lmcache import PersistingL2Adapter, PersistingL2AdapterConfig
-from persisting.lmcache.object_keys import object_key_of, object_key_text
 
 pytestmark = pytest.mark.timeout(120)
 CHUNK_BYTES = 2 * 4 * 16 * 256 * 2

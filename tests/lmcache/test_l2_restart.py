@@ -5,7 +5,6 @@ back). LMCache's own disk adapters forget usage and order on restart."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from l2_harness import (
+
+from persisting.lmcache import PersistingL2Adapter
+from tests import child_env
+from tests.lmcache.l2_harness import (
     adapter_json,
     adapter_of,
     bytes_of,
@@ -28,9 +30,7 @@ from l2_harness import (
     tensor_obj,
     wait_until,
 )
-from l2_writer import BIG, BIG_SHAPE, KEYS
-
-from persisting.lmcache import PersistingL2Adapter
+from tests.lmcache.l2_writer import BIG, BIG_SHAPE, KEYS
 
 pytestmark = pytest.mark.timeout(240)
 HERE = Path(__file__).parent
@@ -38,10 +38,7 @@ CHUNK_BYTES = 2 * 4 * 16 * 256 * 2
 
 
 def run_writer(root: Path, mode: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = child_env()
     return subprocess.run(
         [sys.executable, str(HERE / "l2_writer.py"), str(root), mode],
         env=env,
@@ -77,6 +74,7 @@ def copy_of(root: Path, tmp_path: Path) -> Path:
     return target
 
 
+@pytest.mark.slow
 def test_chunks_usage_and_keys_come_back(written: tuple[Path, dict], tmp_path: Path) -> None:
     root, report = written
     with storage_manager(adapter_json(copy_of(root, tmp_path), capacity="64MiB")) as manager:
@@ -91,6 +89,7 @@ def test_chunks_usage_and_keys_come_back(written: tuple[Path, dict], tmp_path: P
         assert_every_chunk_loads(manager)
 
 
+@pytest.mark.slow
 def test_lmcache_s_eviction_policy_gets_the_order_back(
     written: tuple[Path, dict], tmp_path: Path
 ) -> None:
@@ -104,6 +103,7 @@ def test_lmcache_s_eviction_policy_gets_the_order_back(
     assert set(report["order"][-3:]) == read_last
 
 
+@pytest.mark.slow
 def test_lmcache_evicts_in_the_order_kept_across_the_restart(
     written: tuple[Path, dict], tmp_path: Path
 ) -> None:
@@ -124,6 +124,7 @@ def test_lmcache_evicts_in_the_order_kept_across_the_restart(
         assert ranks == list(range(len(gone)))
 
 
+@pytest.mark.slow
 def test_completed_stores_survive_sigkill(tmp_path: Path) -> None:
     root = tmp_path / "root"
     result = run_writer(root, "kill")
@@ -133,6 +134,7 @@ def test_completed_stores_survive_sigkill(tmp_path: Path) -> None:
         assert_every_chunk_loads(manager)
 
 
+@pytest.mark.slow
 def test_a_store_torn_by_sigkill_is_never_visible(tmp_path: Path) -> None:
     root = tmp_path / "root"
     result = run_writer(root, "torn")

@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from l2_harness import (
+
+from persisting.kv.payload_files import file_size
+from persisting.lmcache import PersistingL2Adapter
+from persisting.lmcache.object_keys import object_key_text
+from tests.lmcache.l2_harness import (
     LAYOUT,
     Recorder,
     adapter_json,
@@ -35,10 +39,6 @@ from l2_harness import (
     wait_until,
     write_through_l1,
 )
-
-from persisting.kv.payload_files import file_size
-from persisting.lmcache import PersistingL2Adapter
-from persisting.lmcache.object_keys import object_key_text
 
 pytestmark = pytest.mark.timeout(180)
 CHUNK_BYTES = 2 * 4 * 16 * 256 * 2

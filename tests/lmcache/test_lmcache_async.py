@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from lmcache.v1.event_manager import EventType
 from lmcache.v1.storage_backend.storage_manager import StorageManager
-from lmcache_harness import (
+
+from tests.lmcache.lmcache_harness import (
     CHUNK,
     PLUGIN,
     filled,

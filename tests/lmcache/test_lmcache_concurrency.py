@@ -7,7 +7,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from lmcache_harness import (
+
+from tests.lmcache.lmcache_harness import (
     cpu_of,
     filled,
     key,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lmcache_harness import (
+
+from tests.lmcache.lmcache_harness import (
     CHUNK,
     KV_SHAPE,
     PLUGIN,

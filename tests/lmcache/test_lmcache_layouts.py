@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 from lmcache.utils import LayerCacheEngineKey
-from lmcache_harness import key, make_metadata
 
 from persisting.kv import Layout
 from persisting.lmcache.compat import LayoutGuard
+from tests.lmcache.lmcache_harness import key, make_metadata
 
 
 def layout(shape: tuple[int, ...], dtype: str = "bfloat16", fmt: str = "KV_2LTD") -> Layout:

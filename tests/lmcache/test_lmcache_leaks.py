@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 from lmcache.v1.storage_backend.storage_manager import StorageManager
-from lmcache_harness import (
+
+from persisting.lmcache import PersistingKVBackend
+from tests.lmcache.lmcache_harness import (
     cpu_of,
     filled,
     key,
@@ -26,8 +28,6 @@ from lmcache_harness import (
     same_bytes,
     storage_manager,
 )
-
-from persisting.lmcache import PersistingKVBackend
 
 pytestmark = pytest.mark.timeout(120)
 

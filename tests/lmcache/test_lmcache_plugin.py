@@ -15,7 +15,11 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.storage_backend import CreateStorageBackends
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from lmcache.v1.storage_backend.storage_manager import StorageManager
-from lmcache_harness import (
+
+from persisting.kv import open_kv_store
+from persisting.lance_store import StorageRoot
+from persisting.lmcache_backend import PersistingKVBackend
+from tests.lmcache.lmcache_harness import (
     MODEL,
     PLUGIN,
     cpu_of,
@@ -29,10 +33,6 @@ from lmcache_harness import (
     storage_manager,
     wait_until,
 )
-
-from persisting.kv import open_kv_store
-from persisting.lance_store import StorageRoot
-from persisting.lmcache_backend import PersistingKVBackend
 
 pytestmark = pytest.mark.timeout(120)
 

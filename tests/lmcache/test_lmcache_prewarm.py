@@ -18,11 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from l2_harness import LAYOUT, adapter_json, storage_manager, write_through_l1
 from lmcache.v1.distributed.api import ipc_key_to_object_keys
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.token_hasher import TokenHasher as ServerTokenHasher
-from lmcache_harness import (
+
+from persisting.actors.launch import free_loopback_port, start_service
+from persisting.config import PersistingSettings
+from persisting.kv import TokenHasher
+from persisting.service import KVCacheClient
+from tests.lmcache.l2_harness import LAYOUT, adapter_json, storage_manager, write_through_l1
+from tests.lmcache.lmcache_harness import (
     CHUNK,
     KV_SHAPE,
     MODEL,
@@ -34,11 +39,6 @@ from lmcache_harness import (
     plugin_of,
     wait_until,
 )
-
-from persisting.actors.launch import free_loopback_port, start_service
-from persisting.config import PersistingSettings
-from persisting.kv import TokenHasher
-from persisting.service import KVCacheClient
 
 pytestmark = pytest.mark.timeout(240)
 

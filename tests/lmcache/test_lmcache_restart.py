@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from lmcache_harness import (
+
+from tests import child_env
+from tests.lmcache.lmcache_harness import (
     PLUGIN,
     key,
     make_config,
@@ -25,10 +26,7 @@ COUNT = 6
 
 
 def run_writer(root: Path, disk: Path, durability: str, ending: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = child_env()
     return subprocess.run(
         [
             sys.executable,
@@ -61,6 +59,7 @@ def assert_all_chunks_back(root: Path, disk: Path) -> None:
             obj.ref_count_down()
 
 
+@pytest.mark.slow
 def test_chunks_survive_a_clean_restart_in_a_new_process(tmp_path: Path) -> None:
     root, disk = tmp_path / "root", tmp_path / "lmcache-disk"
     result = run_writer(root, disk, "async", "close")
@@ -70,6 +69,7 @@ def test_chunks_survive_a_clean_restart_in_a_new_process(tmp_path: Path) -> None
     assert_all_chunks_back(root, disk)
 
 
+@pytest.mark.slow
 def test_completed_sync_puts_survive_sigkill(tmp_path: Path) -> None:
     root, disk = tmp_path / "root", tmp_path / "lmcache-disk"
     result = run_writer(root, disk, "sync", "kill")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lmcache_harness import make_config, plugin_of, storage_manager
 
 from persisting.errors import ConfigError
 from persisting.lmcache_backend import settings_from_extra_config
+from tests.lmcache.lmcache_harness import make_config, plugin_of, storage_manager
 
 
 def test_extra_config_keys_override_the_store_settings(tmp_path: Path) -> None:

@@ -11,7 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.token_database import ChunkedTokenDatabase
-from lmcache_harness import (
+
+from persisting.config import PersistingSettings
+from persisting.errors import ConfigError
+from persisting.kv import TokenHasher, open_kv_store
+from tests.lmcache.lmcache_harness import (
     CHUNK,
     KV_SHAPE,
     MODEL,
@@ -23,10 +27,6 @@ from lmcache_harness import (
     plugin_of,
     wait_until,
 )
-
-from persisting.config import PersistingSettings
-from persisting.errors import ConfigError
-from persisting.kv import TokenHasher, open_kv_store
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pulsing.streaming import MemoryBackend, StorageBackend, get_backend_class
-from queue_helpers import small_records
 
 from persisting.errors import InvalidNameError, InvalidValueError, OffsetTrimmedError
 from persisting.lance_store import StorageRoot
@@ -33,6 +32,7 @@ from persisting.queue.maintenance import (
     plan_compaction,
 )
 from persisting.queue.positions import ConsumerPositions
+from tests.queue.queue_helpers import small_records
 
 PROTOCOL_METHODS = [
     "put",

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import lance
 import pytest
-from queue_helpers import small_records
 
 from persisting.errors import (
     AccessDeniedError,
@@ -20,6 +19,7 @@ from persisting.errors import (
 )
 from persisting.queue import LanceBackend
 from persisting.queue.backend import WAL_DIR
+from tests.queue.queue_helpers import small_records
 
 
 def eventually(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:

@@ -15,13 +15,13 @@ from typing import Any
 
 import lance
 import pytest
-from queue_helpers import free_port
-from queue_procs import record, summary
 
 from persisting.errors import StorageIOError
 from persisting.lance_store import StorageRoot
 from persisting.queue import LanceBackend, open_bucket
 from persisting.queue.backend import WAL_DIR
+from tests.queue.queue_helpers import free_port
+from tests.queue.queue_procs import record, summary
 
 PROCS = Path(__file__).with_name("queue_procs.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -285,6 +285,7 @@ record_lists = st.lists(st.dictionaries(st.text(max_size=4), json_values, max_si
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+@pytest.mark.slow
 @given(batches=st.lists(record_lists, min_size=1, max_size=3), flush_between=st.booleans())
 def test_any_records_are_stored_or_rejected_whole_and_never_block_a_flush(
     tmp_path: Path, batches: list[list[dict]], flush_between: bool

@@ -185,10 +185,9 @@ def test_a_log_written_before_msgpack_is_still_replayed(bucket_dir: Path) -> Non
     import asyncio
     import shutil
 
-    from wal_v1_records import v1_records
-
     from persisting.queue import LanceBackend
     from persisting.queue.backend import WAL_DIR
+    from tests.queue.wal_v1_records import v1_records
 
     shutil.copytree(Path(__file__).parent / "data" / "wal_v1", bucket_dir / WAL_DIR)
     backend = LanceBackend(0, bucket_dir, batch_size=1000, flush_interval_s=0)

@@ -18,12 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import MODEL, emit, key_text, value
-
 from persisting.errors import PersistingError
 from persisting.kv import open_kv_store
 from persisting.lance_store import StorageRoot
+from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 HOSTILE_TEXT = st.one_of(
     st.text(max_size=300),

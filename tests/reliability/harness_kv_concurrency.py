@@ -8,6 +8,7 @@ other than the documented ones, and on a directory over its capacity.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import random
 import sys
@@ -17,14 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-import contextlib
-
-from rel_common import MODEL, emit, key_text, value
-
 from persisting.errors import CapacityError
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size
+from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 N_KEYS = 48
 #: What a caller must be ready for under contention: a full tier whose every chunk is

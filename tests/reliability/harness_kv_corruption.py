@@ -16,11 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import MODEL, emit, key_text, value
-
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES
+from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 N_KEYS = 8
 

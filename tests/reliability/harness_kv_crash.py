@@ -20,18 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import MODEL, emit, key_text, run_and_kill, value
-
 from persisting.kv import open_kv_store
+from tests.reliability.rel_common import MODEL, emit, key_text, run_and_kill, value
 
 WRITER = """
 import sys
-sys.path.insert(0, sys.argv[2])
-from rel_common import MODEL, key_text, value
+from tests.reliability.rel_common import MODEL, key_text, value
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=1 << 34, durability="sync")
-i = int(sys.argv[3])
+i = int(sys.argv[2])
 print("ready", flush=True)
 while True:
     store.put(key_text(i), value(i, 128), fmt="KV_2TD")
@@ -50,7 +47,7 @@ def run(root: Path, kills: int, seed: int, time_budget_s: float = 240.0) -> dict
     for _ in range(kills):
         if time.monotonic() - started > time_budget_s:
             break
-        writer = [sys.executable, "-c", WRITER, str(root), str(Path(__file__).parent), str(next_i)]
+        writer = [sys.executable, "-c", WRITER, str(root), str(next_i)]
         new = run_and_kill(writer, rng.uniform(0.05, 0.6))
         acked.extend(new)
         last = new[-1] if new else next_i - 1

@@ -16,11 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import MODEL, emit, key_text, value
-
 from persisting.errors import CapacityError
 from persisting.kv import open_kv_store
+from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 
 def run(fs_mib: int = 12) -> dict:

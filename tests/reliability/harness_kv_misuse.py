@@ -27,13 +27,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import MODEL, emit, key_text, value
-
 from persisting.errors import NamespaceInUseError
 from persisting.kv import KVStore, PutResult, open_kv_store
 from persisting.kv.payload_files import file_size
 from persisting.lance_store import StorageRoot
+from tests import child_env
+from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 MiB = 1 << 20
 NOBODY = 65534
@@ -180,17 +179,16 @@ def block(i: int) -> np.ndarray:
 KILLED_WRITER = """
 import os, signal, sys
 import numpy as np
-sys.path.insert(0, sys.argv[3])
-from rel_common import MODEL, key_text
+from tests.reliability.rel_common import MODEL, key_text
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=int(sys.argv[2]))
-files, real, done = store.disk.files, store.disk.files.finish, []
+files, real, done = store.disk.files, store.disk.files.publish, []
 def finish(*args, **kwargs):
     if done:
         os.kill(os.getpid(), signal.SIGKILL)
     done.append(real(*args, **kwargs))
     return done[-1]
-files.finish = finish
+files.publish = finish
 store.batched_put([key_text(100 + i) for i in range(8)],
                   [np.full((2, 8192, 64), 100 + i, np.float16) for i in range(8)], fmt="KV_2TD")
 """
@@ -211,8 +209,8 @@ def killed_writer(base: Path) -> dict[str, int]:
                 KILLED_WRITER,
                 str(base),
                 str(capacity),
-                str(Path(__file__).parent),
             ],
+            env=child_env(),
             timeout=120,
         )
         store.batched_put(mine[6:], [block(i) for i in range(6, 10)], fmt="KV_2TD")

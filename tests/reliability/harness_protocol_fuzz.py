@@ -30,13 +30,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import MODEL, emit, key_text, value
-
 from persisting.errors import PersistingError, error_class_for
 from persisting.kv import open_kv_store
 from persisting.service.handler import StorageHandler
 from persisting.service.protocol import OPS, PROTOCOL_VERSION, safe_loads
+from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 SCALARS = st.one_of(
     st.none(),

@@ -18,10 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import emit, run_and_kill
-
 from persisting.queue import open_bucket
+from tests.reliability.rel_common import emit, run_and_kill
 
 TOPIC = "reliability/events"
 

@@ -40,8 +40,7 @@ from typing import Any
 import pulsing
 import pulsing.core.remote
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rel_common import emit
+from tests.reliability.rel_common import emit
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "reliability/attacked"

@@ -1,7 +1,9 @@
 """Run every reliability harness at its documented settings and write docs/reliability.md.
 
-    .venv/bin/python tests/reliability/make_report.py            # run all, rewrite the doc
-    .venv/bin/python tests/reliability/make_report.py --render   # re-render from saved JSON
+    .venv/bin/python -m tests.reliability.make_report            # run all, rewrite the doc
+    .venv/bin/python -m tests.reliability.make_report --render   # re-render from saved JSON
+
+(from the repository root: the harnesses import their helpers as ``tests.reliability.*``).
 
 Each harness's JSON output is kept in docs/reliability/<name>.json; the figures in the doc
 are rendered from those files only (a test checks the doc matches them).
@@ -14,6 +16,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests import child_env
 
 HERE = Path(__file__).parent
 DOCS = HERE.parent.parent / "docs"
@@ -357,11 +361,11 @@ def render(results: dict[str, dict]) -> str:
     lines += ["## Reproduce", "", "```bash"]
     for name, (script, args) in HARNESSES.items():
         lines.append(
-            f".venv/bin/python tests/reliability/{script} {' '.join(args)} "
+            f".venv/bin/python -m tests.reliability.{Path(script).stem} {' '.join(args)} "
             f"--json docs/reliability/{name}.json".replace("  ", " ")
         )
     lines += [
-        ".venv/bin/python tests/reliability/make_report.py --render",
+        ".venv/bin/python -m tests.reliability.make_report --render",
         "```",
         "",
         "The test suite runs the same harnesses, bounded, in `tests/reliability/`.",
@@ -388,12 +392,14 @@ def main() -> None:
             subprocess.run(
                 [
                     sys.executable,
-                    str(HERE / script),
+                    "-m",
+                    f"tests.reliability.{Path(script).stem}",
                     *harness_args,
                     "--json",
                     str(RESULTS / f"{name}.json"),
                 ],
                 check=True,
+                env=child_env(),
                 stdout=subprocess.DEVNULL,
             )
     (DOCS / "reliability.md").write_text(render(load_results()))

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tests import child_env
+
 MODEL = "reliability/model"
 
 
@@ -31,7 +33,7 @@ def value(i: int, max_kib: int = 1024) -> np.ndarray:
 def run_and_kill(args: list[str], delay_s: float) -> list[int]:
     """Start a writer that prints ``ready`` and then one acknowledged number per line,
     SIGKILL it ``delay_s`` seconds later, and return every number it acknowledged."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=child_env())
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     lines: queue.Queue[str] = queue.Queue()

@@ -7,17 +7,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-import harness_fuzz
-import harness_kv_concurrency
-import harness_kv_corruption
-import harness_kv_crash
-import harness_kv_diskfull
-import harness_kv_misuse
-import harness_queue_crash
-import make_report
 import pytest
 
+from tests import child_env
+from tests.reliability import (
+    harness_fuzz,
+    harness_kv_concurrency,
+    harness_kv_corruption,
+    harness_kv_crash,
+    harness_kv_diskfull,
+    harness_kv_misuse,
+    harness_queue_crash,
+    make_report,
+)
 
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_30_times_loses_no_acknowledged_write(tmp_path: Path) -> None:
     r = harness_kv_crash.run(tmp_path, kills=30, seed=11, time_budget_s=200)
@@ -26,6 +31,7 @@ def test_sigkill_30_times_loses_no_acknowledged_write(tmp_path: Path) -> None:
     assert (r["lost_acknowledged"], r["wrong_reads"], r["torn_visible"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_30_times_loses_no_acknowledged_queue_record(tmp_path: Path) -> None:
     r = harness_queue_crash.run(tmp_path, kills=30, seed=11, time_budget_s=200)
@@ -34,13 +40,15 @@ def test_sigkill_30_times_loses_no_acknowledged_queue_record(tmp_path: Path) -> 
     assert (r["lost_acknowledged"], r["wrong_records"], r["duplicated_records"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_garbage_over_the_protocol_gets_typed_replies_and_service_keeps_serving() -> None:
     # Its own process: it starts a Pulsing system, which may crash at interpreter exit.
     out = subprocess.run(
         [
             sys.executable,
-            str(Path(__file__).parent / "harness_protocol_fuzz.py"),
+            "-m",
+            "tests.reliability.harness_protocol_fuzz",
             "--examples",
             "600",
             "--raw",
@@ -48,6 +56,7 @@ def test_garbage_over_the_protocol_gets_typed_replies_and_service_keeps_serving(
             "--seed",
             "11",
         ],
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=240,
@@ -72,6 +81,7 @@ def test_every_kind_of_corruption_gives_misses_never_wrong_data() -> None:
             assert o["misses"] == 1, o  # exactly the damaged value is lost
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_concurrent_processes_no_wrong_data_capacity_held() -> None:
     r = harness_kv_concurrency.run(procs=3, seconds=10, seed=11)
@@ -130,7 +140,8 @@ def test_cancelled_same_host_puts_never_store_another_keys_bytes() -> None:
     # Its own process: it runs a Pulsing client. 8 runs x 12 cancelled puts; the old client
     # stored another key's bytes under several cancelled keys in nearly every run.
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "harness_cancelled_puts.py"), "--runs", "8"],
+        [sys.executable, "-m", "tests.reliability.harness_cancelled_puts", "--runs", "8"],
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=360,

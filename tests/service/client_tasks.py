@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from service_helpers import MODEL, key, tensor
 
 from persisting.config import PersistingSettings
 from persisting.errors import PersistingError
 from persisting.kv import Layout, TokenHasher
 from persisting.service import KVCacheClient, SyncKVCacheClient
+from tests.service.service_helpers import MODEL, key, tensor
 
 
 def _settings(args: dict[str, Any]) -> PersistingSettings:
@@ -322,7 +322,30 @@ async def token_lookups(args: dict[str, Any]) -> dict[str, Any]:
         await client.close()
 
 
+async def api_suite(args: dict[str, Any]) -> dict[str, Any]:
+    """The KV API contract's behaviour suite (tests/api/kv_api_suite.py) through the async
+    client, or through the blocking one driven from a worker thread."""
+    from tests.api.kv_api_suite import Threaded, run_suite
+
+    if args["client"] != "SyncKVCacheClient":
+        client = await _connect(args)
+        try:
+            return await run_suite(client, args["base"])
+        finally:
+            await client.close()
+
+    def connect() -> SyncKVCacheClient:
+        return SyncKVCacheClient.connect(seeds=args["seeds"], model=MODEL, settings=_settings(args))
+
+    blocking = await asyncio.to_thread(connect)
+    try:
+        return await run_suite(Threaded(blocking), args["base"])
+    finally:
+        await asyncio.to_thread(blocking.close)
+
+
 TASKS = {
+    "api_suite": api_suite,
     "token_lookups": token_lookups,
     "remembered_locations": remembered_locations,
     "sync_roundtrip": sync_roundtrip,

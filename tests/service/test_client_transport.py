@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from service_helpers import MODEL, key, tensor
 
 from persisting.kv import KVStore, open_kv_store
 from persisting.kv.layout import checksum, encode_value
@@ -21,6 +20,7 @@ from persisting.service.handler import StorageHandler
 from persisting.service.local_channel import LocalChannel, LocalChannelServer
 from persisting.service.protocol import make_request, unwrap_reply
 from persisting.service.same_host import ClientArena
+from tests.service.service_helpers import MODEL, key, tensor
 
 
 @pytest.fixture

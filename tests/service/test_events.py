@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from service_helpers import MODEL, OTHER_MODEL, key
 
 from persisting.actors.kv_events import publish_events
 from persisting.config import PersistingSettings
@@ -15,6 +14,7 @@ from persisting.errors import InvalidValueError
 from persisting.kv import TokenHasher
 from persisting.queue import QueueConsumer
 from persisting.service.events import evict_event, make_event, parse_event, prewarm_event
+from tests.service.service_helpers import MODEL, OTHER_MODEL, key
 
 
 def test_events_by_key_and_by_tokens() -> None:

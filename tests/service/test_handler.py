@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from service_helpers import MODEL, OTHER_MODEL, key, tensor
 
 from persisting.errors import (
     AccessDeniedError,
@@ -27,6 +26,7 @@ from persisting.service.handler import StorageHandler
 from persisting.service.protocol import PROTOCOL_VERSION, make_request, unwrap_reply
 from persisting.service.same_host import ClientArena, read_file_into
 from persisting.service.sessions import SessionTable
+from tests.service.service_helpers import MODEL, OTHER_MODEL, key, tensor
 
 
 class FakeClock:

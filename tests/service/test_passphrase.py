@@ -35,6 +35,7 @@ def _generate(path: str, out: multiprocessing.Queue) -> None:
     out.put(generated_passphrase(Path(path)))
 
 
+@pytest.mark.slow
 def test_servers_starting_at_once_agree_on_one_passphrase(tmp_path: Path) -> None:
     path = str(tmp_path / "p" / "passphrase")
     ctx = multiprocessing.get_context("spawn")

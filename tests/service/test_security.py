@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from service_helpers import MODEL, REPO, free_port, server_env
+
+from tests.service.service_helpers import MODEL, REPO, free_port, server_env
 
 PERSISTING = str(Path(sys.executable).with_name("persisting"))
 HARNESS = REPO / "tests" / "reliability" / "harness_service_attack.py"
@@ -25,6 +26,7 @@ HARNESS = REPO / "tests" / "reliability" / "harness_service_attack.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_another_user_gets_nothing_executed_and_no_answer_from_a_default_server() -> None:
     out = subprocess.run(
@@ -50,6 +52,7 @@ def test_another_user_gets_nothing_executed_and_no_answer_from_a_default_server(
     assert out.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_non_loopback_address_without_a_passphrase_is_one_line_and_exit_2(
     tmp_path: Path,
 ) -> None:

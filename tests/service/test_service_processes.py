@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from service_helpers import (
+
+from tests.service.service_helpers import (
     MODEL,
     REPO,
     free_port,
@@ -53,6 +54,7 @@ def actor_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
 
 
+@pytest.mark.slow
 def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
     actor_server: str,
 ) -> None:
@@ -89,6 +91,7 @@ def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
             assert "get_bytes_file" not in counters
 
 
+@pytest.mark.slow
 def test_the_server_exports_prometheus_metrics_of_its_stores(actor_server: str) -> None:
     import urllib.request
 
@@ -106,6 +109,7 @@ def _hit_tokens(text: str) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_token_lookups_through_the_service_count_hit_tokens(actor_server: str) -> None:
     import urllib.request
 
@@ -119,11 +123,13 @@ def test_token_lookups_through_the_service_count_hit_tokens(actor_server: str) -
     assert after - before == 2 * 3 * result["chunk_size"]  # both lookups, counted by the server
 
 
+@pytest.mark.slow
 def test_the_blocking_client_works_without_an_event_loop(actor_server: str) -> None:
     result = run_client("sync_roundtrip", {"seeds": [actor_server]})
     assert result == {"exact": True, "lookup": 3, "pinned": True, "members": [actor_server]}
 
 
+@pytest.mark.slow
 def test_the_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
     code = (
         "import json, os\n"
@@ -153,6 +159,7 @@ def test_the_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> Non
         assert report["service"]["get_bytes_message"] == 0
 
 
+@pytest.mark.slow
 def test_pins_of_a_crashed_client_expire_after_the_lease_ttl(
     actor_server: str, tmp_path: Path
 ) -> None:
@@ -182,6 +189,7 @@ def test_pins_of_a_crashed_client_expire_after_the_lease_ttl(
     assert after["removed_unforced"] is True  # nothing pins it any more
 
 
+@pytest.mark.slow
 def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
     port = free_port()
     with processes() as procs:
@@ -205,6 +213,7 @@ def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
         }
 
 
+@pytest.mark.slow
 def test_a_server_started_by_pulsings_launcher_speaks_only_tls(actor_server: str) -> None:
     # Pulsing's launcher passes no passphrase; the actor made it start with the generated
     # one, which a client of this user reads (every other test here), and nothing else opens.
@@ -215,6 +224,7 @@ def test_a_server_started_by_pulsings_launcher_speaks_only_tls(actor_server: str
     }
 
 
+@pytest.mark.slow
 def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with_it(
     tmp_path: Path,
 ) -> None:
@@ -274,6 +284,7 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
     assert victim not in result["fresh_owners"]
 
 
+@pytest.mark.slow
 def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -> None:
     import asyncio
 
@@ -329,6 +340,7 @@ def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -
     assert result["store"]["memory_items"] >= 10  # prewarmed into the (restarted) memory tier
 
 
+@pytest.mark.slow
 def test_memory_hits_come_from_remembered_pool_locations_and_are_never_stale(
     actor_server: str,
 ) -> None:

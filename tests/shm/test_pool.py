@@ -133,10 +133,10 @@ def test_store_memory_tier_in_the_pool_read_by_place(tmp_path: Path) -> None:
         reader = SharedPoolReader(str(store.pool.path), store.pool.size)
         for i in range(3):
             store.put(_key(i), _value(i))
-        spot = store.shared_location(_key(0))
-        assert spot is not None and spot.layout.nbytes == nbytes
+        location = store.shared_location(_key(0))
+        assert location is not None and location.layout.nbytes == nbytes
         out = np.empty(nbytes, np.uint8)
-        assert reader.read_into(spot.offset, nbytes, spot.generation, out)
+        assert reader.read_into(location.offset, nbytes, location.generation, out)
         assert torch.equal(
             torch.from_numpy(out).view(torch.bfloat16).reshape(2, 2, 16, 1024), _value(0)
         )
@@ -149,16 +149,16 @@ def test_store_memory_tier_in_the_pool_read_by_place(tmp_path: Path) -> None:
         assert store.touch([_key(0), _key(2), _key(99)]) == 2
         store.put(_key(3), _value(3))
         assert store.in_memory(_key(0)) and not store.in_memory(_key(1))
-        assert store.shared_location(_key(1)) is None  # evicted to disk: no place in memory
+        assert store.shared_location(_key(1)) is None  # evicted to disk: no location in memory
         assert torch.equal(store.get(_key(1)), _value(1))
 
-        # Evicting key 0 frees its pages: a reader still holding its old place notices.
-        spot0 = store.shared_location(_key(0))
-        assert spot0 is not None
+        # Evicting key 0 frees its pages: a reader still holding its old location notices.
+        first = store.shared_location(_key(0))
+        assert first is not None
         store.remove(_key(0))
         gc.collect()
         store.put(_key(4), _value(4))
-        assert not reader.read_into(spot0.offset, nbytes, spot0.generation, out)
+        assert not reader.read_into(first.offset, nbytes, first.generation, out)
         reader.close()
         path = store.pool.path
     assert not path.exists()  # closing the store removes the pool file

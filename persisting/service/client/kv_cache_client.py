@@ -8,7 +8,9 @@
     tensor = await client.get(key)           # None on a miss
     hit_chunks = await client.lookup_prefix(keys)
 
-The method names and results are those of the local :class:`persisting.kv.KVStore`;
+The methods are the contract of :mod:`persisting.kv.api`
+(:class:`~persisting.kv.api.AsyncKVApi`): those of the local :class:`persisting.kv.KVStore`,
+awaited;
 :class:`~persisting.service.client.sync.SyncKVCacheClient` offers them without ``await``.
 This class is the facade; the work is done by the cluster (members, discovery,
 placement), the transport, the reader and the writer of this package.
@@ -30,6 +32,7 @@ import pulsing
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError, InvalidKeyError, InvalidValueError
 from persisting.kv import Layout, PutResult, TokenHasher
+from persisting.kv.api import AsyncKVApi
 from persisting.kv.keys import HASH_SCHEMES, ChunkKey, HashScheme, key_string
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.member import Member, MemberFailed
@@ -42,7 +45,7 @@ from persisting.service.same_host import ClientArena
 from persisting.shm import shm_available
 
 
-class KVCacheClient:
+class KVCacheClient(AsyncKVApi):
     """Asynchronous client of the KV-cache service (see the module docstring)."""
 
     def __init__(
@@ -219,6 +222,10 @@ class KVCacheClient:
 
     async def contains(self, key: Any) -> bool:
         return (await self._presence([self._key(key)]))[0]
+
+    async def batched_contains(self, keys: Sequence[Any]) -> list[bool]:
+        """One flag per key; each owner is asked once per 1,024 keys."""
+        return await self._presence([self._key(k) for k in keys])
 
     async def _presence(self, keys: list[str]) -> list[bool]:
         found = [False] * len(keys)

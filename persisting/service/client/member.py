@@ -15,7 +15,7 @@ from typing import Any
 
 import pulsing
 
-from persisting.kv import Layout
+from persisting.kv import SharedLocation
 from persisting.service.local_channel import LocalChannel
 from persisting.service.same_host import Region
 from persisting.shm import SharedPoolReader, pid_alive
@@ -30,15 +30,6 @@ class MemberFailed(Exception):
     def __init__(self, member: str, cause: BaseException):
         super().__init__(f"{member}: {type(cause).__name__}: {cause}")
         self.member = member
-
-
-@dataclass(frozen=True, slots=True)
-class PoolLocation:
-    """Where a memory-tier value lay in a member's shared pool when last reported."""
-
-    layout: Layout
-    offset: int
-    generation: int
 
 
 @dataclass
@@ -68,7 +59,8 @@ class Member:
     pool: SharedPoolReader | None = None
     #: Where memory-tier values lie in ``pool``, as last reported. A hit here needs no
     #: request; the generation check proves it current.
-    locations: OrderedDict[str, PoolLocation] = field(default_factory=OrderedDict)
+    #: Where memory-tier values lay in the member's shared pool when last reported.
+    locations: OrderedDict[str, SharedLocation] = field(default_factory=OrderedDict)
     #: Keys read through ``locations`` that the server has not been told of yet (recency).
     touched: list[str] = field(default_factory=list)
     #: Read leases to give back with the next request.
@@ -97,4 +89,4 @@ class Member:
         return self.same_host and pid is not None and not pid_alive(pid)
 
 
-__all__ = ["TRANSPORT_ERRORS", "Loan", "Member", "MemberFailed", "PoolLocation"]
+__all__ = ["TRANSPORT_ERRORS", "Loan", "Member", "MemberFailed"]

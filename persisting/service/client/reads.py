@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from persisting.errors import PersistingError
-from persisting.kv import Layout
+from persisting.kv import Layout, SharedLocation
 from persisting.kv.layout import writable_bytes
 from persisting.service.client.cluster import Cluster
-from persisting.service.client.member import Member, PoolLocation
+from persisting.service.client.member import Member
 from persisting.service.client.regions import ArenaLoans
 from persisting.service.client.sources import (
     AGAIN,
@@ -167,7 +167,7 @@ class Reader:
         results[i] = value
         return True
 
-    def _remember(self, member: Member, key: str, location: PoolLocation) -> None:
+    def _remember(self, member: Member, key: str, location: SharedLocation) -> None:
         member.locations[key] = location
         member.locations.move_to_end(key)
         if len(member.locations) > MAX_LOCATIONS:

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from persisting.errors import PersistingError, StorageIOError
-from persisting.kv import Layout
+from persisting.errors import InvalidValueError, PersistingError, StorageIOError
+from persisting.kv import Layout, SharedLocation
 from persisting.kv.layout import checksum, decode_value
-from persisting.service.client.member import Member, PoolLocation
+from persisting.service.client.member import Member
 from persisting.service.same_host import ClientArena, read_file_into
 from persisting.shm import RecycledBuffers, aligned_buffer, copy_bytes
 
@@ -46,7 +46,9 @@ class Destination:
         self.buffer: np.ndarray | None = None
         if out is not None:
             if len(out) != nbytes:
-                raise PersistingError(f"get_into needs a buffer of {nbytes} bytes, got {len(out)}")
+                raise InvalidValueError(
+                    f"get_into needs a buffer of {nbytes} bytes, got {len(out)}"
+                )
             self.target = out
             return
         buffer = results.take(nbytes) if results is not None else None
@@ -82,7 +84,7 @@ class ReadContext:
 class PoolCopy:
     """A memory-tier value copied out of the server's shared pool."""
 
-    def __init__(self, location: PoolLocation):
+    def __init__(self, location: SharedLocation):
         self.location = location
 
     def read(self, ctx: ReadContext, out: memoryview | None) -> Any:
@@ -211,7 +213,7 @@ def source_of(entry: dict[str, Any], pooled: bool) -> Source | None:
         if not pooled:
             return None
         offset, generation = entry["pool"]
-        return PoolCopy(PoolLocation(layout, int(offset), int(generation)))
+        return PoolCopy(SharedLocation(layout, int(offset), int(generation)))
     if entry.get("memory"):
         return None
     return Message(layout, entry)

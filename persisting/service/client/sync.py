@@ -1,8 +1,8 @@
 """SyncKVCacheClient: the KV-cache client for code without an event loop.
 
 It runs a :class:`~persisting.service.client.KVCacheClient` on an event loop of its own
-thread and offers the same methods, blocking (``connect_sync`` is the same as
-``SyncKVCacheClient.connect``)::
+thread and offers the same methods (the contract of :mod:`persisting.kv.api`), blocking
+(``connect_sync`` is the same as ``SyncKVCacheClient.connect``)::
 
     client = SyncKVCacheClient.connect(seeds=["127.0.0.1:8610"], model="meta-llama/Llama-3-8B")
     client.put(key, tensor)
@@ -15,17 +15,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from persisting.kv import Layout, PutResult, TokenHasher
+from persisting.kv.api import KVApi, through_loop
 from persisting.service.client.kv_cache_client import KVCacheClient
 
 T = TypeVar("T")
 
 
-class SyncKVCacheClient:
-    """The same client for code without an event loop: it runs one on its own thread."""
+class SyncKVCacheClient(KVApi):
+    """The same client for code without an event loop: it runs one on its own thread.
+
+    Its methods are derived from :class:`KVCacheClient`'s by
+    :class:`~persisting.kv.api.through_loop`: same parameters, results and errors, without
+    ``await``.
+    """
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: KVCacheClient
@@ -51,56 +56,24 @@ class SyncKVCacheClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def put(self, key: Any, value: Any, fmt: str = "KV_2LTD", parent: Any = None) -> PutResult:
-        return self._run(self.client.put(key, value, fmt=fmt, parent=parent))
+    # -- the contract: each method is the async client's, run to completion on its loop --
 
-    def batched_put(
-        self,
-        keys: Sequence[Any],
-        values: Sequence[Any],
-        fmt: str = "KV_2LTD",
-        parents: Sequence[Any] | None = None,
-    ) -> list[PutResult]:
-        return self._run(self.client.batched_put(keys, values, fmt=fmt, parents=parents))
-
-    def get(self, key: Any, expect: Layout | None = None) -> Any:
-        return self._run(self.client.get(key, expect=expect))
-
-    def batched_get(self, keys: Sequence[Any], expect: Layout | None = None) -> list[Any]:
-        return self._run(self.client.batched_get(keys, expect=expect))
-
-    def get_into(self, key: Any, out: Any, expect: Layout | None = None) -> Layout | None:
-        return self._run(self.client.get_into(key, out, expect=expect))
-
-    def layout(self, key: Any) -> Layout | None:
-        return self._run(self.client.layout(key))
-
-    def contains(self, key: Any) -> bool:
-        return self._run(self.client.contains(key))
-
-    def lookup_prefix(self, keys: Sequence[Any]) -> int:
-        return self._run(self.client.lookup_prefix(keys))
-
-    def lookup_tokens(self, tokens: Any, hasher: TokenHasher | None = None) -> int:
-        return self._run(self.client.lookup_tokens(tokens, hasher=hasher))
-
-    def remove(self, key: Any, force: bool = True) -> bool:
-        return self._run(self.client.remove(key, force=force))
-
-    def batched_remove(self, keys: Sequence[Any], force: bool = True) -> int:
-        return self._run(self.client.batched_remove(keys, force=force))
-
-    def pin(self, key: Any) -> bool:
-        return self._run(self.client.pin(key))
-
-    def unpin(self, key: Any) -> bool:
-        return self._run(self.client.unpin(key))
-
-    def prefetch(self, keys: Sequence[Any]) -> int:
-        return self._run(self.client.prefetch(keys))
-
-    def stats(self) -> dict[str, Any]:
-        return self._run(self.client.stats())
+    put = through_loop(KVCacheClient.put)
+    batched_put = through_loop(KVCacheClient.batched_put)
+    get = through_loop(KVCacheClient.get)
+    batched_get = through_loop(KVCacheClient.batched_get)
+    get_into = through_loop(KVCacheClient.get_into)
+    layout = through_loop(KVCacheClient.layout)
+    contains = through_loop(KVCacheClient.contains)
+    batched_contains = through_loop(KVCacheClient.batched_contains)
+    lookup_prefix = through_loop(KVCacheClient.lookup_prefix)
+    lookup_tokens = through_loop(KVCacheClient.lookup_tokens)
+    remove = through_loop(KVCacheClient.remove)
+    batched_remove = through_loop(KVCacheClient.batched_remove)
+    pin = through_loop(KVCacheClient.pin)
+    unpin = through_loop(KVCacheClient.unpin)
+    prefetch = through_loop(KVCacheClient.prefetch)
+    stats = through_loop(KVCacheClient.stats)
 
     @property
     def members(self) -> list[str]:

@@ -37,7 +37,7 @@ class IndexOps:
 
     def contains(self, request: Request, _session: Session | None) -> list[bool]:
         store = self.state.store(request.model)
-        return [bool(store.contains(key)) for key in request.args["keys"]]
+        return store.batched_contains(request.args["keys"])  # one lock hold per batch
 
     def layout(self, request: Request, _session: Session | None) -> list[dict[str, Any] | None]:
         store = self.state.store(request.model)

@@ -1,0 +1,165 @@
+"""The layers hold: every module of ``persisting`` imports, no module imports a layer above
+its own, and no modules import each other in a circle.
+
+The rule (docs/architecture.md): cli -> actors -> service -> kv -> lance_store; queue ->
+lance_store; the LMCache plugin -> kv; errors, config, shm and cuda sit under everything.
+Imports are read from the source (``ast``), so a lazy import inside a function counts as
+much as one at the top of a module.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "persisting"
+
+_BOTTOM = {"errors", "config", "shm", "cuda"}
+_STORAGE = _BOTTOM | {"lance_store"}
+_DATA = _STORAGE | {"kv", "queue"}
+
+#: What each top-level group of ``persisting`` may import (besides itself and the bare
+#: ``persisting`` package, which only carries ``__version__``).
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "config": {"errors"},
+    "config_sample": {"errors", "config"},
+    "shm": {"errors", "config"},
+    "cuda": {"errors", "config", "shm"},
+    "lance_store": {"errors", "config", "shm"},
+    "kv": _STORAGE,
+    "queue": _STORAGE,
+    "figures": _DATA,
+    "metrics": _DATA | {"figures"},
+    "planner": {"errors", "config"},
+    "service": _STORAGE | {"kv"},
+    "lmcache": _BOTTOM | {"kv"},
+    "lmcache_backend": {"lmcache"},
+    "integrations": _BOTTOM | {"kv"},
+    "admin": _DATA | {"figures", "metrics"},
+    "bench": _DATA | {"planner", "service"},
+    "actors": _DATA | {"service", "figures", "metrics"},
+    # The command line may import all (docs/architecture.md); `prewarm --hash-scheme
+    # lmcache-mp` hashes token ids with the LMCache package's object keys.
+    "cli": _DATA
+    | {"service", "actors", "admin", "bench", "planner", "figures", "metrics", "config_sample"}
+    | {"lmcache"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _group(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(module: str, top_level_only: bool) -> set[str]:
+    """The ``persisting`` modules ``module`` imports (a name imported from a package counts
+    as its submodule when there is one)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    if top_level_only:  # what runs when the module is imported, not in functions
+        nodes: list[ast.AST] = []
+        pending: list[ast.AST] = list(tree.body)
+        while pending:
+            node = pending.pop()
+            nodes.append(node)
+            if isinstance(node, ast.If) and not _is_type_checking(node):
+                pending += node.body + node.orelse
+            elif isinstance(node, ast.Try):
+                pending += node.body + node.orelse + node.finalbody
+                pending += [s for h in node.handlers for s in h.body]
+    else:
+        nodes = list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            subs = {f"{target}.{a.name}" for a in node.names} & MODULES.keys()
+            found |= subs or {target}
+    return {m for m in found if m.split(".")[0] == "persisting"}
+
+
+def test_every_module_imports() -> None:
+    for module in MODULES:
+        if not module.endswith(".__main__"):  # that one runs the command line
+            importlib.import_module(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_a_layer_above_its_own(module: str) -> None:
+    group = _group(module)
+    if not group:
+        return
+    allowed = ALLOWED[group] | {group, ""}
+    upward = sorted(m for m in _imports(module, top_level_only=False) if _group(m) not in allowed)
+    assert not upward, f"{module} ({group}) may import only {sorted(ALLOWED[group])}: {upward}"
+
+
+def test_every_group_has_a_rule() -> None:
+    assert {_group(m) for m in MODULES} - {""} <= ALLOWED.keys()
+
+
+def test_no_import_cycle() -> None:
+    """Tarjan's strongly connected components over the imports that run at import time
+    (a submodule importing its own package's half-built ``__init__`` is not counted)."""
+    graph = {m: _imports(m, top_level_only=True) - {m} for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph.get(node, ()):
+            if succ not in MODULES:
+                continue
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in MODULES:
+        if module not in index:
+            visit(module)
+    assert not cycles, f"modules importing each other in a circle: {cycles}"
