@@ -100,6 +100,11 @@ class PersistingL2Adapter(L2AdapterInterface):
             eviction=params.eviction,
             fsync=params.fsync,
             result_buffer_bytes=0,
+            # Each chunk is read whole on the io thread that loads it (the task's chunks
+            # are spread over io_threads already), its checksum made as it lands; parts
+            # on the store's own reader threads would add a hand-off per chunk and a
+            # second pass over it for the checksum.
+            read_threads=1,
             on_disk_evict=self._evicted.extend,
         )
         #: Key string -> payload bytes of every chunk this adapter holds (sorted: pages).
