@@ -101,7 +101,7 @@ class PersistingKVBackend(StoragePluginInterface):
             self.wait_for_puts()
             close_pool()
 
-        cpu.close = close  # type: ignore[method-assign]
+        cpu.close = close
 
     def wait_for_puts(self) -> None:
         """Block until every put submitted so far has been written (or has failed)."""

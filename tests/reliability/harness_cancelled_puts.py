@@ -1,6 +1,6 @@
 """Cancelled same-host puts never store another key's bytes.
 
-    python tests/reliability/harness_cancelled_puts.py [--runs 100] [--json OUT]
+    python -m tests.reliability.harness_cancelled_puts [--runs 100] [--json OUT]
 
 One server process on loopback (``persisting serve``'s code path) and one same-host client
 in this process. Each run starts 12 concurrent puts of 4 MiB values, cancels them after

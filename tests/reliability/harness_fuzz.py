@@ -1,7 +1,7 @@
 """Hostile input, fuzzed with hypothesis: every call gets a typed PersistingError or a clean
 miss, and the store keeps serving what it held before.
 
-    python tests/reliability/harness_fuzz.py [--examples 300] [--json OUT]
+    python -m tests.reliability.harness_fuzz [--examples 300] [--json OUT]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 directory at once, bounded in time. Counts operations; fails on wrong data, on errors
 other than the documented ones, and on a directory over its capacity.
 
-    python tests/reliability/harness_kv_concurrency.py [--procs 4] [--seconds 20] [--json OUT]
+    python -m tests.reliability.harness_kv_concurrency [--procs 4] [--seconds 20] [--json OUT]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Damage a KV store's files in every way we can think of; the store must still open, serve
 what is intact, and turn what is damaged into counted misses -- never wrong data.
 
-    python tests/reliability/harness_kv_corruption.py [--rounds 3] [--json OUT]
+    python -m tests.reliability.harness_kv_corruption [--rounds 3] [--json OUT]
 """
 
 from __future__ import annotations

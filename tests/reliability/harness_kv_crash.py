@@ -1,6 +1,6 @@
 """SIGKILL a KV writer (durability="sync") at random points; verify after every restart.
 
-    python tests/reliability/harness_kv_crash.py --kills 30 --seed 1 [--root DIR] [--json OUT]
+    python -m tests.reliability.harness_kv_crash --kills 30 --seed 1 [--root DIR] [--json OUT]
 
 Each round starts a writer process that puts values and prints each key's number once the
 put has returned (acknowledged), kills it with SIGKILL after a random delay, then opens the

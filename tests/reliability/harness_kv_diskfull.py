@@ -1,7 +1,7 @@
 """A KV store on a small filesystem that fills up: puts fail with CapacityError, reads go
 on bit-exact, nothing torn is left behind, and puts succeed again once space returns.
 
-    python tests/reliability/harness_kv_diskfull.py [--json OUT]
+    python -m tests.reliability.harness_kv_diskfull [--json OUT]
 
 Mounts its own tmpfs (needs root); it fails -- it does not skip -- when it cannot.
 """

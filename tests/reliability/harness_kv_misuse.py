@@ -4,7 +4,7 @@ does not stick, a put result that lies, stores deleting each other's in-flight f
 callback that kills the write-behind, a killed writer's reservation, ``du`` over the
 budget, a drop under a live store.
 
-    python tests/reliability/harness_kv_misuse.py [--rounds 5] [--json OUT]
+    python -m tests.reliability.harness_kv_misuse [--rounds 5] [--json OUT]
 
 Starts a process of another user (uid 65534) and so needs root; it fails, it does not
 skip, without it.

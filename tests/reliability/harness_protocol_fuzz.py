@@ -1,7 +1,7 @@
 """Garbage over the actor protocol: the service answers every message with a structured
 reply (or the transport refuses it), and keeps serving real clients afterwards.
 
-    python tests/reliability/harness_protocol_fuzz.py [--examples 300] [--json OUT]
+    python -m tests.reliability.harness_protocol_fuzz [--examples 300] [--json OUT]
 
 Part one feeds hypothesis-made messages (wrong types, missing and hostile fields, truncated
 and garbage bytes, oversized key lists) to the request handler over a real store. Part two

@@ -1,7 +1,7 @@
 """SIGKILL the process hosting a WAL-backed queue bucket at random points; after every
 restart, every acknowledged record must be there, exactly once, intact.
 
-    python tests/reliability/harness_queue_crash.py --kills 30 --seed 1 [--json OUT]
+    python -m tests.reliability.harness_queue_crash --kills 30 --seed 1 [--json OUT]
 
 The writer puts records (with a payload derived from their id, and a CRC-checked log under
 them) and prints each id once ``put`` has returned. Some rounds flush part-way, so kills

@@ -1,6 +1,6 @@
 """An unprivileged local user against a default `persisting serve`: nothing executed, no answer.
 
-    python tests/reliability/harness_service_attack.py [--rounds 3] [--json OUT]
+    python -m tests.reliability.harness_service_attack [--rounds 3] [--json OUT]
 
 Needs root (the attacker is a forked child that drops to uid/gid 65534). One server is
 started the default way (no passphrase configured: it generates one and serves loopback

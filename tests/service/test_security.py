@@ -21,7 +21,7 @@ import pytest
 from tests.service.service_helpers import MODEL, REPO, free_port, server_env
 
 PERSISTING = str(Path(sys.executable).with_name("persisting"))
-HARNESS = REPO / "tests" / "reliability" / "harness_service_attack.py"
+HARNESS = "tests.reliability.harness_service_attack"  # run as a module from the repository
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_another_user_gets_nothing_executed_and_no_answer_from_a_default_server() -> None:
     out = subprocess.run(
-        [sys.executable, str(HARNESS), "--rounds", "1"],
+        [sys.executable, "-m", HARNESS, "--rounds", "1"],
         capture_output=True,
         text=True,
         timeout=240,
