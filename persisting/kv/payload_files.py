@@ -12,6 +12,10 @@ an exclusive ``flock`` on it from creation until after the rename. That lock is 
 of life: a file nobody holds locked belongs to a dead writer and may be removed, whatever
 process, store or pid namespace wrote it (a pid in the name would prove nothing across pid
 namespaces, and two stores of one process share a pid).
+
+Over 500 lines on purpose: the file format, the writers and the positioned readers share
+the header and the checksum-while-copying pieces, and are read together when the format
+changes.
 """
 
 from __future__ import annotations

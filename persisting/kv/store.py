@@ -6,6 +6,9 @@ and the store's lifecycle (including the namespace hold that makes a drop refuse
 store is open).
 
 Content-addressed keys never change value: putting an existing key is a no-op success.
+
+Over 500 lines on purpose: this is the public surface (every method with the docstring a
+user reads); each body is a few lines delegating to the modules above.
 """
 
 from __future__ import annotations
