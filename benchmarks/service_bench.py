@@ -104,20 +104,23 @@ def _settle(seconds: float) -> None:
 
 
 async def _first_gets(
-    store: KVStore, client: KVCacheClient, rounds: int, settle_s: float
-) -> tuple[float, float, float]:
-    """The first-get row: MB/s in-process, MB/s through the service, median time ratio."""
+    store: KVStore, client: KVCacheClient, other: KVCacheClient, rounds: int, settle_s: float
+) -> dict[str, tuple[float, float]]:
+    """The first-get rows: per service side, (MB/s, median time ratio in-process/service);
+    ``local`` has the in-process MB/s. ``own``: the client that stored the keys (the put's
+    reply told it where they lie); ``other``: a second client on the host that did not."""
     shape = (2, 16, 256, 512)
     nbytes = 2 * 16 * 256 * 512 * 2
     generator = torch.Generator().manual_seed(11)
-    times: dict[str, list[float]] = {"local": [], "service": []}
+    sides = ("local", "own", "other")
+    times: dict[str, list[float]] = {side: [] for side in sides}
     for r in range(rounds):
         keys = [ChunkKey(MODEL, 1, 0, 1_000_000 + r * 100 + i, "bfloat16") for i in range(17)]
         values = [torch.randn(*shape, generator=generator).to(torch.bfloat16) for _ in keys]
         await client.batched_put(keys, values)
         store.batched_put(keys, values)
         warm, timed = keys[16], keys[:16]
-        order = ("local", "service") if r % 2 == 0 else ("service", "local")
+        order = sides[r % 3 :] + sides[: r % 3]  # each side goes first in turn
         for side in order:
             _settle(settle_s)
             missing = 0
@@ -127,21 +130,22 @@ async def _first_gets(
                 for k in timed:
                     missing += store.get(k) is None
             else:
-                await client.get(warm)
+                reader = client if side == "own" else other
+                await reader.get(warm)
                 start = time.perf_counter()
                 for k in timed:
-                    missing += await client.get(k) is None
+                    missing += await reader.get(k) is None
             times[side].append(time.perf_counter() - start)
             if missing:
                 raise SystemExit(f"first get ({side}): {missing} key(s) missing")
         await client.batched_remove(keys)  # the next round starts from fresh keys
         store.batched_remove(keys)
     total = 16 * nbytes
-    local, service = statistics.median(times["local"]), statistics.median(times["service"])
-    ratio = statistics.median(
-        [a / b for a, b in zip(times["local"], times["service"], strict=True)]
-    )
-    return total / local / 1e6, total / service / 1e6, ratio
+    out: dict[str, tuple[float, float]] = {}
+    for side in sides:
+        ratio = statistics.median([a / b for a, b in zip(times["local"], times[side], strict=True)])
+        out[side] = (total / statistics.median(times[side]) / 1e6, ratio)
+    return out
 
 
 async def _paired(
@@ -227,14 +231,21 @@ async def _bench(args: argparse.Namespace) -> None:
                 f"same-host path active: {clients['memory'].same_host(mem_addr)}"
             )
             if args.first_rounds:
-                base, cand, ratio = await _first_gets(
-                    local["memory"], clients["memory"], args.first_rounds, args.settle_s
+                other = await KVCacheClient.connect(seeds=[mem_addr], name="bench-mem", model=MODEL)
+                clients["memory/other"] = other
+                first = await _first_gets(
+                    local["memory"], clients["memory"], other, args.first_rounds, args.settle_s
                 )
-                print(
-                    f"memory first get, 16 keys once    in-process {base:7.0f} MB/s   "
-                    f"service {cand:7.0f} MB/s   ratio {ratio:5.2f}x "
-                    f"(median of {args.first_rounds} alternating rounds)"
-                )
+                base = first["local"][0]
+                for side, what in (("own", "stored by it"), ("other", "stored by another")):
+                    cand, ratio = first[side]
+                    print(
+                        f"memory first get, 16 keys once, {what:17s} in-process "
+                        f"{base:7.0f} MB/s   service {cand:7.0f} MB/s   ratio {ratio:5.2f}x "
+                        f"(median of {args.first_rounds} rotating rounds)"
+                    )
+            if args.first_only:
+                return
             runs = [keys[i : i + args.batch] for i in range(0, len(keys), args.batch)]
             for tier in ("memory", "disk"):
                 store, client, message = local[tier], clients[tier], clients[tier + "/message"]
@@ -290,6 +301,7 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--first-rounds", type=int, default=7, help="first-get rounds (0: skip)")
+    parser.add_argument("--first-only", action="store_true", help="only the first-get rows")
     parser.add_argument("--settle-s", type=float, default=2.0, help="pause before timed phases")
     args = parser.parse_args()
     asyncio.run(_bench(args))

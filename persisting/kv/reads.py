@@ -392,19 +392,22 @@ class Reads:
         got[i] = layout
         return buffer.nbytes
 
-    def shared_location(self, key: KeyLike, expect: Layout | None) -> SharedLocation | None:
+    def shared_location(
+        self, key: KeyLike, expect: Layout | None, count: bool = True
+    ) -> SharedLocation | None:
         t = self._t
         if t.pool is None:
             return None
         text = t.key_text(key)
         with t.lock:
-            entry = t.memory.index.get(text, touch=True)
+            entry = t.memory.index.get(text, touch=count)
             if entry is None or not self.layout_ok(entry.layout, expect):
                 return None
             found = t.pool.locate(entry.buffer)
         if found is None:
             return None
-        t.op_stats.record("get", "memory", 0.0, entry.layout.nbytes, "hit")
+        if count:
+            t.op_stats.record("get", "memory", 0.0, entry.layout.nbytes, "hit")
         return SharedLocation(entry.layout, found[0], found[1])
 
     def touch(self, keys: Sequence[KeyLike]) -> int:

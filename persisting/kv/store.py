@@ -279,16 +279,19 @@ class KVStore(KVApi):
         return self._reads.batched_get_into(keys, outs, expect)
 
     def shared_location(
-        self, key: KeyLike, *, expect: Layout | None = None
+        self, key: KeyLike, *, expect: Layout | None = None, count: bool = True
     ) -> SharedLocation | None:
         """Where a memory-tier value lies in :attr:`pool`, for a same-host reader to copy
         itself (:class:`~persisting.shm.SharedPoolReader`); None when it is not in
         memory, not in the pool, or laid out differently from ``expect``.
 
-        Counts as a memory hit. No lease is taken: the reader checks the generation.
+        Counts as a memory hit (the value becomes the most recently used) unless ``count``
+        is False: a location told ahead of any read (after a put, for a lookup) is not a
+        read; the reader reports its reads later with :meth:`touch`. No lease is taken:
+        the reader checks the generation.
         """
         self._check_open()
-        return self._reads.shared_location(key, expect)
+        return self._reads.shared_location(key, expect, count)
 
     def touch(self, keys: Sequence[KeyLike]) -> int:
         """Count reads that happened elsewhere: each key still in the memory tier becomes

@@ -273,11 +273,15 @@ async def remembered_locations(args: dict[str, Any]) -> dict[str, Any]:
     try:
         keys = [key(base + i) for i in range(4)]
         values = [tensor(base + i, tokens=64, hidden=256) for i in range(4)]
-        await reader.batched_put(keys, values)
-        first = [await reader.get(k) for k in keys]  # asked: the locations are learned
-        asked_hits = reader.counters["get_hits_remembered"]
-        again = [await reader.get(k) for k in keys]  # served without asking
-        remembered = reader.counters["get_hits_remembered"] - asked_hits
+        hits_before_put = _memory_hits(await reader.stats())
+        await reader.batched_put(keys, values)  # the reply says where the values lie
+        hits_counted_by_put = _memory_hits(await reader.stats()) - hits_before_put
+        first = [await reader.get(k) for k in keys]  # served without asking
+        told = reader.counters["get_hits_remembered"]
+        unseen = await other.batched_get(keys)  # asked: the locations are learned
+        asked = other.counters["get_hits_remembered"]
+        again = [await other.get(k) for k in keys]  # served without asking
+        remembered = other.counters["get_hits_remembered"] - asked
         out = torch.empty_like(values[1])
         into = await reader.get_into(keys[1], out)
 
@@ -290,8 +294,11 @@ async def remembered_locations(args: dict[str, Any]) -> dict[str, Any]:
         service = next(iter(server.values()))["service"]
         return {
             "exact": all(
-                torch.equal(a, b) for a, b in zip(first + again, values + values, strict=True)
+                torch.equal(a, b) for a, b in zip(first + unseen + again, values * 3, strict=True)
             ),
+            "hits_counted_by_put": hits_counted_by_put,
+            "told_by_put": told,
+            "asked_by_other": asked,
             "remembered": remembered,
             "get_into_exact": into is not None and torch.equal(out, values[1]),
             "after_remove_is_miss": after_remove is None,
@@ -301,6 +308,12 @@ async def remembered_locations(args: dict[str, Any]) -> dict[str, Any]:
     finally:
         await other.close()
         await reader.close()
+
+
+def _memory_hits(stats: dict[str, Any]) -> int:
+    """Memory-tier hits the single member's store has counted."""
+    member = next(iter(stats["members"].values()))
+    return int(member["stores"][MODEL].get("get_hit_memory", 0))
 
 
 async def token_lookups(args: dict[str, Any]) -> dict[str, Any]:

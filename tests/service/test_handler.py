@@ -349,6 +349,26 @@ def test_same_host_memory_hits_are_locations_in_the_shared_pool(
             out = np.empty(layout.nbytes, np.uint8)
             assert reader.read_into(offset, layout.nbytes, generation, out)
             assert torch.equal(decode_value(layout, out), value)
+            # A put asked for locations tells where each stored value lies (a same-host
+            # client's first get then asks nothing); a session without an arena is not told.
+            told = tensor(11, tokens=64, hidden=256)
+            layout, view = encode_value(told, "KV_2LTD")
+            item = {
+                "key": str(key(11)),
+                "layout": layout.to_dict(),
+                "parent": None,
+                "checksum": checksum(view),
+                "source": {"inline": bytes(view)},
+            }
+            reply = call(handler, "put", sid, items=[item], fmt="KV_2LTD", pool=True)[0]
+            offset, generation = reply["pool"]
+            out = np.empty(layout.nbytes, np.uint8)
+            assert reader.read_into(offset, layout.nbytes, generation, out)
+            assert torch.equal(decode_value(layout, out), told)
+            no_arena = hello(handler)
+            item["key"] = str(key(12))
+            reply = call(handler, "put", no_arena, items=[item], fmt="KV_2LTD", pool=True)[0]
+            assert reply["stored"] and "pool" not in reply
             reader.close()
             # Hits a client served itself are reported with touch, alone or riding along;
             # a malformed report riding along does not fail the request that carries it.

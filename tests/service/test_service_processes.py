@@ -346,7 +346,12 @@ def test_memory_hits_come_from_remembered_pool_locations_and_are_never_stale(
 ) -> None:
     result = run_client("remembered_locations", {"seeds": [actor_server], "base": 700})
     assert result["exact"] and result["get_into_exact"]
-    assert result["remembered"] == 4  # the second pass asked the server nothing
+    # the put's reply told the writer where its values lie: its first gets asked nothing,
+    # and being told is not a read (no hit counted before any get)
+    assert result["told_by_put"] == 4
+    assert result["hits_counted_by_put"] == 0
+    assert result["asked_by_other"] == 0  # another client must ask once ...
+    assert result["remembered"] == 4  # ... and its second pass asked the server nothing
     assert result["after_remove_is_miss"]  # removed elsewhere: the old location is not used
     assert result["stale_locations_dropped"] >= 1
     # hits the server never saw as requests still reached its counters (and its LRU)

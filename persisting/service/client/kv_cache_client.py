@@ -77,7 +77,13 @@ class KVCacheClient(AsyncKVApi):
         )
         self._copier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-copy")
         self._writer = Writer(
-            self.cluster, self._arena, self._loans, self.counters, self._copier, self._key
+            self.cluster,
+            self._arena,
+            self._loans,
+            self.counters,
+            self._copier,
+            self._key,
+            remember=self._reader.remember,
         )
         self._tasks: list[asyncio.Task[Any]] = []
         self._closed = False

@@ -167,7 +167,8 @@ class Reader:
         results[i] = value
         return True
 
-    def _remember(self, member: Member, key: str, location: SharedLocation) -> None:
+    def remember(self, member: Member, key: str, location: SharedLocation) -> None:
+        """Keep where ``key``'s value lies in ``member``'s pool (from a get or a put)."""
         member.locations[key] = location
         member.locations.move_to_end(key)
         if len(member.locations) > MAX_LOCATIONS:
@@ -230,7 +231,7 @@ class Reader:
                         self._needs_room(again, i, nbytes, first)
                     else:
                         results[i] = value
-                        self._remember(member, keys[i], source.location)
+                        self.remember(member, keys[i], source.location)
                 elif isinstance(source, LeasedFile):
                     files.append((i, source))
                 else:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
 from persisting.errors import PersistingError
-from persisting.kv import Layout, PutResult
+from persisting.kv import Layout, PutResult, SharedLocation
 from persisting.kv.keys import key_string
 from persisting.kv.layout import checksum, encode_value
 from persisting.service.client.cluster import Cluster
@@ -40,6 +40,7 @@ class Writer:
         counters: Counter[str],
         copier: Executor,
         key_of: Any,
+        remember: Callable[[Member, str, SharedLocation], None],
     ):
         self.cluster = cluster
         self.arena = arena
@@ -47,6 +48,7 @@ class Writer:
         self.counters = counters
         self._copier = copier
         self._key = key_of
+        self._remember = remember
 
     async def batched_put(
         self,
@@ -111,17 +113,32 @@ class Writer:
             else:
                 self._free(regions)
             raise
+        args: dict[str, Any] = {"items": wire, "fmt": fmt}
+        if member.pool is not None:
+            args["pool"] = True  # tell us where the values lie: our first gets ask nothing
         if not regions:
-            reply = await self.cluster.call(member, "put", items=wire, fmt=fmt)
-            return [PutResult(**r) for r in reply]
+            reply = await self.cluster.call(member, "put", **args)
+            return self._results(member, items, reply)
         assert self.loans is not None
         try:
-            reply = await self.loans.lend(member, regions, "put", items=wire, fmt=fmt)
+            reply = await self.loans.lend(member, regions, "put", **args)
         except PersistingError:
             self._free(regions)  # answered: the server is done with them
             raise
         self._free(regions)
-        return [PutResult(**r) for r in reply]
+        return self._results(member, items, reply)
+
+    def _results(
+        self, member: Member, items: list[Item], reply: list[dict[str, Any]]
+    ) -> list[PutResult]:
+        """The put's results; pool locations the server told are remembered for gets."""
+        results: list[PutResult] = []
+        for (key, layout, _data, _parent), entry in zip(items, reply, strict=True):
+            where = entry.pop("pool", None)
+            if where is not None and member.pool is not None:
+                self._remember(member, key, SharedLocation(layout, int(where[0]), int(where[1])))
+            results.append(PutResult(**entry))
+        return results
 
     def _region(self, member: Member, nbytes: int) -> Region | None:
         if not member.same_host or self.arena is None or self.loans is None:

@@ -45,7 +45,10 @@ class PutPaths:
             isinstance(item.get("source"), Mapping) and "arena" in item["source"] for item in items
         )
         with state.ticket(session, request.args.get("ticket"), needed=from_arena):
-            return self._put(store, session, items, fmt)
+            replies = self._put(store, session, items, fmt)
+        if request.args.get("pool") and arena_of(session, required=False) is not None:
+            _tell_pool_locations(store, replies)
+        return replies
 
     def _put(
         self, store: KVStore, session: Session, items: list[Mapping[str, Any]], fmt: Any
@@ -162,6 +165,20 @@ def _verify(data: Any, expected: object) -> None:
         return
     if checksum(data) != expected:
         raise CorruptValueError("payload bytes do not match the checksum the client sent")
+
+
+def _tell_pool_locations(store: KVStore, replies: list[dict[str, Any]]) -> None:
+    """Add, to each stored value's reply, where it lies in the shared pool (``pool``:
+    ``[offset, generation]``), so a same-host client's first get of its own value needs no
+    request. Telling is not reading: no hit is counted and recency is left alone."""
+    if store.pool is None:
+        return
+    for reply in replies:
+        if not reply["stored"]:
+            continue
+        found = store.shared_location(reply["key"], count=False)
+        if found is not None:
+            reply["pool"] = [found.offset, found.generation]
 
 
 def _put_result(result: Any) -> dict[str, Any]:
