@@ -57,6 +57,9 @@ class Session:
     #: touch the arena. Only the last MAX_TICKETS are kept (a request is late by
     #: milliseconds, not by thousands of withdrawals).
     tickets_withdrawn: dict[int, None] = field(default_factory=dict)
+    #: How far this session has been told of pool placements, per model (see
+    #: :mod:`persisting.service.handler.placements`).
+    placements_told: dict[str, int] = field(default_factory=dict)
 
     def close_resources(self) -> None:
         for resource in self.resources:

@@ -285,6 +285,24 @@ async def remembered_locations(args: dict[str, Any]) -> dict[str, Any]:
         out = torch.empty_like(values[1])
         into = await reader.get_into(keys[1], out)
 
+        # A third client learns where the writer's values lie from the reply to its
+        # first get of another key: its gets of them ask nothing.
+        third = await _connect(args)
+        try:
+            await third.get(keys[3])  # asks (one request), and is told the placements
+            learned = third.counters["placements_learned"]
+            before = third.counters["get_hits_remembered"]
+            told_hits = [await third.get(k) for k in keys[:3]]
+            served_told = third.counters["get_hits_remembered"] - before
+            # A value replaced after the third client was told: the told place is stale;
+            # the generation check catches it, and the new value is what it gets.
+            replacement = tensor(base + 99, tokens=64, hidden=256)
+            await reader.remove(keys[2])
+            await reader.put(keys[2], replacement)
+            replaced = await third.get(keys[2])
+        finally:
+            await third.close()
+
         await other.remove(keys[0])  # another client removes a value this one remembers
         after_remove = await reader.get(keys[0])
 
@@ -297,6 +315,12 @@ async def remembered_locations(args: dict[str, Any]) -> dict[str, Any]:
                 torch.equal(a, b) for a, b in zip(first + unseen + again, values * 3, strict=True)
             ),
             "hits_counted_by_put": hits_counted_by_put,
+            "learned": learned,
+            "served_told": served_told,
+            "told_exact": all(
+                g is not None and torch.equal(g, v) for g, v in zip(told_hits, values, strict=False)
+            ),
+            "replaced_exact": replaced is not None and torch.equal(replaced, replacement),
             "told_by_put": told,
             "asked_by_other": asked,
             "remembered": remembered,
@@ -304,6 +328,7 @@ async def remembered_locations(args: dict[str, Any]) -> dict[str, Any]:
             "after_remove_is_miss": after_remove is None,
             "stale_locations_dropped": reader.counters["pool_retries"],
             "server_saw_remembered_hits": service.get("get_hits_remembered", 0),
+            "reader_counters": dict(reader.counters),  # to read when an assertion fails
         }
     finally:
         await other.close()

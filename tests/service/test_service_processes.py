@@ -352,10 +352,15 @@ def test_memory_hits_come_from_remembered_pool_locations_and_are_never_stale(
     assert result["hits_counted_by_put"] == 0
     assert result["asked_by_other"] == 0  # another client must ask once ...
     assert result["remembered"] == 4  # ... and its second pass asked the server nothing
+    # a client told of other clients' placements by a reply reads them without asking,
+    # and a told place that went stale is caught by the generation check
+    assert result["learned"] >= 4
+    assert result["served_told"] == 3 and result["told_exact"]
+    assert result["replaced_exact"]
     assert result["after_remove_is_miss"]  # removed elsewhere: the old location is not used
     assert result["stale_locations_dropped"] >= 1
     # hits the server never saw as requests still reached its counters (and its LRU)
-    assert result["server_saw_remembered_hits"] >= 300
+    assert result["server_saw_remembered_hits"] >= 300, result
 
 
 def test_a_client_of_another_model_is_refused_at_once_and_leaves_nothing_pending(

@@ -3,7 +3,8 @@
 Per member, a batch of keys is read in at most two asks:
 
 1. keys whose pool location is remembered are copied out without asking (the generation
-   check proves the location current);
+   check proves the location current); locations are learned from gets, from our own
+   puts, and from the placements of other clients' puts that a get's reply tells;
 2. the rest are asked for once; each reply entry becomes a source
    (:mod:`~persisting.service.client.sources`) that reads the value;
 3. values that moved meanwhile, or are in memory where the client cannot copy them
@@ -195,6 +196,7 @@ class Reader:
         pooled = first and member.pool is not None
         if pooled:
             args["pool"] = True
+            args["learn"] = True  # and where other clients' values were placed lately
         window = self._window(member, indices, expect, outs, sizes)
         if member.same_host and not first and window is None:
             args["direct"] = False  # no room in the arena: over messages
@@ -208,6 +210,9 @@ class Reader:
                 raise
         else:
             entries = await self.cluster.call(member, "get", **args)
+        if isinstance(entries, dict):  # a reply to ``learn``
+            self._learn(member, entries)
+            entries = entries["entries"]
         again: dict[int, int] = {}
         kept: list[tuple[int, int]] = []
         files: list[tuple[int, LeasedFile]] = []
@@ -250,6 +255,18 @@ class Reader:
                 else:
                     results[i] = value
         return again
+
+    def _learn(self, member: Member, reply: dict[str, Any]) -> None:
+        """Remember the placements the server told (keys already remembered keep theirs:
+        a location from our own put or get is at least as new)."""
+        if member.pool is None or not reply.get("told"):
+            return
+        layouts = [Layout.from_dict(d) for d in reply["layouts"]]
+        locations = member.locations
+        for key, index, offset, generation in reply["told"]:
+            if key not in locations:
+                self.remember(member, key, SharedLocation(layouts[index], offset, generation))
+        self.counters["placements_learned"] += len(reply["told"])
 
     @staticmethod
     def _needs_room(again: dict[int, int], i: int, nbytes: int, first: bool) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from persisting.errors import AccessDeniedError, InvalidValueError, PersistingError, ProtocolError
 from persisting.kv import KVStore, Layout
 from persisting.lance_store.names import validate_name
+from persisting.service.handler.placements import PlacementFeed
 from persisting.service.same_host import ServerArenaMapping
 from persisting.service.sessions import Session, SessionTable
 
@@ -43,6 +44,8 @@ class ServerState:
         self.message_part_bytes = message_part_bytes
         self.lock = threading.Lock()  # guards the session table across threads
         self.counters: Counter[str] = Counter()
+        #: Recent pool placements, told to same-host readers with their gets.
+        self.placements = PlacementFeed()
 
     def store(self, model: str | None) -> KVStore:
         """The store of ``model``; AccessDeniedError if this server does not serve it."""

@@ -13,7 +13,10 @@ For each key a ``get`` answers None (a miss) or where the value is, by the reade
 * any other client: the bytes in the reply (``data``) or, past one message part, a
   ``transfer`` it reads in parts.
 
-So a same-host get does no file I/O here and is answered without a thread hop.
+So a same-host get does no file I/O here and is answered without a thread hop. A pooled
+get that asks to ``learn`` is answered ``{"entries": [...], ...}`` with the pool
+placements other clients' puts made since this session's last such reply
+(:mod:`.placements`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ class GetPaths:
     def __init__(self, state: ServerState):
         self.state = state
 
-    def get(self, request: Request, session: Session | None) -> list[dict[str, Any] | None]:
+    def get(
+        self, request: Request, session: Session | None
+    ) -> list[dict[str, Any] | None] | dict[str, Any]:
         assert session is not None
         store = self.state.store(request.model)
         keys: list[str] = request.args["keys"]
@@ -58,8 +63,8 @@ class GetPaths:
             raise ProtocolError("arena must be [offset, capacity]")
         uses_arena = direct and window is not None
         with self.state.ticket(session, request.args.get("ticket"), needed=uses_arena):
+            pooled = direct and bool(request.args.get("pool")) and store.pool is not None
             if direct:
-                pooled = bool(request.args.get("pool")) and store.pool is not None
                 entries = self._get_direct(
                     store, session, request.model, keys, expect, pooled, window
                 )
@@ -69,6 +74,10 @@ class GetPaths:
         hits = sum(entry is not None for entry in entries)
         counters["get_hits"] += hits
         counters["get_misses"] += len(entries) - hits
+        if direct and pooled and request.args.get("learn"):
+            told = self.state.placements.tell(session.placements_told, str(request.model))
+            counters["placements_told"] += len(told["told"]) if told else 0
+            return {"entries": entries, **(told or {})}
         return entries
 
     def _get_direct(

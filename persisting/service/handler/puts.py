@@ -46,9 +46,34 @@ class PutPaths:
         )
         with state.ticket(session, request.args.get("ticket"), needed=from_arena):
             replies = self._put(store, session, items, fmt)
-        if request.args.get("pool") and arena_of(session, required=False) is not None:
-            _tell_pool_locations(store, replies)
+        self._record_placements(store, str(request.model), items, replies)
+        if not (request.args.get("pool") and arena_of(session, required=False) is not None):
+            for reply in replies:
+                reply.pop("pool", None)
         return replies
+
+    def _record_placements(
+        self,
+        store: KVStore,
+        model: str,
+        items: list[Mapping[str, Any]],
+        replies: list[dict[str, Any]],
+    ) -> None:
+        """Note where each stored value lies in the shared pool: in its reply (``pool``:
+        ``[offset, generation]``, so a same-host writer's first get of it asks nothing) and
+        in the placement feed other same-host readers are told from. Telling is not
+        reading: no hit is counted and recency is left alone."""
+        if store.pool is None:
+            return
+        for item, reply in zip(items, replies, strict=True):
+            if not reply["stored"]:
+                continue
+            found = store.shared_location(reply["key"], count=False)
+            if found is not None:
+                reply["pool"] = [found.offset, found.generation]
+                self.state.placements.record(
+                    model, str(item.get("key")), found.layout, found.offset, found.generation
+                )
 
     def _put(
         self, store: KVStore, session: Session, items: list[Mapping[str, Any]], fmt: Any
@@ -165,20 +190,6 @@ def _verify(data: Any, expected: object) -> None:
         return
     if checksum(data) != expected:
         raise CorruptValueError("payload bytes do not match the checksum the client sent")
-
-
-def _tell_pool_locations(store: KVStore, replies: list[dict[str, Any]]) -> None:
-    """Add, to each stored value's reply, where it lies in the shared pool (``pool``:
-    ``[offset, generation]``), so a same-host client's first get of its own value needs no
-    request. Telling is not reading: no hit is counted and recency is left alone."""
-    if store.pool is None:
-        return
-    for reply in replies:
-        if not reply["stored"]:
-            continue
-        found = store.shared_location(reply["key"], count=False)
-        if found is not None:
-            reply["pool"] = [found.offset, found.generation]
 
 
 def _put_result(result: Any) -> dict[str, Any]:
