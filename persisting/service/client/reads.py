@@ -257,16 +257,21 @@ class Reader:
         return again
 
     def _learn(self, member: Member, reply: dict[str, Any]) -> None:
-        """Remember the placements the server told (keys already remembered keep theirs:
-        a location from our own put or get is at least as new)."""
+        """Remember the placements the server told, while there is room: a told place is
+        a hint, so it never pushes out a location this client used (and keys already
+        remembered keep theirs: a location from our own put or get is at least as new)."""
         if member.pool is None or not reply.get("told"):
             return
         layouts = [Layout.from_dict(d) for d in reply["layouts"]]
         locations = member.locations
+        learned = 0
         for key, index, offset, generation in reply["told"]:
+            if len(locations) >= MAX_LOCATIONS:
+                break
             if key not in locations:
-                self.remember(member, key, SharedLocation(layouts[index], offset, generation))
-        self.counters["placements_learned"] += len(reply["told"])
+                locations[key] = SharedLocation(layouts[index], offset, generation)
+                learned += 1
+        self.counters["placements_learned"] += learned
 
     @staticmethod
     def _needs_room(again: dict[int, int], i: int, nbytes: int, first: bool) -> None:
