@@ -212,7 +212,7 @@ PREFAULT_STEP = 32 << 20
 
 def _libc_madvise() -> Any:
     """libc's ``madvise`` through ctypes, which lets go of the GIL while it runs (the mmap
-    module's ``madvise`` holds it: a prefault would stall every Python thread)."""
+    module's ``madvise`` makes no such promise, and a prefault runs for seconds)."""
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -298,6 +298,8 @@ class RecycledBuffers:
         return self._prefault
 
     def _populate(self, end: int) -> None:
+        if not sys.platform.startswith("linux"):
+            return  # the advice's number (and meaning) is Linux's
         madvise = _libc_madvise()
         done = 0
         while done < end and not self._stop.is_set():
