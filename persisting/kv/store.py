@@ -137,7 +137,14 @@ class KVStore(KVApi):
         except BaseException:
             self._release_tiers()
             raise
-        self._tiers = Tiers(model, self.memory, self.disk, self.pool, self.op_stats, self.host)
+        #: Private memory-tier buffers (used when no shared pool or pinned region holds it).
+        #: Twice the budget in address space: a put copies its value before it evicts, and
+        #: write-behinds and readers hold evicted buffers a while, so a full tier still
+        #: takes recycled pages; only what is touched is resident.
+        self.arena = RecycledBuffers(2 * memory_bytes) if memory_bytes > 0 else None
+        self._tiers = Tiers(
+            model, self.memory, self.disk, self.pool, self.op_stats, self.host, self.arena
+        )
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync
         )
@@ -529,11 +536,27 @@ class KVStore(KVApi):
         """True once :meth:`close` ran (its files are closed; :meth:`stats` raises)."""
         return self._closed
 
+    def prefault_memory(self) -> bool:
+        """Fault the memory tier's private pages in now, on a background thread, so puts
+        copy into mapped memory instead of paying a page fault per page (see
+        :meth:`~persisting.shm.RecycledBuffers.start_prefault`).
+
+        Resident memory grows to ``memory_bytes`` at once (the arena's headroom above it
+        is faulted only if used). False (nothing done) when the tier lives in the shared
+        pool or in pinned memory (committed their own way), or there is no memory tier.
+        """
+        self._check_open()
+        if self.arena is None or self.pool is not None or self.host.pinned:
+            return False
+        return self.arena.start_prefault(self.memory.capacity) is not None
+
     def close(self) -> None:
         """Finish write-behind work, write back dirty memory (write-back mode), close files
         and let go of the namespace."""
         if self._closed:
             return
+        if self.arena is not None:
+            self.arena.stop_prefault()
         try:
             self._writes.close()
         finally:

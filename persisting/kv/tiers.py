@@ -19,7 +19,7 @@ from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.stats import StoreStats
-from persisting.shm import SharedPool, aligned_buffer
+from persisting.shm import RecycledBuffers, SharedPool, aligned_buffer
 
 KeyLike = ChunkKey | str
 
@@ -35,6 +35,7 @@ class Tiers:
         pool: SharedPool | None,
         op_stats: StoreStats,
         host: StoreHostMemory,
+        arena: RecycledBuffers | None = None,
     ):
         self.model = model
         self.memory = memory
@@ -43,6 +44,9 @@ class Tiers:
         self.op_stats = op_stats
         #: Pinned memory and device copiers (plain memory on hosts without CUDA).
         self.host = host
+        #: Private memory-tier buffers whose pages are reused (and huge where the kernel
+        #: allows) when neither the shared pool nor pinned memory holds the tier.
+        self.arena = arena
         #: Read bandwidth each tier achieved (load-or-recompute plans use it).
         self.bandwidth = TierBandwidth()
         #: Orders index changes of both tiers (never held across disk I/O or big copies).
@@ -61,7 +65,13 @@ class Tiers:
 
     def memory_buffer(self, nbytes: int) -> np.ndarray:
         """Room for a memory-tier value: in the shared pool while it has room, else in the
-        pinned region (where CUDA is), else private pageable memory."""
+        pinned region (where CUDA is), else in the private arena, else fresh pageable
+        memory.
+
+        The arena matters most: a fresh 28 MiB array faults 7,168 zeroed 4 KiB pages on
+        first touch (37 ms here, ten times the copy), the arena's pages are faulted 2 MiB
+        at a time once and then reused by later values.
+        """
         if self.pool is not None:
             buffer = self.pool.allocate(nbytes)
             if buffer is not None:
@@ -72,6 +82,11 @@ class Tiers:
             if buffer is not None:
                 return buffer
             self.op_stats.count("pinned_full")
+        if self.arena is not None:
+            buffer = self.arena.take(nbytes)
+            if buffer is not None:
+                return buffer
+            self.op_stats.count("arena_full")
         return aligned_buffer(nbytes)
 
 

@@ -120,6 +120,8 @@ class PersistingKVBackend(StoragePluginInterface):
             if store is None:
                 store = KVStore.from_settings(self.settings, model)
                 self._stores[model] = store
+                if self.options.prefault_memory:
+                    store.prefault_memory()
             return store
 
     def store_for(self, key: CacheEngineKey) -> KVStore:

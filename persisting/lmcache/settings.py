@@ -51,6 +51,10 @@ class PluginOptions:
     io_threads: int = 4
     #: Seconds the pins of an asynchronous lookup are held when its load never comes.
     lookup_pin_ttl_s: float = 60.0
+    #: Fault each store's memory tier in at open, in the background (as LMCache's own
+    #: LocalCPUBackend allocates its whole buffer up front): ``memory_bytes`` resident per
+    #: model from the start, and puts copy into mapped pages instead of faulting each one.
+    prefault_memory: bool = True
 
 
 _OPTION_FIELDS = frozenset(PluginOptions.__dataclass_fields__)
@@ -71,7 +75,19 @@ def _plugin_options(raw: dict[str, Any]) -> PluginOptions:
         ) from exc
     if not ttl > 0:
         raise ConfigError(f"{PREFIX}lookup_pin_ttl_s must be > 0, got {ttl}")
-    return PluginOptions(io_threads=threads, lookup_pin_ttl_s=ttl)
+    prefault = _flag(raw.get("prefault_memory", PluginOptions.prefault_memory), "prefault_memory")
+    return PluginOptions(io_threads=threads, lookup_pin_ttl_s=ttl, prefault_memory=prefault)
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A boolean setting: true/false, or the strings YAML and environment variables give."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{PREFIX}{name} must be true or false, got {value!r}")
 
 
 def settings_from_extra_config(

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import bisect
 import collections
+import ctypes
+import errno
+import logging
 import mmap
 import os
 import sys
@@ -23,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 
@@ -177,45 +182,157 @@ class PageAllocator:
             return list(zip(self._offsets, self._lengths, strict=True))
 
 
+#: The transparent huge page size on x86-64 and most arm64 kernels (4 KiB base pages).
+HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(mapping: mmap.mmap) -> bool:
+    """Ask the kernel to back ``mapping`` (anonymous) with transparent huge pages.
+
+    A first touch of a 4 KiB page costs one fault and a zeroed page: ~4.6 us here (a VM),
+    so filling 28 MiB of fresh memory took 37 ms against 3 ms for the copy itself. With
+    huge pages one fault maps 2 MiB (5 ms for the same 28 MiB, copy included). Hosts whose
+    THP setting is ``never`` (or without ``madvise``) keep 4 KiB pages; nothing breaks.
+    """
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advise is None:
+        return False
+    try:
+        mapping.madvise(advise)
+    except OSError:
+        return False
+    return True
+
+
+#: madvise(2) advice that faults a range in writable without changing it (Linux >= 5.14).
+MADV_POPULATE_WRITE = 23
+#: Bytes one prefault step populates (a stop request is seen between steps).
+PREFAULT_STEP = 32 << 20
+
+
+def _libc_madvise() -> Any:
+    """libc's ``madvise`` through ctypes, which lets go of the GIL while it runs (the mmap
+    module's ``madvise`` makes no such promise, and a prefault runs for seconds)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class RecycledBuffers:
     """Page-aligned buffers whose pages stay mapped from one use to the next.
 
     A fresh multi-MiB array costs a page fault (and the kernel zeroing the page) per page
-    on first touch, which makes copying a value out of the memory tier into a new array
-    2-5x slower than the copy itself. :meth:`take` hands out ranges of one private
-    anonymous mapping instead; a range returns when its array (and every tensor or view
-    made from it) is garbage, and the next value reuses its already-mapped pages. Private,
-    so a fork gets copy-on-write pages, as with any other array.
+    on first touch, which makes copying a value into a new array 2-10x slower than the
+    copy itself. :meth:`take` hands out ranges of one private anonymous mapping instead,
+    advised to use transparent huge pages (:func:`advise_huge_pages`: the first use of a
+    range faults 2 MiB at a time) and aligned to them; a range returns when its array (and
+    every tensor or view made from it) is garbage, and the next value reuses its
+    already-mapped pages (first fit: freed ranges low in the mapping before fresh ones).
+    :meth:`start_prefault` faults the whole mapping in ahead of use, in the background.
+    Mapped pages are kept, so the resident size stays at the high-water mark (at most
+    ``capacity``). Private, so a fork gets copy-on-write pages, as with any other array.
     """
 
     def __init__(self, capacity: int):
         self.capacity = round_to_page(capacity)
         self._map: mmap.mmap | None = None
         self._pages: PageAllocator | None = None
+        self._start = 0
+        self._address = 0
         self._lock = threading.Lock()
+        #: Whether the kernel took the huge-page advice (known once mapped).
+        self.huge_pages = False
+        self._prefault: threading.Thread | None = None
+        self._stop = threading.Event()
+        #: Bytes the prefault has faulted in so far (from the start of the ranges).
+        self.prefaulted = 0
+
+    def _mapped(self) -> PageAllocator:
+        """The allocator over the mapping, made on first use (a store never written or read
+        pays nothing)."""
+        with self._lock:
+            if self._pages is None:
+                # One huge page more than asked, so the ranges can start on a huge page.
+                self._map = mmap.mmap(
+                    -1, self.capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                )
+                self.huge_pages = advise_huge_pages(self._map)
+                self._address = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
+                self._start = (-self._address) % HUGE_PAGE
+                self._pages = PageAllocator(None, self._start, self._start + self.capacity)
+            return self._pages
 
     def take(self, nbytes: int) -> np.ndarray | None:
         """A buffer of ``nbytes``, or None when there is no room left (use another)."""
         if nbytes > self.capacity:
             return None
-        if self._pages is None:
-            with self._lock:  # mapped on first use: a store that is never read pays nothing
-                if self._pages is None:
-                    self._map = mmap.mmap(
-                        -1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-                    )
-                    self._pages = PageAllocator(None, 0, self.capacity)
-        got = self._pages.allocate(nbytes)
+        pages = self._pages if self._pages is not None else self._mapped()
+        got = pages.allocate(nbytes)
         if got is None:
             return None
         assert self._map is not None
-        return owning_array(self._map, got[0], nbytes, self._pages.free, *got)
+        return owning_array(self._map, got[0], nbytes, pages.free, *got)
+
+    def start_prefault(self, nbytes: int | None = None) -> threading.Thread | None:
+        """Fault the lowest ``nbytes`` of the mapping in (all of it by default), lowest
+        first (where :meth:`take` looks first), on a background thread; returns it (None
+        if one already ran or runs).
+
+        Costs those bytes of resident memory from now on instead of as values arrive, and
+        the CPU time of the faults (about 1 s per GiB in this VM, a fraction of that on
+        bare metal), spent before the first put rather than inside it. Safe beside
+        concurrent :meth:`take` users: populating never changes a page's contents. Where
+        the kernel lacks ``MADV_POPULATE_WRITE`` (before Linux 5.14) nothing is prefaulted.
+        """
+        self._mapped()
+        with self._lock:
+            if self._prefault is not None:
+                return None
+            end = self.capacity if nbytes is None else min(round_to_page(nbytes), self.capacity)
+            self._prefault = threading.Thread(
+                target=self._populate, args=(end,), name="persisting-prefault", daemon=True
+            )
+        self._prefault.start()
+        return self._prefault
+
+    def _populate(self, end: int) -> None:
+        if not sys.platform.startswith("linux"):
+            return  # the advice's number (and meaning) is Linux's
+        madvise = _libc_madvise()
+        done = 0
+        while done < end and not self._stop.is_set():
+            step = min(PREFAULT_STEP, end - done)
+            if madvise(self._address + self._start + done, step, MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                if err != errno.EINTR:
+                    log.info("memory prefault stopped after %d bytes: %s", done, os.strerror(err))
+                    return
+                continue
+            done += step
+            self.prefaulted = done
+
+    def wait_prefault(self) -> None:
+        """Wait until a prefault in progress has faulted every page (or given up)."""
+        thread = self._prefault
+        if thread is not None:
+            thread.join()
+
+    def stop_prefault(self) -> None:
+        """Stop a prefault in progress (at its next step) and wait for it."""
+        self._stop.set()
+        thread = self._prefault
+        if thread is not None:
+            thread.join()
 
 
 __all__ = [
+    "HUGE_PAGE",
     "PAGE",
     "PageAllocator",
     "RecycledBuffers",
+    "advise_huge_pages",
     "aligned_buffer",
     "copy_bytes",
     "loaded_torch",

@@ -329,3 +329,31 @@ def test_threads_share_a_store(root: Path) -> None:
         for t in threads:
             t.join(60)
     assert errors == []
+
+
+def test_memory_tier_values_reuse_the_pages_of_evicted_ones(root: Path) -> None:
+    nbytes = tensor(0).numel() * tensor(0).element_size()
+    with open_store(root, memory_bytes=2 * nbytes, disk_bytes=0, pinned_memory="off") as store:
+        used: set[int] = set()
+        for i in range(12):  # a tier of two values: ten evictions
+            store.put(key(i), tensor(i))
+            used |= {e.buffer.ctypes.data for _k, e in store.memory.index.items()}
+        # A put copies before it evicts, so three ranges take turns; none is fresh memory.
+        assert len(used) == 3
+        assert store.op_stats.counters["arena_full"] == 0
+        assert torch.equal(store.get(key(11)), tensor(11)) and store.get(key(0)) is None
+
+
+def test_prefault_memory_faults_the_private_tier_in_and_keeps_values(root: Path) -> None:
+    with open_store(root, memory_bytes=8 * MiB, pinned_memory="off", durability="async") as store:
+        store.put(key(0), tensor(0))
+        assert store.prefault_memory()
+        assert not store.prefault_memory()  # once per store
+        assert store.arena is not None
+        store.arena.wait_prefault()
+        assert store.arena.prefaulted == 8 * MiB  # the budget; the headroom on demand
+        store.put(key(1), tensor(1))
+        assert torch.equal(store.get(key(0)), tensor(0))
+        assert torch.equal(store.get(key(1)), tensor(1))
+    with open_store(root, memory_bytes=0) as store:
+        assert not store.prefault_memory()  # no memory tier, nothing to fault in

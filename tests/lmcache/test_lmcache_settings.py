@@ -8,7 +8,14 @@ import pytest
 
 from persisting.errors import ConfigError
 from persisting.lmcache_backend import settings_from_extra_config
-from tests.lmcache.lmcache_harness import make_config, plugin_of, storage_manager
+from tests.lmcache.lmcache_harness import (
+    filled,
+    key,
+    make_config,
+    plugin_of,
+    same_bytes,
+    storage_manager,
+)
 
 
 def test_extra_config_keys_override_the_store_settings(tmp_path: Path) -> None:
@@ -68,6 +75,8 @@ def test_puts_complete_write_behind_unless_durability_is_configured(
         {"persisting.durability": "sometimes"},
         {"persisting.io_threads": 0},
         {"persisting.io_threads": "many"},
+        {"persisting.prefault_memory": "sometimes"},
+        {"persisting.prefault_memory": 2},
         {"persisting.config": "/no/such/file.toml"},
     ],
 )
@@ -124,3 +133,32 @@ def test_the_lmcache_config_may_size_the_plugin_in_gib(root: Path) -> None:
     with storage_manager(config) as manager:
         (store,) = plugin_of(manager).stats()["stores"].values()
         assert store["disk_capacity"] == 1 << 30 and store["memory_capacity"] == 8 << 20
+
+
+@pytest.mark.parametrize(
+    ("written", "on"), [(None, True), (True, True), ("false", False), ("on", True), (False, False)]
+)
+def test_prefault_memory_is_on_unless_turned_off(written: object, on: bool) -> None:
+    extra = {} if written is None else {"persisting.prefault_memory": written}
+    assert settings_from_extra_config(extra)[1].prefault_memory is on
+
+
+def test_the_plugin_prefaults_each_store_s_memory_tier_unless_told_not_to(root: Path) -> None:
+    with storage_manager(make_config(root, memory_bytes="8MiB")) as manager:
+        plugin = plugin_of(manager)
+        keys = [key(i) for i in range(3)]
+        objs = [filled(manager, i) for i in range(3)]
+        want = [obj.tensor.clone() for obj in objs]
+        manager.batched_put(keys, objs)  # puts racing the prefault: it never changes a page
+        store = plugin.store_for(keys[0])
+        assert store.arena is not None
+        store.arena.wait_prefault()
+        assert store.arena.prefaulted == 8 << 20
+        plugin.flush()
+        for k, w in zip(keys, want, strict=True):
+            got = plugin.get_blocking(k)
+            assert got is not None and same_bytes(got.tensor, w)
+            got.ref_count_down()
+    with storage_manager(make_config(root / "off", prefault_memory=False)) as manager:
+        store = plugin_of(manager).store_for(key(0))
+        assert store.arena is not None and store.arena.prefaulted == 0

@@ -73,3 +73,56 @@ def test_recycled_buffers_come_back_when_their_arrays_die() -> None:
     again = buffers.take(4 * PAGE)
     assert again is not None
     np.copyto(again, 7)
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of the mapping that holds ``address`` (from /proc/self/smaps)."""
+    found = False
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            found = low <= address < high
+        elif found and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_recycled_buffers_start_on_a_huge_page_and_reuse_the_lowest_free_range() -> None:
+    buffers = RecycledBuffers(8 << 20)
+    first = buffers.take(3 << 20)
+    second = buffers.take(2 << 20)
+    assert first is not None and second is not None
+    assert first.ctypes.data % (2 << 20) == 0  # where transparent huge pages can back it
+    low = first.ctypes.data
+    del first
+    gc.collect()
+    again = buffers.take(1 << 20)  # freed pages (already mapped) before untouched ones
+    assert again is not None and again.ctypes.data == low
+
+
+def test_a_prefault_maps_every_page_and_never_changes_a_taken_buffer() -> None:
+    capacity = 16 << 20
+    buffers = RecycledBuffers(capacity)
+    taken = buffers.take(5 * PAGE + 7)
+    assert taken is not None
+    taken[:] = np.arange(taken.nbytes, dtype=np.uint64).astype(np.uint8)
+    want = taken.copy()
+    thread = buffers.start_prefault()
+    assert thread is not None and buffers.start_prefault() is None  # one prefault per mapping
+    buffers.wait_prefault()
+    assert buffers.prefaulted == capacity
+    assert np.array_equal(taken, want)
+    assert _resident_bytes(taken.ctypes.data) >= capacity
+    buffers.stop_prefault()  # after the end: returns at once
+
+
+def test_stop_prefault_ends_the_thread() -> None:
+    buffers = RecycledBuffers(256 << 20)
+    thread = buffers.start_prefault()
+    assert thread is not None
+    buffers.stop_prefault()
+    assert not thread.is_alive() and buffers.prefaulted <= buffers.capacity
+    assert buffers.take(PAGE) is not None  # still usable
