@@ -189,6 +189,7 @@ class PayloadFiles:
         self.directory = directory
         self.modes = modes
         self.payload_dir = directory / "payload"
+        self._payload_text = str(self.payload_dir)
         self.tmp_dir = directory / "tmp"
         #: ``payload/<hh>`` directories created whose entry is not yet synced.
         self._new_subdirs: set[Path] = set()
@@ -199,8 +200,12 @@ class PayloadFiles:
             make_dir(d, modes)
 
     def path(self, key: str, tag: int) -> Path:
+        return Path(self.path_text(key, tag))
+
+    def path_text(self, key: str, tag: int) -> str:
+        """:meth:`path` as a string, without building a Path (every read opens one)."""
         h = key_hash(key)
-        return self.payload_dir / f"{h >> 56:02x}" / f"{h:016x}-{tag:08x}.kv"
+        return f"{self._payload_text}/{h >> 56:02x}/{h:016x}-{tag:08x}.kv"
 
     @staticmethod
     def new_tag() -> int:
@@ -369,7 +374,11 @@ class PayloadFiles:
 
     @staticmethod
     def read_into(
-        path: Path, out: memoryview, *, executor: Executor | None = None, parts: int = 1
+        path: str | os.PathLike[str],
+        out: memoryview,
+        *,
+        executor: Executor | None = None,
+        parts: int = 1,
     ) -> int:
         """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes), in
         ``parts`` reads at once on ``executor`` when given (see :func:`read_file_range`),
