@@ -13,6 +13,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -166,7 +167,7 @@ def test_one_damaged_chunk_of_a_task_read_on_several_threads_is_its_only_miss(
     readers: list[str] = []
     real = payload_files.read_file_range
 
-    def traced(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def traced(*args: Any, **kwargs: Any) -> Any:
         readers.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
