@@ -9,8 +9,9 @@ the round goes phase by phase, the adapters back to back within each phase:
 * store: every chunk, ``--batch`` keys per store task, all tasks in flight at once, timed
   until the last task completes;
 * lookup: lookup-and-lock of every key (one task per batch), timed; then unlocked;
-* load: every chunk into zeroed destination objects (one task per batch), timed, then each
-  compared byte for byte with what was stored (a miss or a wrong byte is an integrity error);
+* load: every chunk into zeroed destination objects (zeroed before the settle; one task
+  per batch), timed, then each compared byte for byte with what was stored (a miss or a
+  wrong byte is an integrity error);
 * restart: the adapter is closed and a new one opened on the same directory; it reports
   how many chunks a lookup finds and the usage it starts with (LMCache's ``fs`` adapter
   finds its files again but starts from zero usage: its capacity accounting and eviction
@@ -180,9 +181,14 @@ def timed_lookup(adapter: L2AdapterInterface, keys: list, batch: int) -> tuple[f
     return elapsed, found
 
 
-def timed_load(adapter: L2AdapterInterface, keys: list, dest: list, batch: int) -> tuple:
+def clear(dest: list[TensorMemoryObj]) -> None:
+    """Zero the destinations before a load (done before the settle: torch's zeroing leaves
+    its OpenMP threads spinning for a while, which would take a core from the timed load)."""
     for obj in dest:
         obj.raw_data.zero_()
+
+
+def timed_load(adapter: L2AdapterInterface, keys: list, dest: list, batch: int) -> tuple:
     start = time.perf_counter()
     spans = _batches(len(keys), batch)
     tasks = [adapter.submit_load_task(keys[lo:hi], dest[lo:hi]) for lo, hi in spans]
@@ -223,6 +229,7 @@ def run_round(names: list[str], args: argparse.Namespace, base: Path, round_no: 
             lookup_s, found = timed_lookup(adapters[name], keys, args.batch)
             out[name].update(lookup_keys_per_s=len(keys) / lookup_s, found=found)
         for name in names:
+            clear(dest)
             settle(args.settle)
             load_s, loaded = timed_load(adapters[name], keys, dest, args.batch)
             errors = integrity_errors(objs, dest) + (len(keys) - loaded)

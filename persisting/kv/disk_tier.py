@@ -478,7 +478,7 @@ class DiskTier:
                     f"destination is {len(out)} bytes, value is {entry.layout.nbytes}"
                 )
             entry.readers += 1
-        path = self.files.path(key, entry.tag)
+        path = self.files.path_text(key, entry.tag)
         try:
             digest = self.files.read_into(path, out, executor=executor, parts=parts)
             ok = digest == entry.checksum

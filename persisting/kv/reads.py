@@ -163,7 +163,24 @@ class Reads:
         ]
 
     def get_into(self, key: KeyLike, out: Any, expect: Layout | None) -> Layout | None:
-        return self.batched_get_into([key], [out], expect)[0]
+        if is_device_tensor(out):
+            return self.batched_get_into([key], [out], expect)[0]
+        # One host destination (a loader's per-chunk call): straight to the one read, none
+        # of a batch's lists, futures and thread hand-offs.
+        text = self._t.key_text(key)
+        view = writable_bytes(out)
+        if self._wanted(text, expect, len(view)) is None:
+            return None
+        memory, _disk = self._claim_memory((text,), (len(view),))
+        if memory:
+            return self._copy_memory_hit(view, memory[0][1])
+        start = time.perf_counter()
+        split = self._split(1)
+        parts = min(self.read_threads, len(view) // SPLIT_BYTES) if split else 1
+        layout = self._read_disk(text, view, parts)
+        if layout is not None:
+            self._t.bandwidth.record("disk", layout.nbytes, time.perf_counter() - start)
+        return layout
 
     def batched_get_into(
         self, keys: Sequence[KeyLike], outs: Sequence[Any], expect: Layout | None
@@ -224,6 +241,23 @@ class Reads:
                 else:
                     disk.append(i)
         return memory, disk
+
+    def _copy_memory_hit(self, view: memoryview, entry: MemoryEntry) -> Layout:
+        """Copy a claimed memory-tier entry into ``view``, then let the entry go."""
+        t = self._t
+        copy_start = time.perf_counter()
+        try:
+            # One thread per copy: the destination is the caller's, often just allocated,
+            # and several threads faulting its pages in at once contend on the process's
+            # page tables (torch's parallel copy into fresh memory ran at under half the
+            # speed of numpy's single-threaded one on the 2-core machine).
+            np.frombuffer(view, dtype=np.uint8)[:] = entry.buffer
+        finally:
+            self._release(entry)
+        seconds = time.perf_counter() - copy_start
+        t.op_stats.record("get", "memory", seconds, len(view), "hit")
+        t.bandwidth.record("memory", len(view), seconds)
+        return entry.layout
 
     def _release(self, entry: MemoryEntry) -> None:
         with self._t.lock:
@@ -299,20 +333,7 @@ class Reads:
             for i, entry in memory:
                 view = views[i]
                 assert view is not None
-                copy_start = time.perf_counter()
-                try:
-                    # One thread per copy: the destination is the caller's, often just
-                    # allocated, and several threads faulting its pages in at once contend
-                    # on the process's page tables (torch's parallel copy into fresh memory
-                    # ran at under half the speed of numpy's single-threaded one on the
-                    # 2-core machine).
-                    np.frombuffer(view, dtype=np.uint8)[:] = entry.buffer
-                finally:
-                    self._release(entry)
-                seconds = time.perf_counter() - copy_start
-                t.op_stats.record("get", "memory", seconds, len(view), "hit")
-                t.bandwidth.record("memory", len(view), seconds)
-                got[i] = entry.layout
+                got[i] = self._copy_memory_hit(view, entry)
             if split:
                 start = time.perf_counter()
                 for i in disk:  # one value at a time, each in parts read at once

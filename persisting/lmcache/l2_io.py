@@ -8,12 +8,13 @@ object's buffer and the disk tier verifies the chunk's checksum on the way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
 
 from persisting.errors import PersistingError
 from persisting.kv import KVStore, Layout
@@ -43,10 +44,25 @@ def value_of(obj: MemoryObj) -> Any:
 def layout_of(obj: MemoryObj) -> Layout:
     """The layout a chunk stored from ``obj`` has (and a chunk loaded into it must have).
 
-    Read from the object's tensor view alone (no byte view, no contiguity check): the same
-    shape, dtype, format and size that :func:`encode_value` records when the chunk is
-    stored, at a fraction of the cost, since every load asks it.
+    The same shape, dtype, format and size that :func:`encode_value` records when the
+    chunk is stored. Every load asks it, so a plain one-group ``TensorMemoryObj`` is
+    answered from its metadata alone: each torch call lets go of the GIL and, with the
+    loading threads all wanting it back, waits its turn (the tensor views cost a load of
+    4 MiB chunks several times the time of the checks themselves). Any other object is
+    read from its tensor view (no byte view, no contiguity check).
     """
+    meta = obj.metadata
+    if (
+        type(obj).tensor is TensorMemoryObj.tensor  # its tensor is meta's shape and dtype...
+        and getattr(obj, "_used_size_override", 0) is None  # ...not narrowed to bytes
+        and obj.is_valid()
+        and (meta.shapes is None or len(meta.shapes) <= 1)
+        and meta.dtype is not None
+    ):
+        shape = tuple(meta.shape)
+        nbytes = obj.get_size()
+        if math.prod(shape) * meta.dtype.itemsize == nbytes:
+            return Layout(shape, dtype_name(meta.dtype), meta.fmt.name, nbytes, "torch")
     value = value_of(obj)
     return Layout(
         tuple(int(x) for x in value.shape),

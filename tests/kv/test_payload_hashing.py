@@ -11,12 +11,19 @@ import torch
 
 from persisting.kv import open_kv_store
 from persisting.kv.layout import checksum
-from persisting.kv.payload_files import HASH_PIECE, HEADER_BYTES, PayloadFiles, read_file_range
+from persisting.kv.payload_files import (
+    HASH_PIECE,
+    HEADER_BYTES,
+    READ_PIECE,
+    PayloadFiles,
+    read_file_range,
+)
 from tests.kv.kv_helpers import MODEL, key
 
 MiB = 1 << 20
-#: Sizes around the hashing piece: smaller, exactly one, one and a bit, several.
-SIZES = [2, HASH_PIECE, HASH_PIECE + 2, 3 * HASH_PIECE + 10]
+#: Sizes around the hashing pieces of writes and of reads: smaller, exactly one, one and a
+#: bit, several.
+SIZES = [2, HASH_PIECE, HASH_PIECE + 2, 3 * HASH_PIECE + 10, READ_PIECE + 2, 3 * READ_PIECE + 10]
 
 
 @pytest.mark.parametrize("nbytes", SIZES)
@@ -40,7 +47,7 @@ def test_a_write_through_put_records_the_payload_checksum(root: Path, nbytes: in
 
 
 def test_a_damaged_byte_past_the_first_piece_is_caught(root: Path) -> None:
-    nbytes = 2 * HASH_PIECE + 100
+    nbytes = 2 * max(HASH_PIECE, READ_PIECE) + 100
     value = torch.arange(nbytes, dtype=torch.int64).to(torch.uint8)
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
         store.put(key(2), value, fmt="KV_2LTD", check_shape=False)

@@ -264,6 +264,28 @@ def test_get_into_fills_a_caller_buffer(root: Path) -> None:
             store.get_into(key(1), bytes(t.numel() * 2))
 
 
+def test_get_into_one_host_buffer_reads_either_tier_and_counts_it(root: Path) -> None:
+    """The single-destination ``get_into`` (its own short path, not a batch of one) still
+    copies memory hits, reads and verifies disk hits, refuses another layout untouched,
+    and counts each in the store's stats."""
+    t = tensor(5)
+    with open_store(root, memory_bytes=8 * MiB, durability="write_back") as store:
+        store.put(key(1), t)
+        out = torch.zeros_like(t)
+        assert store.get_into(key(1), out) == Layout.of(t, "KV_2LTD") and torch.equal(out, t)
+        assert store.stats()["get_hit_memory"] == 1
+        other = Layout((1, *t.shape[1:]), "bfloat16", "KV_2LTD", t.numel(), "torch")
+        untouched = torch.zeros_like(t)
+        assert store.get_into(key(1), untouched, expect=other) is None
+        assert not torch.any(untouched)
+        assert store.get_into(key(2), untouched) is None
+        assert store.stats()["get_miss"] == 2
+    with open_store(root, memory_bytes=0) as store:  # reopened: only the disk has it
+        out = torch.zeros_like(t)
+        assert store.get_into(key(1), out) == Layout.of(t, "KV_2LTD") and torch.equal(out, t)
+        assert store.stats()["get_hit_disk"] == 1
+
+
 def test_namespaces_listed_and_dropped(root: Path) -> None:
     for model in (MODEL, "Qwen/Qwen2-7B"):
         with open_kv_store(root, model, memory_bytes=MiB, disk_bytes=8 * MiB) as store:

@@ -21,6 +21,7 @@ from persisting.errors import ConfigError
 from persisting.kv import key_string
 from persisting.kv.payload_files import file_size
 from persisting.lmcache import PersistingL2Adapter, PersistingL2AdapterConfig
+from persisting.lmcache.l2_io import layout_of
 from persisting.lmcache.object_keys import object_key_of, object_key_text
 from tests.lmcache.l2_harness import (
     MODEL,
@@ -169,6 +170,39 @@ def test_objects_of_several_layer_groups_round_trip_as_bytes(root: Path) -> None
         dest = grouped(None)
         assert load(adapter, [key], [dest]) == [0]
         assert torch.equal(bytes_of(dest), bytes_of(grouped(5)))
+
+
+def test_the_layout_a_load_expects_is_the_one_its_store_recorded(root: Path) -> None:
+    """A load's expected layout comes from the object's metadata (no tensor views) for a
+    plain one-group object, and from its tensor otherwise; either way it is exactly what a
+    store of the same object recorded, so a load into it hits."""
+    from lmcache.v1.memory_management import MemoryFormat
+
+    narrowed = tensor_obj(7)
+    narrowed.set_used_size(1000)  # a byte view of the used bytes, not its meta shape
+    mla = tensor_obj(8, shape=(4, 16, 64), dtype=torch.float16)
+    mla.meta.fmt = MemoryFormat.KV_MLA_FMT
+    objs = [
+        tensor_obj(1),
+        tensor_obj(2, shape=(2, 4, 16, 128), dtype=torch.float32),
+        tensor_obj(3, shape=(2, 1, 1, 1), dtype=torch.uint8),
+        mla,
+        narrowed,
+    ]
+    keys = [object_key(40 + i) for i in range(len(objs))]
+    with l2_adapter(root, capacity="16MiB") as adapter:
+        assert store(adapter, keys, objs).is_successful()
+        for key, obj in zip(keys, objs, strict=True):
+            text = key_string(object_key_text(adapter.params.namespace, key))
+            assert layout_of(obj) == adapter.store.layout(text)
+        assert layout_of(narrowed).shape == (1000,)
+        assert layout_of(mla).fmt == "KV_MLA_FMT"
+        dest = [tensor_obj(None, shape=tuple(o.meta.shape), dtype=o.meta.dtype) for o in objs]
+        dest[3].meta.fmt = MemoryFormat.KV_MLA_FMT
+        dest[4].set_used_size(1000)
+        assert load(adapter, keys, dest) == list(range(len(objs)))
+        for obj, got in zip(objs, dest, strict=True):
+            assert torch.equal(bytes_of(got), bytes_of(obj))
 
 
 def test_every_object_key_field_maps_reversibly() -> None:

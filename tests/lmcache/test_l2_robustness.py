@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,6 +152,45 @@ def test_damage_is_found_by_checksum_counted_and_forgotten(root: Path) -> None:
         listed = {e.key.to_object_key() for e in adapter.list_l2_keys().entries}
         assert listed == {keys[0], keys[2]}
         assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": 2 * ON_DISK}
+
+
+def test_one_damaged_chunk_of_a_task_read_on_several_threads_is_its_only_miss(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load task's chunks are spread over the io threads; one damaged chunk (a bit
+    flipped in its last read piece) is a miss at its own index, every other chunk is a hit
+    with its own bytes, and the damage is counted once."""
+    from persisting.kv import payload_files
+
+    shape = (2, 4, 160, 1024)  # 2.5 MiB: several read pieces per chunk
+    nbytes = 2 * 4 * 160 * 1024 * 2
+    readers: list[str] = []
+    real = payload_files.read_file_range
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        readers.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(payload_files, "read_file_range", traced)
+    with l2_adapter(root, capacity="64MiB", io_threads=4) as adapter:
+        keys = [object_key(i) for i in range(8)]
+        objs = [tensor_obj(i, shape=shape) for i in range(8)]
+        assert store(adapter, keys, objs).is_successful()
+        with open(payload_path(adapter, keys[5]), "r+b") as f:
+            f.seek(4096 + nbytes - 3)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+        dest = [tensor_obj(None, shape=shape) for _ in keys]
+        assert load(adapter, keys, dest) == [0, 1, 2, 3, 4, 6, 7]
+        assert len(readers) == 8 and len(set(readers)) >= 2
+        assert all(name.startswith("persisting-l2-io") for name in readers)
+        for i, (obj, got) in enumerate(zip(objs, dest, strict=True)):
+            if i != 5:
+                assert torch.equal(bytes_of(got), bytes_of(obj))
+        status = adapter.report_status()
+        assert status["checksum_failures"] == 1 and status["load_misses"] == 1
+        assert not adapter.debug_has_key(keys[5])
 
 
 def test_a_task_larger_than_the_capacity_keeps_the_books_right(root: Path) -> None:
