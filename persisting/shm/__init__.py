@@ -20,8 +20,10 @@ from persisting.shm.pages import (
     RecycledBuffers,
     aligned_buffer,
     copy_bytes,
+    copy_into_resident,
     loaded_torch,
     owning_array,
+    pages_resident,
     round_to_page,
 )
 from persisting.shm.pool import POOL_PREFIX, SharedPool, SharedPoolReader, seqlock_safe
@@ -36,10 +38,12 @@ __all__ = [
     "SharedPoolReader",
     "aligned_buffer",
     "copy_bytes",
+    "copy_into_resident",
     "create_shm_file",
     "loaded_torch",
     "open_shm_file",
     "owning_array",
+    "pages_resident",
     "pid_alive",
     "remove_orphaned_files",
     "round_to_page",

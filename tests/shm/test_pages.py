@@ -126,3 +126,26 @@ def test_stop_prefault_ends_the_thread() -> None:
     buffers.stop_prefault()
     assert not thread.is_alive() and buffers.prefaulted <= buffers.capacity
     assert buffers.take(PAGE) is not None  # still usable
+
+
+def test_pages_resident_tells_touched_pages_from_fresh_ones() -> None:
+    import mmap as _mmap
+
+    import torch
+
+    from persisting.shm import copy_into_resident, loaded_torch, pages_resident
+
+    assert loaded_torch() is torch  # so the resident copy below takes the parallel path
+
+    mapping = _mmap.mmap(-1, 4 << 20, flags=_mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS)
+    fresh = np.frombuffer(mapping, np.uint8)
+    assert not pages_resident(fresh)  # never touched: a copy would fault every page
+    source = np.arange(4 << 20, dtype=np.uint64).view(np.uint8)[: 4 << 20]
+    copy_into_resident(fresh, source)  # one thread: faults them in
+    assert np.array_equal(fresh, source)
+    assert pages_resident(fresh)
+    assert pages_resident(fresh[123 : 3 << 20])  # unaligned views are checked whole
+    copy_into_resident(fresh, source[::-1].copy())  # resident: the parallel copy
+    assert np.array_equal(fresh, source[::-1])
+    assert not pages_resident(np.empty(0, np.uint8))
+    del fresh
