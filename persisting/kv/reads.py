@@ -175,9 +175,7 @@ class Reads:
         if memory:
             return self._copy_memory_hit(view, memory[0][1])
         start = time.perf_counter()
-        split = self._split(1)
-        parts = min(self.read_threads, len(view) // SPLIT_BYTES) if split else 1
-        layout = self._read_disk(text, view, parts)
+        layout = self._read_now(text, view, self._split(1))
         if layout is not None:
             self._t.bandwidth.record("disk", layout.nbytes, time.perf_counter() - start)
         return layout
@@ -307,13 +305,18 @@ class Reads:
             if parts > 1:
                 return self._runners().submit(self._read_disk, text, view, parts)
             return executor.submit(self._read_disk, text, view)
-        parts = min(self.read_threads, len(view) // SPLIT_BYTES) if split else 1
         done: Future[Layout | None] = Future()
         try:
-            done.set_result(self._read_disk(text, view, parts))
+            done.set_result(self._read_now(text, view, split))
         except BaseException as exc:
             done.set_exception(exc)
         return done
+
+    def _read_now(self, text: str, view: memoryview, split: bool) -> Layout | None:
+        """One disk read on this thread; with ``split``, in parts of at least
+        :data:`SPLIT_BYTES` read by the reader threads at once."""
+        parts = min(self.read_threads, len(view) // SPLIT_BYTES) if split else 1
+        return self._read_disk(text, view, parts)
 
     def _fill_host(
         self, texts: list[str], views: Sequence[memoryview | None]

@@ -25,6 +25,7 @@ _KV_FIELDS = frozenset(KVSettings.model_fields)
 #: KV settings that are byte sizes (and so accept units).
 SIZE_FIELDS = frozenset(name for name in _KV_FIELDS if name.endswith("_bytes"))
 _BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
 
 def parse_size(value: Any, name: str) -> int:
@@ -80,14 +81,12 @@ def _plugin_options(raw: dict[str, Any]) -> PluginOptions:
 
 
 def _flag(value: Any, name: str) -> bool:
-    """A boolean setting: true/false, or the strings YAML and environment variables give."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
-        return False
-    raise ConfigError(f"{PREFIX}{name} must be true or false, got {value!r}")
+    """A boolean setting: true/false, or the strings YAML and environment variables give
+    (pydantic's reading of a bool, as for every other setting)."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError as exc:
+        raise ConfigError(f"{PREFIX}{name} must be true or false, got {value!r}") from exc
 
 
 def settings_from_extra_config(

@@ -16,6 +16,7 @@ import bisect
 import collections
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -71,31 +72,29 @@ def copy_bytes(dst: np.ndarray, src: Any) -> None:
         dst[:] = source
 
 
-def _libc_mincore() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.mincore
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+@functools.cache
+def _libc_function(name: str, third: Any) -> Any:
+    """libc's ``name(void *addr, size_t length, <third>)`` returning int, through ctypes,
+    which lets go of the GIL while it runs (the mmap module's ``madvise`` makes no such
+    promise, and a prefault runs for seconds). Loaded once per name."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
     fn.restype = ctypes.c_int
     return fn
-
-
-_mincore: Any = None
 
 
 def pages_resident(array: np.ndarray) -> bool:
     """Whether every page under ``array`` is resident (``mincore``): a copy into such pages
     faults none in, so several threads may copy into them at once. False where it cannot
     be told (not Linux, or the call fails)."""
-    global _mincore
     if not sys.platform.startswith("linux") or array.nbytes == 0:
         return False
-    if _mincore is None:
-        _mincore = _libc_mincore()
+    mincore = _libc_function("mincore", ctypes.c_void_p)
     address = array.ctypes.data
     start = address - address % PAGE
     length = address + array.nbytes - start
     vector = np.empty((length + PAGE - 1) // PAGE, np.uint8)
-    if _mincore(start, length, vector.ctypes.data) != 0:
+    if mincore(start, length, vector.ctypes.data) != 0:
         return False
     return bool(np.all(vector & 1))
 
@@ -255,16 +254,6 @@ MADV_POPULATE_WRITE = 23
 PREFAULT_STEP = 32 << 20
 
 
-def _libc_madvise() -> Any:
-    """libc's ``madvise`` through ctypes, which lets go of the GIL while it runs (the mmap
-    module's ``madvise`` makes no such promise, and a prefault runs for seconds)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 class RecycledBuffers:
     """Page-aligned buffers whose pages stay mapped from one use to the next.
 
@@ -345,7 +334,7 @@ class RecycledBuffers:
     def _populate(self, end: int) -> None:
         if not sys.platform.startswith("linux"):
             return  # the advice's number (and meaning) is Linux's
-        madvise = _libc_madvise()
+        madvise = _libc_function("madvise", ctypes.c_int)
         done = 0
         while done < end and not self._stop.is_set():
             step = min(PREFAULT_STEP, end - done)

@@ -74,7 +74,7 @@ class GetPaths:
         hits = sum(entry is not None for entry in entries)
         counters["get_hits"] += hits
         counters["get_misses"] += len(entries) - hits
-        if direct and pooled and request.args.get("learn"):
+        if pooled and request.args.get("learn"):
             told = self.state.placements.tell(session.placements_told, str(request.model))
             counters["placements_told"] += len(told["told"]) if told else 0
             return {"entries": entries, **(told or {})}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from persisting.kv import Layout
@@ -27,11 +26,8 @@ FEED_LENGTH = 4096
 TOLD_PER_REPLY = 512
 
 
-@dataclass
-class _ModelFeed:
-    entries: deque[tuple[int, str, Layout, int, int]] = field(
-        default_factory=lambda: deque(maxlen=FEED_LENGTH)
-    )
+#: One placement: sequence number, key, layout, pool offset, generation.
+_Placement = tuple[int, str, Layout, int, int]
 
 
 class PlacementFeed:
@@ -41,12 +37,12 @@ class PlacementFeed:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
-        self._feeds: dict[str, _ModelFeed] = {}
+        self._feeds: dict[str, deque[_Placement]] = {}
 
     def record(self, model: str, key: str, layout: Layout, offset: int, generation: int) -> None:
         with self._lock:
-            feed = self._feeds.setdefault(model, _ModelFeed())
-            feed.entries.append((next(self._seq), key, layout, offset, generation))
+            feed = self._feeds.setdefault(model, deque(maxlen=FEED_LENGTH))
+            feed.append((next(self._seq), key, layout, offset, generation))
 
     def tell(self, told: dict[str, int], model: str) -> dict[str, Any] | None:
         """Placements of ``model`` a session has not been told yet (``told``: its cursors
@@ -55,15 +51,15 @@ class PlacementFeed:
         None when there are none."""
         with self._lock:
             feed = self._feeds.get(model)
-            if feed is None or not feed.entries:
+            if not feed:
                 return None
             last = told.get(model, 0)
-            newest = feed.entries[-1][0]
+            newest = feed[-1][0]
             if newest <= last:
                 return None
             told[model] = newest
-            fresh: list[tuple[int, str, Layout, int, int]] = []
-            for entry in reversed(feed.entries):
+            fresh: list[_Placement] = []
+            for entry in reversed(feed):
                 if entry[0] <= last or len(fresh) == TOLD_PER_REPLY:
                     break
                 fresh.append(entry)

@@ -46,10 +46,8 @@ class PutPaths:
         )
         with state.ticket(session, request.args.get("ticket"), needed=from_arena):
             replies = self._put(store, session, items, fmt)
-        self._record_placements(store, str(request.model), items, replies)
-        if not (request.args.get("pool") and arena_of(session, required=False) is not None):
-            for reply in replies:
-                reply.pop("pool", None)
+        tell_writer = bool(request.args.get("pool")) and arena_of(session, False) is not None
+        self._record_placements(store, str(request.model), items, replies, tell_writer)
         return replies
 
     def _record_placements(
@@ -58,11 +56,12 @@ class PutPaths:
         model: str,
         items: list[Mapping[str, Any]],
         replies: list[dict[str, Any]],
+        tell_writer: bool,
     ) -> None:
-        """Note where each stored value lies in the shared pool: in its reply (``pool``:
-        ``[offset, generation]``, so a same-host writer's first get of it asks nothing) and
-        in the placement feed other same-host readers are told from. Telling is not
-        reading: no hit is counted and recency is left alone."""
+        """Note where each stored value lies in the shared pool: in the placement feed
+        other same-host readers are told from and, with ``tell_writer``, in its reply
+        (``pool``: ``[offset, generation]``, so a same-host writer's first get of it asks
+        nothing). Telling is not reading: no hit is counted and recency is left alone."""
         if store.pool is None:
             return
         for item, reply in zip(items, replies, strict=True):
@@ -70,7 +69,8 @@ class PutPaths:
                 continue
             found = store.shared_location(reply["key"], count=False)
             if found is not None:
-                reply["pool"] = [found.offset, found.generation]
+                if tell_writer:
+                    reply["pool"] = [found.offset, found.generation]
                 self.state.placements.record(
                     model, str(item.get("key")), found.layout, found.offset, found.generation
                 )
