@@ -16,7 +16,8 @@ safetensors, no download) and a word-level tokenizer trained here with ``tokeniz
   land asynchronously, after the request finished);
 - ``{"action": "damage", "dir": D}``: flip bytes in the middle of every file under D;
 - ``{"action": "scrape", "url": U}``: read a metrics page into the output;
-- ``{"action": "settle"}``: ``os.sync()`` and a pause (benchmarks).
+- ``{"action": "settle"}``: ``os.sync()`` and a pause (benchmarks);
+- ``{"action": "uncache", "dir": D}``: drop D's files from the page cache (cold reads).
 
 Connectors: ``persisting`` (PersistingConnector with the plan's extra config), ``lmcache``
 (vLLM's LMCacheMPConnector to a running ``lmcache server``), ``naive`` (NaiveFileSpec below:
@@ -260,6 +261,14 @@ def _action(step: dict[str, Any]) -> dict[str, Any]:
     if action == "scrape":
         with urllib.request.urlopen(step["url"], timeout=10) as reply:
             return {"text": reply.read().decode()}
+    if action == "uncache":  # the block files leave the page cache: the next read is cold
+        for path in _files(step["dir"]):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return {}
     if action == "settle":
         os.sync()
         time.sleep(float(step.get("seconds", 2.0)))

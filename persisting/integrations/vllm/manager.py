@@ -16,6 +16,7 @@ recomputes it (see :mod:`persisting.integrations.vllm.worker`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -109,6 +110,18 @@ class PersistingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return PersistingBlocks([self.key(k) for k in keys])
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Forget loaded blocks whose file is gone: the worker removes a block it found
+        damaged, and it must not be offered again until stored afresh."""
+        gone = [text for text in map(self.key, keys) if not self._on_disk(text)]
+        if gone:
+            with self._lock:
+                self._known.difference_update(gone)
+
+    def _on_disk(self, text: str) -> bool:
+        location = self.store.lease(text, 0.0)  # where its file is (no lease held)
+        return location is not None and os.path.exists(location.path)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
