@@ -17,7 +17,9 @@ safetensors, no download) and a word-level tokenizer trained here with ``tokeniz
 - ``{"action": "damage", "dir": D}``: flip bytes in the middle of every file under D;
 - ``{"action": "scrape", "url": U}``: read a metrics page into the output;
 - ``{"action": "settle"}``: ``os.sync()`` and a pause (benchmarks);
-- ``{"action": "uncache", "dir": D}``: drop D's files from the page cache (cold reads).
+- ``{"action": "uncache", "dir": D}``: drop D's files from the page cache (cold reads);
+- ``{"action": "kill"}``: SIGKILL this process and the engine's (its process group): no
+  shutdown, no close, no flush. The output so far is written after every step.
 
 Connectors: ``persisting`` (PersistingConnector with the plan's extra config), ``lmcache``
 (vLLM's LMCacheMPConnector to a running ``lmcache server``), ``naive`` (NaiveFileSpec below:
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import urllib.request
@@ -269,6 +272,8 @@ def _action(step: dict[str, Any]) -> dict[str, Any]:
             finally:
                 os.close(fd)
         return {}
+    if action == "kill":
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     if action == "settle":
         os.sync()
         time.sleep(float(step.get("seconds", 2.0)))
@@ -276,7 +281,7 @@ def _action(step: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"unknown action {action!r}")
 
 
-def run(plan: dict[str, Any]) -> dict[str, Any]:
+def run(plan: dict[str, Any], out_file: Path) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -296,6 +301,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     )
     out: dict[str, Any] = {"startup_s": time.perf_counter() - start, "steps": []}
     for step in plan["steps"]:
+        out_file.write_text(json.dumps(out))  # what was done so far, should the next step kill
         if "action" in step:
             out["steps"].append({"action": step["action"], **_action(step)})
             continue
@@ -336,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         build_model(args.dir, args.layers, args.hidden, args.heads, args.kv_heads, args.max_len)
         return
     plan = json.loads(args.plan.read_text())
-    result = run(plan)
+    result = run(plan, args.out)
     args.out.write_text(json.dumps(result))
 
 

@@ -8,8 +8,9 @@
 # torch is pinned to 2.13.0 here (not in pyproject): on these machines that pin takes the
 # CPU build already on disk, while an unpinned torch downloads a multi-GB CUDA build.
 # LMCache 0.5.6 is installed with --no-deps plus its pure-Python dependencies, because its
-# declared dependencies include CUDA-only packages. The extras: service (Pulsing), lmcache
-# (what the LMCache adapters import), hf (transformers), plot (matplotlib), dev (test tools).
+# declared dependencies include CUDA-only packages (so the `lmcache` extra, which names
+# LMCache for CUDA hosts, is not used here; requirements/lmcache-cpu.txt has the rest of it).
+# The extras installed: service (Pulsing), hf (transformers), plot (matplotlib), dev.
 # Then scripts/install_engine_env.sh builds ./.venv-vllm: vLLM 0.32's CPU build and LMCache,
 # with Persisting installed into it the way an engine's users do (below); the engine tests
 # (tests/engines/) and benchmarks/vllm_ttft.py run engines there. PERSISTING_SKIP_VLLM=1
@@ -77,7 +78,7 @@ fi
 PIP="$VENV/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 $PIP install --quiet 'torch==2.13.0' 'numpy<=2.2.6'
-$PIP install --quiet -e '.[dev,hf,service,lmcache,plot]' 'torch==2.13.0' 'numpy<=2.2.6'
+$PIP install --quiet -e '.[dev,hf,service,plot]' 'torch==2.13.0' 'numpy<=2.2.6'
 if [ "${PERSISTING_SKIP_LMCACHE:-0}" != "1" ]; then
   $PIP install --quiet -r requirements/lmcache-cpu.txt 'torch==2.13.0' 'numpy<=2.2.6'
   $PIP install --quiet --no-deps 'lmcache==0.5.6'

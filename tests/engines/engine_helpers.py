@@ -44,8 +44,11 @@ def build_model(directory: Path, **shape: int) -> Path:
     return directory
 
 
-def run_engine(plan: dict[str, Any], work: Path, name: str, timeout: float = 600) -> dict[str, Any]:
-    """Run one engine process on ``plan``; its results (the log is kept beside them)."""
+def run_engine(
+    plan: dict[str, Any], work: Path, name: str, timeout: float = 1200, killed: bool = False
+) -> dict[str, Any]:
+    """Run one engine process on ``plan`` (in a process group of its own); its results (the
+    log is kept beside them). ``killed``: the plan ends by SIGKILLing its group."""
     require_engine()
     work.mkdir(parents=True, exist_ok=True)
     plan_file, out_file, log_file = (
@@ -60,8 +63,9 @@ def run_engine(plan: dict[str, Any], work: Path, name: str, timeout: float = 600
             stderr=subprocess.STDOUT,
             timeout=timeout,
             check=False,
+            start_new_session=True,
         )
-    if proc.returncode != 0:
+    if proc.returncode != (-9 if killed else 0):
         tail = log_file.read_text(errors="replace")[-4000:]
         raise AssertionError(f"engine {name} exited {proc.returncode}:\n{tail}")
     return json.loads(out_file.read_text())

@@ -3,7 +3,8 @@
 One module fixture runs the engines once, in order, on one storage root; the tests read
 what they did:
 
-1. ``first``: stores a 1,500-token prompt (11 blocks of 128 tokens) and exits;
+1. ``first``: stores a 1,500-token prompt (11 blocks of 128 tokens), waits for the blocks'
+   files, and is SIGKILLed with its engine processes (no shutdown, no flush);
 2. ``second``: a new process; the prompt again (restored), an unseen prompt, then every
    payload file damaged and the prompt once more (loads fail, vLLM recomputes);
 3. ``float16``: a new process with another dtype (another KV layout: another namespace).
@@ -62,10 +63,12 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
             "steps": [
                 {"name": "prompt", "prompt": PROMPT, "max_tokens": 8},
                 {"action": "wait_files", "dir": str(root / "kv"), "count": BLOCKS},
+                {"action": "kill"},
             ],
         },
         work,
         "first",
+        killed=True,
     )
     stats = json.loads(persisting_cli("stats", "--storage-path", str(root), "--json"))
     inspect = json.loads(persisting_cli("inspect", "--storage-path", str(root), "--json"))
