@@ -38,7 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "service": _STORAGE | {"kv"},
     "lmcache": _BOTTOM | {"kv"},
     "lmcache_backend": {"lmcache"},
-    "integrations": _BOTTOM | {"kv"},
+    # The vLLM connector follows prewarm/evict events on a queue topic of its root.
+    "integrations": _BOTTOM | {"kv", "queue"},
     "admin": _DATA | {"figures", "metrics"},
     "bench": _DATA | {"planner", "service"},
     "actors": _DATA | {"service", "figures", "metrics"},

@@ -40,6 +40,7 @@ ENGINE_MODULES = [
     "persisting.integrations.vllm.blocks",
     "persisting.integrations.vllm.shared",
     "persisting.integrations.vllm.metrics",
+    "persisting.integrations.vllm.events",
     "persisting.queue.backend",
     "persisting.cli",
 ]

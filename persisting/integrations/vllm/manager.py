@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import (
@@ -70,6 +70,8 @@ class PersistingManager(OffloadingManager):
         self._gone: list[str] = []
         self._events: list[OffloadingEvent] = []
         self._stop = threading.Event()
+        #: Called at shutdown (the event follower's stop).
+        self.on_shutdown: list[Callable[[], None]] = []
         self._refresher = threading.Thread(
             target=self._refresh_loop, name="persisting-vllm-refresh", daemon=True
         )
@@ -168,6 +170,13 @@ class PersistingManager(OffloadingManager):
             self._events.append(OffloadingEvent(keys=out, medium=Medium.STORAGE, removed=True))
         return out
 
+    def forget(self, texts: Collection[str]) -> None:
+        """Blocks removed elsewhere (an evict event): misses from now on, reported evicted."""
+        with self._lock:
+            gone = [t for t in texts if t in self._known]
+            self._known.difference_update(gone)
+            self._gone.extend(gone)
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
@@ -183,6 +192,8 @@ class PersistingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self._stop.set()
+        for hook in self.on_shutdown:
+            hook()
         if self._release:
             from persisting.integrations.vllm.shared import release
 

@@ -32,6 +32,7 @@ COUNTERS = {
     "bytes_stored": "Bytes of blocks written to the store",
     "store_errors": "Blocks whose store failed (a future miss)",
     "evictions": "Blocks the store evicted to stay within its disk budget",
+    "events_applied": "Prewarm/evict events for the namespace applied from the event topic",
 }
 #: Store figure -> help text; exported as ``persisting_vllm_<name>``.
 GAUGES = {

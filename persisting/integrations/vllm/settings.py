@@ -64,6 +64,9 @@ class ConnectorSettings:
     metrics_port: int | None = None
     #: Address the metrics port binds.
     metrics_addr: str = "127.0.0.1"
+    #: Apply prewarm/evict events for this namespace from this queue topic of the storage
+    #: root (e.g. "kv-events"; None: no events are followed).
+    event_topic: str | None = None
 
 
 _FIELDS = tuple(ConnectorSettings.__dataclass_fields__)

@@ -35,6 +35,7 @@ class Counters:
     bytes_stored: int = 0
     store_errors: int = 0
     evictions: int = 0
+    events_applied: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

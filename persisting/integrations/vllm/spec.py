@@ -128,6 +128,14 @@ class PersistingOffloadingSpec(OffloadingSpec):
                 state, self.key_dtype, self.settings.refresh_interval_s
             )
             self._serve_metrics(0)
+            if self.settings.event_topic is not None:
+                from persisting.integrations.vllm.events import EventFollower
+
+                follower = EventFollower(
+                    state, self.settings.storage_path, self.settings.event_topic,
+                    self._manager.forget,
+                )  # fmt: skip
+                self._manager.on_shutdown.append(follower.stop)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
