@@ -22,8 +22,9 @@ safetensors, no download) and a word-level tokenizer trained here with ``tokeniz
   shutdown, no close, no flush. The output so far is written after every step.
 
 Connectors: ``persisting`` (PersistingConnector with the plan's extra config), ``lmcache``
-(vLLM's LMCacheMPConnector to a running ``lmcache server``), ``naive`` (NaiveFileSpec below:
-one file per block, the baseline of the TTFT benchmark), or none.
+(vLLM's LMCacheMPConnector to a running ``lmcache server``), ``naive``
+(``benchmarks/naive_file_spec.py``: one file per block, the baseline of the TTFT
+benchmark), or none.
 """
 
 from __future__ import annotations
@@ -90,106 +91,6 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(4, VOCAB, length)]
 
 
-# -- the naive baseline: one file per block ---------------------------------------------
-
-
-def _naive_classes() -> Any:
-    """The baseline medium, built on first use (vLLM is imported only in the engine)."""
-    from vllm.v1.kv_offload.base import (
-        LoadStoreSpec,
-        LookupResult,
-        OffloadingManager,
-        OffloadingSpec,
-        OffloadingWorker,
-        PrepareStoreOutput,
-        RequestOffloadingContext,
-        TransferResult,
-    )
-
-    class Paths(LoadStoreSpec):
-        def __init__(self, paths: list[str]):
-            self.paths = paths
-
-    class Manager(OffloadingManager):
-        def __init__(self, root: str):
-            self.root = root
-
-        def path(self, key: bytes) -> str:
-            return os.path.join(self.root, key.hex())
-
-        def lookup(self, key: Any, req_context: Any) -> Any:
-            return LookupResult.HIT if os.path.exists(self.path(key)) else LookupResult.MISS
-
-        def prepare_load(self, keys: Any, req_context: Any) -> Any:
-            return Paths([self.path(k) for k in keys])
-
-        def prepare_store(self, keys: Any, req_context: Any) -> Any:
-            new = [k for k in keys if not os.path.exists(self.path(k))]
-            return PrepareStoreOutput(new, Paths([self.path(k) for k in new]), [])
-
-        def on_new_request(self, req_context: Any) -> Any:
-            return RequestOffloadingContext()
-
-    class Worker(OffloadingWorker):
-        """Synchronous: each job is done within its submit call."""
-
-        def __init__(self, kv_caches: Any):
-            refs = kv_caches.group_data_refs[0]
-            self.rows = [
-                (kv_caches.tensors[r.tensor_idx].tensor.numpy(), r.page_size_bytes) for r in refs
-            ]
-            self.done: list[Any] = []
-
-        def views(self, block: int) -> list[memoryview]:
-            return [memoryview(t[block, :n]) for t, n in self.rows]
-
-        def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-            for block, path in zip(src_spec.block_ids, dst_spec.paths, strict=True):
-                with open(path + ".tmp", "wb") as f:
-                    for view in self.views(int(block)):
-                        f.write(view)
-                os.replace(path + ".tmp", path)
-            self.done.append(TransferResult(job_id, True))
-            return True
-
-        def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-            for path, block in zip(src_spec.paths, dst_spec.block_ids, strict=True):
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.preadv(fd, self.views(int(block)), 0)
-                finally:
-                    os.close(fd)
-            self.done.append(TransferResult(job_id, True))
-            return True
-
-        def get_finished(self) -> list[Any]:
-            done, self.done = self.done, []
-            return done
-
-        def wait(self, job_ids: Any) -> None:
-            return None
-
-    class NaiveFileSpec(OffloadingSpec):
-        def __init__(self, config: Any):
-            super().__init__(config)
-            self.root = str(self.extra_config["naive_dir"])
-            os.makedirs(self.root, exist_ok=True)
-
-        def get_manager(self) -> Any:
-            return Manager(self.root)
-
-        def get_worker(self, kv_caches: Any) -> Any:
-            return Worker(kv_caches)
-
-    return NaiveFileSpec
-
-
-def __getattr__(name: str) -> Any:  # vLLM imports the spec class by name from this module
-    if name == "NaiveFileSpec":
-        return _naive_classes()
-    raise AttributeError(name)
-
-
 # -- running an engine ------------------------------------------------------------------
 
 
@@ -222,7 +123,7 @@ def _transfer_config(connector: dict[str, Any] | None) -> Any:
             kv_role="kv_both",
             kv_connector_extra_config={
                 "spec_name": "NaiveFileSpec",
-                "spec_module_path": "vllm_engine",
+                "spec_module_path": "naive_file_spec",
                 "naive_dir": connector["dir"],
             },
         )
@@ -347,5 +248,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the naive spec's module
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # naive_file_spec, for vLLM
     main()

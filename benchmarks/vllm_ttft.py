@@ -50,7 +50,9 @@ SIDES = ("persisting", "naive", "lmcache")
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=str(REPO))
+    # benchmarks/ too: vLLM imports the naive baseline spec (naive_file_spec) by module name.
+    paths = f"{REPO}{os.pathsep}{REPO / 'benchmarks'}"
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="2", PYTHONPATH=paths)
     env.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     return env
 
@@ -177,13 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cold", action="store_true", help="drop block files from page cache")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--work", type=Path, help="keep models, data and logs here")
     args = parser.parse_args(argv)
     if not ENGINE_PYTHON.exists():
         raise SystemExit(
             f"no engine environment at {ENGINE_PYTHON.parent.parent}: run scripts/install.sh"
         )
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp:
-        work = Path(tmp)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         model = work / "model"
         shape = ["--layers", str(args.layers), "--hidden", str(args.hidden)]
         shape += ["--heads", str(args.heads), "--kv-heads", str(args.heads)]
