@@ -7,7 +7,8 @@ what they did:
    files, and is SIGKILLed with its engine processes (no shutdown, no flush);
 2. ``second``: a new process; the prompt again (restored), an unseen prompt, then every
    payload file damaged and the prompt once more (loads fail, vLLM recomputes);
-3. ``float16``: a new process with another dtype (another KV layout: another namespace).
+3. ``float16``: a new process with another dtype (another KV layout: another namespace),
+   whose disk budget holds 6 of the prompt's 11 blocks.
 """
 
 from __future__ import annotations
@@ -89,12 +90,17 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         work,
         "second",
     )
+    small = {"kind": "persisting", "extra": {**extra, "disk_bytes": "2MiB"}}
     float16 = run_engine(
         {
             **plan,
             "dtype": "float16",
-            "connector": connector,
-            "steps": [{"name": "prompt", "prompt": PROMPT, "max_tokens": 8}],
+            "connector": small,  # room for 6 of the 11 blocks: the store evicts
+            "steps": [
+                {"name": "prompt", "prompt": PROMPT, "max_tokens": 8},
+                {"action": "settle", "seconds": 5},
+                {"action": "scrape", "url": worker_metrics},
+            ],
         },
         work,
         "float16",
@@ -132,6 +138,13 @@ def test_another_dtype_is_another_namespace_and_a_miss(runs: dict[str, Any]) -> 
     assert step(runs["float16"], "prompt")["cached"] == 0
     namespaces = [p.name for p in (runs["root"] / "kv").iterdir()]
     assert len(namespaces) == 2, namespaces
+
+
+def test_the_disk_budget_evicts_and_says_so(runs: dict[str, Any]) -> None:
+    figures = scraped(runs["float16"], 0)
+    assert figures["persisting_vllm_blocks_stored_total"] == BLOCKS
+    assert figures["persisting_vllm_evictions_total"] >= 1
+    assert figures["persisting_vllm_disk_bytes"] <= figures["persisting_vllm_disk_capacity"]
 
 
 def test_metrics_count_the_restore(runs: dict[str, Any]) -> None:

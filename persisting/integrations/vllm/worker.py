@@ -27,10 +27,11 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from persisting.errors import CorruptValueError, PersistingError
+from persisting.errors import CapacityError, CorruptValueError, PersistingError
 from persisting.integrations.vllm.blocks import BlockPages, read_rows
 from persisting.integrations.vllm.manager import PersistingBlocks
 from persisting.integrations.vllm.shared import Namespace, release
+from persisting.kv import PutResult
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,8 @@ class PersistingWorker(OffloadingWorker):
             results = self.store.batched_put(
                 keys, values, fmt="binary", chain=True, check_shape=False
             )
+        except CapacityError:  # the batch is larger than the budget: one block at a time
+            results = [r for k, v in zip(keys, values, strict=True) if (r := self._put_one(k, v))]
         except Exception as exc:  # a failed store is a future miss, never an engine error
             log.warning("Persisting: storing %d blocks failed: %s", len(keys), exc)
             self.counters.add(store_errors=len(keys))
@@ -180,6 +183,14 @@ class PersistingWorker(OffloadingWorker):
         size = stored * self.pages.block_bytes
         self.counters.add(blocks_stored=stored, bytes_stored=size)
         return size
+
+    def _put_one(self, key: str, value: Any) -> PutResult | None:
+        try:
+            return self.store.put(key, value, fmt="binary", check_shape=False)
+        except Exception as exc:
+            log.warning("Persisting: storing block %s failed: %s", key, exc)
+            self.counters.add(store_errors=1)
+            return None
 
 
 __all__ = ["PersistingWorker"]
