@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
-# Set up a virtual environment with Persisting, its test tools and LMCache (CPU-only).
+# Set up a virtual environment with Persisting, its test tools, LMCache (CPU-only) and the
+# vLLM engine environment the engine tests run in.
 #
-#   bash scripts/install.sh            # creates ./.venv
+#   bash scripts/install.sh            # creates ./.venv (and ./.venv-vllm)
 #   VENV=/path/to/venv bash scripts/install.sh
 #
 # torch is pinned to 2.13.0 here (not in pyproject): on these machines that pin takes the
 # CPU build already on disk, while an unpinned torch downloads a multi-GB CUDA build.
 # LMCache 0.5.6 is installed with --no-deps plus its pure-Python dependencies, because its
-# declared dependencies include CUDA-only packages.
+# declared dependencies include CUDA-only packages (so the `lmcache` extra, which names
+# LMCache for CUDA hosts, is not used here; requirements/lmcache-cpu.txt has the rest of it).
+# The extras installed: service (Pulsing), hf (transformers), plot (matplotlib), dev.
+# Then scripts/install_engine_env.sh builds ./.venv-vllm: vLLM 0.32's CPU build and LMCache,
+# with Persisting installed into it the way an engine's users do (below); the engine tests
+# (tests/engines/) and benchmarks/vllm_ttft.py run engines there. PERSISTING_SKIP_VLLM=1
+# leaves it out (the engine tests then fail), PERSISTING_SKIP_LMCACHE=1 leaves LMCache out of
+# .venv.
 #
-# Into an existing environment (vLLM, SGLang) without touching its torch:
+# Into an existing environment (vLLM, SGLang) without touching what the engine installed:
 #
 #   PERSISTING_EXISTING_ENV=1 VENV=/opt/vllm/.venv bash scripts/install.sh
 #
-# installs Persisting (no test tools) into $VENV with the torch and numpy already there
-# held at their versions (a pip constraint), and leaves LMCache to the engine's own
+# installs Persisting's core (no test tools, no Pulsing; PERSISTING_EXTRAS=lmcache,hf adds
+# extras) into $VENV in editable mode with every distribution already there held at its
+# version by a pip constraint: pip only adds what is missing (pylance, xxhash, ...), and fails
+# rather than move a version the engine depends on. LMCache comes from the engine's own
 # installation. It refuses an environment without torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,24 +39,35 @@ if [ "${PERSISTING_EXISTING_ENV:-0}" = "1" ]; then
   constraints=$(mktemp)
   trap 'rm -f "$constraints"' EXIT
   if ! "$VENV/bin/python" - "$constraints" <<'PYTHON'
+import re
 import sys
 from importlib import metadata
 
-held = []
-for name in ("torch", "numpy"):
-    try:
-        held.append(f"{name}=={metadata.version(name)}")
-    except metadata.PackageNotFoundError:
-        if name == "torch":
-            sys.exit(f"install.sh: no torch in {sys.prefix}: this mode keeps an engine's torch")
+try:
+    torch = metadata.version("torch")
+except metadata.PackageNotFoundError:
+    sys.exit(f"install.sh: no torch in {sys.prefix}: this mode keeps an engine's torch")
+held = {}
+for dist in metadata.distributions():
+    name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
+    if name and name != "persisting":
+        held[name] = dist.version
 with open(sys.argv[1], "w") as f:
-    f.write("\n".join(held) + "\n")
-print("install.sh: keeping", ", ".join(held))
+    f.writelines(f"{name}=={version}\n" for name, version in sorted(held.items()))
+print(f"install.sh: holding the {len(held)} installed distributions at their versions"
+      f" (torch {torch}, numpy {held.get('numpy', '-')})")
 PYTHON
   then
     exit 2
   fi
-  "$VENV/bin/python" -m pip install --quiet -c "$constraints" -e .
+  target=.
+  if [ -n "${PERSISTING_EXTRAS:-}" ]; then
+    target=".[${PERSISTING_EXTRAS}]"
+  fi
+  if ! "$VENV/bin/python" -m pip install --quiet -c "$constraints" -e "$target"; then
+    echo "install.sh: Persisting's requirements conflict with a version this environment holds (pip says which, above); nothing installed was changed" >&2
+    exit 1
+  fi
   "$VENV/bin/python" -c "import persisting, torch; print('persisting', persisting.__version__, 'torch', torch.__version__, '(kept)')"
   exit 0
 fi
@@ -57,9 +78,12 @@ fi
 PIP="$VENV/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 $PIP install --quiet 'torch==2.13.0' 'numpy<=2.2.6'
-$PIP install --quiet -e '.[dev,hf]' 'torch==2.13.0' 'numpy<=2.2.6'
+$PIP install --quiet -e '.[dev,hf,service,plot]' 'torch==2.13.0' 'numpy<=2.2.6'
 if [ "${PERSISTING_SKIP_LMCACHE:-0}" != "1" ]; then
   $PIP install --quiet -r requirements/lmcache-cpu.txt 'torch==2.13.0' 'numpy<=2.2.6'
   $PIP install --quiet --no-deps 'lmcache==0.5.6'
 fi
 "$VENV/bin/python" -c "import persisting, torch; print('persisting', persisting.__version__, 'torch', torch.__version__)"
+if [ "${PERSISTING_SKIP_VLLM:-0}" != "1" ]; then
+  bash scripts/install_engine_env.sh
+fi

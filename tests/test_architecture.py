@@ -38,7 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "service": _STORAGE | {"kv"},
     "lmcache": _BOTTOM | {"kv"},
     "lmcache_backend": {"lmcache"},
-    "integrations": _BOTTOM | {"kv"},
+    # The vLLM connector follows prewarm/evict events on a queue topic of its root.
+    "integrations": _BOTTOM | {"kv", "queue"},
     "admin": _DATA | {"figures", "metrics"},
     "bench": _DATA | {"planner", "service"},
     "actors": _DATA | {"service", "figures", "metrics"},
@@ -106,10 +107,29 @@ def _imports(module: str, top_level_only: bool) -> set[str]:
     return {m for m in found if m.split(".")[0] == "persisting"}
 
 
+def _imports_vllm(module: str) -> bool:
+    tree = ast.parse(MODULES[module].read_text())
+    return any(
+        (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "vllm")
+        or (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in n.names))
+        for n in tree.body
+    )
+
+
+#: Modules that import vLLM at the top: they import in the engine environment
+#: (tests/engines/test_engine_install.py imports each there), not in this one.
+ENGINE_ONLY = sorted(m for m in MODULES if _imports_vllm(m))
+
+
 def test_every_module_imports() -> None:
     for module in MODULES:
-        if not module.endswith(".__main__"):  # that one runs the command line
-            importlib.import_module(module)
+        if not module.endswith(".__main__") and module not in ENGINE_ONLY:
+            importlib.import_module(module)  # __main__ runs the command line
+
+
+def test_only_the_vllm_integration_imports_vllm() -> None:
+    assert ENGINE_ONLY
+    assert all(m.startswith("persisting.integrations.vllm.") for m in ENGINE_ONLY), ENGINE_ONLY
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -80,6 +80,15 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             _print_error("aborted")
             sys.exit(EXIT_FAILED)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "pulsing":
+                raise
+            _print_error(
+                "this command runs the Pulsing actor service, and Pulsing is not installed:"
+                " install the 'service' extra (pip install -e '.[service]' in the source"
+                " tree, or bash scripts/install.sh)"
+            )
+            sys.exit(EXIT_FAILED)
         sys.exit(result if isinstance(result, int) else 0)
 
 

@@ -118,6 +118,26 @@ def test_lmcache_mp_adapter(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # two engine processes and two server starts: minutes when loaded
+def test_vllm_lmcache_mp(tmp_path: Path) -> None:
+    """The LMCache MP recipe behind real vLLM engines (the engine environment .venv-vllm):
+    a new engine reuses the prompt from Persisting after the server was SIGKILLed."""
+    root = tmp_path / "root"
+    out = run_example(
+        "vllm_lmcache_mp.py", "--storage-path", str(root), cwd=tmp_path, timeout_s=2300
+    )
+    first = re.search(r"^first engine: reused (\d+) of 1500 prompt tokens$", out, re.M)
+    again = re.search(r"^new engine: reused (\d+) of 1500 prompt tokens$", out, re.M)
+    assert first and again, out
+    assert int(first.group(1)) == 0
+    assert int(again.group(1)) >= 1024
+    chunks = re.search(r"^chunks in Persisting: (\d+)$", out, re.M)
+    assert chunks and int(chunks.group(1)) >= 1500 // 256, out
+    assert_lines(out, ["same greedy token ids: True"])
+    assert (root / "kv" / "lmcache").is_dir()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_service_client(tmp_path: Path) -> None:
     root = tmp_path / "root"

@@ -1,0 +1,67 @@
+"""The namespace a vLLM engine's blocks live in, and the keys of its blocks.
+
+A block's bytes are meaningful only to an engine that lays KV out exactly as the writer
+did: same model, block size, hash of the token chain, cache dtype, parallel layout and
+rank, KV-cache groups and per-layer page sizes. All of that goes into a digest in the
+namespace's name, so an engine configured differently opens another directory and finds
+nothing there -- a miss, never bytes read as the wrong KV. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+#: Bumped when the stored block format changes (it is part of every namespace digest).
+BLOCK_FORMAT = 1
+
+#: vLLM's cache dtype names as key dtypes (LMCache's spelling, which Persisting keys use).
+_KEY_DTYPES = {
+    "float16": "half",
+    "half": "half",
+    "bfloat16": "bfloat16",
+    "float32": "float",
+    "float": "float",
+    "fp8": "fp8_e4m3fn",
+    "fp8_e4m3": "fp8_e4m3fn",
+    "fp8_e5m2": "fp8_e5m2",
+}
+
+
+def key_dtype(dtype: str) -> str:
+    """The dtype part of a block's key (``uint8`` for a dtype keys have no name for: the
+    namespace digest holds the exact dtype either way)."""
+    return _KEY_DTYPES.get(dtype.removeprefix("torch."), "uint8")
+
+
+def layout_digest(fields: Mapping[str, Any]) -> str:
+    """16 hex digits over ``fields`` (JSON, keys sorted) and :data:`BLOCK_FORMAT`."""
+    text = json.dumps({"block_format": BLOCK_FORMAT, **fields}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def namespace_name(model: str, fields: Mapping[str, Any], prefix: str | None = None) -> str:
+    """``vllm.<prefix>.<digest>``: the prefix (default: the model's last path part, made
+    safe) says whose blocks these are to a person reading ``persisting inspect``; the digest
+    keeps incompatible layouts apart."""
+    label = prefix if prefix is not None else model.rstrip("/").rsplit("/", 1)[-1]
+    label = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-")[:64] or "model"
+    return f"vllm.{label}.{layout_digest({'model': model, **fields})}"
+
+
+def block_key(namespace: str, block_hash: bytes, group: int, dtype: str) -> str:
+    """The Persisting key of one offloaded block: LMCache's key shape, with vLLM's block
+    hash (all its bytes, as hex) as the chunk hash and the KV-cache group as a tag."""
+    return f"{namespace}@1@0@{block_hash.hex()}@{dtype}@g%{group}"
+
+
+def block_hash_of(key: str) -> tuple[bytes, int]:
+    """``(block hash, group)`` back from :func:`block_key`'s string."""
+    parts = key.split("@")
+    return bytes.fromhex(parts[3]), int(parts[5].removeprefix("g%"))
+
+
+__all__ = ["BLOCK_FORMAT", "block_hash_of", "block_key", "key_dtype", "namespace_name"]

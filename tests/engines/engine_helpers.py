@@ -1,0 +1,106 @@
+"""Running real vLLM engines (CPU build) in the engine environment, from the tests.
+
+The engine environment is ``.venv-vllm`` at the repository root (built by
+``scripts/install.sh`` through ``scripts/install_engine_env.sh``); each engine is a process
+of ``benchmarks/vllm_engine.py`` running a JSON plan (see its docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_VENV = REPO / ".venv-vllm"
+ENGINE_PYTHON = ENGINE_VENV / "bin" / "python"
+ENGINE_KIT = REPO / "benchmarks" / "vllm_engine.py"
+#: Tokens per CPU KV block (vLLM's CPU backend default).
+BLOCK = 128
+
+
+def engine_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", LMCACHE_LOG_LEVEL="WARNING")
+    env["PYTHONPATH"] = str(REPO)  # this checkout's Persisting, as the editable install says
+    return env
+
+
+def require_engine() -> None:
+    if not ENGINE_PYTHON.exists():
+        raise AssertionError(f"no engine environment at {ENGINE_VENV}: run bash scripts/install.sh")
+
+
+def build_model(directory: Path, **shape: int) -> Path:
+    require_engine()
+    args = [str(ENGINE_PYTHON), str(ENGINE_KIT), "model", str(directory)]
+    for name, value in shape.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    subprocess.run(args, check=True, env=engine_env(), capture_output=True, timeout=300)
+    return directory
+
+
+def run_engine(
+    plan: dict[str, Any], work: Path, name: str, timeout: float = 1200, killed: bool = False
+) -> dict[str, Any]:
+    """Run one engine process on ``plan`` (in a process group of its own); its results (the
+    log is kept beside them). ``killed``: the plan ends by SIGKILLing its group."""
+    require_engine()
+    work.mkdir(parents=True, exist_ok=True)
+    plan_file, out_file, log_file = (
+        work / f"{name}.{ext}" for ext in ("plan.json", "out.json", "log")
+    )
+    plan_file.write_text(json.dumps(plan))
+    with open(log_file, "wb") as log:
+        proc = subprocess.run(
+            [str(ENGINE_PYTHON), str(ENGINE_KIT), "run", str(plan_file), str(out_file)],
+            env=engine_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+            check=False,
+            start_new_session=True,
+        )
+    if proc.returncode != (-9 if killed else 0):
+        tail = log_file.read_text(errors="replace")[-4000:]
+        raise AssertionError(f"engine {name} exited {proc.returncode}:\n{tail}")
+    return json.loads(out_file.read_text())
+
+
+def step(result: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(s for s in result["steps"] if s.get("name") == name)
+
+
+def scraped(result: dict[str, Any], index: int = 0) -> dict[str, float]:
+    """The ``persisting_vllm_*`` samples of the ``index``-th scrape step."""
+    texts = [s["text"] for s in result["steps"] if s.get("action") == "scrape"]
+    samples: dict[str, float] = {}
+    for line in texts[index].splitlines():
+        if line.startswith("persisting_vllm_"):
+            name, _, value = line.rpartition(" ")
+            samples[name.split("{")[0]] = samples.get(name.split("{")[0], 0.0) + float(value)
+    return samples
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def persisting_cli(*args: str) -> str:
+    """The ``persisting`` command of the test environment, run on this checkout."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "persisting.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return proc.stdout

@@ -1,0 +1,165 @@
+"""PersistingConnector under a real vLLM engine (CPU build), each engine its own process.
+
+One module fixture runs the engines once, in order, on one storage root; the tests read
+what they did:
+
+1. ``first``: stores a 1,500-token prompt (11 blocks of 128 tokens), waits for the blocks'
+   files, and is SIGKILLed with its engine processes (no shutdown, no flush);
+2. ``second``: a new process; the prompt again (restored), an unseen prompt, then every
+   payload file damaged and the prompt once more (loads fail, vLLM recomputes);
+3. ``float16``: a new process with another dtype (another KV layout: another namespace),
+   whose disk budget holds 6 of the prompt's 11 blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engines.engine_helpers import (
+    BLOCK,
+    build_model,
+    free_port,
+    persisting_cli,
+    run_engine,
+    scraped,
+    step,
+)
+
+#: Engines start in 12-25 s alone, minutes on a loaded machine: the fixtures run several.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+PROMPT = [1500, 1]
+UNSEEN = [1500, 2]
+BLOCKS = 1500 // BLOCK
+#: One stored block: 2 layers x K and V x 128 tokens x hidden 256 x 2 bytes (bf16).
+BLOCK_BYTES = 2 * 2 * BLOCK * 256 * 2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("model") / "llama", layers=2, hidden=256)
+
+
+@pytest.fixture(scope="module")
+def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("vllm-connector")
+    root = work / "root"
+    port = free_port()
+    extra = {
+        "storage_path": str(root),
+        "disk_bytes": "1GiB",
+        "metrics_port": port,
+        "refresh_interval_s": 0.5,
+    }
+    plan = {"model": str(model), "max_model_len": 2048}
+    connector = {"kind": "persisting", "extra": extra}
+    first = run_engine(
+        {
+            **plan,
+            "connector": connector,
+            "steps": [
+                {"name": "prompt", "prompt": PROMPT, "max_tokens": 8},
+                {"action": "wait_files", "dir": str(root / "kv"), "count": BLOCKS},
+                {"action": "kill"},
+            ],
+        },
+        work,
+        "first",
+        killed=True,
+    )
+    stats = json.loads(persisting_cli("stats", "--storage-path", str(root), "--json"))
+    inspect = json.loads(persisting_cli("inspect", "--storage-path", str(root), "--json"))
+    worker_metrics = f"http://127.0.0.1:{port + 1}/metrics"
+    second = run_engine(
+        {
+            **plan,
+            "connector": connector,
+            "steps": [
+                {"name": "prompt", "prompt": PROMPT, "max_tokens": 8},
+                {"name": "unseen", "prompt": UNSEEN, "max_tokens": 8},
+                {"action": "scrape", "url": worker_metrics},
+                {"action": "damage", "dir": str(root / "kv")},
+                {"name": "damaged", "prompt": PROMPT, "max_tokens": 8},
+                {"action": "scrape", "url": worker_metrics},
+            ],
+        },
+        work,
+        "second",
+    )
+    small = {"kind": "persisting", "extra": {**extra, "disk_bytes": "2MiB"}}
+    float16 = run_engine(
+        {
+            **plan,
+            "dtype": "float16",
+            "connector": small,  # room for 6 of the 11 blocks: the store evicts
+            "steps": [
+                {"name": "prompt", "prompt": PROMPT, "max_tokens": 8},
+                {"action": "settle", "seconds": 5},
+                {"action": "scrape", "url": worker_metrics},
+            ],
+        },
+        work,
+        "float16",
+    )
+    return {
+        "first": first,
+        "second": second,
+        "float16": float16,
+        "stats": stats,
+        "inspect": inspect,
+        "root": root,
+    }
+
+
+def test_a_new_engine_process_reuses_the_stored_prompt(runs: dict[str, Any]) -> None:
+    stored = step(runs["first"], "prompt")
+    restored = step(runs["second"], "prompt")
+    assert stored["cached"] == 0
+    assert restored["cached"] >= 1024
+    assert restored["ids"] == stored["ids"]
+
+
+def test_an_unseen_prompt_reuses_nothing(runs: dict[str, Any]) -> None:
+    assert step(runs["second"], "unseen")["cached"] == 0
+
+
+def test_damaged_blocks_are_recomputed_never_used(runs: dict[str, Any]) -> None:
+    assert step(runs["second"], "damaged")["ids"] == step(runs["first"], "prompt")["ids"]
+    before, after = scraped(runs["second"], 0), scraped(runs["second"], 1)
+    assert before["persisting_vllm_load_errors_total"] == 0
+    assert after["persisting_vllm_load_errors_total"] >= 1
+
+
+def test_another_dtype_is_another_namespace_and_a_miss(runs: dict[str, Any]) -> None:
+    assert step(runs["float16"], "prompt")["cached"] == 0
+    namespaces = [p.name for p in (runs["root"] / "kv").iterdir()]
+    assert len(namespaces) == 2, namespaces
+
+
+def test_the_disk_budget_evicts_and_says_so(runs: dict[str, Any]) -> None:
+    figures = scraped(runs["float16"], 0)
+    assert figures["persisting_vllm_blocks_stored_total"] == BLOCKS
+    assert figures["persisting_vllm_evictions_total"] >= 1
+    assert figures["persisting_vllm_disk_bytes"] <= figures["persisting_vllm_disk_capacity"]
+
+
+def test_metrics_count_the_restore(runs: dict[str, Any]) -> None:
+    figures = scraped(runs["second"], 0)
+    assert figures["persisting_vllm_blocks_loaded_total"] >= 1024 // BLOCK
+    assert figures["persisting_vllm_bytes_loaded_total"] == (
+        figures["persisting_vllm_blocks_loaded_total"] * BLOCK_BYTES
+    )
+    assert figures["persisting_vllm_disk_items"] >= BLOCKS
+
+
+def test_stats_and_inspect_show_what_the_engine_stored(runs: dict[str, Any]) -> None:
+    ((name, figures),) = runs["stats"]["models"].items()
+    assert name.startswith("vllm.llama.")
+    assert figures["items"]["disk"] == BLOCKS
+    (listed,) = runs["inspect"]["models"]
+    assert listed["model"] == name and listed["chunks"] == BLOCKS
+    assert listed["bytes"] >= BLOCKS * BLOCK_BYTES
