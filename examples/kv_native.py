@@ -128,10 +128,10 @@ def durability_modes(root: Path) -> None:
         root, "demo/write-back", memory_bytes=8 * MiB, disk_bytes=64 * MiB, durability="write_back"
     ) as store:
         result = store.put(first_chunk_key("demo/write-back"), value)
-        print(f"evict: put -> tier={result.tier} durable={result.durable}")
-        print(f"evict: disk_items before close = {store.stats()['disk_items']}")
+        print(f"write_back: put -> tier={result.tier} durable={result.durable}")
+        print(f"write_back: disk_items before close = {store.stats()['disk_items']}")
     with open_kv_store(root, "demo/write-back", memory_bytes=8 * MiB, disk_bytes=64 * MiB) as again:
-        print(f"evict: reopened after close, disk_items = {again.stats()['disk_items']}")
+        print(f"write_back: reopened after close, disk_items = {again.stats()['disk_items']}")
 
 
 def main() -> None:

@@ -70,8 +70,6 @@ _BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 KVDurability = Literal["sync", "async", "write_back"]
-#: Earlier names of durability modes, still accepted.
-DURABILITY_ALIASES = {"evict": "write_back"}
 QueueDurability = Literal["wal", "flush"]
 #: Who may read the files under the storage root: ``owner`` (directories 0700, files 0600)
 #: or ``group`` (0750/0640: the owner's group may read payloads, e.g. same-host readers
@@ -146,11 +144,6 @@ class KVSettings(BaseModel):
     read_threads: int = Field(default=8, ge=1, le=256)
     """Disk reads a batched get keeps in flight (positioned reads release the GIL; 1 reads
     one chunk after another)."""
-
-    @field_validator("durability", mode="before")
-    @classmethod
-    def _old_durability_names(cls, value: Any) -> Any:
-        return DURABILITY_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 class QueueSettings(BaseModel):
@@ -475,7 +468,6 @@ def size_text(n: int) -> str:
 
 
 __all__ = [
-    "DURABILITY_ALIASES",
     "OTHER_VARIABLES",
     "Bytes",
     "KVSettings",

@@ -1,7 +1,9 @@
-"""The in-process LMCache plugin under the name existing LMCache configurations use.
+"""The in-process LMCache plugin's configured name.
 
-``storage_plugin.<name>.module_path: persisting.lmcache_backend`` with ``class_name:
-PersistingKVBackend`` keeps working; the code lives in :mod:`persisting.lmcache`.
+LMCache loads a storage plugin by module path and class name; Persisting's documented entry
+is ``storage_plugin.<name>.module_path: persisting.lmcache_backend`` with ``class_name:
+PersistingKVBackend`` (the name the LMCache plan gives users). This module is that entry; the
+code lives in :mod:`persisting.lmcache`.
 """
 
 from persisting.lmcache.backend import PersistingKVBackend

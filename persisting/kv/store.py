@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from persisting.config import DURABILITY_ALIASES, KVSettings, PersistingSettings
+from persisting.config import KVSettings, PersistingSettings
 from persisting.cuda import DEFAULT_STAGING_BYTES, StoreHostMemory
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
 from persisting.kv.api import KVApi, in_thread
@@ -89,7 +89,6 @@ class KVStore(KVApi):
             raise InvalidKeyError(
                 f"model name {model!r} must not contain '@' (it separates key parts)"
             )
-        durability = DURABILITY_ALIASES.get(durability, durability)  # type: ignore[assignment]
         if durability not in ("sync", "async", "write_back"):
             raise ConfigError(f"durability must be sync, async or write_back, not {durability!r}")
         if memory_bytes < 0 or disk_bytes < 0:
@@ -181,11 +180,6 @@ class KVStore(KVApi):
         )
         options.update(overrides)
         return cls(settings.storage_path, model, **options)
-
-    @property
-    def stats_(self) -> StoreStats:
-        """Old name of :attr:`op_stats` (read-only; kept for existing callers)."""
-        return self.op_stats
 
     def _check_open(self) -> None:
         if self._closed:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from persisting.config import DURABILITY_ALIASES, GiB, KVSettings, PersistingSettings
+from persisting.config import GiB, KVSettings, PersistingSettings
 from persisting.errors import ConfigError
 
 #: extra_config keys start with this prefix.
@@ -179,7 +179,6 @@ def l2_params(raw: Mapping[str, Any]) -> L2Params:
         if name in raw:
             values[name] = parse_size(raw[name], f"adapter_params.{name}")
     durability = raw.get("durability", L2Params.durability)
-    durability = DURABILITY_ALIASES.get(durability, durability)
     if durability not in ("sync", "async", "write_back"):
         raise ConfigError(
             f"adapter_params.durability must be sync, async or write_back, not {durability!r}"

@@ -5,9 +5,6 @@ dicts and tensors (:class:`~persisting.queue.tensor_columns.EncodedTensor`). Pic
 code from a file on replay; msgpack holds plain values only. A tensor is extension type
 :data:`TENSOR_EXT`, whose body is the msgpack array ``[kind, dtype, shape, data]``.
 
-Segments written before msgpack (magic ``PQWAL001``) hold the tagged format of
-:mod:`persisting.queue.legacy_codec`; :func:`decode_record` reads both, so a log left by an
-earlier version is replayed after an upgrade.
 """
 
 from __future__ import annotations
@@ -17,13 +14,10 @@ from typing import Any
 import msgpack
 
 from persisting.errors import CorruptValueError
-from persisting.queue import legacy_codec
 from persisting.queue.tensor_columns import EncodedTensor
 
 #: msgpack extension type code of an :class:`EncodedTensor`.
 TENSOR_EXT = 1
-#: Log payload formats: the tagged format of earlier versions, and msgpack.
-TAGGED, MSGPACK = 1, 2
 
 
 def _default(value: Any) -> Any:
@@ -70,13 +64,8 @@ def encode_record(record: dict[str, Any]) -> bytes:
     return _PACKER.pack(record)
 
 
-def decode_record(data: bytes | memoryview, fmt: int = MSGPACK) -> dict[str, Any]:
-    """Invert :func:`encode_record` (or read the tagged format of ``fmt=TAGGED`` logs);
-    raises CorruptValueError on malformed bytes."""
-    if fmt == TAGGED:
-        return legacy_codec.decode_record(data)
-    if fmt != MSGPACK:
-        raise CorruptValueError(f"unknown log record format {fmt}")
+def decode_record(data: bytes | memoryview) -> dict[str, Any]:
+    """Invert :func:`encode_record`; raises CorruptValueError on malformed bytes."""
     try:
         value = msgpack.unpackb(data, raw=False, ext_hook=_ext_hook, strict_map_key=True)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
@@ -88,4 +77,4 @@ def decode_record(data: bytes | memoryview, fmt: int = MSGPACK) -> dict[str, Any
     return value
 
 
-__all__ = ["MSGPACK", "TAGGED", "TENSOR_EXT", "decode_record", "encode_record"]
+__all__ = ["TENSOR_EXT", "decode_record", "encode_record"]

@@ -39,7 +39,7 @@ def records_to_replay(
     records = []
     for entry in entries:
         try:
-            records.append((entry, decode_record(entry.payload, entry.fmt)))
+            records.append((entry, decode_record(entry.payload)))
         except CorruptValueError:
             logger.error("%s: unreadable log record at offset %d", dataset_path, entry.offset)
             return records, False

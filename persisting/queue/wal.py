@@ -10,8 +10,8 @@ record's offset and a CRC::
     segment = MAGIC frame*
     frame   = u32 payload_len | u32 crc32(payload, offset, ts) | i64 offset | i64 ts_us | payload
 
-The magic names the payloads' format: ``PQWAL002`` msgpack (written now), ``PQWAL001`` the
-tagged format of earlier versions (still replayed). On start the segments are replayed in
+The magic ``PQWAL002`` names the payloads' format (msgpack, :mod:`persisting.queue.codec`);
+a segment with another magic is refused, never cut off. On start the segments are replayed in
 order; a torn or corrupt tail (a crash mid-write) ends the log and is cut off. A flush rotates
 to a new segment; once the flush is durable in Lance the segments it covered are deleted, so
 the log only ever holds unflushed records.
@@ -30,16 +30,13 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from persisting.errors import StorageIOError
+from persisting.errors import CorruptValueError, StorageIOError
 from persisting.lance_store.durable import fsync_dir, fsync_fd, makedirs_durable
-from persisting.queue.codec import MSGPACK, TAGGED
 
 logger = logging.getLogger(__name__)
 
-#: The magic of the segments written now (msgpack payloads).
+#: The magic of a segment (msgpack payloads).
 MAGIC = b"PQWAL002"
-#: Segment magic -> payload format (see :mod:`persisting.queue.codec`).
-FORMATS = {b"PQWAL001": TAGGED, MAGIC: MSGPACK}
 SUFFIX = ".wal"
 UNREPLAYED_DIR = "unreplayed"
 _HEADER = struct.Struct("<IIqq")
@@ -49,12 +46,11 @@ HEADER_SIZE = _HEADER.size
 
 @dataclass(frozen=True)
 class LogEntry:
-    """One replayed record: its offset, put time, encoded payload and the payload's format."""
+    """One replayed record: its offset, put time and encoded payload."""
 
     offset: int
     timestamp_us: int
     payload: bytes
-    fmt: int = MSGPACK
 
 
 def payload_crc(payload: bytes) -> int:
@@ -143,8 +139,12 @@ class WriteAheadLog:
     def _read_segment(
         data: bytes, entries: list[LogEntry], expected: int | None
     ) -> tuple[int, str | None]:
-        fmt = FORMATS.get(data[: len(MAGIC)])
-        if fmt is None:
+        magic = data[: len(MAGIC)]
+        if magic != MAGIC:
+            if len(magic) == len(MAGIC) and not MAGIC.startswith(magic.rstrip(b"\0")):
+                # Whole and foreign: not a torn tail to cut off but a file this version
+                # cannot read; deleting it could lose acknowledged records.
+                raise CorruptValueError(f"log segment with unknown format {magic!r}")
             return 0, "missing or torn segment header"
         pos = len(MAGIC)
         view = memoryview(data)
@@ -160,7 +160,7 @@ class WriteAheadLog:
                 return pos, f"checksum mismatch at offset {offset}"
             if expected is not None and offset != expected:
                 return pos, f"offset {offset} where {expected} was expected"
-            entries.append(LogEntry(offset, ts, payload, fmt))
+            entries.append(LogEntry(offset, ts, payload))
             expected = offset + 1
             pos = end
         return pos, None
@@ -349,7 +349,6 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 __all__ = [
-    "FORMATS",
     "HEADER_SIZE",
     "MAGIC",
     "LogEntry",

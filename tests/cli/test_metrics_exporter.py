@@ -164,12 +164,12 @@ def test_each_exporter_has_its_own_registry(root: Path) -> None:
 def test_detach_and_closed_stores(root: Path) -> None:
     metrics = KVMetrics()
     store = open_store(root)
-    listeners = len(store.stats_.listeners)
+    listeners = len(store.op_stats.listeners)
     metrics.attach(store)
-    assert len(store.stats_.listeners) == listeners + 1
+    assert len(store.op_stats.listeners) == listeners + 1
     again = open_store(root, memory_bytes=0)  # a newer store of the same model replaces it
     metrics.attach(again)
-    assert len(store.stats_.listeners) == listeners
+    assert len(store.op_stats.listeners) == listeners
     assert metrics.detach(store) is False  # no longer the attached one
     again.put(key(3), value(3))
     items = f'persisting_kv_items{{model="{MODEL}",tier="disk"}} 1.0'
@@ -179,7 +179,7 @@ def test_detach_and_closed_stores(root: Path) -> None:
     assert items not in metrics.render() and timed in metrics.render()
     assert metrics.detach(again) is True  # its latency series go with it
     assert f'model="{MODEL}"' not in metrics.render()
-    assert len(again.stats_.listeners) == listeners
+    assert len(again.op_stats.listeners) == listeners
     store.close()
 
 

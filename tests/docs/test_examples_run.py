@@ -58,9 +58,9 @@ def test_kv_native(tmp_path: Path) -> None:
             "get after reopen bit-exact: True (disk hits: 1, memory hits: 0)",
             "async: put -> tier=memory durable=False",
             "async: on_complete -> tier=disk durable=True",
-            "evict: put -> tier=memory durable=False",
-            "evict: disk_items before close = 0",
-            "evict: reopened after close, disk_items = 1",
+            "write_back: put -> tier=memory durable=False",
+            "write_back: disk_items before close = 0",
+            "write_back: reopened after close, disk_items = 1",
         ],
     )
     namespaces = {p.name for p in (root / "kv").iterdir()}

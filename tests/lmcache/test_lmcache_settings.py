@@ -61,7 +61,7 @@ def test_puts_complete_write_behind_unless_durability_is_configured(
     assert settings_from_extra_config({"persisting.memory_bytes": 0})[0].kv.durability == "sync"
     monkeypatch.setenv("PERSISTING_KV__DURABILITY", "sync")
     assert settings_from_extra_config({})[0].kv.durability == "sync"
-    assert settings_from_extra_config({"persisting.durability": "evict"})[0].kv.durability == (
+    assert settings_from_extra_config({"persisting.durability": "write_back"})[0].kv.durability == (
         "write_back"
     )
 
@@ -73,6 +73,7 @@ def test_puts_complete_write_behind_unless_durability_is_configured(
         {"persisting.kv.storage_path": "/x"},
         {"persisting.memory_bytes": -1},
         {"persisting.durability": "sometimes"},
+        {"persisting.durability": "evict"},
         {"persisting.io_threads": 0},
         {"persisting.io_threads": "many"},
         {"persisting.prefault_memory": "sometimes"},
