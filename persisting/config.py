@@ -228,6 +228,10 @@ class ServiceSettings(BaseModel):
     secret). A server that seals refuses plain connections; a client that seals asks for it."""
     bulk_connections: int = Field(default=256, gt=0)
     """Data connections one server holds at most (every client's together)."""
+    network_bytes_per_s: Bytes | None = Field(default=None, gt=0)
+    """What a client assumes it reads from a server on another host (bytes/s) until it has
+    measured it (a load-or-recompute plan prices remote hits with it; unset: a path never
+    read yet counts as free, and the first reads measure it)."""
     staging_bytes: Bytes = Field(default=1 * GiB, gt=0)
     """Bytes a server holds for uploads, message-path transfers and data-path puts at once."""
     session_staging_bytes: Bytes = Field(default=256 * MiB, gt=0)
