@@ -62,20 +62,14 @@ from persisting.kv import ChunkKey  # noqa: E402
 from persisting.service import KVCacheClient  # noqa: E402
 from persisting.shm import aligned_buffer  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from service_bench import _values  # noqa: E402  (the same 8 MiB chunks)
+
 MODEL = "bench/remote-8mib"
 PASSPHRASE = "remote-bench-passphrase"
 MiB = 1 << 20
 _COMMAND = struct.Struct("<cII")  # op, first chunk, count
 PHASES = ("put", "get", "get_into", "batched_get")
-
-
-def _values(count: int, chunk_mib: int) -> list[torch.Tensor]:
-    hidden = chunk_mib * MiB // (2 * 32 * 256 * 2)  # [2, 32 layers, 256 tokens, hidden] bf16
-    generator = torch.Generator().manual_seed(7)
-    return [
-        torch.randn(2, 32, 256, hidden, generator=generator).to(torch.bfloat16)
-        for _ in range(count)
-    ]
 
 
 def _free_port(host: str) -> int:
@@ -382,7 +376,9 @@ def _run_network(args: argparse.Namespace, network: str) -> dict[str, Any]:
     nbytes = args.chunk_mib * MiB
     try:
         with tempfile.TemporaryDirectory(prefix="persisting-remote-bench-") as tmp:
-            port, socket_port, master_port = 18610, 18611, 18612
+            # fresh namespaces have every port free; on loopback, ask for free ones
+            ports = [18610, 18611, 18612] if hosts else [_free_port(server_host) for _ in range(3)]
+            port, socket_port, master_port = ports
             addr = f"{server_host}:{port}"
             memory = (args.chunks + 8) * nbytes * 2
             server = _spawn(

@@ -245,7 +245,9 @@ class Relay:
 
     def close(self) -> None:
         self.listener.close()
-        for sock in self.sockets:
+        for sock in self.sockets:  # shut down first: a pump blocked in recv on it wakes
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
 

@@ -20,16 +20,9 @@ from persisting.service.handler import StorageHandler
 from persisting.service.protocol import make_request, unwrap_reply
 from persisting.service.sessions import SessionTable, Staged
 from tests.service.service_helpers import MODEL, key, tensor
+from tests.service.test_handler import FakeClock
 
 PART = 64 << 10
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

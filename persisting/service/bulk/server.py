@@ -212,10 +212,11 @@ class BulkServer:
         stream: Stream = Stream(conn)
         admitted = self._register(stream, session)
         answer, server_nonce = welcome(session.credential.secret, proof, OK if admitted else BUSY)
+        if not admitted:
+            self._count("refused_cap")
         try:
             conn.sendall(answer)
             if not admitted:  # told it is busy (nothing else is read or sent)
-                self._count("refused_cap")
                 return None
             tune(conn)
             set_timeouts(conn, self.io_timeout_s)

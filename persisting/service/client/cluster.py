@@ -18,7 +18,7 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from persisting.config import ServiceSettings
 from persisting.errors import (
@@ -27,7 +27,14 @@ from persisting.errors import (
     ServiceUnavailableError,
     StorageIOError,
 )
-from persisting.service.client.bulk import BulkLink, Endpoint
+from persisting.service.client.bulk import (
+    BulkLink,
+    Call,
+    ConnectionLost,
+    Endpoint,
+    Refused,
+    Unreachable,
+)
 from persisting.service.client.member import TRANSPORT_ERRORS, Member, MemberFailed
 from persisting.service.client.transport import Transport
 from persisting.service.local_channel import LocalChannel
@@ -37,6 +44,8 @@ from persisting.service.same_host import ClientArena
 from persisting.shm import SharedPoolReader
 
 logger = logging.getLogger("persisting.service.client")
+
+T = TypeVar("T")
 
 
 class Cluster:
@@ -197,6 +206,35 @@ class Cluster:
         if member.bulk is not None:
             link, member.bulk = member.bulk, None
             link.close()
+
+    async def over_data_path(
+        self, member: Member, op: Callable[[BulkLink], Callable[[Call], T]]
+    ) -> T:
+        """``op(link)`` run on one of ``member``'s data connections, with the data path's
+        failure rules: a connection lost mid-request is tried once more on a fresh one
+        (what it carried was never delivered, and gets and puts are idempotent); a refused
+        credential once more after a new ``hello``; a member that cannot be reached, or
+        stalls past the timeout, raises MemberFailed (its keys are then misses)."""
+        lost = refused = False
+        while True:
+            link = member.bulk
+            if link is None:
+                raise MemberFailed(member.addr, ConnectionLost("no data connections"))
+            sid = member.sid
+            try:
+                return await link.run(op(link))
+            except Refused as exc:
+                if refused:
+                    raise MemberFailed(member.addr, exc) from exc
+                refused = True
+                await self.rehello(member, sid)
+            except Unreachable as exc:
+                raise MemberFailed(member.addr, exc) from exc
+            except ConnectionLost as exc:
+                self.counters["bulk_connections_lost"] += 1
+                if exc.timed_out or lost:
+                    raise MemberFailed(member.addr, exc) from exc
+                lost = True
 
     async def rehello(self, member: Member, sid: str | None) -> None:
         """A new session on ``member`` unless another task opened one since ``sid``."""

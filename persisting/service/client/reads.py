@@ -29,13 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from persisting.errors import PersistingError
-from persisting.kv import Layout
+from persisting.kv import Layout, SharedLocation
 from persisting.kv.layout import writable_bytes
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.tiers import KeyLike
-from persisting.service.client.bulk import BulkRead, ConnectionLost, Refused, Unreachable, spread
+from persisting.service.client.bulk import BulkLink, BulkRead, Call, spread
 from persisting.service.client.cluster import Cluster
-from persisting.service.client.member import Member, MemberFailed
+from persisting.service.client.member import Member
 from persisting.service.client.regions import ArenaLoans
 from persisting.service.client.replies import Entry, GetReply, Told, parse_get_reply
 from persisting.service.client.sources import (
@@ -220,7 +220,7 @@ class Reader:
         results[i] = value
         return True
 
-    def remember(self, member: Member, key: str, location: Any) -> None:
+    def remember(self, member: Member, key: str, location: SharedLocation) -> None:
         """Keep where ``key``'s value lies in ``member``'s pool (from a get or a put)."""
         member.locations[key] = location
         member.locations.move_to_end(key)
@@ -453,18 +453,13 @@ class Reader:
         outs: list[memoryview] | None,
         results: list[Any],
     ) -> None:
-        """One request on one data connection. A connection lost mid-way is tried once
-        more on a fresh one (what it carried was never delivered), and a refused credential
-        once more after a new ``hello``; a member that cannot be reached or stalls is
-        failed (its keys are misses)."""
+        """One request on one data connection (the failure rules:
+        :meth:`Cluster.over_data_path`)."""
         names = [keys[i] for i in indices]
         targets = [outs[i] for i in indices] if outs else None
-        lost = refused = False
-        while True:
-            link = member.bulk
-            if link is None:
-                raise MemberFailed(member.addr, ConnectionLost("no data connections"))
-            get = functools.partial(
+
+        def get(link: BulkLink) -> Callable[[Call], list[BulkRead | None]]:
+            return functools.partial(
                 link.get,
                 model=self.cluster.model,
                 keys=names,
@@ -472,25 +467,9 @@ class Reader:
                 outs=targets,
                 results=self.results,
             )
-            sid = member.sid
-            try:
-                reads = await link.run(get)
-            except Refused as exc:
-                if refused:
-                    raise MemberFailed(member.addr, exc) from exc
-                refused = True
-                await self.cluster.rehello(member, sid)
-                continue
-            except Unreachable as exc:
-                raise MemberFailed(member.addr, exc) from exc
-            except ConnectionLost as exc:
-                self.counters["bulk_connections_lost"] += 1
-                if exc.timed_out or lost:
-                    raise MemberFailed(member.addr, exc) from exc
-                lost = True
-                continue
-            self._take_bulk(indices, reads, results)
-            return
+
+        reads = await self.cluster.over_data_path(member, get)
+        self._take_bulk(indices, reads, results)
 
     def _take_bulk(
         self, indices: list[int], reads: list[BulkRead | None], results: list[Any]

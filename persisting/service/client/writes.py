@@ -23,10 +23,10 @@ from persisting.kv import Layout, PutResult, SharedLocation
 from persisting.kv.keys import key_string
 from persisting.kv.layout import checksum, encode_value
 from persisting.kv.tiers import KeyLike
-from persisting.service.client.bulk import ConnectionLost, Refused, Unreachable
+from persisting.service.client.bulk import BulkLink, Call
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.destination import copy_into
-from persisting.service.client.member import Member, MemberFailed
+from persisting.service.client.member import Member
 from persisting.service.client.regions import ArenaLoans
 from persisting.service.same_host import ClientArena, Region
 
@@ -160,31 +160,15 @@ class Writer:
     async def _put_bulk_run(
         self, member: Member, items: list[Item], fmt: str
     ) -> list[dict[str, Any]]:
-        lost = refused = False
-        while True:
-            link = member.bulk
-            if link is None:
-                raise MemberFailed(member.addr, ConnectionLost("no data connections"))
-            put = functools.partial(link.put, model=self.cluster.model, fmt=fmt, items=items)
-            sid = member.sid
-            try:
-                reply = await link.run(put)
-            except Refused as exc:
-                if refused:
-                    raise MemberFailed(member.addr, exc) from exc
-                refused = True
-                await self.cluster.rehello(member, sid)
-                continue
-            except Unreachable as exc:
-                raise MemberFailed(member.addr, exc) from exc
-            except ConnectionLost as exc:
-                self.counters["bulk_connections_lost"] += 1
-                if exc.timed_out or lost:
-                    raise MemberFailed(member.addr, exc) from exc
-                lost = True
-                continue
-            self.counters["put_bytes_bulk"] += sum(layout.nbytes for _k, layout, _d, _p in items)
-            return reply
+        """One put request on one data connection (the failure rules:
+        :meth:`Cluster.over_data_path`)."""
+
+        def put(link: BulkLink) -> Callable[[Call], list[dict[str, Any]]]:
+            return functools.partial(link.put, model=self.cluster.model, fmt=fmt, items=items)
+
+        reply = await self.cluster.over_data_path(member, put)
+        self.counters["put_bytes_bulk"] += sum(layout.nbytes for _k, layout, _d, _p in items)
+        return reply
 
     def _results(
         self, member: Member, items: list[Item], reply: list[dict[str, Any]]
