@@ -3,8 +3,9 @@
 One client gets 8 MiB chunks (default) from a ``KVCacheStorageActor`` running in another
 process on this host, for memory-tier hits and for disk hits, over the same-host path
 (memory hits copied by the client out of the server's shared pool, disk hits read by the
-client from the payload file under a read lease) and over the message path (chunked
-actor messages, what a remote client uses). The baseline is the same gets on a
+client from the payload file under a read lease) and as a client on another host would
+(``same_host=False``: data connections, see ``benchmarks/remote_bench.py`` for that path
+against a plain socket). The baseline is the same gets on a
 ``KVStore`` opened in this process with the same settings, measured in the same run.
 Every value read is checked bit-exact against what was stored, in the first round.
 
@@ -183,7 +184,7 @@ async def _check_exact(
     tier: str,
     store: KVStore,
     client: KVCacheClient,
-    message: KVCacheClient,
+    remote: KVCacheClient,
     keys: list[ChunkKey],
     values: list[torch.Tensor],
 ) -> None:
@@ -191,7 +192,7 @@ async def _check_exact(
     for label, got in (
         ("in-process", [store.get(k) for k in keys]),
         ("same-host", await client.batched_get(keys)),
-        ("message", [await message.get(k) for k in keys[:2]]),
+        ("remote", [await remote.get(k) for k in keys[:2]]),
     ):
         if not all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=False)):
             raise SystemExit(f"{tier}/{label}: values differ from what was stored")
@@ -220,10 +221,10 @@ async def _bench(args: argparse.Namespace) -> None:
         clients: dict[str, KVCacheClient] = {}
         try:
             for tier, name in (("memory", "bench-mem"), ("disk", "bench-disk")):
-                clients[tier] = await KVCacheClient.connect(
-                    seeds=[mem_addr], name=name, model=MODEL
+                clients[tier] = await KVCacheClient.connect(  # the first starts Pulsing
+                    seeds=None if clients else [mem_addr], name=name, model=MODEL
                 )
-                clients[tier + "/message"] = await KVCacheClient.connect(
+                clients[tier + "/remote"] = await KVCacheClient.connect(
                     name=name, model=MODEL, same_host=False
                 )
                 await clients[tier].batched_put(keys, values)
@@ -233,7 +234,7 @@ async def _bench(args: argparse.Namespace) -> None:
                 f"same-host path active: {clients['memory'].same_host(mem_addr)}"
             )
             if args.first_rounds:
-                other = await KVCacheClient.connect(seeds=[mem_addr], name="bench-mem", model=MODEL)
+                other = await KVCacheClient.connect(name="bench-mem", model=MODEL)
                 clients["memory/other"] = other
                 first = await _first_gets(
                     local["memory"], clients["memory"], other, args.first_rounds, args.settle_s
@@ -250,8 +251,8 @@ async def _bench(args: argparse.Namespace) -> None:
                 return
             runs = [keys[i : i + args.batch] for i in range(0, len(keys), args.batch)]
             for tier in ("memory", "disk"):
-                store, client, message = local[tier], clients[tier], clients[tier + "/message"]
-                await _check_exact(tier, store, client, message, keys, values)
+                store, client, remote = local[tier], clients[tier], clients[tier + "/remote"]
+                await _check_exact(tier, store, client, remote, keys, values)
 
                 def one(fn: Callable[..., Any], arg: Any) -> Callable[[], Awaitable[int]]:
                     async def unit() -> int:
@@ -270,8 +271,8 @@ async def _bench(args: argparse.Namespace) -> None:
                         args.rounds,
                     ),
                     (
-                        "get, message path",
-                        [(one(store.get, k), one(message.get, k)) for k in keys[:4]],
+                        "get, remote client (data path)",
+                        [(one(store.get, k), one(remote.get, k)) for k in keys[:4]],
                         1,
                     ),
                 )

@@ -60,7 +60,7 @@ async def use_the_service(addr: str) -> None:
 
         # A client on another host uses Pulsing messages for the bytes; same_host=False forces
         # that path here. Same API, same answers.
-        remote = await KVCacheClient.connect(seeds=[addr], model=MODEL, same_host=False)
+        remote = await KVCacheClient.connect(model=MODEL, same_host=False)
         try:
             await remote.put(keys[3], values[3])
             value = await remote.get(keys[0])

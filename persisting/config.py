@@ -208,6 +208,29 @@ class ServiceSettings(BaseModel):
     """A same-host client's shared-memory arena (0: off)."""
     shared_memory_tier: bool = True
     """Keep the memory tier in shared memory, so same-host clients copy hits out themselves."""
+    bulk: bool = True
+    """Serve the bulk data path: values of clients on other hosts move on TCP connections
+    made for bytes (false: in Pulsing messages, far slower)."""
+    bulk_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the bulk data path, on the host of ``addr`` and nowhere else (0: any free
+    port, told to clients in ``hello``)."""
+    bulk_streams: int = Field(default=4, ge=1, le=16)
+    """Data connections a client opens per server; a batch is spread over them."""
+    bulk_sealed: bool = False
+    """Encrypt data-path bytes (AES-256-GCM, keys derived per connection from the session's
+    secret). A server that seals refuses plain connections; a client that seals asks for it."""
+    bulk_connections: int = Field(default=256, gt=0)
+    """Data connections one server holds at most (every client's together)."""
+    network_bytes_per_s: Bytes | None = Field(default=None, gt=0)
+    """What a client assumes it reads from a server on another host (bytes/s) until it has
+    measured it (a load-or-recompute plan prices remote hits with it; unset: a path never
+    read yet counts as free, and the first reads measure it)."""
+    staging_bytes: Bytes = Field(default=1 * GiB, gt=0)
+    """Bytes a server holds for uploads, message-path transfers and data-path puts at once."""
+    session_staging_bytes: Bytes = Field(default=256 * MiB, gt=0)
+    """Of those, what one session may hold at once."""
+    staging_ttl_s: float = Field(default=120.0, gt=0)
+    """An upload or transfer still staged this long after it began is dropped."""
     member_retry_s: float = Field(default=2.0, gt=0)
     """How often a client probes a server that failed."""
     discovery_timeout_s: float = Field(default=10.0, gt=0)

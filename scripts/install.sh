@@ -72,6 +72,17 @@ PYTHON
   exit 0
 fi
 
+# The tests put a server and a client on two hosts (network namespaces joined by a veth
+# pair): they need iproute2 (ip, ss), which slim images lack. CI runs as root.
+if ! command -v ip >/dev/null 2>&1 || ! command -v ss >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 >/dev/null; }
+  else
+    echo "install.sh: iproute2 (ip, ss) is missing: the two-host tests need it (run as root to install)" >&2
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi

@@ -36,7 +36,7 @@ from typing import Any
 
 import pulsing
 
-from persisting.actors.logs import configure_logging, log_banner, log_stop, logger
+from persisting.actors.logs import configure_logging, log_banner, log_bulk, log_stop, logger
 from persisting.actors.system import (
     arm_launcher,
     is_authenticated,
@@ -48,6 +48,7 @@ from persisting.errors import ConfigError
 from persisting.kv import KVStore
 from persisting.lance_store import validate_name
 from persisting.metrics import KVMetrics, MetricsServer
+from persisting.service.bulk.server import BulkServer
 from persisting.service.handler import StorageHandler
 from persisting.service.local_channel import LocalChannelServer
 
@@ -106,6 +107,9 @@ class KVCacheStorageActor(pulsing.Actor):
             lease_ttl_s=service.lease_ttl_s,
             message_part_bytes=service.message_part_bytes,
             max_inflight=service.max_inflight,
+            max_staged_bytes=service.staging_bytes,
+            max_session_staged_bytes=service.session_staging_bytes,
+            staged_ttl_s=service.staging_ttl_s,
             threads=max(2, service.lanes),
             node={
                 "host": socket.gethostname(),
@@ -121,6 +125,7 @@ class KVCacheStorageActor(pulsing.Actor):
         self._start_lock: asyncio.Lock | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._channel: LocalChannelServer | None = None
+        self._bulk: BulkServer | None = None
         self._closed = False
         #: The name clients resolve (the launcher's ``--name`` is not passed to actors).
         self.name = service.name
@@ -153,6 +158,44 @@ class KVCacheStorageActor(pulsing.Actor):
             )
         except Exception:  # a broken banner must not stop the service
             logger.exception("persisting: could not write the start-up banner")
+        self._serve_bulk(str(system.addr))
+
+    def _serve_bulk(self, addr: str) -> None:
+        """Listen for data connections of clients on other hosts: on the host this actor's
+        Pulsing system is bound to, at ``service.bulk_port`` (nowhere else)."""
+        service = self.settings.service
+        if not service.bulk or self._bulk is not None:
+            log_bulk(None)
+            return
+        host = addr.rpartition(":")[0].strip("[]") or "127.0.0.1"
+        if service.bulk_sealed:
+            try:
+                import cryptography.hazmat.primitives.ciphers.aead  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError(
+                    "service.bulk_sealed needs the cryptography package (pip install cryptography)"
+                ) from exc
+        handler = self.handler
+        server = BulkServer(
+            handler.state,
+            host,
+            service.bulk_port,
+            sealed=service.bulk_sealed,
+            io_timeout_s=service.request_timeout_s,
+            max_connections=service.bulk_connections,
+            record_placements=lambda store, model, items, replies: handler.puts.record_placements(
+                store, model, items, replies, False
+            ),
+        )
+        try:
+            handler.bulk = server.start()
+        except OSError as exc:  # e.g. the port is taken: say so, serve without it
+            logger.error("persisting: cannot listen for data connections: %s", exc)
+            log_bulk(None, str(exc))
+            return
+        self._bulk = server
+        handler.extra_stats["bulk"] = server.stats
+        log_bulk(handler.bulk)
 
     def on_stop(self) -> None:
         self.close()
@@ -209,6 +252,8 @@ class KVCacheStorageActor(pulsing.Actor):
             self._sweeper.cancel()
         if self._channel is not None:
             self._channel.close()
+        if self._bulk is not None:
+            self._bulk.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.handler.close()

@@ -121,6 +121,24 @@ def log_banner(
         )
 
 
+def log_bulk(endpoint: Mapping[str, Any] | None, error: str | None = None) -> None:
+    """Where the bulk data path listens (or why it does not)."""
+    if endpoint is None:
+        logger.info(
+            "persisting: no data path for other hosts (%s): they move values in messages",
+            error or "service.bulk is false",
+            extra={"event": "bulk", "bulk": None, "error": error},
+        )
+        return
+    logger.info(
+        "persisting: data path for other hosts at %s:%s (%s)",
+        endpoint["host"],
+        endpoint["port"],
+        "sealed: AES-256-GCM" if endpoint.get("sealed") else "plain bytes, checksummed",
+        extra={"event": "bulk", "bulk": dict(endpoint)},
+    )
+
+
 def log_stop(name: str, started: float, counters: Mapping[str, int]) -> None:
     """The stop line: how long the server ran and what it answered."""
     requests = sum(v for k, v in counters.items() if k.startswith("op_"))
@@ -135,4 +153,11 @@ def log_stop(name: str, started: float, counters: Mapping[str, int]) -> None:
     )
 
 
-__all__ = ["JsonFormatter", "configure_logging", "log_banner", "log_stop", "logger"]
+__all__ = [
+    "JsonFormatter",
+    "configure_logging",
+    "log_banner",
+    "log_bulk",
+    "log_stop",
+    "logger",
+]

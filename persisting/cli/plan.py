@@ -105,6 +105,14 @@ def plan(
     disk_write: Annotated[
         str | None, _option(HARDWARE_PANEL, "Disk write bandwidth, e.g. 3GB/s.")
     ] = None,
+    network_read: Annotated[
+        str | None,
+        _option(
+            RECOMPUTE_PANEL,
+            "Read bandwidth a client on another host achieved, e.g. 1.1GB/s "
+            "(benchmarks/remote_bench.py); default: the usable NIC bandwidth.",
+        ),
+    ] = None,
     gpu: Annotated[
         str | None,
         _option(

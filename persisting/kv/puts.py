@@ -32,6 +32,7 @@ from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import (
     Layout,
+    decode_value,
     encode_value,
     is_device_tensor,
     owned_copy,
@@ -157,6 +158,47 @@ class Writes:
                     notify(on_complete, r, self._t)
         return results
 
+    def batched_put_owned(
+        self,
+        keys: Sequence[KeyLike],
+        buffers: Sequence[np.ndarray],
+        layouts: Sequence[Layout],
+        checksums: Sequence[int],
+        parents: Sequence[KeyLike | None],
+    ) -> list[PutResult]:
+        """Store values whose bytes already lie in memory-tier buffers (``Tiers.memory_buffer``)
+        with known checksums: the memory tier keeps those buffers instead of copying them
+        (and a write to disk trusts the checksum instead of hashing again)."""
+        if not len(keys) == len(buffers) == len(layouts) == len(checksums) == len(parents):
+            raise InvalidValueError(
+                "keys, buffers, layouts, checksums and parents differ in length"
+            )
+        start = time.perf_counter()
+        items = [
+            WriteItem(
+                self._t.key_text(key),
+                self._check_size(_owned_layout(layout, buffer)),
+                buffer.data,
+                int(digest),
+                self._t.key_text(parent) if parent is not None else None,
+            )
+            for key, buffer, layout, digest, parent in zip(
+                keys, buffers, layouts, checksums, parents, strict=True
+            )
+        ]
+        if self.durability == "sync":
+            results = self._put_sync(items, owned=list(buffers))
+        else:
+            results = [
+                self._put_memory_first(it, None, owned=b)
+                for it, b in zip(items, buffers, strict=True)
+            ]
+        nbytes = sum(it.layout.nbytes for it, r in zip(items, results, strict=True) if r.stored)
+        self._t.op_stats.record(
+            "put", results[0].tier if results else "", time.perf_counter() - start, nbytes, "stored"
+        )
+        return results
+
     def _encode_all(
         self, values: Sequence[Any], fmt: str, check_shape: bool
     ) -> list[tuple[Layout, memoryview]]:
@@ -195,7 +237,9 @@ class Writes:
             raise CapacityError(f"value of {layout.nbytes} bytes cannot fit any tier")
         return layout
 
-    def _put_sync(self, items: list[WriteItem]) -> list[PutResult]:
+    def _put_sync(
+        self, items: list[WriteItem], owned: list[np.ndarray] | None = None
+    ) -> list[PutResult]:
         t = self._t
         to_disk: list[WriteItem] = []
         results: dict[int, PutResult] = {}
@@ -215,7 +259,9 @@ class Writes:
         for i, it in enumerate(items):
             if i in results or not t.memory.fits(it.layout.nbytes):
                 continue
-            if it.checksum is None:  # not written to disk just now: hash it as it is copied
+            if owned is not None:  # already in a memory-tier buffer: kept as it is
+                copies[i] = owned[i]
+            elif it.checksum is None:  # not written to disk just now: hash it as it is copied
                 copies[i], it.checksum = owned_copy_hashed(it.data, t.memory_buffer)
             else:
                 copies[i] = owned_copy(it.data, t.memory_buffer)
@@ -243,14 +289,19 @@ class Writes:
             return PutResult(key, "memory", False, stored=False)
         return None
 
-    def _put_memory_first(self, it: WriteItem, on_complete: OnComplete | None) -> PutResult:
+    def _put_memory_first(
+        self, it: WriteItem, on_complete: OnComplete | None, owned: np.ndarray | None = None
+    ) -> PutResult:
         t = self._t
         with t.lock:
             present = self._present_result(it.key)
         if present is not None:
             return present
-        # Outside the lock: the copy is the big cost (the checksum is made on the way).
-        buffer, it.checksum = owned_copy_hashed(it.data, t.memory_buffer)
+        if owned is not None:  # already in a memory-tier buffer, its checksum known
+            buffer = owned
+        else:  # outside the lock: the copy is the big cost (the checksum is made on the way)
+            buffer, it.checksum = owned_copy_hashed(it.data, t.memory_buffer)
+        assert it.checksum is not None
         with t.lock:
             present = self._present_result(it.key)
             if present is not None:
@@ -380,6 +431,21 @@ class Writes:
             self.write_back(dirty)
         if self._writer is not None:
             self._writer.close()
+
+
+def _owned_layout(layout: Layout, buffer: np.ndarray) -> Layout:
+    """``layout``, checked against the bytes of ``buffer`` as :func:`encode_value` checks a
+    value's (dtype, format, size); InvalidValueError if they do not agree."""
+    if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.nbytes != layout.nbytes:
+        raise InvalidValueError(f"a {buffer.nbytes}-byte buffer for a {layout.nbytes}-byte layout")
+    try:
+        value = buffer.data if layout.kind == "bytes" else decode_value(layout, buffer)
+        checked, _view = encode_value(value, layout.fmt)
+    except (TypeError, ValueError, RuntimeError, KeyError) as exc:
+        raise InvalidValueError(f"layout {layout} does not describe its bytes: {exc}") from exc
+    if checked != layout:
+        raise InvalidValueError(f"layout {layout} does not describe its bytes ({checked})")
+    return layout
 
 
 __all__ = ["Durability", "OnComplete", "PendingWrite", "PutResult", "Tier", "Writes", "notify"]

@@ -44,6 +44,19 @@ class SharedLocation:
     generation: int
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryPayload:
+    """A memory-tier value's bytes for a server to send as they are (no copy): its layout,
+    the checksum recorded when it was stored, and the tier's own buffer. The buffer stays
+    valid while this object holds it -- the tier only lets go of its reference, and pages
+    go back to the pool only once every view of them is garbage -- and its bytes never
+    change (a value is written once, before it is indexed). Read it, do not write it."""
+
+    layout: Layout
+    checksum: int
+    buffer: np.ndarray
+
+
 def _tensor_nbytes(tensor: Any) -> int:
     return int(tensor.numel()) * int(tensor.element_size())
 
@@ -433,6 +446,17 @@ class Reads:
             t.op_stats.record("get", "memory", 0.0, entry.layout.nbytes, "hit")
         return SharedLocation(entry.layout, found[0], found[1])
 
+    def memory_payload(self, key: KeyLike, expect: Layout | None) -> MemoryPayload | None:
+        t = self._t
+        text = t.key_text(key)
+        with t.lock:
+            entry = t.memory.index.get(text, touch=True)
+            if entry is None or not self.layout_ok(entry.layout, expect):
+                return None
+            found = MemoryPayload(entry.layout, entry.checksum, entry.buffer)
+        t.op_stats.record("get", "memory", 0.0, found.layout.nbytes, "hit")
+        return found
+
     def touch(self, keys: Sequence[KeyLike]) -> int:
         t = self._t
         texts = [t.key_text(key) for key in keys]
@@ -491,4 +515,4 @@ class Reads:
         return in_memory
 
 
-__all__ = ["Reads", "SharedLocation"]
+__all__ = ["MemoryPayload", "Reads", "SharedLocation"]

@@ -36,7 +36,7 @@ from persisting.kv.policy import (
     eviction_policy,
 )
 from persisting.kv.puts import Durability, OnComplete, PutResult, Tier, Writes, notify
-from persisting.kv.reads import Reads, SharedLocation
+from persisting.kv.reads import MemoryPayload, Reads, SharedLocation
 from persisting.kv.stats import StoreStats
 from persisting.kv.tiers import KeyLike, Tiers
 from persisting.lance_store import StorageRoot, validate_name
@@ -243,6 +243,29 @@ class KVStore(KVApi):
 
     # -- get ----------------------------------------------------------------------------
 
+    def allocate(self, nbytes: int) -> np.ndarray:
+        """A page-aligned buffer of the memory tier's own kind (its shared pool while it has
+        room), for a value's bytes to land in before :meth:`batched_put_owned` keeps it."""
+        self._check_open()
+        return self._tiers.memory_buffer(nbytes)
+
+    def batched_put_owned(
+        self,
+        keys: Sequence[KeyLike],
+        buffers: Sequence[np.ndarray],
+        layouts: Sequence[Layout],
+        checksums: Sequence[int],
+        parents: Sequence[KeyLike | None] | None = None,
+    ) -> list[PutResult]:
+        """:meth:`batched_put` of values that already lie in buffers from :meth:`allocate`,
+        with their checksums (computed as their bytes arrived): the memory tier keeps the
+        buffers instead of copying them. The caller must not write them afterwards. Each
+        layout is checked against its buffer (dtype, format, size) as a put checks a value."""
+        self._check_open()
+        return self._writes.batched_put_owned(
+            keys, buffers, layouts, checksums, parents or [None] * len(keys)
+        )
+
     def get(self, key: KeyLike, *, expect: Layout | None = None, device: Any = None) -> Any:
         """The value (same kind as was put) or None on a miss, a layout mismatch or damage;
         with ``device`` (``"cuda:0"``...) a tensor on that device."""
@@ -293,6 +316,13 @@ class KVStore(KVApi):
         """
         self._check_open()
         return self._reads.shared_location(key, expect, count)
+
+    def memory_payload(self, key: KeyLike, *, expect: Layout | None = None) -> MemoryPayload | None:
+        """A memory-tier value's own buffer and stored checksum, for a server to send from
+        without copying (see :class:`~persisting.kv.reads.MemoryPayload`); None when it is
+        not in memory or is laid out differently from ``expect``. Counts a memory hit."""
+        self._check_open()
+        return self._reads.memory_payload(key, expect)
 
     def touch(self, keys: Sequence[KeyLike]) -> int:
         """Count reads that happened elsewhere: each key still in the memory tier becomes

@@ -80,6 +80,17 @@ RECOMPUTE_LINES: tuple[PlanLine, ...] = (
     PlanLine("disk_load_ms", "ms", "bytes per prefix / disk read bandwidth"),
     PlanLine("disk_vs_recompute", "ratio", "disk read bandwidth / break-even: above 1 a hit wins"),
     PlanLine("nic_vs_recompute", "ratio", "usable NIC / break-even: above 1 a remote hit wins"),
+    PlanLine(
+        "network_read_bytes_per_s",
+        "bytes/s",
+        "a remote client's read rate: given (--network-read), else the usable NIC",
+    ),
+    PlanLine("network_load_ms", "ms", "bytes per prefix / network read bandwidth"),
+    PlanLine(
+        "network_vs_recompute",
+        "ratio",
+        "network read / break-even: above 1 a remote hit wins",
+    ),
 )
 
 
@@ -116,6 +127,9 @@ class RecomputePlan:
     disk_load_ms: float | None
     disk_vs_recompute: float | None
     nic_vs_recompute: float
+    network_read_bytes_per_s: int
+    network_load_ms: float
+    network_vs_recompute: float
 
 
 @dataclass(frozen=True)
@@ -305,6 +319,7 @@ def _recompute(i: PlanInputs, bytes_per_prefix: int, nic_usable: Fraction) -> Re
     per_token = i.shape.stored_bytes_per_token
     break_even = tokens_per_s * per_token
     disk = Fraction(i.disk_read) if i.disk_read is not None else None
+    network = Fraction(i.network_read) if i.network_read is not None else nic_usable
     return RecomputePlan(
         prefill_tokens_per_s=math.floor(tokens_per_s),
         prefill_flops_per_token=flops,
@@ -314,6 +329,9 @@ def _recompute(i: PlanInputs, bytes_per_prefix: int, nic_usable: Fraction) -> Re
         disk_load_ms=float(bytes_per_prefix / disk * 1000) if disk is not None else None,
         disk_vs_recompute=_ratio(disk, break_even),
         nic_vs_recompute=float(nic_usable / break_even),
+        network_read_bytes_per_s=math.floor(network),
+        network_load_ms=float(bytes_per_prefix / network * 1000),
+        network_vs_recompute=float(network / break_even),
     )
 
 

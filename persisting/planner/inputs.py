@@ -125,6 +125,7 @@ class PlanInputs:
     memory_bytes: int | str | None = None
     disk_read: Number | None = None
     disk_write: Number | None = None
+    network_read: Number | None = None
     gpu: str | None = None
     prefill_tokens_per_s: Number | None = None
     mfu: Number = "0.5"
@@ -153,7 +154,7 @@ class PlanInputs:
         for name in ("disk_bytes", "memory_bytes"):
             value = getattr(self, name)
             numbers[name] = None if value is None else size(value, name)
-        for name in ("disk_read", "disk_write", "prefill_tokens_per_s"):
+        for name in ("disk_read", "disk_write", "network_read", "prefill_tokens_per_s"):
             value = getattr(self, name)
             if value is not None:
                 numbers[name] = _positive(

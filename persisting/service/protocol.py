@@ -63,6 +63,7 @@ OPS: dict[str, Op] = {
     "touch": Op(("keys",), light=True),
     "contains": Op(("keys",), light=True),
     "layout": Op(("keys",), light=True),
+    "tiers": Op(("keys",), light=True),
     "lookup_prefix": Op(("keys",), light=True),
     "lookup_tokens": Op(("tokens",), light=True),
     "remove": Op(("keys",)),

@@ -11,8 +11,11 @@ forever. This module is plain bookkeeping (no Pulsing, no store): the server app
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import secrets
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from persisting.errors import CapacityError, ProtocolError, SessionExpiredError
+from persisting.service.bulk.auth import Credential
 
 #: (model, key) -- what a pin or a lease is taken on.
 Holding = tuple[str, str]
@@ -28,15 +32,59 @@ Holding = tuple[str, str]
 MAX_TICKETS = 4096
 
 
+#: Staged bytes one session may hold at once, by default (the server's bound is separate).
+SESSION_STAGED_BYTES = 256 << 20
+#: How long an upload or a transfer may stay staged, however often its session renews.
+STAGED_TTL_S = 120.0
+
+
 @dataclass
 class Staged:
-    """A payload buffer being uploaded by, or read out to, one session."""
+    """A payload buffer being uploaded by, or read out to, one session.
+
+    ``received`` counts distinct bytes: parts are kept by offset, so a part sent (or read)
+    twice counts once, and a part overlapping another one is refused. A value is whole
+    when its parts add up to ``nbytes`` (they cannot overlap, so they then cover it).
+    """
 
     buffer: Any  # a writable uint8 numpy array
     nbytes: int
     checksum: int | None = None
     layout: dict[str, Any] | None = None
     received: int = 0
+    #: When the server drops it (set when staged).
+    deadline: float = math.inf
+    #: Held while a part is noted and copied in (parts arrive on several threads).
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _starts: list[int] = field(default_factory=list)
+    _lengths: dict[int, int] = field(default_factory=dict)
+
+    def add_part(self, offset: int, length: int) -> bool:
+        """Note the part ``[offset, offset + length)``; False when it was noted before (a
+        repeat: nothing more counted). ProtocolError when it overlaps another part or
+        leaves the value."""
+        if offset < 0 or length <= 0 or offset + length > self.nbytes:
+            raise ProtocolError(f"part [{offset}, {offset + length}) is outside 0..{self.nbytes}")
+        known = self._lengths.get(offset)
+        if known is not None:
+            if known != length:
+                raise ProtocolError(f"part at {offset} was {known} bytes, now {length}")
+            return False
+        i = bisect.bisect_left(self._starts, offset)
+        before = self._starts[i - 1] if i else None
+        after = self._starts[i] if i < len(self._starts) else None
+        if (before is not None and before + self._lengths[before] > offset) or (
+            after is not None and offset + length > after
+        ):
+            raise ProtocolError(f"part [{offset}, {offset + length}) overlaps another part")
+        self._starts.insert(i, offset)
+        self._lengths[offset] = length
+        self.received += length
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.nbytes
 
 
 @dataclass
@@ -60,6 +108,8 @@ class Session:
     #: How far this session has been told of pool placements, per model (see
     #: :mod:`persisting.service.handler.placements`).
     placements_told: dict[str, int] = field(default_factory=dict)
+    #: Its right to open data connections (:mod:`persisting.service.bulk`).
+    credential: Credential = field(default_factory=Credential.new)
 
     def close_resources(self) -> None:
         for resource in self.resources:
@@ -77,11 +127,17 @@ class SessionTable:
         ttl_s: float,
         max_staged_bytes: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        max_session_staged_bytes: int = SESSION_STAGED_BYTES,
+        staged_ttl_s: float = STAGED_TTL_S,
     ):
         self.ttl_s = ttl_s
         self.max_staged_bytes = max_staged_bytes
+        self.max_session_staged_bytes = max_session_staged_bytes
+        self.staged_ttl_s = staged_ttl_s
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._by_key_id: dict[bytes, str] = {}
         self._lease_counts: Counter[Holding] = Counter()
         self._staged_total = 0
 
@@ -94,6 +150,14 @@ class SessionTable:
         sid = secrets.token_hex(16)
         session = Session(sid=sid, client=dict(client), deadline=self._clock() + self.ttl_s)
         self._sessions[sid] = session
+        self._by_key_id[session.credential.key_id] = sid
+        return session
+
+    def by_key_id(self, key_id: bytes) -> Session | None:
+        """The live session whose data-path credential is ``key_id`` (not renewed)."""
+        session = self._sessions.get(self._by_key_id.get(key_id, ""))
+        if session is None or session.deadline < self._clock():
+            return None
         return session
 
     def touch(self, sid: str | None) -> Session:
@@ -127,6 +191,7 @@ class SessionTable:
         return list(self._sessions.values())
 
     def _forget(self, session: Session) -> None:
+        self._by_key_id.pop(session.credential.key_id, None)
         for holding, count in session.leases.items():
             self._lease_counts[holding] -= count
             if self._lease_counts[holding] <= 0:
@@ -228,23 +293,47 @@ class SessionTable:
     # -- staged buffers (uploads and message-path transfers) ---------------------------
 
     def stage(self, session: Session, staged: Staged) -> str:
-        """Keep ``staged`` for this session; CapacityError past the server's bound."""
+        """Keep ``staged`` for this session, until ``staged_ttl_s`` from now at most;
+        CapacityError past the session's bound or the server's."""
+        if session.staged_bytes + staged.nbytes > self.max_session_staged_bytes:
+            raise CapacityError(
+                f"{staged.nbytes} more staged bytes would exceed a session's bound of "
+                f"{self.max_session_staged_bytes} (it holds {session.staged_bytes})"
+            )
         if self._staged_total + staged.nbytes > self.max_staged_bytes:
             raise CapacityError(
                 f"{staged.nbytes} more staged bytes would exceed the server's bound of "
                 f"{self.max_staged_bytes}"
             )
         staged_id = secrets.token_hex(8)
+        staged.deadline = self._clock() + self.staged_ttl_s
         session.staged[staged_id] = staged
         session.staged_bytes += staged.nbytes
         self._staged_total += staged.nbytes
         return staged_id
 
-    @staticmethod
-    def staged(session: Session, staged_id: object) -> Staged:
+    def staged(self, session: Session, staged_id: object) -> Staged:
         if not isinstance(staged_id, str) or staged_id not in session.staged:
             raise ProtocolError(f"no upload or transfer {staged_id!r} in this session")
-        return session.staged[staged_id]
+        staged = session.staged[staged_id]
+        if staged.deadline < self._clock():
+            self.unstage(session, staged_id)
+            raise ProtocolError(f"upload or transfer {staged_id!r} expired")
+        return staged
+
+    def expire_staged(self) -> int:
+        """Drop uploads and transfers past their deadline in every session; returns how many
+        (a session that renews for ever cannot keep staging space for ever)."""
+        now = self._clock()
+        gone = [
+            (session, staged_id)
+            for session in self._sessions.values()
+            for staged_id, staged in session.staged.items()
+            if staged.deadline < now
+        ]
+        for session, staged_id in gone:
+            self.unstage(session, staged_id)
+        return len(gone)
 
     def unstage(self, session: Session, staged_id: object) -> Staged | None:
         if not isinstance(staged_id, str):
@@ -260,4 +349,12 @@ class SessionTable:
         return self._staged_total
 
 
-__all__ = ["MAX_TICKETS", "Holding", "Session", "SessionTable", "Staged"]
+__all__ = [
+    "MAX_TICKETS",
+    "SESSION_STAGED_BYTES",
+    "STAGED_TTL_S",
+    "Holding",
+    "Session",
+    "SessionTable",
+    "Staged",
+]

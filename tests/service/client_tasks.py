@@ -33,6 +33,10 @@ def _settings(args: dict[str, Any]) -> PersistingSettings:
     }
     if "passphrase_file" in args:  # where a generated passphrase would be looked for
         service["passphrase_file"] = args["passphrase_file"]
+    if "request_timeout_s" in args:
+        service["request_timeout_s"] = args["request_timeout_s"]
+    if args.get("sealed"):
+        service["bulk_sealed"] = True
     return PersistingSettings(models=[MODEL], service=service)
 
 
@@ -382,7 +386,82 @@ async def api_suite(args: dict[str, Any]) -> dict[str, Any]:
         await asyncio.to_thread(blocking.close)
 
 
+async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
+    """A client on another host, driven by the test one command per stdin line, each
+    answered with ``DONE <json>``: ``put`` stores ``keys`` values of ``[2, 8, 256, hidden]``
+    bf16; ``read`` reads them every way once; ``churn <s>`` reads them one by one for ``s``
+    seconds; ``wait <s>`` reads until every value is back (or ``s`` seconds passed);
+    ``stats`` the servers' figures; ``quit``. Reads count hits, misses, wrong values and
+    errors: a failure must be a miss (or a typed error), never a wrong value."""
+    client = await _connect(args)
+    n, hidden, base = args["keys"], args.get("hidden", 1024), args.get("base", 50_000)
+
+    def value(i: int) -> torch.Tensor:
+        return tensor(base + i, tokens=256, hidden=hidden).repeat(1, 2, 1, 1)
+
+    keys = [key(base + i) for i in range(n)]
+    values = [value(i) for i in range(n)]
+    tally: dict[str, int] = {}
+
+    def count(got: Any, want: torch.Tensor) -> None:
+        outcome = "miss" if got is None else ("hit" if torch.equal(got, want) else "wrong")
+        tally[outcome] = tally.get(outcome, 0) + 1
+
+    async def read_one(i: int) -> None:
+        try:
+            count(await client.get(keys[i]), values[i])
+        except PersistingError as exc:
+            tally["error"] = tally.get("error", 0) + 1
+            tally["last_error"] = type(exc).__name__  # type: ignore[assignment]
+
+    try:
+        print("READY", flush=True)
+        for line in sys.stdin:
+            command, *rest = line.split()
+            tally.clear()
+            result: dict[str, Any] = {}
+            if command == "put":
+                stored = await client.batched_put(keys, values)
+                result["stored"] = sum(p.stored for p in stored)
+            elif command == "read":
+                for got, want in zip(await client.batched_get(keys), values, strict=True):
+                    count(got, want)
+                for i in range(n):
+                    await read_one(i)
+                out = torch.empty_like(values[0])
+                layout = await client.get_into(keys[0], out)
+                count(out if layout is not None else None, values[0])
+            elif command in ("churn", "wait"):
+                deadline = time.monotonic() + float(rest[0])
+                while time.monotonic() < deadline:
+                    if command == "churn":
+                        for i in range(n):
+                            await read_one(i)
+                        continue
+                    got = await client.batched_get(keys)
+                    if all(
+                        g is not None and torch.equal(g, v)
+                        for g, v in zip(got, values, strict=True)
+                    ):
+                        tally["recovered"] = n
+                        break
+                    await asyncio.sleep(0.2)
+                result["seconds"] = round(float(rest[0]) - (deadline - time.monotonic()), 2)
+            elif command == "stats":
+                stats = await client.stats()
+                result["servers"] = {m: s["service"] for m, s in stats["members"].items()}
+                result["members"] = client.members
+            elif command == "quit":
+                break
+            result.update(tally=dict(tally), client=dict(client.counters))
+            print("DONE " + json.dumps(result), flush=True)
+        return {"closed": True}
+    finally:
+        await client.close()
+
+
 TASKS = {
+    "remote_reader": remote_reader,
     "api_suite": api_suite,
     "token_lookups": token_lookups,
     "remembered_locations": remembered_locations,

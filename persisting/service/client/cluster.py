@@ -18,7 +18,7 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from persisting.config import ServiceSettings
 from persisting.errors import (
@@ -26,6 +26,14 @@ from persisting.errors import (
     PersistingError,
     ServiceUnavailableError,
     StorageIOError,
+)
+from persisting.service.client.bulk import (
+    BulkLink,
+    Call,
+    ConnectionLost,
+    Endpoint,
+    Refused,
+    Unreachable,
 )
 from persisting.service.client.member import TRANSPORT_ERRORS, Member, MemberFailed
 from persisting.service.client.transport import Transport
@@ -36,6 +44,8 @@ from persisting.service.same_host import ClientArena
 from persisting.shm import SharedPoolReader
 
 logger = logging.getLogger("persisting.service.client")
+
+T = TypeVar("T")
 
 
 class Cluster:
@@ -56,6 +66,9 @@ class Cluster:
         self.counters = counters
         self.arena = arena
         self.max_inflight = service.max_inflight
+        self.bulk_streams = service.bulk_streams
+        self.bulk_sealed = service.bulk_sealed
+        self.timeout_s = service.request_timeout_s
         #: Largest payload part in one message (the smaller of ours and the servers').
         self.message_part_bytes = service.message_part_bytes
         self.membership = Membership(retry_s=service.member_retry_s)
@@ -130,6 +143,7 @@ class Cluster:
         previous = self.members.get(addr)
         if previous is not None:  # it restarted: what the old process held is gone
             await self._drop_same_host(previous)
+            self.drop_bulk(previous)
             member.loans = previous.loans  # freed once the old process is known gone
         try:
             await self.hello(member)
@@ -139,6 +153,7 @@ class Cluster:
                 )
         except BaseException:
             await self._drop_same_host(member)
+            self.drop_bulk(member)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.call(member, "bye"), timeout=0.5)
             raise
@@ -173,7 +188,59 @@ class Cluster:
         if isinstance(part, int) and part > 0:
             self.message_part_bytes = min(self.message_part_bytes, part)
         await self._drop_same_host(member)
+        self._open_bulk(member)
         await self.restore(member)
+
+    def _open_bulk(self, member: Member) -> None:
+        """Data connections with the session's new credential (another host only; the old
+        credential died with the old session)."""
+        self.drop_bulk(member)
+        if member.same_host:
+            return
+        endpoint = Endpoint.from_hello(member.info.get("bulk"), member.addr, self.bulk_sealed)
+        if endpoint is not None:
+            member.bulk = BulkLink(endpoint, streams=self.bulk_streams, timeout_s=self.timeout_s)
+
+    @staticmethod
+    def drop_bulk(member: Member) -> None:
+        if member.bulk is not None:
+            link, member.bulk = member.bulk, None
+            link.close()
+
+    async def over_data_path(
+        self, member: Member, op: Callable[[BulkLink], Callable[[Call], T]]
+    ) -> T:
+        """``op(link)`` run on one of ``member``'s data connections, with the data path's
+        failure rules: a connection lost mid-request is tried once more on a fresh one
+        (what it carried was never delivered, and gets and puts are idempotent); a refused
+        credential once more after a new ``hello``; a member that cannot be reached, or
+        stalls past the timeout, raises MemberFailed (its keys are then misses)."""
+        lost = refused = False
+        while True:
+            link = member.bulk
+            if link is None:
+                raise MemberFailed(member.addr, ConnectionLost("no data connections"))
+            sid = member.sid
+            try:
+                return await link.run(op(link))
+            except Refused as exc:
+                if refused:
+                    raise MemberFailed(member.addr, exc) from exc
+                refused = True
+                await self.rehello(member, sid)
+            except Unreachable as exc:
+                raise MemberFailed(member.addr, exc) from exc
+            except ConnectionLost as exc:
+                self.counters["bulk_connections_lost"] += 1
+                if exc.timed_out or lost:
+                    raise MemberFailed(member.addr, exc) from exc
+                lost = True
+
+    async def rehello(self, member: Member, sid: str | None) -> None:
+        """A new session on ``member`` unless another task opened one since ``sid``."""
+        async with member.hello_lock:
+            if member.sid == sid:
+                await self.hello(member)  # a transport failure is MemberFailed
 
     async def restore(self, member: Member) -> None:
         """Map the member's shared pool and open its local channel (same host only)."""
@@ -257,6 +324,7 @@ class Cluster:
                 await asyncio.wait_for(self.call(member, "bye"), timeout=2.0)
         for member in self.members.values():
             await self._drop_same_host(member)
+            self.drop_bulk(member)
 
     # -- placement ------------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +34,10 @@ import pulsing
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError, InvalidKeyError, InvalidValueError
 from persisting.kv import Layout, PutResult, TokenHasher
-from persisting.kv.api import AsyncKVApi
+from persisting.kv.api import AsyncKVApi, PrefixKeys, Tokens
 from persisting.kv.keys import HASH_SCHEMES, ChunkKey, HashScheme, key_string
+from persisting.kv.load_plan import HitChunk, LoadPlan, plan_load
+from persisting.kv.tiers import KeyLike
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.member import Member, MemberFailed
 from persisting.service.client.reads import Reader
@@ -43,6 +47,8 @@ from persisting.service.passphrase import client_passphrase
 from persisting.service.routing import rank_members
 from persisting.service.same_host import ClientArena
 from persisting.shm import shm_available
+
+logger = logging.getLogger("persisting.service.client")
 
 
 class KVCacheClient(AsyncKVApi):
@@ -74,6 +80,7 @@ class KVCacheClient(AsyncKVApi):
             self.counters,
             self._key,
             result_buffer_bytes=settings.kv.result_buffer_bytes,
+            network_bytes_per_s=settings.service.network_bytes_per_s,
         )
         self._copier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-copy")
         self._writer = Writer(
@@ -105,7 +112,10 @@ class KVCacheClient(AsyncKVApi):
         """Join the cluster (unless Pulsing is already initialised) and find the servers.
 
         The passphrase is ``passphrase``, else ``settings.service.passphrase``, else the
-        one a server on this host generated (:mod:`persisting.service.passphrase`).
+        one a server on this host generated (:mod:`persisting.service.passphrase`). When
+        this process already runs Pulsing, its system is used as it is: ``seeds`` and
+        ``passphrase`` cannot change it, and passing them then is warned about
+        (``RuntimeWarning`` and the log), never silently dropped.
         ``same_host=False`` forces the message path even on the server's host. A server
         that answers but serves another model is an AccessDeniedError at once.
         """
@@ -122,6 +132,8 @@ class KVCacheClient(AsyncKVApi):
             secret = client_passphrase(passphrase, service)
             await pulsing.init(addr=None, seeds=seed_list or None, passphrase=secret)
             owns = True
+        else:
+            _warn_unhonoured(seeds, passphrase)
         client = cls(
             name=name,
             model=model,
@@ -185,7 +197,7 @@ class KVCacheClient(AsyncKVApi):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _key(self, key: object) -> str:
+    def _key(self, key: KeyLike) -> str:
         """The key's string form, checked to be a key of this client's model."""
         text = key_string(key)  # validates strings; ChunkKeys are valid by construction
         model = key.model if isinstance(key, ChunkKey) else text.split("@", 1)[0]
@@ -196,7 +208,7 @@ class KVCacheClient(AsyncKVApi):
     # -- values -------------------------------------------------------------------------
 
     async def put(
-        self, key: Any, value: Any, fmt: str = "KV_2LTD", parent: Any = None
+        self, key: KeyLike, value: Any, fmt: str = "KV_2LTD", parent: KeyLike | None = None
     ) -> PutResult:
         """Store one value on its owner; see :meth:`batched_put`."""
         parents = None if parent is None else [parent]
@@ -204,32 +216,32 @@ class KVCacheClient(AsyncKVApi):
 
     async def batched_put(
         self,
-        keys: Sequence[Any],
+        keys: Sequence[KeyLike],
         values: Sequence[Any],
         fmt: str = "KV_2LTD",
-        parents: Sequence[Any] | None = None,
+        parents: Sequence[KeyLike | None] | None = None,
     ) -> list[PutResult]:
         """Store values on their owners (one commit per owner and batch)."""
         return await self._writer.batched_put(keys, values, fmt=fmt, parents=parents)
 
-    async def get(self, key: Any, expect: Layout | None = None) -> Any:
+    async def get(self, key: KeyLike, expect: Layout | None = None) -> Any:
         """The value stored under ``key`` (the kind it was put as), or None on a miss."""
         return (await self._reader.batched_get([key], expect=expect))[0]
 
-    async def batched_get(self, keys: Sequence[Any], expect: Layout | None = None) -> list[Any]:
+    async def batched_get(self, keys: Sequence[KeyLike], expect: Layout | None = None) -> list[Any]:
         """Values of ``keys`` (None for misses, including keys of members that are down)."""
         return await self._reader.batched_get(keys, expect=expect)
 
-    async def get_into(self, key: Any, out: Any, expect: Layout | None = None) -> Layout | None:
+    async def get_into(self, key: KeyLike, out: Any, expect: Layout | None = None) -> Layout | None:
         """Copy the payload of ``key`` into ``out`` (a writable buffer of exactly its size)."""
         return await self._reader.get_into(key, out, expect=expect)
 
     # -- index operations ---------------------------------------------------------------
 
-    async def contains(self, key: Any) -> bool:
+    async def contains(self, key: KeyLike) -> bool:
         return (await self._presence([self._key(key)]))[0]
 
-    async def batched_contains(self, keys: Sequence[Any]) -> list[bool]:
+    async def batched_contains(self, keys: Sequence[KeyLike]) -> list[bool]:
         """One flag per key; each owner is asked once per 1,024 keys."""
         return await self._presence([self._key(k) for k in keys])
 
@@ -246,7 +258,7 @@ class KVCacheClient(AsyncKVApi):
         await self.cluster.on_owners(keys, ask, on_lost=self._reader.count_lost)
         return found
 
-    async def layout(self, key: Any) -> Layout | None:
+    async def layout(self, key: KeyLike) -> Layout | None:
         text = self._key(key)
         box: list[Layout | None] = [None]
 
@@ -257,11 +269,11 @@ class KVCacheClient(AsyncKVApi):
         await self.cluster.on_owners([text], ask, on_lost=self._reader.count_lost)
         return box[0]
 
-    async def lookup_prefix(self, keys: Sequence[Any]) -> int:
+    async def lookup_prefix(self, keys: PrefixKeys) -> int:
         """Leading chunks present; with one key list per rank, a chunk counts only when
         every rank's piece is present. Keys on members that are down count as misses."""
         if keys and isinstance(keys[0], list | tuple):
-            ranks = [[self._key(k) for k in rank] for rank in keys]
+            ranks = [[self._key(k) for k in cast(Sequence[KeyLike], rank)] for rank in keys]
             n = min(len(r) for r in ranks) if ranks else 0
             flat = [rank[i] for i in range(n) for rank in ranks]
             present = await self._presence(flat)
@@ -270,7 +282,7 @@ class KVCacheClient(AsyncKVApi):
                 if not all(present[chunk * width : (chunk + 1) * width]):
                     return chunk
             return n
-        texts = [self._key(k) for k in keys]
+        texts = [self._key(cast(KeyLike, k)) for k in keys]
         single = self._single_member()
         if single is not None and texts:
             try:
@@ -334,10 +346,54 @@ class KVCacheClient(AsyncKVApi):
         hits = await self.lookup_prefix([key for _s, _e, key in chunks])
         return chunks[hits - 1][1] if hits else 0
 
-    async def remove(self, key: Any, force: bool = True) -> bool:
+    async def plan_tokens(
+        self,
+        tokens: Tokens,
+        *,
+        recompute_tokens_per_s: float,
+        hasher: TokenHasher | None = None,
+        min_saving_s: float = 0.0,
+    ) -> LoadPlan:
+        """Load or recompute, as :meth:`KVStore.plan_tokens <persisting.kv.KVStore.plan_tokens>`
+        does in-process: of the stored prefix of ``tokens``, the leading part worth loading
+        at a prefill rate of ``recompute_tokens_per_s``.
+
+        Each hit chunk is priced at the bandwidth this client's own reads achieved lately
+        over the path a read of it takes now (a server on another host: its data
+        connections, so the network; same host: the shared pool or the payload file), so a
+        remote hit slower than recomputing is not loaded. A path not read yet is priced at
+        ``service.network_bytes_per_s`` for another host if set, else counts as free (the
+        first reads measure it). Asks each owner once per 1,024 chunks where they are.
+        """
+        hasher = hasher or TokenHasher(
+            model=self.model, chunk_size=self.chunk_size, scheme=self.hash_scheme
+        )
+        chunks = hasher.process_tokens(tokens)
+        texts = [self._key(k) for _s, _e, k in chunks]
+        where: list[tuple[str, int] | None] = [None] * len(texts)
+
+        async def ask(member: Member, share: list[int]) -> None:
+            for start in range(0, len(share), 1024):
+                part = share[start : start + 1024]
+                found = await self.cluster.call(member, "tiers", keys=[texts[i] for i in part])
+                for i, entry in zip(part, found, strict=True):
+                    if entry is not None:
+                        where[i] = (self._reader.path_of(member, str(entry[0])), int(entry[1]))
+
+        await self.cluster.on_owners(texts, ask, on_lost=self._reader.count_lost)
+        hits: list[HitChunk] = []
+        for (start, end, _key), found in zip(chunks, where, strict=True):
+            if found is None:  # the prefix ends at the first miss
+                break
+            hits.append(HitChunk(found[0], end - start, found[1]))
+        return plan_load(
+            hits, recompute_tokens_per_s, self._reader.bandwidth, min_saving_s=min_saving_s
+        )
+
+    async def remove(self, key: KeyLike, force: bool = True) -> bool:
         return (await self.batched_remove([key], force=force)) > 0
 
-    async def batched_remove(self, keys: Sequence[Any], force: bool = True) -> int:
+    async def batched_remove(self, keys: Sequence[KeyLike], force: bool = True) -> int:
         """Remove ``keys`` from every live member (a key may linger on a member that held it
         before a failover); returns how many keys were removed somewhere."""
         texts = [self._key(k) for k in keys]
@@ -357,14 +413,14 @@ class KVCacheClient(AsyncKVApi):
         await asyncio.gather(*(on(self.cluster.members[m]) for m in self.cluster.live()))
         return sum(removed)
 
-    async def pin(self, key: Any) -> bool:
+    async def pin(self, key: KeyLike) -> bool:
         """Pin ``key`` on its owner for as long as this client lives (renewed by TTL)."""
         return await self._on_owner_flag("pin", key)
 
-    async def unpin(self, key: Any) -> bool:
+    async def unpin(self, key: KeyLike) -> bool:
         return await self._on_owner_flag("unpin", key)
 
-    async def _on_owner_flag(self, op: str, key: Any) -> bool:
+    async def _on_owner_flag(self, op: str, key: KeyLike) -> bool:
         text = self._key(key)
         box = [False]
 
@@ -374,7 +430,7 @@ class KVCacheClient(AsyncKVApi):
         await self.cluster.on_owners([text], ask, on_lost=self._reader.count_lost)
         return box[0]
 
-    async def prefetch(self, keys: Sequence[Any]) -> int:
+    async def prefetch(self, keys: Sequence[KeyLike]) -> int:
         """Load disk hits into the owners' memory tiers; returns how many are in memory."""
         texts = [self._key(k) for k in keys]
         total = [0]
@@ -406,7 +462,7 @@ class KVCacheClient(AsyncKVApi):
             "client": dict(self.counters),
         }
 
-    def member_of(self, key: Any) -> str | None:
+    def member_of(self, key: KeyLike) -> str | None:
         """The live member that owns ``key`` now (None if none is live)."""
         ranking = rank_members(self._key(key), self.cluster.live())
         return ranking[0] if ranking else None
@@ -419,6 +475,21 @@ class KVCacheClient(AsyncKVApi):
         """True if this client reads ``member``'s payloads directly (same-host path)."""
         m = self.cluster.members.get(member)
         return bool(m and m.same_host)
+
+
+def _warn_unhonoured(seeds: Sequence[str] | None, passphrase: str | None) -> None:
+    """Say loudly that ``seeds`` and ``passphrase`` cannot be honoured: Pulsing is already
+    running in this process, joined and keyed as whoever started it chose."""
+    ignored = [name for name, given in (("seeds", seeds), ("passphrase", passphrase)) if given]
+    if not ignored:
+        return
+    message = (
+        f"KVCacheClient.connect: Pulsing is already initialised in this process, so "
+        f"{' and '.join(ignored)} cannot be applied: the running system's own are used "
+        "(connect before anything else starts Pulsing, or leave them out)"
+    )
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _open_arena(size: int) -> ClientArena | None:

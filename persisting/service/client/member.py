@@ -16,6 +16,7 @@ from typing import Any
 import pulsing
 
 from persisting.kv import SharedLocation
+from persisting.service.client.bulk import BulkLink
 from persisting.service.local_channel import LocalChannel
 from persisting.service.same_host import Region
 from persisting.shm import SharedPoolReader, pid_alive
@@ -57,9 +58,10 @@ class Member:
     same_host: bool = False
     channel: LocalChannel | None = None
     pool: SharedPoolReader | None = None
-    #: Where memory-tier values lie in ``pool``, as last reported. A hit here needs no
-    #: request; the generation check proves it current.
-    #: Where memory-tier values lay in the member's shared pool when last reported.
+    #: Data connections for values (another host: the bulk data path), if the server has one.
+    bulk: BulkLink | None = None
+    #: Where memory-tier values lay in the member's shared pool when last reported. A hit
+    #: here needs no request; the generation check proves it current.
     locations: OrderedDict[str, SharedLocation] = field(default_factory=OrderedDict)
     #: Keys read through ``locations`` that the server has not been told of yet (recency).
     touched: list[str] = field(default_factory=list)

@@ -1,9 +1,9 @@
 """Where a value a client reads comes from: one small class per read path.
 
-A ``get`` reply names, per key, where its value is (see
-:mod:`persisting.service.handler.gets`); :func:`source_of` turns that entry into a
-source, and the source's ``read`` puts the bytes into a :class:`Destination` and returns
-the value -- or :data:`AGAIN` when the value moved before it could be read (its pool pages
+A ``get`` reply names, per key, where its value is (a typed entry of
+:mod:`~persisting.service.client.replies`); :func:`source_of` turns that entry into a
+source, and the source's ``async read`` puts the bytes into a :class:`Destination` and
+returns the value -- or :data:`AGAIN` when the value moved before it could be read (its pool pages
 were freed, its file was evicted, it is in memory but there was no room), so the reader
 asks once more. A value that fails its checksum is a miss (None), never wrong data.
 
@@ -17,55 +17,40 @@ asks once more. A value that fails its checksum is a miss (None), never wrong da
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from persisting.errors import InvalidValueError, PersistingError, StorageIOError
-from persisting.kv import Layout, SharedLocation
+from persisting.errors import PersistingError, ProtocolError, StorageIOError
+from persisting.kv import SharedLocation
 from persisting.kv.layout import checksum, decode_value
+from persisting.service.client.destination import Destination, copy_into
 from persisting.service.client.member import Member
+from persisting.service.client.replies import (
+    Entry,
+    InFile,
+    Inline,
+    InMemoryNoRoom,
+    InPool,
+    InWindow,
+    Transfer,
+)
 from persisting.service.same_host import ClientArena, read_file_into
-from persisting.shm import RecycledBuffers, aligned_buffer, copy_bytes
-
-#: A read that found the value gone from where the reply said: ask the server again.
-AGAIN = object()
+from persisting.shm import RecycledBuffers, aligned_buffer
 
 
-class Destination:
-    """Where one value's bytes go: the caller's buffer (``get_into``), else recycled private
-    pages (as the in-process store returns values in: no page faults once warm, and the
-    value owns them until it is dropped), else a fresh page-aligned buffer."""
+class Again(enum.Enum):
+    """A read that found the value gone from where the reply said: ask the server again."""
 
-    def __init__(self, results: RecycledBuffers | None, nbytes: int, out: memoryview | None):
-        self.out = out
-        self.buffer: np.ndarray | None = None
-        if out is not None:
-            if len(out) != nbytes:
-                raise InvalidValueError(
-                    f"get_into needs a buffer of {nbytes} bytes, got {len(out)}"
-                )
-            self.target = out
-            return
-        buffer = results.take(nbytes) if results is not None else None
-        self.buffer = buffer if buffer is not None else aligned_buffer(nbytes)
-        self.target = self.buffer.data
+    AGAIN = "again"
 
-    def value(self, layout: Layout) -> Any:
-        """What the get returns once the bytes are in: the layout for ``get_into``, else
-        the decoded value."""
-        if self.out is not None:
-            return layout
-        assert self.buffer is not None
-        return decode_value(layout, self.buffer)
 
-    def discard(self) -> None:
-        """The bytes are not wanted (the value moved, or failed its checksum)."""
-        self.buffer = None  # its pages go back when the array is collected
+AGAIN = Again.AGAIN
 
 
 @dataclass
@@ -81,13 +66,26 @@ class ReadContext:
     message_part_bytes: int
 
 
+class Source(Protocol):
+    """Reads one value from where a ``get`` reply said it is."""
+
+    async def read(self, ctx: ReadContext, out: memoryview | None) -> Any:
+        """The value (the layout when ``out`` was given), None for a miss (damaged bytes),
+        or :data:`AGAIN` when the value moved before it could be read."""
+        ...
+
+
 class PoolCopy:
     """A memory-tier value copied out of the server's shared pool."""
 
     def __init__(self, location: SharedLocation):
         self.location = location
 
-    def read(self, ctx: ReadContext, out: memoryview | None) -> Any:
+    async def read(self, ctx: ReadContext, out: memoryview | None) -> Any:
+        return self.read_now(ctx, out)
+
+    def read_now(self, ctx: ReadContext, out: memoryview | None) -> Any:
+        """:meth:`read` without the event loop (a remembered location is read this way)."""
         pool = ctx.member.pool
         if pool is None:
             return AGAIN
@@ -110,11 +108,11 @@ class PoolCopy:
 class ArenaWindow:
     """A memory-tier value the server copied into a window of our arena."""
 
-    def __init__(self, layout: Layout, offset: int):
-        self.layout = layout
-        self.offset = offset
+    def __init__(self, entry: InWindow):
+        self.layout = entry.layout
+        self.offset = entry.offset
 
-    def read(self, ctx: ReadContext, out: memoryview | None) -> Any:
+    async def read(self, ctx: ReadContext, out: memoryview | None) -> Any:
         """The value; its pages leave the window (the reader frees the rest of it)."""
         assert ctx.arena is not None
         nbytes = self.layout.nbytes
@@ -128,21 +126,29 @@ class ArenaWindow:
 class LeasedFile:
     """A value on disk: we read its payload file ourselves, under the server's read lease,
     and verify its checksum. Payload files are immutable and eviction unlinks them, so a
-    file we managed to open is whole; one gone before we opened it means: ask again."""
+    file we managed to open is whole; one gone before we opened it means: ask again.
 
-    def __init__(self, layout: Layout, location: list[Any]):
-        self.layout = layout
-        self.path, self.offset, self.nbytes, self.checksum = location
+    ``spread``: read on a reader thread (several files of one reply then read at once, on
+    several cores); a lone read is faster without the thread hop."""
 
-    async def read(self, ctx: ReadContext, out: memoryview | None, alone: bool) -> Any:
-        dest = Destination(ctx.results, self.nbytes, out)
+    def __init__(self, entry: InFile, spread: bool = False):
+        self.entry = entry
+        self.spread = spread
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    async def read(self, ctx: ReadContext, out: memoryview | None) -> Any:
+        entry = self.entry
+        dest = Destination(ctx.results, entry.nbytes, out)
+        args = (entry.path, entry.offset, dest.target, entry.checksum)
         try:
-            if alone:  # a lone read is faster without the thread hop
-                ok = _read_and_verify(self.path, self.offset, dest.target, self.checksum)
-            else:  # several reads: spread them over threads (and cores)
+            if self.spread:
                 loop = asyncio.get_running_loop()
-                args = (self.path, self.offset, dest.target, self.checksum)
                 ok = await loop.run_in_executor(ctx.readers, _read_and_verify, *args)
+            else:
+                ok = _read_and_verify(*args)
         except (FileNotFoundError, StorageIOError):
             dest.discard()
             return AGAIN
@@ -150,25 +156,28 @@ class LeasedFile:
             dest.discard()
             ctx.counters["checksum_misses"] += 1
             return None
-        ctx.counters["get_bytes_file"] += self.nbytes
-        return dest.value(self.layout)
+        ctx.counters["get_bytes_file"] += entry.nbytes
+        return dest.value(entry.layout)
 
 
 class Message:
     """A value sent in the reply, or as a transfer read in parts; verified by checksum."""
 
-    def __init__(self, layout: Layout, entry: dict[str, Any]):
-        self.layout = layout
+    def __init__(self, entry: Inline | Transfer):
         self.entry = entry
 
     async def read(self, ctx: ReadContext, out: memoryview | None) -> Any:
-        layout, entry = self.layout, self.entry
+        entry = self.entry
+        layout = entry.layout
         buffer = aligned_buffer(layout.nbytes)
-        if "data" in entry:
-            buffer[:] = np.frombuffer(entry["data"], np.uint8)
+        if isinstance(entry, Inline):
+            if len(entry.data) != layout.nbytes:
+                ctx.counters["checksum_misses"] += 1
+                return None
+            buffer[:] = np.frombuffer(entry.data, np.uint8)
         else:
-            await self._read_transfer(ctx, buffer, entry["transfer"])
-        if checksum(buffer) != entry["checksum"]:
+            await self._read_transfer(ctx, buffer, entry.transfer)
+        if checksum(buffer) != entry.checksum:
             ctx.counters["checksum_misses"] += 1
             return None
         ctx.counters["get_bytes_message"] += layout.nbytes
@@ -180,14 +189,16 @@ class Message:
 
     async def _read_transfer(self, ctx: ReadContext, buffer: np.ndarray, transfer: str) -> None:
         part = ctx.message_part_bytes
-        nbytes = self.layout.nbytes
+        nbytes = self.entry.layout.nbytes
 
         async def read(offset: int) -> None:
             length = min(part, nbytes - offset)
             data = await ctx.call(
                 ctx.member, "read_part", transfer=transfer, offset=offset, length=length
             )
-            buffer[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+            if not isinstance(data, bytes) or len(data) != length:
+                raise ProtocolError(f"read_part returned {len(data)} bytes, not {length}")
+            buffer[offset : offset + length] = np.frombuffer(data, np.uint8)
 
         try:
             await asyncio.gather(*(read(off) for off in range(0, nbytes, part)))
@@ -199,28 +210,18 @@ class Message:
             raise
 
 
-Source = PoolCopy | ArenaWindow | LeasedFile | Message
-
-
-def source_of(entry: dict[str, Any], pooled: bool) -> Source | None:
-    """The source a ``get`` reply entry names (None for ``memory``: in memory, no room)."""
-    layout = Layout.from_dict(entry["layout"])
-    if "arena" in entry:
-        return ArenaWindow(layout, int(entry["arena"]))
-    if "file" in entry:
-        return LeasedFile(layout, entry["file"])
-    if "pool" in entry:
-        if not pooled:
-            return None
-        offset, generation = entry["pool"]
-        return PoolCopy(SharedLocation(layout, int(offset), int(generation)))
-    if entry.get("memory"):
+def source_of(entry: Entry, pooled: bool) -> Source | None:
+    """The source that reads the value an entry names; None when it must be asked for again
+    with room (in memory, no room offered; or a pool location we did not ask for)."""
+    if isinstance(entry, InPool):
+        return PoolCopy(entry.location) if pooled else None
+    if isinstance(entry, InWindow):
+        return ArenaWindow(entry)
+    if isinstance(entry, InFile):
+        return LeasedFile(entry)
+    if isinstance(entry, InMemoryNoRoom):
         return None
-    return Message(layout, entry)
-
-
-def copy_into(dst: memoryview, src: memoryview) -> None:
-    copy_bytes(np.frombuffer(dst, np.uint8), src)
+    return Message(entry)
 
 
 def _read_and_verify(path: str, offset: int, out: memoryview, digest: int) -> bool:
@@ -230,11 +231,14 @@ def _read_and_verify(path: str, offset: int, out: memoryview, digest: int) -> bo
 
 __all__ = [
     "AGAIN",
+    "Again",
     "ArenaWindow",
     "Destination",
     "LeasedFile",
     "Message",
     "PoolCopy",
     "ReadContext",
+    "Source",
+    "copy_into",
     "source_of",
 ]

@@ -68,6 +68,7 @@ class SyncKVCacheClient(KVApi):
     batched_contains = through_loop(KVCacheClient.batched_contains)
     lookup_prefix = through_loop(KVCacheClient.lookup_prefix)
     lookup_tokens = through_loop(KVCacheClient.lookup_tokens)
+    plan_tokens = through_loop(KVCacheClient.plan_tokens)
     remove = through_loop(KVCacheClient.remove)
     batched_remove = through_loop(KVCacheClient.batched_remove)
     pin = through_loop(KVCacheClient.pin)

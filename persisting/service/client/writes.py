@@ -3,13 +3,16 @@
 On the same host a value is copied into the client's arena and the server stores it from
 there, checking it against the checksum the client computed; the arena regions are lent
 for the request (:class:`~persisting.service.client.regions.ArenaLoans`), so a cancelled
-or timed-out put can never have its bytes overwritten before the server read them. Other
-clients send values in messages: inline up to one message part, else uploaded in parts.
+or timed-out put can never have its bytes overwritten before the server read them. A
+client on another host sends values on data connections (:mod:`.bulk`: straight from the
+value's memory, hashed as it goes, the checksum after it), or, to a server without a data
+port, in messages: inline up to one message part, else uploaded in parts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
@@ -19,11 +22,17 @@ from persisting.errors import PersistingError
 from persisting.kv import Layout, PutResult, SharedLocation
 from persisting.kv.keys import key_string
 from persisting.kv.layout import checksum, encode_value
+from persisting.kv.tiers import KeyLike
+from persisting.service.client.bulk import BulkLink, Call
 from persisting.service.client.cluster import Cluster
+from persisting.service.client.destination import copy_into
 from persisting.service.client.member import Member
 from persisting.service.client.regions import ArenaLoans
-from persisting.service.client.sources import copy_into
 from persisting.service.same_host import ClientArena, Region
+
+#: Bytes of one batch put over data connections (spread over the member's streams; well
+#: inside a session's staging bound on the server).
+BULK_BATCH_BYTES = 64 << 20
 
 #: One item of a put: key, layout, payload bytes, parent key.
 Item = tuple[str, Layout, memoryview, "str | None"]
@@ -39,7 +48,7 @@ class Writer:
         loans: ArenaLoans | None,
         counters: Counter[str],
         copier: Executor,
-        key_of: Any,
+        key_of: Callable[[KeyLike], str],
         remember: Callable[[Member, str, SharedLocation], None],
     ):
         self.cluster = cluster
@@ -52,10 +61,10 @@ class Writer:
 
     async def batched_put(
         self,
-        keys: Sequence[Any],
+        keys: Sequence[KeyLike],
         values: Sequence[Any],
         fmt: str = "KV_2LTD",
-        parents: Sequence[Any] | None = None,
+        parents: Sequence[KeyLike | None] | None = None,
     ) -> list[PutResult]:
         """Store values on their owners (one commit per owner and batch).
 
@@ -73,7 +82,7 @@ class Writer:
 
         async def put_share(member: Member, share: list[int]) -> None:
             sizes = [encoded[i][0].nbytes for i in share]
-            for part in _batches(share, sizes, self._batch_bytes()):
+            for part in _batches(share, sizes, self._batch_bytes(member)):
                 items = [(texts[i], encoded[i][0], encoded[i][1], parent_texts[i]) for i in part]
                 stored = await self._put_items(member, items, fmt)
                 for i, result in zip(part, stored, strict=True):
@@ -82,11 +91,16 @@ class Writer:
         await self.cluster.on_owners(texts, put_share)
         return [r for r in results if r is not None]
 
-    def _batch_bytes(self) -> int:
+    def _batch_bytes(self, member: Member) -> int:
+        """Bytes put in one request (or, on data connections, in one spread over them)."""
+        if member.bulk is not None and not member.same_host:
+            return BULK_BATCH_BYTES
         arena = self.arena
         return max(self.cluster.message_part_bytes, (arena.size // 4) if arena is not None else 0)
 
     async def _put_items(self, member: Member, items: list[Item], fmt: str) -> list[PutResult]:
+        if member.bulk is not None and not member.same_host:
+            return await self._put_bulk(member, items, fmt)
         regions: list[Region] = []
         wire: list[dict[str, Any]] = []
         copy: Future[None] | None = None
@@ -127,6 +141,34 @@ class Writer:
             raise
         self._free(regions)
         return self._results(member, items, reply)
+
+    async def _put_bulk(self, member: Member, items: list[Item], fmt: str) -> list[PutResult]:
+        """Store ``items`` over data connections, spread over the member's streams by size.
+        A put is idempotent (the first writer wins), so one lost connection is tried again
+        on a fresh one; a refused credential after a new ``hello``."""
+        assert member.bulk is not None
+        runs = _batches(
+            list(range(len(items))),
+            [layout.nbytes for _k, layout, _d, _p in items],
+            max(1, -(-sum(layout.nbytes for _k, layout, _d, _p in items) // member.bulk.streams)),
+        )
+        replies = await asyncio.gather(
+            *(self._put_bulk_run(member, [items[i] for i in run], fmt) for run in runs)
+        )
+        return [PutResult(**entry) for reply in replies for entry in reply]
+
+    async def _put_bulk_run(
+        self, member: Member, items: list[Item], fmt: str
+    ) -> list[dict[str, Any]]:
+        """One put request on one data connection (the failure rules:
+        :meth:`Cluster.over_data_path`)."""
+
+        def put(link: BulkLink) -> Callable[[Call], list[dict[str, Any]]]:
+            return functools.partial(link.put, model=self.cluster.model, fmt=fmt, items=items)
+
+        reply = await self.cluster.over_data_path(member, put)
+        self.counters["put_bytes_bulk"] += sum(layout.nbytes for _k, layout, _d, _p in items)
+        return reply
 
     def _results(
         self, member: Member, items: list[Item], reply: list[dict[str, Any]]

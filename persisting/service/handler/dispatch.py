@@ -41,7 +41,12 @@ from persisting.service.protocol import (
     parse_request,
 )
 from persisting.service.same_host import ServerArenaMapping
-from persisting.service.sessions import Session, SessionTable
+from persisting.service.sessions import (
+    SESSION_STAGED_BYTES,
+    STAGED_TTL_S,
+    Session,
+    SessionTable,
+)
 
 Operation = Callable[[Request, "Session | None"], Any]
 
@@ -57,12 +62,20 @@ class StorageHandler:
         message_part_bytes: int = DEFAULT_MESSAGE_PART_BYTES,
         max_inflight: int = 16,
         max_staged_bytes: int = 1 << 30,
+        max_session_staged_bytes: int = SESSION_STAGED_BYTES,
+        staged_ttl_s: float = STAGED_TTL_S,
         threads: int = 4,
         node: Mapping[str, Any] | None = None,
         clock: Callable[[], float] | None = None,
     ):
         kwargs = {"clock": clock} if clock is not None else {}
-        sessions = SessionTable(lease_ttl_s, max_staged_bytes=max_staged_bytes, **kwargs)
+        sessions = SessionTable(
+            lease_ttl_s,
+            max_staged_bytes=max_staged_bytes,
+            max_session_staged_bytes=max_session_staged_bytes,
+            staged_ttl_s=staged_ttl_s,
+            **kwargs,
+        )
         self.state = ServerState(
             stores, sessions, lease_ttl_s=lease_ttl_s, message_part_bytes=message_part_bytes
         )
@@ -73,6 +86,9 @@ class StorageHandler:
         self.lanes: list[str] = []
         #: Path of the Unix socket same-host clients may send requests to (set by the actor).
         self.local_channel: str | None = None
+        #: Where clients on other hosts open data connections (``host``, ``port``,
+        #: ``sealed``; set by the actor when it serves the bulk data path).
+        self.bulk: dict[str, Any] | None = None
         #: Named callables whose plain-dict results join the ``stats`` reply (e.g. "events").
         self.extra_stats: dict[str, Callable[[], dict[str, Any]]] = {}
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-service")
@@ -169,6 +185,7 @@ class StorageHandler:
             for session in gone:
                 self._give_back(session)
             self.counters["sessions_expired"] += len(gone)
+            self.counters["staged_expired"] += self.sessions.expire_staged()
             return len(gone)
 
     def close(self) -> None:
@@ -228,6 +245,7 @@ class StorageHandler:
             "shm_error": shm_error,
             "local_channel": self.local_channel if mapping is not None else None,
             "pool": self._pool_of(request.model) if mapping is not None else None,
+            "bulk": None if self.bulk is None else {**self.bulk, **session.credential.to_wire()},
         }
 
     def _pool_of(self, model: str | None) -> dict[str, Any] | None:

@@ -228,9 +228,11 @@ class GetPaths:
         ):
             raise ProtocolError("read_part is outside its transfer or larger than a part")
         data = staged.buffer[offset : offset + length].tobytes()
-        with state.lock:  # parts are read on several threads at once
-            staged.received += length
-            if staged.received >= staged.nbytes:
+        with state.lock:  # parts are read on several threads at once; a repeat counts once
+            with staged.lock:
+                staged.add_part(offset, length)
+                complete = staged.complete
+            if complete:
                 state.sessions.unstage(session, transfer)
         return data
 

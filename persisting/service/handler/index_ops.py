@@ -28,8 +28,8 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class IndexOps:
-    """``contains``, ``layout``, ``lookup_prefix``, ``lookup_tokens``, ``remove``, ``pin``,
-    ``unpin``, ``prefetch`` and ``stats``."""
+    """``contains``, ``layout``, ``tiers``, ``lookup_prefix``, ``lookup_tokens``, ``remove``,
+    ``pin``, ``unpin``, ``prefetch`` and ``stats``."""
 
     def __init__(self, state: ServerState, server_stats: Callable[[], dict[str, Any]]):
         self.state = state
@@ -45,6 +45,19 @@ class IndexOps:
         for key in request.args["keys"]:
             layout = store.layout(key)
             out.append(None if layout is None else layout.to_dict())
+        return out
+
+    def tiers(self, request: Request, _session: Session | None) -> list[list[Any] | None]:
+        """Per key, ``[tier, nbytes]`` of where a read would find it now ("memory" or
+        "disk"), or None: what a client prices a load-or-recompute plan with."""
+        store = self.state.store(request.model)
+        out: list[list[Any] | None] = []
+        for key in request.args["keys"]:
+            layout = store.layout(key)
+            if layout is None:
+                out.append(None)
+            else:
+                out.append(["memory" if store.in_memory(key) else "disk", layout.nbytes])
         return out
 
     def lookup_prefix(self, request: Request, _session: Session | None) -> int:

@@ -47,10 +47,10 @@ class PutPaths:
         with state.ticket(session, request.args.get("ticket"), needed=from_arena):
             replies = self._put(store, session, items, fmt)
         tell_writer = bool(request.args.get("pool")) and arena_of(session, False) is not None
-        self._record_placements(store, str(request.model), items, replies, tell_writer)
+        self.record_placements(store, str(request.model), items, replies, tell_writer)
         return replies
 
-    def _record_placements(
+    def record_placements(
         self,
         store: KVStore,
         model: str,
@@ -140,7 +140,9 @@ class PutPaths:
         if "upload" in source:
             with self.state.lock:
                 staged = self.state.sessions.staged(session, source["upload"])
-            if staged.received != staged.nbytes or staged.nbytes != layout.nbytes:
+            with staged.lock:
+                complete = staged.complete
+            if not complete or staged.nbytes != layout.nbytes:
                 raise ProtocolError(
                     f"upload has {staged.received} of {staged.nbytes} bytes; "
                     f"the layout needs {layout.nbytes}"
@@ -179,9 +181,9 @@ class PutPaths:
             or len(data) > state.message_part_bytes
         ):
             raise ProtocolError("upload part is outside its upload or larger than a part")
-        staged.buffer[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
-        with state.lock:  # parts arrive on several threads at once
-            staged.received += len(data)
+        with staged.lock:  # parts arrive on several threads at once; a repeat counts once
+            staged.add_part(offset, len(data))
+            staged.buffer[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
             return staged.received
 
 

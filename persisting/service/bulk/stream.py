@@ -1,0 +1,309 @@
+"""The bytes of one data connection: header frames and payloads.
+
+A **frame** is ``<u32 length>`` and a msgpack map of plain values (checked with
+:func:`~persisting.service.protocol.is_plain`; nothing is unpickled), at most
+:data:`MAX_FRAME_BYTES`. A **payload** is raw bytes whose length a frame announced. Both
+sides use blocking sockets with kernel timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``), so a
+transfer that makes no progress for that long fails instead of hanging; an end of stream
+or a timeout in the middle of anything is :class:`ConnectionLost`.
+
+Payload bytes never pass through an intermediate buffer on the plain stream: a receiver
+``recv_into``\\s the destination itself, :data:`PIECE` bytes at a time, and hashes each
+piece right after it lands (still in cache); a server sends a memory-tier value from the
+tier's own buffer (``sendmsg`` with the frame before it, one call) and a value on disk
+with ``os.sendfile`` from its payload file.
+
+:class:`SealedStream` encrypts everything after the handshake in AES-256-GCM records (at
+most :data:`RECORD` bytes each, a per-direction key and a record counter as nonce, the
+length as associated data): a record that fails its tag is :class:`ConnectionLost`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import xxhash
+
+from persisting.errors import ProtocolError
+from persisting.service.protocol import is_plain
+
+#: Largest header frame either side accepts (4096 keys of ~100 bytes fit easily).
+MAX_FRAME_BYTES = 4 << 20
+#: Bytes received (or sent) per step while hashing: small enough to hash in cache.
+PIECE = 1 << 20
+#: Largest plaintext of one sealed record.
+RECORD = 1 << 20
+TAG_BYTES = 16
+
+_LENGTH = struct.Struct("<I")
+_CHECKSUM = struct.Struct("<Q")
+
+
+class ConnectionLost(Exception):
+    """The connection ended, timed out or carried something unreadable mid-request: what
+    it was carrying is lost (a miss), and the connection is not used again. ``timed_out``:
+    the peer stopped moving bytes for longer than the timeout (a hung member)."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def _lost(what: str, exc: OSError) -> ConnectionLost:
+    return ConnectionLost(
+        f"{what}: {exc}", timed_out=isinstance(exc, BlockingIOError | TimeoutError)
+    )
+
+
+def set_timeouts(sock: socket.socket, seconds: float | None) -> None:
+    """Kernel send and receive timeouts on a blocking socket (None: wait for ever)."""
+    sock.settimeout(None)
+    whole = int(seconds or 0)
+    micros = int(((seconds or 0) - whole) * 1_000_000)
+    value = struct.pack("ll", whole, micros)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay on small frames (a reply's frame must not wait for an ACK)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"a {len(body)}-byte frame exceeds the data path's limit")
+    return _LENGTH.pack(len(body)) + body
+
+
+def unpack(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    try:
+        message = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            timestamp=0,
+        )
+    except Exception as exc:  # garbled bytes: unpack's errors are many
+        raise ConnectionLost(f"undecodable frame: {exc}") from exc
+    if not isinstance(message, dict) or not is_plain(message):
+        raise ConnectionLost("a frame must be a map of plain values")
+    return message
+
+
+class Stream:
+    """One data connection, plain: see the module docstring."""
+
+    sealed = False
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    # -- primitives (the sealed stream replaces these) ------------------------------------
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Send every byte of ``parts``, in as few system calls as the kernel takes."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        try:
+            while views:
+                sent = self.sock.sendmsg(views)
+                while views and sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                if views and sent:
+                    views[0] = views[0][sent:]
+        except OSError as exc:
+            raise _lost("send failed", exc) from exc
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` from the connection (all of it, or ConnectionLost)."""
+        got, size = 0, len(view)
+        try:
+            while got < size:
+                n = self.sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+                if n == 0:
+                    raise ConnectionLost("the peer closed the connection")
+                got += n
+        except OSError as exc:  # a reset, or the kernel timeout (EAGAIN)
+            raise _lost("receive failed", exc) from exc
+
+    def send_file(self, fd: int, offset: int, nbytes: int) -> None:
+        """Send ``nbytes`` of the file ``fd`` from ``offset``, kernel to kernel."""
+        end = offset + nbytes
+        try:
+            while offset < end:
+                sent = os.sendfile(self.sock.fileno(), fd, offset, end - offset)
+                if sent == 0:
+                    raise ConnectionLost("the payload file ended early")
+                offset += sent
+        except OSError as exc:
+            raise _lost("sendfile failed", exc) from exc
+
+    # -- frames and payloads --------------------------------------------------------------
+
+    def send_frame(self, message: dict[str, Any], payload: memoryview | None = None) -> None:
+        """A frame, and the payload it announces if given (together, in one call)."""
+        frame = pack(message)
+        self.send([frame] if payload is None else [frame, payload])
+
+    def recv_frame(self) -> dict[str, Any]:
+        head = bytearray(_LENGTH.size)
+        self.recv_into(memoryview(head))
+        (length,) = _LENGTH.unpack(head)
+        if length > MAX_FRAME_BYTES:
+            raise ConnectionLost(f"a {length}-byte frame exceeds the data path's limit")
+        body = bytearray(length)
+        self.recv_into(memoryview(body))
+        return unpack(body)
+
+    def recv_payload(self, view: memoryview) -> int:
+        """Receive a payload into ``view`` (the destination itself); returns its checksum,
+        each piece hashed right after it landed."""
+        digest = xxhash.xxh3_64()
+        for start in range(0, len(view), PIECE):
+            piece = view[start : start + PIECE]
+            self.recv_into(piece)
+            digest.update(piece)
+        return digest.intdigest()
+
+    def send_payload(self, view: memoryview) -> int:
+        """Send a payload; returns its checksum, each piece hashed just before it is sent
+        (the send then copies it from cache)."""
+        digest = xxhash.xxh3_64()
+        for start in range(0, len(view), PIECE):
+            piece = view[start : start + PIECE]
+            digest.update(piece)
+            self.send([piece])
+        return digest.intdigest()
+
+    def send_checksum(self, value: int) -> None:
+        self.send([_CHECKSUM.pack(value)])
+
+    def recv_checksum(self) -> int:
+        raw = bytearray(_CHECKSUM.size)
+        self.recv_into(memoryview(raw))
+        return int(_CHECKSUM.unpack(raw)[0])
+
+    def discard(self, nbytes: int, scratch: memoryview) -> None:
+        """Read and drop ``nbytes`` (a refused put's payload), through ``scratch``."""
+        while nbytes > 0:
+            piece = scratch[: min(len(scratch), nbytes)]
+            self.recv_into(piece)
+            nbytes -= len(piece)
+
+    def shutdown(self) -> None:
+        """End the connection from another thread: a thread blocked on it wakes up and
+        fails, and closes it itself (closing here could let the descriptor be reused under
+        that thread by a new connection)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Shut the connection down and close it (by the thread that uses it)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class SealedStream(Stream):
+    """A data connection whose bytes are AES-256-GCM records (see the module docstring)."""
+
+    sealed = True
+
+    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        super().__init__(sock)
+        self._sealer = AESGCM(send_key)
+        self._opener = AESGCM(recv_key)
+        self._sent = 0
+        self._received = 0
+        self._out = bytearray(_LENGTH.size + RECORD + TAG_BYTES)
+        self._in = bytearray(RECORD + TAG_BYTES)
+        self._plain = bytearray(RECORD)
+        self._left = memoryview(self._plain)[:0]  # plaintext received but not yet read
+
+    @staticmethod
+    def _nonce(counter: int) -> bytes:
+        return b"\0\0\0\0" + counter.to_bytes(8, "little")
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        out = memoryview(self._out)
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), RECORD):
+                piece = view[start : start + RECORD]
+                header = _LENGTH.pack(len(piece))
+                out[: _LENGTH.size] = header
+                sealed = out[_LENGTH.size : _LENGTH.size + len(piece) + TAG_BYTES]
+                self._sealer.encrypt_into(self._nonce(self._sent), piece, header, sealed)
+                self._sent += 1
+                super().send([out[: _LENGTH.size + len(piece) + TAG_BYTES]])
+
+    def recv_into(self, view: memoryview) -> None:
+        filled = 0
+        while filled < len(view):
+            if len(self._left):
+                n = min(len(self._left), len(view) - filled)
+                view[filled : filled + n] = self._left[:n]
+                self._left = self._left[n:]
+                filled += n
+                continue
+            header = bytearray(_LENGTH.size)
+            super().recv_into(memoryview(header))
+            (length,) = _LENGTH.unpack(header)
+            if length > RECORD:
+                raise ConnectionLost(f"a {length}-byte sealed record exceeds the limit")
+            sealed = memoryview(self._in)[: length + TAG_BYTES]
+            super().recv_into(sealed)
+            # straight into the destination when the whole record belongs there
+            direct = length <= len(view) - filled
+            target = view[filled : filled + length] if direct else memoryview(self._plain)[:length]
+            try:
+                self._opener.decrypt_into(
+                    self._nonce(self._received), sealed, bytes(header), target
+                )
+            except Exception as exc:  # InvalidTag: altered, replayed or reordered bytes
+                raise ConnectionLost("a sealed record failed its authentication") from exc
+            self._received += 1
+            if direct:
+                filled += length
+            else:
+                self._left = memoryview(self._plain)[:length]
+
+    def send_file(self, fd: int, offset: int, nbytes: int) -> None:
+        scratch = bytearray(min(nbytes, RECORD))
+        view = memoryview(scratch)
+        end = offset + nbytes
+        try:
+            while offset < end:
+                n = os.preadv(fd, [view[: min(len(view), end - offset)]], offset)
+                if n <= 0:
+                    raise ConnectionLost("the payload file ended early")
+                self.send([view[:n]])
+                offset += n
+        except OSError as exc:
+            raise ConnectionLost(f"reading the payload file failed: {exc}") from exc
+
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "PIECE",
+    "RECORD",
+    "ConnectionLost",
+    "SealedStream",
+    "Stream",
+    "pack",
+    "set_timeouts",
+    "tune",
+    "unpack",
+]

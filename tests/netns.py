@@ -1,0 +1,115 @@
+"""Two hosts on one machine: network namespaces joined by a veth pair.
+
+A server runs in one namespace and a client in the other, each with its own address on a
+private /24; traffic between them crosses a real (virtual) link instead of loopback. The
+namespaces are created on entry and removed on exit, whatever happened (removing a
+namespace removes its end of the pair, and with it the other end). Needs root and ``ip``
+(iproute2, installed by ``scripts/install.sh`` where it is missing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+#: ``ip`` as installed by iproute2.
+IP = shutil.which("ip") or "/usr/sbin/ip"
+
+
+def netns_available() -> str | None:
+    """None when namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not Path(IP).exists():
+        return "the ip command (iproute2) is missing: run scripts/install.sh"
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run([IP, *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+class TwoHosts:
+    """A server namespace and a client namespace, joined by a veth pair (see the module
+    docstring). Addresses are ``10.<a>.<b>.1`` (server) and ``.2`` (client), picked from
+    the process id and ``tag`` so parallel runs do not collide."""
+
+    def __init__(self, tag: str = "t"):
+        unique = (os.getpid() * 7 + sum(tag.encode())) % 60000
+        base = f"pk{unique}{tag}"[:11]
+        self.server_ns = f"{base}-s"
+        self.client_ns = f"{base}-c"
+        self._veth = (f"{base}a", f"{base}b")
+        net = f"10.{200 + unique % 50}.{unique // 50 % 250}"
+        self.server_ip = f"{net}.1"
+        self.client_ip = f"{net}.2"
+
+    def __enter__(self) -> TwoHosts:
+        why = netns_available()
+        if why is not None:
+            raise RuntimeError(why)
+        try:
+            _ip("netns", "add", self.server_ns)
+            _ip("netns", "add", self.client_ns)
+            _ip("link", "add", self._veth[0], "type", "veth", "peer", "name", self._veth[1])
+            for ns, dev, ip in (
+                (self.server_ns, self._veth[0], self.server_ip),
+                (self.client_ns, self._veth[1], self.client_ip),
+            ):
+                _ip("link", "set", dev, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for ns in (self.server_ns, self.client_ns):
+            subprocess.run([IP, "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run([IP, "link", "del", self._veth[0]], capture_output=True, timeout=30)
+
+    def in_server(self, args: Sequence[str]) -> list[str]:
+        """``args`` as a command run inside the server's namespace."""
+        return [IP, "netns", "exec", self.server_ns, *args]
+
+    def in_client(self, args: Sequence[str]) -> list[str]:
+        """``args`` as a command run inside the client's namespace."""
+        return [IP, "netns", "exec", self.client_ns, *args]
+
+    def link(self, side: str, state: str) -> None:
+        """Take a side's end of the link ``down`` or ``up`` (a member that hangs)."""
+        ns, dev = (
+            (self.server_ns, self._veth[0]) if side == "server" else (self.client_ns, self._veth[1])
+        )
+        _ip("-n", ns, "link", "set", dev, state)
+
+    def kill_connections(self, port: int) -> str:
+        """Kill every TCP connection to ``port`` in the server's namespace (``ss -K``: the
+        kernel resets them); what ss printed."""
+        out = subprocess.run(
+            self.in_server(["ss", "-K", "-t", "state", "established", f"( sport = :{port} )"]),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return out.stdout + out.stderr
+
+
+PYTHON = sys.executable
+
+__all__ = ["IP", "PYTHON", "TwoHosts", "netns_available"]
