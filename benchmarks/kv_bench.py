@@ -7,8 +7,12 @@ For each chunk size it measures, alternating store and baseline rounds:
 - durable put (``durability="sync"``)  vs  plain file write + fsync of the same bytes
 - async put (write-behind ack)          vs  the same plain write + fsync
 - cold get from disk                    vs  plain read into a freshly allocated tensor
-  (page cache dropped with ``posix_fadvise(DONTNEED)`` for store files and baseline alike)
-- warm get from memory                  vs  one memcpy into a freshly allocated tensor
+  (page cache dropped with ``posix_fadvise(DONTNEED)`` for store files and baseline alike),
+  each result dropped before the next read (``cold_get``: the store reuses its result
+  pages), and every result kept (``cold_get_kept``: each lands in pages nobody touched yet,
+  on both sides)
+- warm get from memory                  vs  one memcpy into a freshly allocated tensor,
+  results dropped (``warm_get``) and kept (``warm_get_kept``)
 
 and ``lookup_prefix`` of a 512-chunk prefix over an index of 10k and 1M keys against a
 plain dict membership test, plus the index's memory per key; then the two cold-read rows of
@@ -107,8 +111,12 @@ def bench_size(workdir: Path, size_mib: int, count: int, settle_s: float = 5.0) 
             "put_async",
             "cold_get",
             "cold_base",
+            "cold_get_kept",
+            "cold_base_kept",
             "warm_get",
             "memcpy",
+            "warm_get_kept",
+            "memcpy_kept",
         )
     }
     store_root = workdir / f"store-{size_mib}"
@@ -136,25 +144,47 @@ def bench_size(workdir: Path, size_mib: int, count: int, settle_s: float = 5.0) 
                 phase()
             rows["put_async"].append(gbps(timed(async_store.put, key(i), v)[0]))
             async_store.flush()  # untimed: its write-behind must not slow the next rounds
-        cold_reads.settle(settle_s)
-        for i, v in enumerate(values):
-            loc = sync_store.lease(key(i), 0.0)
-            assert loc is not None
-            drop_cache(loc.path)
-            drop_cache(str(base_dir / f"{i}"))
-            if i % 2:
-                rows["cold_base"].append(gbps(timed(baseline_read, base_dir / f"{i}", v)[0]))
-            secs, got = timed(sync_store.get, key(i))
-            rows["cold_get"].append(gbps(secs))
-            assert torch.equal(got, v)
-            if i % 2 == 0:
-                rows["cold_base"].append(gbps(timed(baseline_read, base_dir / f"{i}", v)[0]))
-        for i, v in enumerate(values):
-            rows["memcpy"].append(gbps(timed(lambda src: torch.empty_like(src).copy_(src), v)[0]))
-            secs, got = timed(async_store.get, key(i))
-            rows["warm_get"].append(gbps(secs))
-            assert torch.equal(got, v)
-        assert async_store.stats().get("get_hit_memory", 0) == count
+        for kept in (False, True):
+            cold_reads.settle(settle_s)
+            suffix = "_kept" if kept else ""
+            got_list: list[torch.Tensor] = []  # what a caller keeps (kept rows)
+            base_list: list[torch.Tensor] = []
+            for i, v in enumerate(values):
+                loc = sync_store.lease(key(i), 0.0)
+                assert loc is not None
+                drop_cache(loc.path)
+                drop_cache(str(base_dir / f"{i}"))
+                if i % 2:
+                    secs, out = timed(baseline_read, base_dir / f"{i}", v)
+                    rows[f"cold_base{suffix}"].append(gbps(secs))
+                    if kept:
+                        base_list.append(out)
+                secs, got = timed(sync_store.get, key(i))
+                rows[f"cold_get{suffix}"].append(gbps(secs))
+                assert torch.equal(got, v)
+                if kept:
+                    got_list.append(got)
+                del got
+                if i % 2 == 0:
+                    secs, out = timed(baseline_read, base_dir / f"{i}", v)
+                    rows[f"cold_base{suffix}"].append(gbps(secs))
+                    if kept:
+                        base_list.append(out)
+            del got_list, base_list
+        for kept in (False, True):
+            suffix = "_kept" if kept else ""
+            held: list[torch.Tensor] = []
+            for i, v in enumerate(values):
+                secs, copy = timed(lambda src: torch.empty_like(src).copy_(src), v)
+                rows[f"memcpy{suffix}"].append(gbps(secs))
+                secs, got = timed(async_store.get, key(i))
+                rows[f"warm_get{suffix}"].append(gbps(secs))
+                assert torch.equal(got, v)
+                if kept:
+                    held += [copy, got]
+                del got, copy
+            del held
+        assert async_store.stats().get("get_hit_memory", 0) == 2 * count
     med = {k: statistics.median(v) for k, v in rows.items()}
     return {
         "size_mib": size_mib,
@@ -162,7 +192,9 @@ def bench_size(workdir: Path, size_mib: int, count: int, settle_s: float = 5.0) 
         "durable_put_ratio": round(med["put_sync"] / med["put_base"], 3),
         "async_put_ratio": round(med["put_async"] / med["put_base"], 3),
         "cold_get_ratio": round(med["cold_get"] / med["cold_base"], 3),
+        "cold_get_kept_ratio": round(med["cold_get_kept"] / med["cold_base_kept"], 3),
         "warm_get_ratio": round(med["warm_get"] / med["memcpy"], 3),
+        "warm_get_kept_ratio": round(med["warm_get_kept"] / med["memcpy_kept"], 3),
     }
 
 
@@ -213,7 +245,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
-        results: dict = {"sizes": [], "lookup": []}
+        results: dict = {"sizes": [], "lookup": [], "load_average": os.getloadavg()[0]}
         for size in args.sizes_mib:
             row = bench_size(work, size, args.count, args.settle_s)
             results["sizes"].append(row)
@@ -221,9 +253,13 @@ def main() -> None:
                 f"{size:>3} MiB  durable put {row['put_sync_gbps']:.2f} GB/s vs write+fsync "
                 f"{row['put_base_gbps']:.2f} -> {row['durable_put_ratio']:.2f}x | async put "
                 f"{row['async_put_ratio']:.2f}x | cold get {row['cold_get_gbps']:.2f} vs read "
-                f"{row['cold_base_gbps']:.2f} -> {row['cold_get_ratio']:.2f}x | warm get "
+                f"{row['cold_base_gbps']:.2f} -> {row['cold_get_ratio']:.2f}x | cold get kept "
+                f"{row['cold_get_kept_gbps']:.2f} vs read kept {row['cold_base_kept_gbps']:.2f}"
+                f" -> {row['cold_get_kept_ratio']:.2f}x | warm get "
                 f"{row['warm_get_gbps']:.2f} vs memcpy {row['memcpy_gbps']:.2f} -> "
-                f"{row['warm_get_ratio']:.2f}x",
+                f"{row['warm_get_ratio']:.2f}x | warm get kept {row['warm_get_kept_gbps']:.2f} "
+                f"vs memcpy kept {row['memcpy_kept_gbps']:.2f} -> "
+                f"{row['warm_get_kept_ratio']:.2f}x",
                 flush=True,
             )
         for n in args.index_sizes:

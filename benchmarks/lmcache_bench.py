@@ -1,8 +1,18 @@
 """LMCache storage-backend I/O: LocalDiskBackend vs PersistingKVBackend, same workload.
 
-Modelled on LMCache's ``benchmarks/storage_backend_io/storage_backend_io_benchmark.py``
-(which does not ship in the lmcache wheel; this is an independent harness with the same
-method, not a copy): ``--num-ops`` chunks are submitted with ``batched_submit_put_task``
+Two harnesses, run one after the other (``--mode``, default ``both``):
+
+- ``shipped``: LMCache 0.5.6's own ``storage_backend_io`` harness, as shipped in its sdist
+  (fetched with pip into a cache on first use: see ``benchmarks/lmcache_harness.py``),
+  each run a fresh process, LocalDisk and the plugin alternating: reads land in the fresh
+  tensors LMCache's ``AdHocMemoryAllocator`` allocates, as that harness has them. Chunks
+  are its ``kv_shape (28, 2, 256, 8, 128)`` bfloat16 (28 MiB), ``--shipped-ops`` of them,
+  ``--concurrency`` threads; ``--shipped-chunk`` changes the chunk's token count.
+- ``resident``: the independent harness below, whose reads land in one preallocated,
+  faulted-in buffer (``--staging resident``, as LMCache deploys its CPU backend).
+
+The resident harness, modelled on LMCache's (an independent harness with the same method,
+not a copy): ``--num-ops`` chunks are submitted with ``batched_submit_put_task``
 from ``--concurrency`` threads (one slice each) and the write is timed until every key's
 ``on_complete_callback`` has fired; the read times ``get_blocking`` of every key from the
 same number of threads, and each chunk read is then compared byte for byte with what was
@@ -20,7 +30,8 @@ bfloat16 (``[2, 28, 256, 1024]``, 28 MiB, KV_2LTD). Throughputs are medians over
 each ratio (Persisting / LocalDisk, > 1 means Persisting is faster) is the median of the
 per-round ratios (the two backends of a round run back to back).
 
-    .venv/bin/python benchmarks/lmcache_bench.py                 # default (~1-2 min)
+    .venv/bin/python benchmarks/lmcache_bench.py                 # both harnesses (~5-10 min)
+    .venv/bin/python benchmarks/lmcache_bench.py --mode shipped  # LMCache's own harness only
     .venv/bin/python benchmarks/lmcache_bench.py --shape 2,16,8,128 --fmt KV_T2D \\
         --num-ops 256 --concurrency 16                           # LMCache's harness shape
 """
@@ -56,6 +67,9 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
 from persisting.lmcache_backend import PersistingKVBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lmcache_harness
 
 MODEL = "meta-llama/Llama-3-8B"
 DTYPE = torch.bfloat16
@@ -341,8 +355,127 @@ def _round_ratio(results: list[dict[str, Any]], field: str) -> float:
     )
 
 
+def run_shipped(args: argparse.Namespace, base: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """LMCache's own harness, LocalDisk and the plugin alternating, a fresh process each."""
+    lmcache_harness.harness_path()  # fetched (or found) before any clock starts
+    runs: list[dict[str, Any]] = []
+    order = ["local_disk", "persisting"]
+    for round_no in range(args.rounds):
+        for name in order if round_no % 2 == 0 else order[::-1]:
+            directory = base / f"shipped-{name}-{round_no}"
+            directory.mkdir(parents=True)
+            settle(args.pause)
+            try:
+                result = lmcache_harness.run_child(
+                    name,
+                    directory,
+                    args.shipped_ops,
+                    args.concurrency,
+                    args.shipped_chunk,
+                    options if name == "persisting" else {},
+                )
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            result["name"], result["round"] = name, round_no
+            runs.append(result)
+            print(
+                f"shipped round {round_no} {name:>10}: write {result['write_ops_per_sec']:7.1f}"
+                f" ops/s  read {result['read_ops_per_sec']:7.1f} ops/s  integrity errors "
+                f"{result['integrity_errors']}  (load average {result['load_average']:.1f})",
+                flush=True,
+            )
+
+    def ratio(field: str) -> float:
+        disk = {r["round"]: r[field] for r in runs if r["name"] == "local_disk"}
+        return statistics.median(
+            r[field] / disk[r["round"]] for r in runs if r["name"] == "persisting"
+        )
+
+    def median(name: str, field: str) -> float:
+        return statistics.median(r[field] for r in runs if r["name"] == name)
+
+    summary = {
+        "runs": runs,
+        "write_ratio": ratio("write_ops_per_sec"),
+        "read_ratio": ratio("read_ops_per_sec"),
+        "integrity_errors": sum(r["integrity_errors"] for r in runs),
+    }
+    for name in order:
+        summary[name] = {f: median(name, f) for f in ("write_ops_per_sec", "read_ops_per_sec")}
+    print(
+        f"\nLMCache's storage_backend_io harness as shipped ({args.shipped_ops} ops, chunk "
+        f"{args.shipped_chunk} tokens, concurrency {args.concurrency}, {args.rounds} rounds),"
+        f" medians: LocalDisk write {summary['local_disk']['write_ops_per_sec']:.1f} read "
+        f"{summary['local_disk']['read_ops_per_sec']:.1f} ops/s; Persisting write "
+        f"{summary['persisting']['write_ops_per_sec']:.1f} read "
+        f"{summary['persisting']['read_ops_per_sec']:.1f} ops/s; ratio (median of per-round "
+        f"ratios) write {summary['write_ratio']:.2f}x read {summary['read_ratio']:.2f}x; "
+        f"integrity errors {summary['integrity_errors']}",
+        flush=True,
+    )
+    return summary
+
+
+def run_resident(args: argparse.Namespace, base: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """The independent harness (``--staging``), LocalDisk and the plugin alternating."""
+    results: list[dict[str, Any]] = []
+    order = ["local_disk", "persisting"]
+    for round_no in range(args.rounds):
+        for name in order if round_no % 2 == 0 else order[::-1]:
+            result = run_one(name, args, round_no, base, options)
+            results.append(result)
+            print(
+                f"round {round_no} {name:>10}: write {result['write_mib_s']:8.1f} MiB/s "
+                f"({result['write_ops_s']:7.1f} ops/s)  read {result['read_mib_s']:8.1f} "
+                f"MiB/s ({result['read_ops_s']:7.1f} ops/s)  "
+                f"integrity errors {result['integrity_errors']}  "
+                f"found after restart {result['recovered_after_restart']}/{args.num_ops}",
+                flush=True,
+            )
+    disk, ours = _summary(results, "local_disk"), _summary(results, "persisting")
+    print(
+        f"\nchunk {list(args.shape)} {args.fmt} bfloat16, {args.num_ops} ops x "
+        f"{args.rounds} rounds, concurrency {args.concurrency}, staging {args.staging}, medians:"
+    )
+    for label, s in (("LocalDiskBackend", disk), ("PersistingKVBackend", ours)):
+        print(
+            f"  {label:<20} write {s['write_mib_s']:8.1f} MiB/s  read {s['read_mib_s']:8.1f} "
+            f"MiB/s  integrity errors {s['integrity_errors']}  "
+            f"found after restart {s['recovered_after_restart']}/{args.num_ops}"
+        )
+    write_ratio = _round_ratio(results, "write_mib_s")
+    read_ratio = _round_ratio(results, "read_mib_s")
+    print(
+        f"  ratio Persisting/LocalDisk (median of per-round ratios): "
+        f"write {write_ratio:.2f}x  read {read_ratio:.2f}x",
+        flush=True,
+    )
+    return {
+        "runs": results,
+        "local_disk": disk,
+        "persisting": ours,
+        "write_ratio": write_ratio,
+        "read_ratio": read_ratio,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--mode",
+        choices=["both", "shipped", "resident"],
+        default="both",
+        help="LMCache's harness as shipped, the resident-staging harness, or both",
+    )
+    parser.add_argument(
+        "--shipped-ops", type=int, default=48, help="chunks per run of LMCache's harness"
+    )
+    parser.add_argument(
+        "--shipped-chunk",
+        type=int,
+        default=256,
+        help="tokens per chunk in LMCache's harness (its kv_shape (28, 2, chunk, 8, 128))",
+    )
     parser.add_argument("--num-ops", type=int, default=24, help="chunks per round")
     parser.add_argument("--concurrency", type=int, default=4, help="submitting/reading threads")
     parser.add_argument("--rounds", type=int, default=3)
@@ -382,46 +515,25 @@ def main(argv: list[str] | None = None) -> int:
     persisting_options = dict(item.split("=", 1) for item in args.persisting)
 
     base = Path(tempfile.mkdtemp(prefix="lmcache-bench-", dir=args.dir))
-    results: list[dict[str, Any]] = []
-    order = ["local_disk", "persisting"]
+    out: dict[str, Any] = {"load_average_start": os.getloadavg()[0]}
     try:
-        for round_no in range(args.rounds):
-            for name in order if round_no % 2 == 0 else order[::-1]:
-                result = run_one(name, args, round_no, base, persisting_options)
-                results.append(result)
-                print(
-                    f"round {round_no} {name:>10}: write {result['write_mib_s']:8.1f} MiB/s "
-                    f"({result['write_ops_s']:7.1f} ops/s)  read {result['read_mib_s']:8.1f} "
-                    f"MiB/s ({result['read_ops_s']:7.1f} ops/s)  "
-                    f"integrity errors {result['integrity_errors']}  "
-                    f"found after restart {result['recovered_after_restart']}/{args.num_ops}",
-                    flush=True,
-                )
+        if args.mode in ("shipped", "both"):
+            out["shipped"] = run_shipped(args, base, persisting_options)
+        if args.mode in ("resident", "both"):
+            out["resident"] = run_resident(args, base, persisting_options)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    disk, ours = _summary(results, "local_disk"), _summary(results, "persisting")
-    print(
-        f"\nchunk {list(args.shape)} {args.fmt} bfloat16, {args.num_ops} ops x "
-        f"{args.rounds} rounds, concurrency {args.concurrency}, medians:"
-    )
-    for label, s in (("LocalDiskBackend", disk), ("PersistingKVBackend", ours)):
-        print(
-            f"  {label:<20} write {s['write_mib_s']:8.1f} MiB/s  read {s['read_mib_s']:8.1f} "
-            f"MiB/s  integrity errors {s['integrity_errors']}  "
-            f"found after restart {s['recovered_after_restart']}/{args.num_ops}"
-        )
-    write_ratio = _round_ratio(results, "write_mib_s")
-    read_ratio = _round_ratio(results, "read_mib_s")
-    print(
-        f"  ratio Persisting/LocalDisk (median of per-round ratios): "
-        f"write {write_ratio:.2f}x  read {read_ratio:.2f}x"
-    )
+    out["load_average_end"] = os.getloadavg()[0]
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"runs": results, "local_disk": disk, "persisting": ours}, indent=2)
-        )
-    failed = disk["integrity_errors"] or ours["integrity_errors"]
-    return 1 if failed or ours["recovered_after_restart"] != args.num_ops else 0
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    failed = False
+    if "shipped" in out:
+        failed = failed or out["shipped"]["integrity_errors"] > 0
+    if "resident" in out:
+        disk, ours = out["resident"]["local_disk"], out["resident"]["persisting"]
+        failed = failed or disk["integrity_errors"] or ours["integrity_errors"]
+        failed = failed or ours["recovered_after_restart"] != args.num_ops
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -93,6 +93,9 @@ $PIP install --quiet -e '.[dev,hf,service,plot]' 'torch==2.13.0' 'numpy<=2.2.6'
 if [ "${PERSISTING_SKIP_LMCACHE:-0}" != "1" ]; then
   $PIP install --quiet -r requirements/lmcache-cpu.txt 'torch==2.13.0' 'numpy<=2.2.6'
   $PIP install --quiet --no-deps 'lmcache==0.5.6'
+  # LMCache's own storage_backend_io harness ships only in its sdist: keep it in
+  # ~/.cache/persisting/lmcache-0.5.6/ for benchmarks/lmcache_bench.py (and its test).
+  "$VENV/bin/python" benchmarks/lmcache_harness.py --fetch
 fi
 "$VENV/bin/python" -c "import persisting, torch; print('persisting', persisting.__version__, 'torch', torch.__version__)"
 if [ "${PERSISTING_SKIP_VLLM:-0}" != "1" ]; then

@@ -461,10 +461,17 @@ class DiskTier:
     # -- reading ------------------------------------------------------------------------
 
     def read_into(
-        self, key: str, out: memoryview, *, executor: Executor | None = None, parts: int = 1
+        self,
+        key: str,
+        out: memoryview,
+        *,
+        executor: Executor | None = None,
+        parts: int = 1,
+        populate: bool = False,
     ) -> Layout | None:
         """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum; in
-        ``parts`` positioned reads at once on ``executor`` when given.
+        ``parts`` positioned reads at once on ``executor`` when given; ``populate`` when
+        ``out``'s pages are fresh (see :func:`~persisting.kv.payload_files.read_file_range`).
 
         Returns None on a miss, including a file evicted by another process mid-way and a
         checksum failure (the damaged chunk is then dropped and counted).
@@ -480,7 +487,9 @@ class DiskTier:
             entry.readers += 1
         path = self.files.path_text(key, entry.tag)
         try:
-            digest = self.files.read_into(path, out, executor=executor, parts=parts)
+            digest = self.files.read_into(
+                path, out, executor=executor, parts=parts, populate=populate
+            )
             ok = digest == entry.checksum
         except FileNotFoundError:
             self._forget(key, entry)

@@ -34,6 +34,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
@@ -45,6 +46,7 @@ from persisting.lance_store.access import (
     restrict,
 )
 from persisting.lance_store.durable import fsync_dir, fsync_fd
+from persisting.shm import populate as populate_pages
 
 MAGIC = b"PKVCHNK1"
 #: The payload format's block: header size and payload alignment, and the unit disk use is
@@ -87,6 +89,7 @@ def read_file_range(
     executor: Executor | None = None,
     parts: int = 1,
     hashed: bool = False,
+    populate: bool = False,
 ) -> int | None:
     """Fill ``out`` with exactly ``len(out)`` bytes of ``path`` from ``offset``; with
     ``hashed``, return the xxh3-64 of those bytes (:func:`persisting.kv.layout.checksum`):
@@ -96,6 +99,14 @@ def read_file_range(
     With an ``executor`` and ``parts > 1`` the range is read as that many block-aligned
     parts at once (a disk that serves several requests in flight reads one large value
     faster so; the calling thread must not be one of the executor's).
+
+    ``populate`` is for a destination whose pages were never touched (memory just
+    allocated, results a caller keeps): each part's pages are populated in one call
+    (:func:`persisting.shm.populate`) by the calling thread just before that part's read
+    is handed out (so the reader threads never fault pages in at once, and the next part
+    is populated while the earlier ones are read); read in one part, each piece is
+    populated just before it is read (while the kernel's readahead fetches the next).
+
     FileNotFoundError propagates (the file was removed, e.g. evicted: a miss to the caller);
     a file shorter than the range is a CorruptValueError; any other failure a StorageIOError.
     """
@@ -107,15 +118,19 @@ def read_file_range(
         raise StorageIOError(f"cannot open {path}: {exc}") from exc
     try:
         if executor is None or parts <= 1:
-            return _pread_exact(fd, path, out, offset, hashed)
+            return _pread_exact(fd, path, out, offset, hashed, populate)
         step = round_to_block(-(-len(out) // parts))
-        futures = [
-            executor.submit(_pread_exact, fd, path, out[start : start + step], offset + start)
-            for start in range(0, len(out), step)
-        ]
-        first: BaseException | None = None
-        for future in futures:  # every part, so none still writes ``out`` once we return
-            first = first or future.exception()
+        futures = []
+        try:
+            for start in range(0, len(out), step):
+                part = out[start : start + step]
+                if populate:
+                    populate_pages(np.frombuffer(part, np.uint8))
+                futures.append(executor.submit(_pread_exact, fd, path, part, offset + start))
+        finally:
+            first: BaseException | None = None
+            for future in futures:  # every part, so none still writes ``out`` once we return
+                first = first or future.exception()
         if first is not None:
             raise first
     except OSError as exc:
@@ -126,14 +141,23 @@ def read_file_range(
 
 
 def _pread_exact(
-    fd: int, path: str | os.PathLike[str], out: memoryview, offset: int, hashed: bool = False
+    fd: int,
+    path: str | os.PathLike[str],
+    out: memoryview,
+    offset: int,
+    hashed: bool = False,
+    populate: bool = False,
 ) -> int | None:
     """Read exactly ``len(out)`` bytes at ``offset``; with ``hashed``, in
-    :data:`READ_PIECE` pieces, each hashed right after it lands (returns the xxh3-64)."""
+    :data:`READ_PIECE` pieces, each hashed right after it lands (returns the xxh3-64); with
+    ``populate``, in such pieces, each populated just before it is read."""
     digest = xxhash.xxh3_64() if hashed else None
+    pieces = hashed or populate
     done, size = 0, len(out)
     while done < size:
-        piece = out[done : done + READ_PIECE] if digest is not None else out[done:]
+        piece = out[done : done + READ_PIECE] if pieces else out[done:]
+        if populate:
+            populate_pages(np.frombuffer(piece, np.uint8))
         n = os.preadv(fd, [piece], offset + done)
         if n == 0:
             raise CorruptValueError(
@@ -387,15 +411,23 @@ class PayloadFiles:
         *,
         executor: Executor | None = None,
         parts: int = 1,
+        populate: bool = False,
     ) -> int:
         """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes), in
-        ``parts`` reads at once on ``executor`` when given (see :func:`read_file_range`),
-        and return its checksum (:func:`persisting.kv.layout.checksum`), made as it is read.
+        ``parts`` reads at once on ``executor`` when given, populating ``out``'s fresh pages
+        on the way with ``populate`` (see :func:`read_file_range`), and return its checksum
+        (:func:`persisting.kv.layout.checksum`), made as it is read.
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
         """
         digest = read_file_range(
-            path, HEADER_BYTES, out, executor=executor, parts=parts, hashed=True
+            path,
+            HEADER_BYTES,
+            out,
+            executor=executor,
+            parts=parts,
+            hashed=True,
+            populate=populate,
         )
         assert digest is not None
         return digest

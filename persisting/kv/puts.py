@@ -109,7 +109,7 @@ class Writes:
         #: Write-back mode: callbacks of dirty memory entries, fired when written back.
         self._dirty_callbacks: dict[str, OnComplete] = {}
         disk = tiers.disk
-        self._writer = WriteBehind(disk, self._written) if disk is not None else None
+        self._writer = WriteBehind(disk, self._written, tiers.reads) if disk is not None else None
 
     # -- put ----------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from persisting.errors import InvalidValueError
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import Layout, decode_value, is_device_tensor, torch_dtype, writable_bytes
 from persisting.kv.tiers import KeyLike, Tiers
-from persisting.shm import RecycledBuffers, aligned_buffer, copy_into_resident
+from persisting.shm import RecycledBuffers, aligned_buffer, copy_into, pages_resident
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,12 @@ class MemoryPayload:
 
 def _tensor_nbytes(tensor: Any) -> int:
     return int(tensor.numel()) * int(tensor.element_size())
+
+
+def _fresh(view: memoryview) -> bool:
+    """Whether a host destination of at least :data:`SPLIT_BYTES` has pages not yet
+    resident (one ``mincore`` call): its read then populates them on the way."""
+    return len(view) >= SPLIT_BYTES and not pages_resident(np.frombuffer(view, np.uint8))
 
 
 def _is_device(device: Any) -> bool:
@@ -184,11 +190,12 @@ class Reads:
         view = writable_bytes(out)
         if self._wanted(text, expect, len(view)) is None:
             return None
-        memory, _disk = self._claim_memory((text,), (len(view),))
-        if memory:
-            return self._copy_memory_hit(view, memory[0][1])
-        start = time.perf_counter()
-        layout = self._read_now(text, view, self._split(1))
+        with self._t.reads.reading():
+            memory, _disk = self._claim_memory((text,), (len(view),))
+            if memory:
+                return self._copy_memory_hit(view, memory[0][1])
+            start = time.perf_counter()
+            layout = self._read_now(text, view, self._split(1))
         if layout is not None:
             self._t.bandwidth.record("disk", layout.nbytes, time.perf_counter() - start)
         return layout
@@ -259,9 +266,9 @@ class Reads:
         copy_start = time.perf_counter()
         try:
             # In parallel only into pages already resident (recycled result pages, an
-            # engine's preallocated buffer): threads faulting fresh pages in at once
-            # contend on the page tables and copy slower than one thread alone.
-            copy_into_resident(np.frombuffer(view, dtype=np.uint8), entry.buffer)
+            # engine's preallocated buffer); fresh ones are populated in one call first:
+            # threads faulting fresh pages in at once contend on the page tables.
+            copy_into(np.frombuffer(view, dtype=np.uint8), entry.buffer)
         finally:
             self._release(entry)
         seconds = time.perf_counter() - copy_start
@@ -275,14 +282,14 @@ class Reads:
 
     def _read_disk(self, text: str, view: memoryview, parts: int = 1) -> Layout | None:
         """One timed disk read (on a reader thread, or on the caller's in ``parts`` reads
-        at once on the reader threads)."""
+        at once on the reader threads), populating ``view``'s pages first if fresh."""
         t = self._t
         if t.disk is None:
             t.op_stats.record("get", "", 0.0, 0, "miss")
             return None
         start = time.perf_counter()
         executor = self._readers() if parts > 1 else None
-        layout = t.disk.read_into(text, view, executor=executor, parts=parts)
+        layout = t.disk.read_into(text, view, executor=executor, parts=parts, populate=_fresh(view))
         seconds = time.perf_counter() - start
         t.op_stats.record(
             "get", "disk", seconds, len(view) if layout else 0, "hit" if layout else "miss"
@@ -334,6 +341,12 @@ class Reads:
     def _fill_host(
         self, texts: list[str], views: Sequence[memoryview | None]
     ) -> list[Layout | None]:
+        with self._t.reads.reading():
+            return self._fill_host_now(texts, views)
+
+    def _fill_host_now(
+        self, texts: list[str], views: Sequence[memoryview | None]
+    ) -> list[Layout | None]:
         t = self._t
         got: list[Layout | None] = [None] * len(texts)
         memory, disk = self._claim_memory(texts, [len(v) if v is not None else None for v in views])
@@ -370,6 +383,12 @@ class Reads:
         succeeded. Returns once the copies are issued; work the caller queues on its
         current stream afterwards sees the data. (With a ``cpu`` copier the same pipeline
         runs into CPU tensors: that is how it is tested without a GPU.)"""
+        with self._t.reads.reading():
+            return self._fill_staged_now(copier, texts, outs)
+
+    def _fill_staged_now(
+        self, copier: DeviceCopier, texts: Sequence[str], outs: Sequence[Any]
+    ) -> list[Layout | None]:
         t = self._t
         got: list[Layout | None] = [None] * len(texts)
         memory, disk = self._claim_memory(texts, [_tensor_nbytes(out) for out in outs])

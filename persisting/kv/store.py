@@ -147,7 +147,14 @@ class KVStore(KVApi):
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync
         )
-        results = RecycledBuffers(result_buffer_bytes) if result_buffer_bytes > 0 else None
+        # Result pages without huge pages: a kept result's range is touched once, on the
+        # get's path, where fresh huge pages cost more than 4 KiB ones in VMs that give free
+        # memory back to their host (docs/benchmarks.md); recycled ranges cost nothing.
+        results = (
+            RecycledBuffers(result_buffer_bytes, huge_pages=False)
+            if result_buffer_bytes > 0
+            else None
+        )
         self._reads = Reads(self._tiers, results, self._writes.write_back, read_threads)
         self._lookups = Lookups(self._tiers, chunk_size, hash_scheme)
         self._closed = False

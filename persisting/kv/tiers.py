@@ -18,6 +18,7 @@ from persisting.kv.disk_tier import DiskTier
 from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.memory_tier import MemoryTier
+from persisting.kv.read_activity import ReadActivity
 from persisting.kv.stats import StoreStats
 from persisting.shm import RecycledBuffers, SharedPool, aligned_buffer
 
@@ -51,6 +52,8 @@ class Tiers:
         self.bandwidth = TierBandwidth()
         #: Orders index changes of both tiers (never held across disk I/O or big copies).
         self.lock = threading.RLock()
+        #: Gets in flight: the write-behind waits for them before each batch it writes.
+        self.reads = ReadActivity()
 
     def key_text(self, key: KeyLike) -> str:
         """``key`` as a string, after checking that it belongs to this store's model."""

@@ -4,6 +4,9 @@ One background thread drains whatever has queued up since its last write into on
 batch (one capacity reservation, one directory-fsync pass, one metadata commit), so a
 burst of async puts costs one batch, not one fsync round per chunk.
 
+Reads come first: before each batch the thread waits until no get of the store is in
+flight, for at most :data:`YIELD_TO_READS_S` (see :mod:`persisting.kv.read_activity`).
+
 The thread outlives every failure: a batch that fails is retried item by item, an
 unexpected exception completes the affected futures with that error (and is counted and
 logged), and a failing completion hook is logged and counted too. :meth:`drain` and
@@ -21,12 +24,16 @@ from dataclasses import dataclass
 
 from persisting.errors import PersistingError, StorageIOError
 from persisting.kv.disk_tier import DiskTier, WriteItem
+from persisting.kv.read_activity import ReadActivity
 
 log = logging.getLogger(__name__)
 
 #: Most items, and bytes, one batch writes.
 MAX_BATCH_ITEMS = 64
 MAX_BATCH_BYTES = 256 << 20
+#: Longest a batch waits for the store's reads in flight to finish before it is written
+#: anyway (so a store read without pause still writes: one batch per this many seconds).
+YIELD_TO_READS_S = 2.0
 
 #: on_done(item, stored, error): ``error`` is the exception that stopped the write, if any.
 DoneHook = Callable[[WriteItem, bool, BaseException | None], None]
@@ -42,9 +49,10 @@ class WriteBehind:
     """Writes submitted items to ``disk`` in the background; each future says if it stored
     (False: already present, cancelled or refused for capacity) or carries the error."""
 
-    def __init__(self, disk: DiskTier, on_done: DoneHook):
+    def __init__(self, disk: DiskTier, on_done: DoneHook, reads: ReadActivity | None = None):
         self._disk = disk
         self._on_done = on_done
+        self._reads = reads
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
@@ -90,7 +98,9 @@ class WriteBehind:
             first = self._queue.get()
             if first is None:
                 return
-            batch = self._next_batch(first)
+            if self._reads is not None:
+                self._reads.wait_quiet(YIELD_TO_READS_S)
+            batch = self._next_batch(first)  # after the wait: whatever queued meanwhile
             try:
                 outcomes = self._write(batch)
             except Exception as exc:  # not even the fallback worked: fail the batch

@@ -72,6 +72,10 @@ def copy_bytes(dst: np.ndarray, src: Any) -> None:
         dst[:] = source
 
 
+#: madvise(2) advice that faults a range in writable without changing it (Linux >= 5.14).
+MADV_POPULATE_WRITE = 23
+
+
 @functools.cache
 def _libc_function(name: str, third: Any) -> Any:
     """libc's ``name(void *addr, size_t length, <third>)`` returning int, through ctypes,
@@ -83,6 +87,13 @@ def _libc_function(name: str, third: Any) -> Any:
     return fn
 
 
+def _page_span(array: np.ndarray) -> tuple[int, int]:
+    """(start, length) of the whole pages under ``array``."""
+    address = array.ctypes.data
+    start = address - address % PAGE
+    return start, address + array.nbytes - start
+
+
 def pages_resident(array: np.ndarray) -> bool:
     """Whether every page under ``array`` is resident (``mincore``): a copy into such pages
     faults none in, so several threads may copy into them at once. False where it cannot
@@ -90,18 +101,37 @@ def pages_resident(array: np.ndarray) -> bool:
     if not sys.platform.startswith("linux") or array.nbytes == 0:
         return False
     mincore = _libc_function("mincore", ctypes.c_void_p)
-    address = array.ctypes.data
-    start = address - address % PAGE
-    length = address + array.nbytes - start
+    start, length = _page_span(array)
     vector = np.empty((length + PAGE - 1) // PAGE, np.uint8)
     if mincore(start, length, vector.ctypes.data) != 0:
         return False
     return bool(np.all(vector & 1))
 
 
-def copy_into_resident(dst: np.ndarray, src: Any) -> None:
-    """Copy ``src`` into ``dst`` (uint8, same length): in parallel (:func:`copy_bytes`) when
-    ``dst``'s pages are already resident, else on this thread alone.
+def populate(array: np.ndarray) -> bool:
+    """Fault every page under ``array`` in, writable, in one call (``MADV_POPULATE_WRITE``,
+    Linux >= 5.14), changing no byte; False where that cannot be done (another OS, an
+    older kernel, memory that cannot be populated): the pages then fault in as written.
+
+    Why: a first write to a fresh page costs a fault, and the kernel zeroes the page. Taken
+    one page at a time from user space (a copy) or from several threads at once (a read
+    split across threads, all faulting in one address space), those faults cost far more
+    than the same pages populated by one call on one thread: populating 28 MiB fresh
+    destinations took 20-25% less CPU here than letting the copy fault them. Only whole
+    pages under ``array`` are populated; bytes of the first and last page outside it belong
+    to the same mapping and are left as they are."""
+    if not sys.platform.startswith("linux") or array.nbytes == 0:
+        return False
+    madvise = _libc_function("madvise", ctypes.c_int)
+    start, length = _page_span(array)
+    return madvise(start, length, MADV_POPULATE_WRITE) == 0
+
+
+def copy_into(dst: np.ndarray, src: Any) -> None:
+    """Copy ``src`` into ``dst`` (uint8, same length), the cheapest way for ``dst``'s pages:
+    in parallel (:func:`copy_bytes`) when they are already resident (recycled result pages,
+    an engine's preallocated buffer), else populated in one call (:func:`populate`) and
+    copied on this thread.
 
     Several threads faulting fresh pages in at once contend on the process's page tables
     (torch's parallel copy into just-allocated memory ran at under half numpy's
@@ -109,10 +139,14 @@ def copy_into_resident(dst: np.ndarray, src: Any) -> None:
     pages the parallel copy runs at twice numpy's speed there (30-34 against 14.5 GB/s for
     8 MiB). Checking costs one ``mincore`` call (a few microseconds per 8 MiB).
     """
-    if dst.nbytes >= _PARALLEL_COPY_BYTES and loaded_torch() is not None and pages_resident(dst):
-        copy_bytes(dst, src)
+    source = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
+    if dst.nbytes < _PARALLEL_COPY_BYTES:
+        dst[:] = source
+    elif pages_resident(dst):
+        copy_bytes(dst, source)
     else:
-        dst[:] = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
+        populate(dst)
+        dst[:] = source
 
 
 def owning_array(
@@ -248,8 +282,6 @@ def advise_huge_pages(mapping: mmap.mmap) -> bool:
     return True
 
 
-#: madvise(2) advice that faults a range in writable without changing it (Linux >= 5.14).
-MADV_POPULATE_WRITE = 23
 #: Bytes one prefault step populates (a stop request is seen between steps).
 PREFAULT_STEP = 32 << 20
 
@@ -260,17 +292,25 @@ class RecycledBuffers:
     A fresh multi-MiB array costs a page fault (and the kernel zeroing the page) per page
     on first touch, which makes copying a value into a new array 2-10x slower than the
     copy itself. :meth:`take` hands out ranges of one private anonymous mapping instead,
-    advised to use transparent huge pages (:func:`advise_huge_pages`: the first use of a
-    range faults 2 MiB at a time) and aligned to them; a range returns when its array (and
+    aligned to huge pages and, with ``huge_pages`` (the default), advised to use them
+    (:func:`advise_huge_pages`: the first use of a range faults 2 MiB at a time); a range
+    returns when its array (and
     every tensor or view made from it) is garbage, and the next value reuses its
     already-mapped pages (first fit: freed ranges low in the mapping before fresh ones).
     :meth:`start_prefault` faults the whole mapping in ahead of use, in the background.
     Mapped pages are kept, so the resident size stays at the high-water mark (at most
     ``capacity``). Private, so a fork gets copy-on-write pages, as with any other array.
+
+    Huge pages pay off for memory faulted once and reused (the memory tier, prefaulted in
+    the background). A range used once, on a request's path, may do better without: in a
+    VM that gives free memory back to its host (free page reporting, as on the
+    development machine), a fresh huge page comes from exactly the blocks given back, and
+    its first touch took 3-20x longer than 4 KiB pages' (see ``docs/benchmarks.md``).
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, *, huge_pages: bool = True):
         self.capacity = round_to_page(capacity)
+        self._advise_huge = huge_pages
         self._map: mmap.mmap | None = None
         self._pages: PageAllocator | None = None
         self._start = 0
@@ -292,7 +332,7 @@ class RecycledBuffers:
                 self._map = mmap.mmap(
                     -1, self.capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                 )
-                self.huge_pages = advise_huge_pages(self._map)
+                self.huge_pages = self._advise_huge and advise_huge_pages(self._map)
                 self._address = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
                 self._start = (-self._address) % HUGE_PAGE
                 self._pages = PageAllocator(None, self._start, self._start + self.capacity)
@@ -369,9 +409,10 @@ __all__ = [
     "advise_huge_pages",
     "aligned_buffer",
     "copy_bytes",
-    "copy_into_resident",
+    "copy_into",
     "loaded_torch",
     "owning_array",
     "pages_resident",
+    "populate",
     "round_to_page",
 ]

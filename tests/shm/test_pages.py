@@ -133,7 +133,7 @@ def test_pages_resident_tells_touched_pages_from_fresh_ones() -> None:
 
     import torch
 
-    from persisting.shm import copy_into_resident, loaded_torch, pages_resident
+    from persisting.shm import copy_into, loaded_torch, pages_resident
 
     assert loaded_torch() is torch  # so the resident copy below takes the parallel path
 
@@ -141,11 +141,11 @@ def test_pages_resident_tells_touched_pages_from_fresh_ones() -> None:
     fresh = np.frombuffer(mapping, np.uint8)
     assert not pages_resident(fresh)  # never touched: a copy would fault every page
     source = np.arange(4 << 20, dtype=np.uint64).view(np.uint8)[: 4 << 20]
-    copy_into_resident(fresh, source)  # one thread: faults them in
+    copy_into(fresh, source)  # populated in one call, copied on one thread
     assert np.array_equal(fresh, source)
     assert pages_resident(fresh)
     assert pages_resident(fresh[123 : 3 << 20])  # unaligned views are checked whole
-    copy_into_resident(fresh, source[::-1].copy())  # resident: the parallel copy
+    copy_into(fresh, source[::-1].copy())  # resident: the parallel copy
     assert np.array_equal(fresh, source[::-1])
     assert not pages_resident(np.empty(0, np.uint8))
     del fresh

@@ -1,0 +1,146 @@
+"""Reads into memory nobody touched yet (issue 27): fresh destination pages are populated
+in one call per part by the thread that hands the parts out (never faulted in by several
+reader threads at once), resident ones are left alone, results kept by the caller land in
+small-page result memory, and the write-behind gives way to reads in flight."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from persisting.kv import open_kv_store
+from persisting.kv import payload_files as payload_files_module
+from persisting.kv.read_activity import ReadActivity
+from persisting.shm import PAGE, copy_into, pages_resident, populate
+from tests.kv.kv_helpers import MODEL, key
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "root"
+
+
+def fresh_array(nbytes: int) -> np.ndarray:
+    """Anonymous memory no one has touched (its pages are not resident)."""
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, np.uint8)
+
+
+def test_populate_maps_fresh_pages_without_changing_a_byte() -> None:
+    array = fresh_array(64 * PAGE)
+    assert not pages_resident(array)
+    array[5 * PAGE + 3] = 7  # one page touched and written before
+    assert populate(array[PAGE + 1 : 40 * PAGE])  # unaligned: whole pages under it
+    assert pages_resident(array[PAGE : 40 * PAGE])
+    assert not pages_resident(array[41 * PAGE :])
+    assert array[5 * PAGE + 3] == 7 and int(array.sum()) == 7
+    assert not populate(np.empty(0, np.uint8))
+
+
+def test_copy_into_fresh_memory_populates_then_copies() -> None:
+    source = np.arange(4 * MiB, dtype=np.uint32).view(np.uint8)[: 4 * MiB]
+    fresh = fresh_array(4 * MiB)
+    copy_into(fresh, source)
+    assert np.array_equal(fresh, source) and pages_resident(fresh)
+
+
+def trace_populate(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Record (thread name, bytes) of every populate a disk read makes."""
+    calls: list[tuple[str, int]] = []
+    real = payload_files_module.populate_pages
+
+    def traced(array: np.ndarray) -> bool:
+        calls.append((threading.current_thread().name, array.nbytes))
+        return real(array)
+
+    monkeypatch.setattr(payload_files_module, "populate_pages", traced)
+    return calls
+
+
+def test_a_split_read_into_fresh_pages_populates_them_on_the_handing_thread(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    value = torch.arange(3 * MiB + 4096, dtype=torch.int32).view(torch.uint8).reshape(1, -1)
+    nbytes = value.numel()
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=256 * MiB, read_threads=4) as s:
+        s.put(key(0), value, fmt="binary", check_shape=False)
+        calls = trace_populate(monkeypatch)
+        kept = [s.get(key(0)) for _ in range(3)]  # each kept: fresh result pages
+        assert all(torch.equal(got, value) for got in kept)
+        me = threading.current_thread().name
+        assert calls and all(thread == me for thread, _n in calls)
+        assert sum(n for _t, n in calls) == 3 * nbytes  # every part of every value
+        assert len(calls) == 3 * 4  # four parts each, each populated before its read
+        calls.clear()
+        resident = torch.zeros_like(value)  # written: its pages are resident
+        assert s.get_into(key(0), resident) is not None and torch.equal(resident, value)
+        assert calls == []  # nothing to populate
+        assert s._reads._results is not None and not s._reads._results.huge_pages
+
+
+def test_a_read_on_one_thread_populates_each_piece_before_reading_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    value = torch.full((1, 3 * MiB), 9, dtype=torch.uint8)
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB, read_threads=1) as s:
+        s.put(key(1), value, fmt="binary", check_shape=False)
+        calls = trace_populate(monkeypatch)
+        out = torch.from_numpy(fresh_array(3 * MiB)).reshape(1, -1)
+        assert s.get_into(key(1), out) is not None and torch.equal(out, value)
+        assert [n for _t, n in calls] == [payload_files_module.READ_PIECE] * 3
+
+
+def test_a_memory_hit_into_a_fresh_destination_is_bit_exact(root: Path) -> None:
+    value = torch.arange(2 * MiB, dtype=torch.int16).reshape(2, 1, -1, 1024)
+    with open_kv_store(root, MODEL, memory_bytes=64 * MiB, disk_bytes=0) as s:
+        s.put(key(2), value)
+        out = torch.from_numpy(fresh_array(value.numel() * 2)).view(torch.int16)
+        assert s.get_into(key(2), out.reshape(value.shape)) is not None
+        assert torch.equal(out.reshape(value.shape), value)
+        assert s.stats()["get_hit_memory"] == 1
+
+
+def test_wait_quiet_waits_for_reads_in_flight_and_no_longer_than_its_limit() -> None:
+    reads = ReadActivity()
+    assert reads.wait_quiet(5.0) < 0.5  # nothing in flight
+    entered, leave = threading.Event(), threading.Event()
+
+    def reader() -> None:
+        with reads.reading():
+            entered.set()
+            leave.wait(5)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    entered.wait(5)
+    assert reads.in_flight == 1
+    assert 0.2 <= reads.wait_quiet(0.2) < 2.0  # gives up at its limit
+    threading.Timer(0.3, leave.set).start()
+    assert 0.2 <= reads.wait_quiet(10.0) < 5.0  # returns once the read is done
+    thread.join()
+    assert reads.in_flight == 0 and reads.yielded_s > 0.4
+
+
+def test_the_write_behind_holds_back_while_a_get_is_in_flight(root: Path) -> None:
+    value = torch.full((2, 4, 16, 64), 3, dtype=torch.bfloat16)
+    with open_kv_store(
+        root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
+    ) as s:
+        assert s.disk is not None
+        text = s._key(key(3))
+        with s._tiers.reads.reading():  # a get in flight (as its read path marks it)
+            s.put(key(3), value)
+            time.sleep(0.5)
+            assert s.disk.entry(text) is None  # not written while the read runs
+            assert torch.equal(s.get(key(3)), value)  # readable from memory meanwhile
+        s.flush()
+        assert s.disk.entry(text) is not None
+        assert s._tiers.reads.yielded_s >= 0.4
