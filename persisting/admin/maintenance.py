@@ -10,7 +10,7 @@ from typing import Literal
 
 from persisting.admin.inventory import inspect_model
 from persisting.admin.root import _DATASET_ERRORS, KV_METADATA
-from persisting.errors import InvalidNameError
+from persisting.errors import InvalidNameError, NamespaceInUseError
 from persisting.lance_store import LanceTable, StorageRoot, disk_usage, validate_name
 
 
@@ -82,6 +82,20 @@ def compaction_targets(
     return [t for t in targets if t.path.exists()]
 
 
+def refuse_live(store: StorageRoot, targets: Sequence[CompactionTarget]) -> None:
+    """NamespaceInUseError, naming the holder, if a targeted model is open in a live store:
+    compaction rewrites what a live server or engine indexes, so it runs on idle namespaces
+    only (queue buckets compact under their writer lock, beside live consumers)."""
+    for target in targets:
+        if target.kind == "kv" and store.model_in_use(target.name):
+            owner = store.model_owner(target.name)
+            who = owner.describe() if owner is not None and owner.live else "a store in use"
+            raise NamespaceInUseError(
+                f"model {target.name!r} is open in a live store ({who}); stop it before "
+                "compacting, or compact only queue topics (--topic)"
+            )
+
+
 def _require(name: str, known: list[str], kind: str, store: StorageRoot) -> None:
     """InvalidNameError unless ``name`` is a valid name the root holds."""
     validate_name(name, kind)
@@ -114,8 +128,11 @@ def compact_dataset(
             compact_bucket(target.path.parent, max_small=1, older_than_s=older_than.total_seconds())
             result.removed_bytes = max(0, before - disk_usage(target.path))
         else:
-            table.compact()
-            result.removed_bytes = table.cleanup(older_than, keep_versions=1)
+            # No store may have the namespace open meanwhile: a live writer commits to
+            # this table, and its in-memory index points at what compaction rewrites.
+            with store.model_exclusively(target.name, "compacting"):
+                table.compact()
+                result.removed_bytes = table.cleanup(older_than, keep_versions=1)
         table.refresh()
         result.fragments_after, result.versions_after = _shape(table)
     except _DATASET_ERRORS as exc:
@@ -135,4 +152,5 @@ __all__ = [
     "compact_dataset",
     "compaction_targets",
     "drop_model",
+    "refuse_live",
 ]
