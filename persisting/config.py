@@ -186,7 +186,8 @@ class ServiceSettings(BaseModel):
     addr: str = "127.0.0.1:8610"
     """IP:port the server listens on."""
     seeds: list[str] = Field(default_factory=list)
-    """Cluster members to join (servers) or to find the servers through (clients)."""
+    """Cluster members to join (servers) or to find the servers through (clients): list
+    several (every server, ideally), so the cluster is found through any live one."""
     passphrase: str | None = None
     """Cluster passphrase (TLS). Unset: a server generates one, kept in ``passphrase_file``,
     and serves loopback only (see persisting.service.passphrase)."""
@@ -219,6 +220,9 @@ class ServiceSettings(BaseModel):
     """How often a client probes a server that failed."""
     discovery_timeout_s: float = Field(default=10.0, gt=0)
     """How long connect waits for servers to appear."""
+    settle_s: float = Field(default=5.0, ge=0)
+    """How long connect waits, at most, for servers the live ones report but this client
+    has not found yet (so its first placements see the whole cluster)."""
     event_batch_records: int = Field(default=64, gt=0)
     """Events applied (and committed) per step."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
