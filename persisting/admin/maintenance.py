@@ -10,7 +10,7 @@ from typing import Literal
 
 from persisting.admin.inventory import inspect_model
 from persisting.admin.root import _DATASET_ERRORS, KV_METADATA
-from persisting.errors import InvalidNameError, NamespaceInUseError
+from persisting.errors import InvalidNameError, NamespaceOwnedError
 from persisting.lance_store import LanceTable, StorageRoot, disk_usage, validate_name
 
 
@@ -83,17 +83,22 @@ def compaction_targets(
 
 
 def refuse_live(store: StorageRoot, targets: Sequence[CompactionTarget]) -> None:
-    """NamespaceInUseError, naming the holder, if a targeted model is open in a live store:
-    compaction rewrites what a live server or engine indexes, so it runs on idle namespaces
-    only (queue buckets compact under their writer lock, beside live consumers)."""
+    """NamespaceOwnedError, naming the holder, if a targeted model is served now by a live
+    server or L2 adapter: such an owner evicts and deletes from the metadata table while
+    compaction rewrites it, so compaction waits until it is stopped. Namespaces that
+    engines share through their own stores (no owner) compact beside them, as before;
+    queue buckets compact under their writer lock."""
     for target in targets:
-        if target.kind == "kv" and store.model_in_use(target.name):
-            owner = store.model_owner(target.name)
-            who = owner.describe() if owner is not None and owner.live else "a store in use"
-            raise NamespaceInUseError(
-                f"model {target.name!r} is open in a live store ({who}); stop it before "
-                "compacting, or compact only queue topics (--topic)"
+        if target.kind != "kv":
+            continue
+        owner = store.model_owner(target.name)
+        if owner is not None and owner.live:
+            error = NamespaceOwnedError(
+                f"model {target.name!r} is served by {owner.describe()}; stop it before "
+                "compacting the model, or compact only queue topics (--topic)"
             )
+            error.holder = owner
+            raise error
 
 
 def _require(name: str, known: list[str], kind: str, store: StorageRoot) -> None:
@@ -128,11 +133,8 @@ def compact_dataset(
             compact_bucket(target.path.parent, max_small=1, older_than_s=older_than.total_seconds())
             result.removed_bytes = max(0, before - disk_usage(target.path))
         else:
-            # No store may have the namespace open meanwhile: a live writer commits to
-            # this table, and its in-memory index points at what compaction rewrites.
-            with store.model_exclusively(target.name, "compacting"):
-                table.compact()
-                result.removed_bytes = table.cleanup(older_than, keep_versions=1)
+            table.compact()
+            result.removed_bytes = table.cleanup(older_than, keep_versions=1)
         table.refresh()
         result.fragments_after, result.versions_after = _shape(table)
     except _DATASET_ERRORS as exc:

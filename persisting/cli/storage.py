@@ -195,8 +195,8 @@ def compact(
 ) -> None:
     """Compact KV metadata tables and queue buckets, then delete their old versions.
 
-    Refused while a model it would compact is open in a live store (a server, an L2
-    adapter, an engine): stop it first, or compact only queue topics (--topic).
+    Refused while a model it would compact is served by a live server or L2 adapter
+    (named in the message): stop it first, or compact only queue topics (--topic).
     """
     from persisting.admin import compact_dataset, compaction_targets, refuse_live
 

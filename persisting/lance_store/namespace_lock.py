@@ -59,11 +59,9 @@ def hold_namespace(directory: Path, make_dir: Callable[[], object]) -> Namespace
 
 
 @contextmanager
-def exclusive_namespace(
-    directory: Path, what: str, action: str = "dropping", holder: str | None = None
-) -> Iterator[bool]:
-    """Hold ``directory``'s lock exclusively (for a drop, or a compaction: ``action``);
-    yields False if it does not exist. Stores opening meanwhile wait for it.
+def exclusive_namespace(directory: Path, what: str, holder: str | None = None) -> Iterator[bool]:
+    """Hold ``directory``'s lock exclusively for a drop; yields False if it does not
+    exist. Stores opening meanwhile wait for it.
 
     Raises NamespaceInUseError at once if a live store holds the namespace (``holder``
     names it, when known).
@@ -78,26 +76,11 @@ def exclusive_namespace(
         except BlockingIOError:
             who = holder or "a server or job using it"
             raise NamespaceInUseError(
-                f"{what} is open in a live store ({who}); stop it before {action}"
+                f"{what} is open in a live store ({who}); stop it before dropping"
             ) from None
         yield _same_file(fd, directory / LOCK_NAME)
     finally:
         os.close(fd)
-
-
-def namespace_in_use(directory: Path) -> bool:
-    """Whether a live store (any process) holds ``directory``'s namespace open now."""
-    try:
-        fd = os.open(directory / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -114,5 +97,4 @@ __all__ = [
     "NamespaceHold",
     "exclusive_namespace",
     "hold_namespace",
-    "namespace_in_use",
 ]

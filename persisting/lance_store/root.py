@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,7 +26,6 @@ from persisting.lance_store.namespace_lock import (
     NamespaceHold,
     exclusive_namespace,
     hold_namespace,
-    namespace_in_use,
 )
 from persisting.lance_store.ownership import Holder, OwnerClaim, claim_owner, read_owner
 from persisting.lance_store.table import LanceTable, disk_usage
@@ -151,21 +148,6 @@ class StorageRoot:
         path = self.kv_path(model)
         with exclusive_namespace(path, f"model {model!r}", holder=self._holder(model)) as exists:
             return _drop_tree(path) if exists else False
-
-    def model_in_use(self, model: str) -> bool:
-        """Whether a live store in any process (a server, an adapter, an engine, a job)
-        has ``model``'s namespace open now."""
-        return namespace_in_use(self.kv_path(model))
-
-    @contextmanager
-    def model_exclusively(self, model: str, action: str) -> Iterator[bool]:
-        """Hold ``model``'s namespace so no store opens it while ``action`` runs (stores
-        opening meanwhile wait); NamespaceInUseError at once, naming the holder, if one is
-        open now. Yields False if the namespace does not exist."""
-        path = self.kv_path(model)
-        what = f"model {model!r}"
-        with exclusive_namespace(path, what, action, self._holder(model)) as exists:
-            yield exists
 
     def _holder(self, model: str) -> str | None:
         owner = self.model_owner(model)
