@@ -281,18 +281,12 @@ def stats(
     """
     from persisting.admin import figures_from_scrape, root_stats, scrape
 
-    given = [
-        f
-        for f, v in (
-            ("--storage-path", storage_path),
-            ("--metrics-url", metrics_url),
-            ("--service", service),
-        )
-        if v
-    ]
+    sources = {"--storage-path": storage_path, "--metrics-url": metrics_url, "--service": service}
+    given = [flag for flag, value in sources.items() if value]
     if len(given) > 1:
         fail(
-            f"give one of --storage-path, --metrics-url or --service, not {' and '.join(given)}",
+            f"give one of --storage-path, --metrics-url and --service, not both {given[0]} "
+            f"and {given[1]}",
             EXIT_BAD_INPUT,
         )
     if service:

@@ -43,9 +43,8 @@ from sortedcontainers import SortedDict
 from persisting.config import size_text
 from persisting.errors import InvalidKeyError, InvalidNameError, StoreClosedError
 from persisting.kv import KVStore, key_string
+from persisting.kv.owners import OwnerClaim, claim_model
 from persisting.kv.payload_files import file_size
-from persisting.lance_store import StorageRoot
-from persisting.lance_store.ownership import OwnerClaim
 from persisting.lmcache.health import IOErrors, errno_of, logger
 from persisting.lmcache.l2_io import Stored, load_object, store_objects
 from persisting.lmcache.l2_tasks import KeyLocks, TaskBoard, next_task_id
@@ -72,8 +71,8 @@ def claim_adapter(params: L2Params) -> OwnerClaim:
         "eviction": params.eviction,
         "namespace": params.namespace,
     }
-    return StorageRoot(params.storage_path).claim_model(
-        params.namespace, "l2-adapter", what, details
+    return claim_model(
+        params.storage_path, params.namespace, role="l2-adapter", what=what, details=details
     )
 
 
