@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -72,7 +72,7 @@ def render_inspect(console: Console, info: RootInfo) -> None:
     if info.models:
         models = Table(title="KV models", title_justify="left")
         models.add_column("model", overflow="fold")
-        for column in ("chunks", "bytes", "meta rows", "versions", "fragments"):
+        for column in ("chunks", "on disk (du)", "meta rows", "versions", "fragments"):
             models.add_column(column, justify="right")
         for m in info.models:
             models.add_row(
@@ -86,6 +86,13 @@ def render_inspect(console: Console, info: RootInfo) -> None:
             if m.note:
                 notes.append(f"{m.model}: {m.note}")
         console.print(models)
+        console.print(
+            "[dim]on disk: what the namespace's files occupy (as du counts); `persisting "
+            "stats` shows the bytes its capacity counts.[/]"
+        )
+        for m in info.models:
+            if m.owner is not None:
+                render_owner(console, m.model, m.owner)
     buckets = [b for topic in info.topics for b in topic.buckets]
     if buckets:
         topics = Table(title="Queue topics", title_justify="left")
@@ -110,6 +117,59 @@ def render_inspect(console: Console, info: RootInfo) -> None:
         render_lags(console, lags)
     for note in notes:
         console.print(f"[yellow]Note:[/] {escape(note)}", highlight=False)
+
+
+#: An L2 adapter's status fields ``inspect`` and ``stats`` show, in this order.
+_ADAPTER_FIGURES = (
+    "state",
+    "is_healthy",
+    "stored_object_count",
+    "used_bytes",
+    "capacity_bytes",
+    "checksum_failures",
+    "evictions",
+    "store_failures",
+    "load_failures",
+    "load_misses",
+    "layout_mismatches",
+    "locked_key_count",
+    "expired_locks",
+    "io_errors",
+)
+
+
+def render_owner(console: Console, model: str, owner: dict[str, Any]) -> None:
+    """Who serves ``model`` (live or when it last ran) and, for an L2 adapter, its
+    capacity, usage and counters as it last recorded them."""
+    import time
+
+    state = "serving now" if owner.get("live") else "not running (last record)"
+    console.print(
+        f"[bold]{escape(model)}[/]: {escape(str(owner.get('what', owner.get('role'))))}, "
+        f"pid {owner.get('pid')} on {escape(str(owner.get('host')))}, {state}.",
+        highlight=False,
+    )
+    details = owner.get("details") or {}
+    status = details.get("status")
+    if not isinstance(status, dict):
+        return
+    age = time.time() - float(details.get("status_time", time.time()))
+    table = Table(
+        title=f"L2 adapter of {escape(model)} (status {age:,.0f} s old; counters since it started)",
+        title_justify="left",
+    )
+    table.add_column("figure (LMCache /status name)")
+    table.add_column("value", justify="right")
+    for name in _ADAPTER_FIGURES:
+        if name in status:
+            value = status[name]
+            shown = human_bytes(value) if name.endswith("_bytes") else f"{value}"
+            table.add_row(name, shown)
+    console.print(table)
+    console.print(
+        "[dim]used_bytes: what the capacity counts (payload files in 4 KiB blocks plus "
+        "the metadata), the same figure LMCache reports.[/]"
+    )
 
 
 def render_lags(console: Console, lags: list[ConsumerLag]) -> None:
@@ -405,6 +465,13 @@ def render_stats(console: Console, report: StatsReport) -> None:
             else:
                 table.add_row(name, "", "", show(value))
         console.print(table)
+        console.print(
+            "[dim]bytes (disk): what the disk capacity counts -- payload files in 4 KiB "
+            "blocks plus the metadata table; `persisting inspect` shows what the files "
+            "occupy (du).[/]"
+        )
+        if m.owner is not None:
+            render_owner(console, m.model, m.owner)
         if m.latency:
             latency = Table(title=f"Latency of {escape(m.model)} (ms)", title_justify="left")
             for column in ("op", "tier", "outcome"):

@@ -471,6 +471,9 @@ class PersistingL2Adapter(L2AdapterInterface):
             status = self.report_status(record=False)
         except Exception:  # informative only: never fail a task over it
             return
+        if self._closed:  # the last record: stopped, not unhealthy
+            status.pop("is_healthy", None)
+        status["state"] = "stopped" if self._closed else "running"
         self._claim.update(status=status, status_time=time.time())
 
     def report_status(self, record: bool = True) -> dict:
