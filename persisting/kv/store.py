@@ -231,8 +231,11 @@ class KVStore(KVApi):
 
         ``chain=True`` says the keys are consecutive chunks of one prefix (each one's parent
         is the key before it), which the prefix-aware eviction policy uses. Every item is
-        validated before anything is stored; ``check_shape=False`` skips the format's shape
-        rule (for layouts another system defines, such as LMCache's MemoryObjs).
+        validated before anything is stored: its format's shape rule, and its dtype against
+        its key's (a float32 tensor under a ``...@bfloat16`` key is an InvalidValueError;
+        ``binary`` values are exempt). ``check_shape=False`` skips both (for layouts
+        another system defines, such as LMCache's MemoryObjs and the L2 adapter's opaque
+        object keys).
         ``on_complete`` gets each key's final result once; one that raises is logged and
         counted (``on_complete_errors``), never propagated.
         """

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import pyarrow as pa
@@ -36,6 +37,8 @@ QUEUE_DATASET = "data.lance"
 #: Under a topic's directory: one directory per consumer holding its claim (see
 #: :mod:`persisting.lance_store.ownership`).
 CONSUMER_CLAIMS_DIR = ".consumers"
+#: Under ``kv/``: one directory per model holding the claim of the process serving it.
+OWNER_CLAIMS_DIR = ".owners"
 
 
 class StorageRoot:
@@ -85,29 +88,36 @@ class StorageRoot:
         return hold_namespace(path, lambda: self.make_kv_dir(model))
 
     def claim_model(
-        self, model: str, role: str, what: str, details: dict[str, object] | None = None
+        self, model: str, role: str, what: str, details: Mapping[str, object] | None = None
     ) -> OwnerClaim:
         """Claim ``model``'s namespace for a serving role (a server, an L2 adapter): refused
         with NamespaceOwnedError, naming the holder, while a live process holds it."""
+        path = self.model_claim_dir(model)
         return claim_owner(
-            self.kv_path(model),
+            path,
             role=role,
             what=what,
             subject=f"model {model!r} under {self.root}",
             details=details,
-            make_dir=lambda: self.make_kv_dir(model),
+            make_dir=lambda: makedirs_durable(path, self.modes),
         )
+
+    def model_claim_dir(self, model: str) -> Path:
+        """``<root>/kv/.owners/<model>``: where the claim on a model's namespace lives --
+        beside the namespace, not in it, so it neither counts against the namespace's disk
+        budget nor goes with a drop."""
+        return self.root / KV_DIR / OWNER_CLAIMS_DIR / encode_name(model, "model")
 
     def model_owner(self, model: str) -> Holder | None:
         """Who claimed ``model``'s namespace (``live`` if it still holds it), or None."""
-        return read_owner(self.kv_path(model))
+        return read_owner(self.model_claim_dir(model))
 
     def consumer_dir(self, topic: str, consumer: str) -> Path:
         """``<root>/queue/<topic>/.consumers/<consumer>``: where a consumer's claim lives."""
         return self.topic_dir(topic) / CONSUMER_CLAIMS_DIR / encode_name(consumer, "consumer")
 
     def claim_consumer(
-        self, topic: str, consumer: str, what: str, details: dict[str, object] | None = None
+        self, topic: str, consumer: str, what: str, details: Mapping[str, object] | None = None
     ) -> OwnerClaim:
         """Claim the consumer ``consumer`` of ``topic``: one live process runs it."""
         path = self.consumer_dir(topic, consumer)

@@ -61,7 +61,7 @@ async def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
         puts = await client.batched_put(keys, values)
         array = np.arange(3000, dtype=np.float32).reshape(2, 1, 1500, 1)
         raw = bytes(range(256)) * 9000  # > one message chunk
-        await client.put(key(base + 10), array)
+        await client.put(key(base + 10, dtype="float32"), array)
         await client.put(key(base + 11), raw, fmt="binary")
         single = [await client.get(k) for k in keys]
         batched = await client.batched_get([*keys, key(base + 99)])
@@ -89,7 +89,9 @@ async def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
             ),
             "miss_is_none": batched[-1] is None,
             "get_into_exact": layout is not None and torch.equal(out, values[2]),
-            "numpy_exact": bool(np.array_equal(await client.get(key(base + 10)), array)),
+            "numpy_exact": bool(
+                np.array_equal(await client.get(key(base + 10, dtype="float")), array)
+            ),
             "bytes_exact": await client.get(key(base + 11)) == raw,
             "expect_mismatch_is_miss": await client.get(keys[0], expect=wrong) is None,
             "lookup_prefix": await client.lookup_prefix([*keys, key(base + 99), *keys]),
