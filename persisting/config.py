@@ -65,6 +65,20 @@ def parse_bytes(value: Any) -> Any:
 
 _BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 
+
+def size_bytes(value: Any, name: str) -> int:
+    """``value`` as bytes, as a setting reads it: an int, or a string with a unit
+    (``"64 MB"``, ``"8GiB"``); anything else is a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{name} must be a size in bytes or with a unit, got {value!r}")
+    try:
+        return int(parse_bytes(value))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ConfigError(
+            f"{name} must be a size in bytes or with a unit (512MB, 64GiB), got {value!r}"
+        ) from exc
+
+
 #: A size in bytes: an integer, or a string with a unit. Validated values are plain ints
 #: (never a ByteSize), so they travel in messages any peer can decode.
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
@@ -129,6 +143,11 @@ class KVSettings(BaseModel):
     """How token ids hash into chunk keys for ``lookup_tokens`` and token events:
     "persisting" (its own chain, seeded by the model), or "lmcache" (the keys LMCache's
     ``ChunkedTokenDatabase`` gives, for chunks LMCache stored through a Persisting plugin)."""
+    key_dtype: str = "bfloat16"
+    """The KV dtype token lookups (``lookup_tokens``, ``plan_tokens``, token events) hash
+    keys with unless told otherwise: your model's (``bfloat16``, ``float16``/``half``,
+    ``float32``/``float``...). Keys name their dtype, so a lookup with another finds
+    nothing."""
     max_value_bytes: Bytes = Field(default=1 * GiB, gt=0)
     """Largest value a put accepts."""
     eviction: Literal["lru", "prefix"] = "lru"
@@ -494,6 +513,7 @@ __all__ = [
     "parse_bytes",
     "setting_fields",
     "settings_file",
+    "size_bytes",
     "size_text",
     "socket_address",
 ]

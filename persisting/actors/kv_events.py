@@ -293,11 +293,12 @@ def prewarm(
     """Publish one prewarm (or ``op="evict"``) event; the function behind ``persisting prewarm``.
 
     ``hasher`` takes ``chunk_size`` (default ``settings.kv.chunk_size``), ``hash_scheme``
-    (default ``settings.kv.hash_scheme``), ``world_size``, ``worker_id``, ``dtype`` and
-    ``save_unfull_chunk`` for events given as tokens.
+    (default ``settings.kv.hash_scheme``), ``world_size``, ``worker_id``, ``dtype`` (default
+    ``settings.kv.key_dtype``) and ``save_unfull_chunk`` for events given as tokens.
     """
     hasher.setdefault("chunk_size", settings.kv.chunk_size)
     hasher.setdefault("hash_scheme", settings.kv.hash_scheme)
+    hasher.setdefault("dtype", settings.kv.key_dtype)
     event = make_event(op, model, keys, tokens, **hasher)
     return asyncio.run(publish_events(settings, [event], topic=topic))
 

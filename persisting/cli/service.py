@@ -248,7 +248,13 @@ def prewarm(
         int | None,
         typer.Option(help="Hasher worker id (default 0; with lmcache-mp: every worker)."),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="Key dtype (LMCache's names).")] = "bfloat16",
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Key dtype: the model's KV dtype, torch's or LMCache's name (bfloat16, "
+            "float16/half, float32/float...; default: the kv.key_dtype setting)."
+        ),
+    ] = None,
     hash_scheme: Annotated[
         HashSchemeChoice | None,
         typer.Option(
@@ -312,7 +318,7 @@ def prewarm(
     hasher: dict[str, Any] = {
         "world_size": world_size,
         "worker_id": worker_id or 0,
-        "dtype": dtype,
+        "dtype": dtype or settings.kv.key_dtype,
         "save_unfull_chunk": save_unfull_chunk,
     }
     if chunk_size is not None:

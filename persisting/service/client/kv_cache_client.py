@@ -87,6 +87,8 @@ class KVCacheClient(AsyncKVApi):
         )
         self._tasks: list[asyncio.Task[Any]] = []
         self._closed = False
+        #: The key dtype token lookups hash with by default (see KVStore.key_dtype).
+        self.key_dtype: Any = settings.kv.key_dtype
 
     # -- connecting ---------------------------------------------------------------------
 
@@ -318,7 +320,10 @@ class KVCacheClient(AsyncKVApi):
         chunks and counts them itself (``stats()["client"]["lookup_hit_tokens"]``).
         """
         hasher = hasher or TokenHasher(
-            model=self.model, chunk_size=self.chunk_size, scheme=self.hash_scheme
+            model=self.model,
+            chunk_size=self.chunk_size,
+            scheme=self.hash_scheme,
+            dtype=self.key_dtype,
         )
         single = self._single_member()
         wire = None
