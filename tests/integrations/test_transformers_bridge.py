@@ -109,7 +109,7 @@ def test_bad_inputs_are_refused_clearly(root: Path) -> None:
             save_prefix(store, prompt(128, 5), object())
         with pytest.raises(InvalidValueError, match="pass hasher="):
             load_prefix(object(), prompt(128, 5), num_kv_heads=2, dtype=torch.float32)
-        with pytest.raises(InvalidValueError, match="cannot be stored; supported: .*float32"):
+        with pytest.raises(InvalidValueError, match=r"cannot be stored; supported: .*float32"):
             dtype_name(torch.complex64)
         assert dtype_name("float32") == dtype_name(torch.float32) == "float"
 
@@ -169,7 +169,7 @@ def test_without_a_geometry_record_the_model_still_catches_a_mismatch(root: Path
         assert saved_geometry(store, store.token_hasher()) is None
         with pytest.raises(LayoutMismatchError, match="the model's 4 KV heads of 16 make 64"):
             load_prefix(store, ids, model=tiny_llama(kv_heads=4))
-        with pytest.raises(LayoutMismatchError, match="3 layer.*the model has .* 2 layer"):
+        with pytest.raises(LayoutMismatchError, match=r"3 layer.*the model has .* 2 layer"):
             forward(tiny_llama(layers=2), ids[:, :1], load_prefix(store, ids, model=model)[1])
 
 
