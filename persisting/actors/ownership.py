@@ -74,16 +74,21 @@ def claim_models(
 
 
 def claim_consumer(
-    settings: PersistingSettings, *, name: str, addr: str | None, topic: str | None = None
+    settings: PersistingSettings,
+    models: Sequence[str],
+    *,
+    name: str,
+    addr: str | None,
+    topic: str | None = None,
 ) -> OwnerClaim:
-    """Claim the event consumer of the server ``name`` on its topic."""
+    """Claim the event consumer of the server ``name`` (serving ``models``) on its topic."""
     root = StorageRoot(settings.storage_path, settings.storage_access)
     topic = topic or settings.service.event_topic
     return root.claim_consumer(
         topic,
         consumer_name(name),
         consumer_what(name, addr),
-        {"name": name, "addr": addr, "topic": topic},
+        {"name": name, "addr": addr, "topic": topic, "models": list(models)},
     )
 
 
@@ -99,7 +104,7 @@ def claim_service(
     claims = ServiceClaims(claim_models(settings, models, name=name, addr=addr))
     if consume_events and settings.service.event_topic:
         try:
-            claims.consumer = claim_consumer(settings, name=name, addr=addr)
+            claims.consumer = claim_consumer(settings, models, name=name, addr=addr)
         except BaseException:
             claims.release()
             raise

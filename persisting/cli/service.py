@@ -27,7 +27,7 @@ from persisting.cli.app import (
     load_settings,
 )
 from persisting.cli.checks import free_port, listen_address, storage_folder, writable_root
-from persisting.cli.output import emit, to_jsonable
+from persisting.cli.output import emit, stderr, to_jsonable
 from persisting.config import socket_address
 from persisting.errors import ConfigError, PersistingError, ServiceUnavailableError
 
@@ -339,6 +339,9 @@ def prewarm(
         "published": published,
         "topic": settings.service.event_topic,
     }
+    consumers = live_consumers(settings, model)
+    if consumers is not None:
+        result["consumers"] = consumers
     if hash_scheme is HashSchemeChoice.lmcache_mp:
         result.update(hash_scheme="lmcache-mp", chunk_size=mp_chunk_size, chunks=len(keys or ()))
     elif tokens is not None:  # how the tokens were hashed, so a miss can be explained
@@ -352,6 +355,33 @@ def prewarm(
             f"on topic {escape(str(result['topic']))}"
         ),
     )
+
+
+def live_consumers(settings: PersistingSettings, model: str) -> list[str] | None:
+    """The live event consumers of the topic under the root that apply ``model``'s events
+    (each described), or None where there is none -- then one warning line on stderr: the
+    event waits on the topic until a server with a consumer starts on this root. Only a
+    ``persisting serve`` consumes events; LMCache and engine processes that open the
+    store directly do not."""
+    from persisting.lance_store import StorageRoot
+
+    topic = settings.service.event_topic
+    root = StorageRoot(settings.storage_path)
+    live = [h for h in root.consumer_owners(topic) if h.live]
+    serving = [h for h in live if model in (h.details.get("models") or [model])]
+    if serving:
+        return [h.describe() for h in serving]
+    served = sorted({m for h in live for m in h.details.get("models", [])})
+    why = f"the live consumer(s) serve {served}, not {model!r}" if live else "none runs"
+    stderr().print(
+        f"[yellow]Warning:[/] no live consumer applies {escape(model)!r} events on topic "
+        f"{escape(topic)!r} under {escape(str(root.root))} ({escape(why)}): the event waits "
+        "there until a `persisting serve` of that model starts on this root. LMCache and "
+        "engines that open the store directly consume no events (see docs/operating.md).",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return None
 
 
 def _lmcache_mp_keys(namespace: str, tokens: list[int], **settings: Any) -> list[str]:

@@ -93,6 +93,7 @@ class PersistingL2AdapterConfig(L2AdapterConfigBase):
             "Persisting L2 adapter adapter_params:\n"
             "- storage_path (str, required): the Persisting storage root\n"
             "- capacity (bytes or '500GiB', default 64GiB): bytes on disk\n"
+            "  (or max_capacity_gb, a number of GiB, as LMCache's own adapters take it)\n"
             "- durability ('sync' | 'async' | 'write_back', default 'sync')\n"
             "- fsync (bool, default true): sync stores fsync before completing\n"
             "- memory_bytes (default 0), namespace (default 'lmcache'),\n"
