@@ -95,7 +95,8 @@ class KVCacheStorageActor(pulsing.Actor):
         names = list(models if models is not None else self.settings.models)
         if not names:
             raise ConfigError(
-                "no models to serve: set PERSISTING_MODELS (comma-separated) or settings.models"
+                "no models to serve: set PERSISTING_MODELS (comma-separated), or models in "
+                "the settings file (PERSISTING_CONFIG)"
             )
         for name in names:
             validate_name(name, "model")

@@ -95,7 +95,10 @@ async def start_service(
     service = settings.service
     models = list(models if models is not None else settings.models)
     if not models:
-        raise ConfigError("no models to serve: set PERSISTING_MODELS or pass models=")
+        raise ConfigError(
+            "no models to serve: pass models=, or set models in the settings file "
+            "(PERSISTING_CONFIG) or PERSISTING_MODELS"
+        )
     name = name or service.name
     addr = addr if addr is not None else service.addr
     # One server per namespace, one consumer per topic: refused here, before Pulsing binds
