@@ -226,6 +226,29 @@ async def put_keys(args: dict[str, Any]) -> dict[str, Any]:
         await client.close()
 
 
+async def put_checks(args: dict[str, Any]) -> dict[str, Any]:
+    """Through the service: a value whose dtype is not its key's is refused with the store's
+    typed error, and a second put of a key is told apart by layout (``conflict``)."""
+    client = await _connect(args)
+    try:
+        refused = ""
+        try:
+            await client.put(key(700), torch.zeros(2, 4, 16, 64))  # float32, key bfloat16
+        except PersistingError as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+        first = await client.put(key(701), tensor(1))
+        same = await client.put(key(701), tensor(2))  # same layout: already stored
+        other = await client.put(key(701), tensor(3, tokens=32))  # another layout
+        return {
+            "refused": refused,
+            "first": [first.stored, first.conflict],
+            "same": [same.stored, same.conflict],
+            "other": [other.stored, other.conflict],
+        }
+    finally:
+        await client.close()
+
+
 async def present_keys(args: dict[str, Any]) -> dict[str, Any]:
     client = await _connect(args)
     try:
@@ -395,6 +418,7 @@ TASKS = {
     "service_stats": service_stats,
     "cluster": cluster,
     "put_keys": put_keys,
+    "put_checks": put_checks,
     "present_keys": present_keys,
 }
 
