@@ -71,9 +71,9 @@ class Membership:
         """A request to ``member`` failed: leave it out until a probe succeeds."""
         self._next_probe[member] = self._clock() + self.retry_s
 
-    def mark_up(self, member: str) -> bool:
-        """``member`` answered: back in use. True if it was down until now."""
-        return self._next_probe.pop(member, None) is not None
+    def mark_up(self, member: str) -> None:
+        """``member`` answered: back in use."""
+        self._next_probe.pop(member, None)
 
     def is_live(self, member: str) -> bool:
         return member in self._members and member not in self._next_probe

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -115,10 +116,12 @@ async def connect_only(args: dict[str, Any]) -> dict[str, Any]:
     except PersistingError as exc:
         return {"connected": False, "error": type(exc).__name__}
     try:
+        members = client.members  # what the client saw before its first placement
         value = tensor(5)
         await client.put(key(500), value)
         got = await client.get(key(500))
-        return {"connected": True, "exact": got is not None and torch.equal(got, value)}
+        exact = got is not None and torch.equal(got, value)
+        return {"connected": True, "exact": exact, "members": members}
     finally:
         await client.close()
 
@@ -169,7 +172,19 @@ async def cluster(args: dict[str, Any]) -> dict[str, Any]:
         learned = await client.batched_get(keys)
         assert all(v is not None for v in learned)
         owners = {str(k): client.member_of(k) for k in keys}
-        print("READY " + json.dumps({"members": client.members, "owners": owners}), flush=True)
+        # A token lookup over several members: the client hashes, so the client counts.
+        hasher = TokenHasher(model=MODEL, chunk_size=16)
+        tokens = list(range(4 * 16))
+        chunk_keys = [k for _s, _e, k in hasher.process_tokens(tokens)]
+        await client.batched_put(chunk_keys, [tensor(500 + i) for i in range(len(chunk_keys))])
+        hit = await client.lookup_tokens(tokens, hasher=hasher)
+        ready = {
+            "members": client.members,
+            "owners": owners,
+            "hit_tokens": hit,
+            "client_hit_tokens": client.counters["lookup_hit_tokens"],
+        }
+        print("READY " + json.dumps(ready), flush=True)
         gone = sys.stdin.readline().strip()  # the test kills a member, then names it
         got = await client.batched_get(keys)  # the dead member's keys: misses, no error
         singles = [await client.get(k) for k in keys]
@@ -425,6 +440,9 @@ TASKS = {
 
 def main() -> None:
     task, raw = sys.argv[1], sys.argv[2]
+    # The client's own log (members going and coming back) on stderr, as an app shows it.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("persisting.service.client").setLevel(logging.INFO)
     try:
         result = asyncio.run(TASKS[task](json.loads(raw)))
         print("RESULT " + json.dumps(result), flush=True)

@@ -72,6 +72,8 @@ class Cluster:
         self.settle_s = service.settle_s
         #: Set once the first discovery is done: members found later are logged.
         self._connected = False
+        #: Members logged as down and not yet as back (one line each way).
+        self._logged_down: set[str] = set()
 
     async def call(self, member: Member, op: str, **args: Any) -> Any:
         return await self.transport.call(member, op, **args)
@@ -246,17 +248,25 @@ class Cluster:
             self.forget_pool(member)
             member.needs_restore = True  # once it answers again
         if was_live:
-            logger.warning(
-                "kv service member %s is down (%s); its keys go to the other members until "
-                "a probe (every %.1fs) reaches it",
-                exc.member,
-                exc.reason,
-                self.membership.retry_s,
-            )
+            self._log_down(exc.member, exc.reason)
+
+    def _log_down(self, addr: str, reason: str) -> None:
+        if addr in self._logged_down:
+            return
+        self._logged_down.add(addr)
+        logger.warning(
+            "kv service member %s is down (%s); its keys go to the other members until "
+            "a probe (every %.1fs) reaches it",
+            addr,
+            reason,
+            self.membership.retry_s,
+        )
 
     def mark_up(self, addr: str) -> None:
-        """``addr`` answered: back in use (one log line if it was down)."""
-        if self.membership.mark_up(addr):
+        """``addr`` answered: back in use (one log line if it was logged down)."""
+        self.membership.mark_up(addr)
+        if addr in self._logged_down:
+            self._logged_down.discard(addr)
             logger.info("kv service member %s is back", addr)
 
     def keepalive_period(self) -> float:
