@@ -393,6 +393,18 @@ SERVICE_REQUESTS_METRIC = "persisting_service_requests"
 SERVICE_ERRORS_METRIC = "persisting_service_errors"
 SERVICE_MEMBERS_METRIC = "persisting_service_members_up"
 CONSUMER_POSITION_METRIC = "persisting_events_consumer_position"
+#: The sample names a server exports about itself (beside its stores' figures).
+SERVICE_METRICS = (
+    f"{SERVICE_REQUESTS_METRIC}_total",
+    f"{SERVICE_ERRORS_METRIC}_total",
+    "persisting_service_sessions",
+    "persisting_service_pins",
+    "persisting_service_leases",
+    SERVICE_MEMBERS_METRIC,
+    "persisting_service_ready",
+    CONSUMER_POSITION_METRIC,
+    "persisting_events_total",
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -516,6 +528,7 @@ __all__ = [
     "QUEUE_LAG_METRIC",
     "SERVICE_ERRORS_METRIC",
     "SERVICE_MEMBERS_METRIC",
+    "SERVICE_METRICS",
     "SERVICE_REQUESTS_METRIC",
     "STORE_FIGURES",
     "TIERS",
