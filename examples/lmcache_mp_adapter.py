@@ -147,11 +147,11 @@ def run(root: Path) -> None:
         deadline = time.monotonic() + 30
         while not all(adapter.debug_has_key(k) for k in keys) and time.monotonic() < deadline:
             time.sleep(0.01)
-        usage = adapter.get_usage()
+        drop_from_l1(manager, keys)  # only Persisting can serve them now
+        usage = adapter.get_usage()  # LMCache has seen the store complete: its usage is in
         held = sum(adapter.debug_has_key(k) for k in keys)
         print(f"stored {len(keys)} chunks: L2 holds {held}, usage {chunk_bytes(usage)} bytes")
         print(f"on disk with the metadata table: {usage.total_bytes_used} bytes")
-        drop_from_l1(manager, keys)  # only Persisting can serve them now
         print(f"after clearing L1: {prefetch_and_check(manager, keys, chunks)}")
         status = adapter.report_status()
         print(f"status: healthy={status['is_healthy']} io_errors={status['io_errors']}")

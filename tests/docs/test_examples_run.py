@@ -154,7 +154,7 @@ def test_prewarm_job(tmp_path: Path) -> None:
             "published 1 prewarm event (tokens of the document)",
             "server after the prewarm: {'memory_items': 4, 'disk_items': 4, 'events_applied': 1}",
             "  -> {'model': 'meta-llama/Llama-3-8B', 'op': 'evict', 'published': 1, "
-            "'topic': 'kv-events'}",
+            "'topic': 'kv-events'}, applied by 1 live consumer(s)",
             "lookup of the document after the evict: 192 of 256 tokens",
             "server at the end: {'memory_items': 3, 'disk_items': 3, 'events_applied': 2}",
         ],
