@@ -133,6 +133,14 @@ class KVCacheStorageActor(pulsing.Actor):
                 "storage_path": str(self.settings.storage_path),
             },
         )
+        #: The event consumer beside this actor (``start_service`` sets it), for readiness.
+        self.consumer: EventConsumer | None = None
+        self._addr: str | None = None
+        #: Servers of this service seen alive in the cluster (None: not read yet).
+        self._members: list[str] | None = None
+        self._watcher: threading.Thread | None = None
+        self._stop_watching = threading.Event()
+        self._closed = False
         self.metrics_server: MetricsServer | None = None
         if service.metrics_port is not None:
             self._serve_metrics(service.metrics_port)
@@ -141,17 +149,9 @@ class KVCacheStorageActor(pulsing.Actor):
         self._start_lock: asyncio.Lock | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._channel: LocalChannelServer | None = None
-        self._closed = False
         #: The name clients resolve (the launcher's ``--name`` is not passed to actors).
         self.name = service.name
         self._started_at = time.monotonic()
-        #: The event consumer beside this actor (``start_service`` sets it), for readiness.
-        self.consumer: EventConsumer | None = None
-        self._addr: str | None = None
-        #: Servers of this service seen alive in the cluster (None: not read yet).
-        self._members: list[str] | None = None
-        self._watcher: threading.Thread | None = None
-        self._stop_watching = threading.Event()
 
     def _serve_metrics(self, port: int) -> None:
         """Prometheus figures of every served store, of the service itself and of the

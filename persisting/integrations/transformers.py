@@ -137,9 +137,15 @@ def _hasher(store: Any, hasher: TokenHasher | None, dtype: str) -> TokenHasher:
 
 
 def _geometry_key(hasher: TokenHasher) -> ChunkKey:
-    t = hasher._template
+    """Where the geometry of ``hasher``'s model and dtype is recorded: a key of that model,
+    rank and dtype with a tag no token chunk carries."""
     return ChunkKey(
-        t.model, t.world_size, t.worker_id, _GEOMETRY_HASH, t.dtype, (*t.tags, GEOMETRY_TAG)
+        hasher.model,
+        hasher.world_size,
+        hasher.worker_id,
+        _GEOMETRY_HASH,
+        hasher.dtype,
+        (*hasher.tags, GEOMETRY_TAG),
     )
 
 

@@ -393,6 +393,8 @@ class TokenHasher:
         #: The key dtype, spelled LMCache's way (``float32`` and ``torch.float32`` give
         #: ``float``).
         self.dtype = self._template.dtype
+        #: The tags every key gets (``(name, value)`` pairs).
+        self.tags = self._template.tags
         self.save_unfull_chunk = save_unfull_chunk
         self.scheme: HashScheme = scheme
         self._seed = xxhash.xxh3_64_intdigest(model.encode("utf-8"))
