@@ -211,6 +211,7 @@ def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
         assert run_client("connect_only", {**quick, "passphrase": "open-sesame"}) == {
             "connected": True,
             "exact": True,
+            "members": seeds,
         }
 
 
