@@ -111,7 +111,9 @@ async def run_job(root: Path, addr: str, keys: list[str]) -> None:
         ]
         print("running: persisting prewarm", MODEL, "--evict --key <last chunk's key> --json")
         out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
-        print(f"  -> {json.loads(out.stdout)}")
+        published = json.loads(out.stdout)
+        consumers = published.pop("consumers", [])  # who will apply it (pid, address)
+        print(f"  -> {published}, applied by {len(consumers)} live consumer(s)")
         hit = await until(
             lambda: client.lookup_tokens(DOCUMENT, hasher), lambda n: n < len(DOCUMENT)
         )

@@ -65,6 +65,20 @@ def parse_bytes(value: Any) -> Any:
 
 _BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 
+
+def size_bytes(value: Any, name: str) -> int:
+    """``value`` as bytes, as a setting reads it: an int, or a string with a unit
+    (``"64 MB"``, ``"8GiB"``); anything else is a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{name} must be a size in bytes or with a unit, got {value!r}")
+    try:
+        return int(parse_bytes(value))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ConfigError(
+            f"{name} must be a size in bytes or with a unit (512MB, 64GiB), got {value!r}"
+        ) from exc
+
+
 #: A size in bytes: an integer, or a string with a unit. Validated values are plain ints
 #: (never a ByteSize), so they travel in messages any peer can decode.
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
@@ -127,6 +141,11 @@ class KVSettings(BaseModel):
     """How token ids hash into chunk keys for ``lookup_tokens`` and token events:
     "persisting" (its own chain, seeded by the model), or "lmcache" (the keys LMCache's
     ``ChunkedTokenDatabase`` gives, for chunks LMCache stored through a Persisting plugin)."""
+    key_dtype: str = "bfloat16"
+    """The KV dtype token lookups (``lookup_tokens``, ``plan_tokens``, token events) hash
+    keys with unless told otherwise: your model's (``bfloat16``, ``float16``/``half``,
+    ``float32``/``float``...). Keys name their dtype, so a lookup with another finds
+    nothing."""
     max_value_bytes: Bytes = Field(default=1 * GiB, gt=0)
     """Largest value a put accepts."""
     eviction: Literal["lru", "prefix"] = "lru"
@@ -179,7 +198,8 @@ class ServiceSettings(BaseModel):
     addr: str = "127.0.0.1:8610"
     """IP:port the server listens on."""
     seeds: list[str] = Field(default_factory=list)
-    """Cluster members to join (servers) or to find the servers through (clients)."""
+    """Cluster members to join (servers) or to find the servers through (clients): list
+    several (every server, ideally), so the cluster is found through any live one."""
     passphrase: str | None = None
     """Cluster passphrase (TLS). Unset: a server generates one, kept in ``passphrase_file``,
     and serves loopback only (see persisting.service.passphrase)."""
@@ -235,6 +255,9 @@ class ServiceSettings(BaseModel):
     """How often a client probes a server that failed."""
     discovery_timeout_s: float = Field(default=10.0, gt=0)
     """How long connect waits for servers to appear."""
+    settle_s: float = Field(default=5.0, ge=0)
+    """How long connect waits, at most, for servers the live ones report but this client
+    has not found yet (so its first placements see the whole cluster)."""
     event_batch_records: int = Field(default=64, gt=0)
     """Events applied (and committed) per step."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -505,6 +528,7 @@ __all__ = [
     "parse_bytes",
     "setting_fields",
     "settings_file",
+    "size_bytes",
     "size_text",
     "socket_address",
 ]

@@ -26,7 +26,8 @@ def _toml_value(value: Any, *, size: bool) -> str:
     return json.dumps(value)
 
 
-def _is_size(model: type[BaseModel], name: str) -> bool:
+def is_size(model: type[BaseModel], name: str) -> bool:
+    """Whether setting ``name`` of ``model`` is a size (takes and shows units)."""
     metadata = model.model_fields[name].metadata
     return any(getattr(m, "func", None) is parse_bytes for m in metadata)
 
@@ -45,7 +46,7 @@ def _model_lines(model: type[BaseModel], defaults: BaseModel) -> list[str]:
         if value is None:
             lines.append(f"# {name} =")
         else:
-            lines.append(f"{name} = {_toml_value(value, size=_is_size(model, name))}")
+            lines.append(f"{name} = {_toml_value(value, size=is_size(model, name))}")
     return lines
 
 
@@ -66,4 +67,4 @@ def sample_toml() -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["sample_toml"]
+__all__ = ["is_size", "sample_toml"]

@@ -118,6 +118,14 @@ class NamespaceInUseError(PersistingError):
     code = "namespace_in_use"
 
 
+class NamespaceOwnedError(NamespaceInUseError):
+    """A namespace (or a topic's consumer) that a live process already serves: one owner
+    per namespace. ``holder`` describes that process when it could be read."""
+
+    code = "namespace_owned"
+    holder: object | None = None
+
+
 class ServiceUnavailableError(PersistingError):
     """No live server could be reached for a request."""
 
@@ -150,6 +158,7 @@ __all__ = [
     "InvalidValueError",
     "LayoutMismatchError",
     "NamespaceInUseError",
+    "NamespaceOwnedError",
     "OffsetTrimmedError",
     "PersistingError",
     "ProtocolError",

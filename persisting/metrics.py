@@ -12,6 +12,13 @@ Queue consumer lag (records put but not yet committed by a consumer) is either s
 caller (:meth:`KVMetrics.set_queue_lag`) or worked out at scrape time from the committed
 positions under a storage root (:meth:`KVMetrics.track_queue_lag`).
 
+A server also exports its service-level figures (:meth:`KVMetrics.track_service`):
+requests by operation, errors by code, sessions, the cluster members it sees up, and its
+event consumer's position. The endpoint (:func:`start_metrics_server`) answers
+``/metrics``, ``/healthz`` (the process answers) and ``/readyz`` (a readiness probe the
+caller supplies: 200 when ready, else 503, with the checks as JSON), and 404 for anything
+else.
+
 Nothing here touches prometheus_client's global default registry: a server process makes
 one ``KVMetrics`` (with its own ``CollectorRegistry``) and serves it with
 :func:`start_metrics_server`. The names of the figures and metrics, and the consumer lag,
@@ -21,17 +28,20 @@ live in :mod:`persisting.figures` (re-exported here), which does not import Prom
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import generate_latest
+from prometheus_client.exposition import choose_encoder, generate_latest
 from prometheus_client.registry import Collector
 
 from persisting.errors import ConfigError, PersistingError
@@ -112,6 +122,7 @@ class KVMetrics:
         self._series: dict[str, set[tuple[str, str, str]]] = {}
         self._lags: dict[tuple[str, int, str], int] = {}
         self._tracked: list[tuple[Path, tuple[str, ...] | None]] = []
+        self._service: Callable[[], Mapping[str, Any]] | None = None
         try:
             self.latency = Histogram(
                 LATENCY_METRIC,
@@ -121,6 +132,7 @@ class KVMetrics:
                 registry=self.registry,
             )
             self.registry.register(_Collector(self))
+            self.registry.register(_ServiceCollector(self))
         except ValueError as exc:  # the registry already holds Persisting's metrics
             raise ConfigError(f"this registry already exports Persisting metrics: {exc}") from exc
 
@@ -160,8 +172,11 @@ class KVMetrics:
         series = self._series.setdefault(model, set())
 
         def observe(op: str, tier: str, seconds: float, _nbytes: int, outcome: str) -> None:
-            # Index-only misses carry no tier and no timing: they are counted, not timed.
-            if not tier:
+            # Index-only misses carry no tier and no timing, and hits a same-host client
+            # copied out of the shared pool itself are reported without a duration: they
+            # are counted (the store's counters), not timed -- a 0 here would drag the
+            # mean to 0 beside percentiles interpolated inside the first bucket.
+            if not tier or seconds <= 0.0:
                 return
             labels = (op, tier, outcome)
             child = children.get(labels)
@@ -193,11 +208,35 @@ class KVMetrics:
                 (Path(storage_root), tuple(topics) if topics is not None else None)
             )
 
+    # -- the service ---------------------------------------------------------------------
+
+    def track_service(self, snapshot: Callable[[], Mapping[str, Any]]) -> None:
+        """At every scrape, export a server's figures from ``snapshot()``: a mapping with
+        ``requests`` ({op: n}), ``errors`` ({code: n}), ``sessions``, ``pins``, ``leases``,
+        ``members_up``, ``members_known``, ``ready`` (bool) and ``consumer`` (its
+        :meth:`~persisting.actors.kv_events.EventConsumer.status`, or None)."""
+        with self._lock:
+            self._service = snapshot
+
+    def _service_snapshot(self) -> Mapping[str, Any] | None:
+        with self._lock:
+            snapshot = self._service
+        if snapshot is None:
+            return None
+        try:
+            return snapshot()
+        except Exception as exc:  # a scrape must not fail over one figure
+            log.warning("cannot read the service figures: %s", exc)
+            return None
+
     # -- output ---------------------------------------------------------------------------
 
-    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> MetricsServer:
-        """Serve this registry on ``http://addr:port/metrics`` (port 0: any free port)."""
-        return start_metrics_server(port, addr, self.registry)
+    def serve(
+        self, port: int = 0, addr: str = "127.0.0.1", ready: ReadyProbe | None = None
+    ) -> MetricsServer:
+        """Serve this registry on ``http://addr:port/metrics`` (port 0: any free port),
+        with ``/healthz`` and ``/readyz`` (``ready``: the readiness probe)."""
+        return start_metrics_server(port, addr, self.registry, ready=ready)
 
     def render(self) -> str:
         """The text a scrape would return now."""
@@ -276,9 +315,150 @@ class _Collector(Collector):
         yield lag
 
 
+def _service_families(figures: Mapping[str, Any] | None) -> Iterator[Metric]:
+    """A server's request, error, session, member and consumer figures."""
+    requests = CounterMetricFamily(
+        SERVICE_REQUESTS_METRIC, "Requests a server answered, by operation.", labels=["op"]
+    )
+    errors = CounterMetricFamily(
+        SERVICE_ERRORS_METRIC,
+        "Requests a server answered with an error, by error code.",
+        labels=["code"],
+    )
+    gauges = {
+        "sessions": GaugeMetricFamily(
+            "persisting_service_sessions", "Client sessions open on this server."
+        ),
+        "pins": GaugeMetricFamily("persisting_service_pins", "Pins held by client sessions."),
+        "leases": GaugeMetricFamily(
+            "persisting_service_leases", "Read leases held by client sessions."
+        ),
+        "members_up": GaugeMetricFamily(
+            SERVICE_MEMBERS_METRIC,
+            "Storage servers of this service this server sees up in the cluster.",
+        ),
+        "ready": GaugeMetricFamily(
+            "persisting_service_ready",
+            "1 when this server is ready (stores open, consumer running, cluster joined).",
+        ),
+    }
+    position = GaugeMetricFamily(
+        CONSUMER_POSITION_METRIC,
+        "The offset the server's event consumer reads next, per bucket.",
+        labels=["topic", "bucket", "consumer"],
+    )
+    applied = CounterMetricFamily(
+        "persisting_events",
+        "Events the server's event consumer handled, by outcome (applied, failed, "
+        "invalid, foreign_model).",
+        labels=["topic", "consumer", "outcome"],
+    )
+    if figures is not None:
+        for op, n in sorted((figures.get("requests") or {}).items()):
+            requests.add_metric([op], n)
+        for code, n in sorted((figures.get("errors") or {}).items()):
+            errors.add_metric([code], n)
+        for name, family in gauges.items():
+            value = figures.get(name)
+            if value is not None:
+                family.add_metric([], float(value))
+        consumer = figures.get("consumer")
+        if consumer:
+            topic, name = str(consumer.get("topic", "")), str(consumer.get("consumer", ""))
+            for bucket, offset in sorted((consumer.get("position") or {}).items()):
+                position.add_metric([topic, str(bucket), name], offset)
+            for outcome in ("applied", "failed", "invalid", "foreign_model"):
+                applied.add_metric([topic, name, outcome], int(consumer.get(outcome, 0)))
+    yield requests
+    yield errors
+    yield from gauges.values()
+    yield position
+    yield applied
+
+
+class _ServiceCollector(Collector):
+    """A server's own figures, read from its snapshot at scrape time."""
+
+    def __init__(self, metrics: KVMetrics):
+        self.metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        yield from _service_families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _service_families(self.metrics._service_snapshot())
+
+
+SERVICE_REQUESTS_METRIC = "persisting_service_requests"
+SERVICE_ERRORS_METRIC = "persisting_service_errors"
+SERVICE_MEMBERS_METRIC = "persisting_service_members_up"
+CONSUMER_POSITION_METRIC = "persisting_events_consumer_position"
+#: The sample names a server exports about itself (beside its stores' figures).
+SERVICE_METRICS = (
+    f"{SERVICE_REQUESTS_METRIC}_total",
+    f"{SERVICE_ERRORS_METRIC}_total",
+    "persisting_service_sessions",
+    "persisting_service_pins",
+    "persisting_service_leases",
+    SERVICE_MEMBERS_METRIC,
+    "persisting_service_ready",
+    CONSUMER_POSITION_METRIC,
+    "persisting_events_total",
+)
+
+
 # ---------------------------------------------------------------------------------------
 # The HTTP endpoint
 # ---------------------------------------------------------------------------------------
+
+#: A readiness probe: (ready, checks), each check a short state (True, or why not).
+ReadyProbe = Callable[[], tuple[bool, Mapping[str, Any]]]
+#: The paths the endpoint answers; anything else is a 404.
+ENDPOINTS = ("/metrics", "/healthz", "/readyz")
+
+
+class _Endpoint(BaseHTTPRequestHandler):
+    """``/metrics``, ``/healthz``, ``/readyz``; 404 for every other path."""
+
+    registry: CollectorRegistry
+    ready: ReadyProbe | None
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        if path == "/metrics":
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._reply(200, encoder(self.registry), content_type)
+        elif path == "/healthz":
+            self._reply(200, b"ok\n", "text/plain; charset=utf-8")
+        elif path == "/readyz":
+            ready, checks = self._probe()
+            body = json.dumps({"ready": ready, "checks": dict(checks)}, default=str)
+            self._reply(200 if ready else 503, body.encode() + b"\n", "application/json")
+        else:
+            text = f"not found: {path} (this endpoint serves {', '.join(ENDPOINTS)})\n"
+            self._reply(404, text.encode(), "text/plain; charset=utf-8")
+
+    def _probe(self) -> tuple[bool, Mapping[str, Any]]:
+        probe = type(self).ready
+        if probe is None:
+            return True, {}
+        try:
+            return probe()
+        except Exception as exc:  # a probe that fails says not ready, with why
+            return False, {"probe": f"failed: {exc}"}
+
+    def _reply(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes and probes are not logged (one every few seconds, forever)."""
 
 
 class MetricsServer:
@@ -308,29 +488,54 @@ class MetricsServer:
         self.close()
 
 
-def start_metrics_server(port: int, addr: str, registry: CollectorRegistry) -> MetricsServer:
-    """Serve ``registry`` (never the global default) at ``http://addr:port/metrics``.
+def start_metrics_server(
+    port: int, addr: str, registry: CollectorRegistry, ready: ReadyProbe | None = None
+) -> MetricsServer:
+    """Serve ``registry`` (never the global default) at ``http://addr:port/metrics``, with
+    ``/healthz`` (200 while the process answers) and ``/readyz`` (``ready()``'s verdict:
+    200 or 503, the checks as JSON; always ready without a probe). Other paths are 404.
 
     ``port=0`` picks a free port (see :attr:`MetricsServer.port`).
     """
     if not isinstance(registry, CollectorRegistry):
         raise ConfigError(f"registry must be a CollectorRegistry, got {type(registry).__name__}")
+    handler = type("MetricsEndpoint", (_Endpoint,), {"registry": registry, "ready": ready})
+    server_class = type(
+        "MetricsHTTPServer",
+        (ThreadingHTTPServer,),
+        {"daemon_threads": True, "address_family": _family(addr)},
+    )
     try:
-        server, thread = start_http_server(port, addr=addr, registry=registry)
+        server = server_class((addr, port), handler)
     except OSError as exc:
         raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") from exc
+    thread = threading.Thread(target=server.serve_forever, name="persisting-metrics", daemon=True)
+    thread.start()
     return MetricsServer(server, thread)
 
 
+def _family(addr: str) -> int:
+    import socket
+
+    return socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+
 __all__ = [
+    "CONSUMER_POSITION_METRIC",
+    "ENDPOINTS",
     "LATENCY_BUCKETS",
     "LATENCY_METRIC",
     "QUEUE_LAG_METRIC",
+    "SERVICE_ERRORS_METRIC",
+    "SERVICE_MEMBERS_METRIC",
+    "SERVICE_METRICS",
+    "SERVICE_REQUESTS_METRIC",
     "STORE_FIGURES",
     "TIERS",
     "ConsumerLag",
     "KVMetrics",
     "MetricsServer",
+    "ReadyProbe",
     "StoreFigure",
     "consumer_lags",
     "figure_values",

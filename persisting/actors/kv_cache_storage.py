@@ -29,14 +29,16 @@ import asyncio
 import contextlib
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pulsing
 
 from persisting.actors.logs import configure_logging, log_banner, log_bulk, log_stop, logger
+from persisting.actors.ownership import ServiceClaims, claim_models
 from persisting.actors.system import (
     arm_launcher,
     is_authenticated,
@@ -51,6 +53,12 @@ from persisting.metrics import KVMetrics, MetricsServer
 from persisting.service.bulk.server import BulkServer
 from persisting.service.handler import StorageHandler
 from persisting.service.local_channel import LocalChannelServer
+
+if TYPE_CHECKING:
+    from persisting.actors.kv_events import EventConsumer
+
+#: How often a server reads which members of its service are alive.
+MEMBERS_EVERY_S = 2.0
 
 
 class _Lane(pulsing.Actor):
@@ -70,6 +78,7 @@ class KVCacheStorageActor(pulsing.Actor):
         self,
         settings: PersistingSettings | None = None,
         models: Sequence[str] | None = None,
+        claims: ServiceClaims | None = None,
     ):
         launched = settings is None  # by Pulsing's launcher: no arguments
         self.settings = settings if settings is not None else PersistingSettings.load()
@@ -87,12 +96,22 @@ class KVCacheStorageActor(pulsing.Actor):
         names = list(models if models is not None else self.settings.models)
         if not names:
             raise ConfigError(
-                "no models to serve: set PERSISTING_MODELS (comma-separated) or settings.models"
+                "no models to serve: set PERSISTING_MODELS (comma-separated), or models in "
+                "the settings file (PERSISTING_CONFIG)"
             )
         for name in names:
             validate_name(name, "model")
         if len(set(names)) != len(names):
             raise ConfigError(f"models listed twice: {names}")
+        #: One server per namespace: claimed before any store opens (the caller may have
+        #: claimed them already, before it started Pulsing).
+        self.claims = (
+            claims
+            if claims is not None
+            else ServiceClaims(
+                claim_models(self.settings, names, name=service.name, addr=service.addr)
+            )
+        )
         self.stores: dict[str, KVStore] = {}
         try:
             for name in names:
@@ -101,6 +120,7 @@ class KVCacheStorageActor(pulsing.Actor):
                 )
         except BaseException:
             self._close_stores()
+            self.claims.release()
             raise
         self.handler = StorageHandler(
             self.stores,
@@ -117,6 +137,14 @@ class KVCacheStorageActor(pulsing.Actor):
                 "storage_path": str(self.settings.storage_path),
             },
         )
+        #: The event consumer beside this actor (``start_service`` sets it), for readiness.
+        self.consumer: EventConsumer | None = None
+        self._addr: str | None = None
+        #: Servers of this service seen alive in the cluster (None: not read yet).
+        self._members: list[str] | None = None
+        self._watcher: threading.Thread | None = None
+        self._stop_watching = threading.Event()
+        self._closed = False
         self.metrics_server: MetricsServer | None = None
         if service.metrics_port is not None:
             self._serve_metrics(service.metrics_port)
@@ -126,20 +154,83 @@ class KVCacheStorageActor(pulsing.Actor):
         self._sweeper: asyncio.Task[None] | None = None
         self._channel: LocalChannelServer | None = None
         self._bulk: BulkServer | None = None
-        self._closed = False
         #: The name clients resolve (the launcher's ``--name`` is not passed to actors).
         self.name = service.name
         self._started_at = time.monotonic()
 
     def _serve_metrics(self, port: int) -> None:
-        """Prometheus figures of every served store and the event consumer's lag."""
+        """Prometheus figures of every served store, of the service itself and of the
+        event consumer, with ``/healthz`` and ``/readyz`` beside ``/metrics``."""
         metrics = KVMetrics()
         for store in self.stores.values():
             metrics.attach(store)
         metrics.track_queue_lag(self.settings.storage_path, [self.settings.service.event_topic])
+        metrics.track_service(self.service_figures)
         host = self.settings.service.addr.rpartition(":")[0] or "127.0.0.1"
         self.metrics = metrics
-        self.metrics_server = metrics.serve(port, host)
+        self.metrics_server = metrics.serve(port, host, ready=self.readiness)
+
+    # -- health ---------------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Whether this server serves: its stores are open, its event consumer (if it has
+        one) runs, and it has joined the cluster (its actor is registered and seen alive)."""
+        checks: dict[str, Any] = {}
+        closed = [m for m, s in self.stores.items() if s.closed]
+        checks["stores"] = True if not closed and not self._closed else f"closed: {closed}"
+        consumer = self.consumer
+        if consumer is None:
+            checks["consumer"] = "none (events not consumed here)"
+        else:
+            checks["consumer"] = True if consumer.running else "not running"
+        if self._addr is None:
+            checks["cluster"] = "not started"
+        elif self._members is None:
+            checks["cluster"] = "membership not read yet"
+        elif self._addr not in self._members:
+            checks["cluster"] = f"{self._addr} not among the members seen alive"
+        else:
+            checks["cluster"] = True
+        ready = all(v is True for k, v in checks.items() if k != "consumer" or consumer)
+        return ready, checks
+
+    def service_figures(self) -> dict[str, Any]:
+        """What ``/metrics`` exports for the service: requests, errors, sessions, members
+        up, readiness and the event consumer's position."""
+        figures = self.handler.service_figures()
+        members = self._members or []
+        figures["members_up"] = len(members)
+        figures["ready"] = self.readiness()[0]
+        figures["consumer"] = self.consumer.status() if self.consumer is not None else None
+        return figures
+
+    def _watch_members(self, system: Any) -> None:
+        """Keep the members this server sees alive (for readiness, ``members_up`` and the
+        clients' hello), logging one line when one comes up or goes. Runs on a thread of
+        its own (Pulsing calls ``on_start`` outside any event loop), with a loop per read."""
+
+        async def read() -> list[str]:
+            found = await asyncio.wait_for(system.get_named_instances(self.name), 10.0)
+            return sorted(
+                str(i["addr"])
+                for i in found
+                if str(i.get("status", "Alive")) == "Alive" and i.get("addr")
+            )
+
+        while not self._stop_watching.is_set():
+            try:
+                alive = asyncio.run(read())
+            except Exception as exc:  # the system is stopping, or a transient failure
+                logger.debug("persisting: cannot read the cluster's members: %s", exc)
+            else:
+                if self._members is not None:
+                    for addr in sorted(set(alive) - set(self._members)):
+                        logger.info("persisting: member %s of %r is up", addr, self.name)
+                    for addr in sorted(set(self._members) - set(alive)):
+                        logger.warning("persisting: member %s of %r is gone", addr, self.name)
+                self._members = alive
+                self.handler.members = alive
+            self._stop_watching.wait(MEMBERS_EVERY_S)
 
     # -- Pulsing lifecycle ---------------------------------------------------------------
 
@@ -147,6 +238,12 @@ class KVCacheStorageActor(pulsing.Actor):
         require_authenticated()  # before the first message: refuse rather than serve
         self._actor_id = str(actor_id)
         system = pulsing.get_system()
+        self._addr = str(system.addr)
+        self.claims.bound(self.name, self._addr)
+        self._watcher = threading.Thread(
+            target=self._watch_members, args=(system,), name="persisting-members", daemon=True
+        )
+        self._watcher.start()
         try:
             log_banner(
                 name=self.name,
@@ -250,6 +347,7 @@ class KVCacheStorageActor(pulsing.Actor):
         self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
+        self._stop_watching.set()
         if self._channel is not None:
             self._channel.close()
         if self._bulk is not None:
@@ -258,6 +356,7 @@ class KVCacheStorageActor(pulsing.Actor):
             self.metrics_server.close()
         self.handler.close()
         self._close_stores()
+        self.claims.release()
         log_stop(self.name, self._started_at, self.handler.counters)
 
     def _close_stores(self) -> None:

@@ -30,9 +30,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from persisting.actors.ownership import consumer_name as default_consumer_name
 from persisting.config import PersistingSettings
 from persisting.errors import PersistingError, ServiceUnavailableError, StoreClosedError
 from persisting.lance_store import StorageRoot
+from persisting.lance_store.ownership import OwnerClaim
 from persisting.queue import QueueConsumer, open_bucket
 from persisting.service import KVCacheClient
 from persisting.service.events import KVEvent, make_event, parse_event
@@ -57,12 +59,13 @@ class EventConsumer:
         batch_records: int | None = None,
         poll_interval_s: float = 0.05,
         retry_s: float = 0.5,
+        claim: OwnerClaim | None = None,
     ):
         self.settings = settings
         self.name = name or settings.service.name
         self.models = set(models if models is not None else settings.models)
         self.topic = topic or settings.service.event_topic
-        self.consumer_name = consumer_name or f"kv-service/{self.name}"
+        self.consumer_name = consumer_name or default_consumer_name(self.name)
         self.batch_records = batch_records or settings.service.event_batch_records
         self.poll_interval_s = poll_interval_s
         self.retry_s = retry_s
@@ -73,6 +76,8 @@ class EventConsumer:
         self._clients: dict[str, KVCacheClient] = {}
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        #: This process's claim on the consumer (one live process runs it per root).
+        self._claim = claim
 
     @property
     def applied(self) -> int:
@@ -88,7 +93,18 @@ class EventConsumer:
             "position": {str(b): c.position for b, c in self._consumers.items()},
         }
 
+    @property
+    def running(self) -> bool:
+        """Whether the consumer's loop is running (started, not stopped, not crashed)."""
+        return self._task is not None and not self._task.done() and not self._stopping
+
     async def start(self) -> None:
+        """Claim the consumer (NamespaceOwnedError, naming the holder, if another live
+        process runs it on this root) and start applying events."""
+        if self._claim is None:
+            self._claim = self.store.claim_consumer(
+                self.topic, self.consumer_name, f"event consumer {self.consumer_name!r}"
+            )
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -105,6 +121,8 @@ class EventConsumer:
                 await consumer.close()
         self._clients.clear()
         self._consumers.clear()
+        if self._claim is not None:
+            self._claim.release()
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -275,11 +293,12 @@ def prewarm(
     """Publish one prewarm (or ``op="evict"``) event; the function behind ``persisting prewarm``.
 
     ``hasher`` takes ``chunk_size`` (default ``settings.kv.chunk_size``), ``hash_scheme``
-    (default ``settings.kv.hash_scheme``), ``world_size``, ``worker_id``, ``dtype`` and
-    ``save_unfull_chunk`` for events given as tokens.
+    (default ``settings.kv.hash_scheme``), ``world_size``, ``worker_id``, ``dtype`` (default
+    ``settings.kv.key_dtype``) and ``save_unfull_chunk`` for events given as tokens.
     """
     hasher.setdefault("chunk_size", settings.kv.chunk_size)
     hasher.setdefault("hash_scheme", settings.kv.hash_scheme)
+    hasher.setdefault("dtype", settings.kv.key_dtype)
     event = make_event(op, model, keys, tokens, **hasher)
     return asyncio.run(publish_events(settings, [event], topic=topic))
 

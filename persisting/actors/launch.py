@@ -34,6 +34,7 @@ import torch
 from persisting.actors.kv_cache_storage import KVCacheStorageActor
 from persisting.actors.kv_events import EventConsumer, publish_events
 from persisting.actors.logs import configure_logging
+from persisting.actors.ownership import claim_service
 from persisting.actors.system import start_system
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
@@ -94,32 +95,38 @@ async def start_service(
     service = settings.service
     models = list(models if models is not None else settings.models)
     if not models:
-        raise ConfigError("no models to serve: set PERSISTING_MODELS or pass models=")
-    name = name or service.name
-    owns = False
-    if not pulsing.is_initialized():
-        await start_system(
-            service,
-            addr if addr is not None else service.addr,
-            list(seeds if seeds is not None else service.seeds),
+        raise ConfigError(
+            "no models to serve: pass models=, or set models in the settings file "
+            "(PERSISTING_CONFIG) or PERSISTING_MODELS"
         )
-        owns = True
-    system = pulsing.get_system()
+    name = name or service.name
+    addr = addr if addr is not None else service.addr
+    # One server per namespace, one consumer per topic: refused here, before Pulsing binds
+    # a port or a store opens, naming the process that holds them.
+    consume = consume_events and bool(service.event_topic)
+    claims = claim_service(settings, models, name=name, addr=addr, consume_events=consume)
+    owns = False
     actor: KVCacheStorageActor | None = None
     try:
-        actor = KVCacheStorageActor(settings, models)
+        if not pulsing.is_initialized():
+            await start_system(service, addr, list(seeds if seeds is not None else service.seeds))
+            owns = True
+        system = pulsing.get_system()
+        actor = KVCacheStorageActor(settings, models, claims=claims)
         actor.name = name
         await system.spawn(actor, name=name, public=True)
     except BaseException:
         if actor is not None:
             actor.close()
+        claims.release()
         if owns:
             await pulsing.shutdown()
         raise
     running = RunningService(actor, name, str(system.addr), settings, owns_system=owns)
-    if consume_events and service.event_topic:
-        running.consumer = EventConsumer(settings, name=name, models=models)
+    if consume:
+        running.consumer = EventConsumer(settings, name=name, models=models, claim=claims.consumer)
         actor.handler.extra_stats["events"] = running.consumer.status
+        actor.consumer = running.consumer
         await running.consumer.start()
     return running
 

@@ -24,6 +24,7 @@ from persisting.admin.maintenance import (
     compact_dataset,
     compaction_targets,
     drop_model,
+    refuse_live,
 )
 from persisting.admin.root import KV_METADATA, open_root
 from persisting.admin.stats import (
@@ -62,6 +63,7 @@ __all__ = [
     "inspect_root",
     "model_stats",
     "open_root",
+    "refuse_live",
     "root_stats",
     "scrape",
 ]

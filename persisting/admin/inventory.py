@@ -6,6 +6,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from persisting.admin.root import _DATASET_ERRORS, KV_METADATA
 from persisting.figures import ConsumerLag, bucket_offsets
@@ -14,7 +15,8 @@ from persisting.lance_store import StorageRoot, disk_usage
 
 @dataclass
 class ModelInfo:
-    """One KV namespace: chunks (payload files, the durable record), bytes, metadata table."""
+    """One KV namespace: chunks (payload files, the durable record), bytes (allocated by
+    every file of the namespace's directory, as ``du`` counts), metadata table, owner."""
 
     model: str
     path: Path
@@ -25,6 +27,9 @@ class ModelInfo:
     meta_fragments: int | None
     meta_bytes: int
     note: str | None = None
+    #: Who serves the namespace (a server, an LMCache L2 adapter): its claim record, with
+    #: ``live`` and, for an adapter, its capacity and last status; None if never claimed.
+    owner: dict[str, Any] | None = None
 
 
 @dataclass
@@ -84,6 +89,7 @@ def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
             f"metadata lists {rows} chunk(s) for {chunks} payload file(s); "
             "the next open reconciles them (a live writer commits metadata in batches)"
         )
+    owner = store.model_owner(model)
     return ModelInfo(
         model,
         path,
@@ -94,6 +100,7 @@ def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
         fragments,
         disk_usage(meta_path) if meta_path.exists() else 0,
         note,
+        owner.to_dict() if owner is not None else None,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from persisting.admin.inventory import inspect_model
 from persisting.admin.root import _DATASET_ERRORS, KV_METADATA
-from persisting.errors import InvalidNameError
+from persisting.errors import InvalidNameError, NamespaceOwnedError
 from persisting.lance_store import LanceTable, StorageRoot, disk_usage, validate_name
 
 
@@ -82,6 +82,25 @@ def compaction_targets(
     return [t for t in targets if t.path.exists()]
 
 
+def refuse_live(store: StorageRoot, targets: Sequence[CompactionTarget]) -> None:
+    """NamespaceOwnedError, naming the holder, if a targeted model is served now by a live
+    server or L2 adapter: such an owner evicts and deletes from the metadata table while
+    compaction rewrites it, so compaction waits until it is stopped. Namespaces that
+    engines share through their own stores (no owner) compact beside them, as before;
+    queue buckets compact under their writer lock."""
+    for target in targets:
+        if target.kind != "kv":
+            continue
+        owner = store.model_owner(target.name)
+        if owner is not None and owner.live:
+            error = NamespaceOwnedError(
+                f"model {target.name!r} is served by {owner.describe()}; stop it before "
+                "compacting the model, or compact only queue topics (--topic)"
+            )
+            error.holder = owner
+            raise error
+
+
 def _require(name: str, known: list[str], kind: str, store: StorageRoot) -> None:
     """InvalidNameError unless ``name`` is a valid name the root holds."""
     validate_name(name, kind)
@@ -135,4 +154,5 @@ __all__ = [
     "compact_dataset",
     "compaction_targets",
     "drop_model",
+    "refuse_live",
 ]

@@ -47,10 +47,15 @@ class ModelFigures:
     figures: dict[str, Any]
     latency: list[Latency] = field(default_factory=list)
     error: str | None = None
+    #: The namespace's owner record (a server, an LMCache L2 adapter with its capacity and
+    #: last status), when one claimed it (see :mod:`persisting.lance_store.ownership`).
+    owner: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, **self.figures}
         out["latency"] = self.latency
+        if self.owner is not None:
+            out["owner"] = self.owner
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -93,13 +98,22 @@ def model_stats(
     from persisting.kv import open_kv_store
 
     settings = settings or PersistingSettings.load()
+    owner = store.model_owner(model)
+    record = owner.to_dict() if owner is not None else None
+    options: dict[str, Any] = {}
+    capacity = (owner.details.get("capacity") if owner is not None else None) or None
+    if isinstance(capacity, int) and capacity > 0:
+        # An L2 adapter's namespace: its capacity is the adapter's, not kv.disk_bytes.
+        options["disk_bytes"] = capacity
     try:
         with open_kv_store(
-            store.root, model, memory_bytes=0, durability="sync", settings=settings
+            store.root, model, memory_bytes=0, durability="sync", settings=settings, **options
         ) as kv:
-            return figures_from_stats(model, kv.stats())
+            figures = figures_from_stats(model, kv.stats())
     except PersistingError as exc:
-        return ModelFigures(model, {}, error=str(exc))
+        return ModelFigures(model, {}, error=str(exc), owner=record)
+    figures.owner = record
+    return figures
 
 
 def root_stats(

@@ -8,6 +8,7 @@ cumulative memory-tier hits, so a replay can split hits by tier.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,14 +46,15 @@ def store_tier_hits(store: KVStore) -> TierHits:
 
 
 def open_server_target(
-    addr: str, model: str, settings: PersistingSettings, name: str | None = None
+    addrs: str | Sequence[str], model: str, settings: PersistingSettings, name: str | None = None
 ) -> SyncKVCacheClient:
-    """A client of the server at ``addr`` (``IP:PORT``, any member of its cluster) for
-    ``model``; the actor name and passphrase come from ``settings.service``."""
+    """A client of the service whose servers are at ``addrs`` (``IP:PORT``; any live member
+    of the cluster finds the rest) for ``model``; the actor name and passphrase come from
+    ``settings.service``."""
     from persisting.service import SyncKVCacheClient
 
     return SyncKVCacheClient.connect(
-        seeds=[addr],
+        seeds=[addrs] if isinstance(addrs, str) else list(addrs),
         name=name or settings.service.name,
         model=model,
         passphrase=settings.service.passphrase,

@@ -103,8 +103,11 @@ def bench_replay(
         Path, typer.Argument(help="JSONL trace to replay.", exists=True, dir_okay=False)
     ],
     server: Annotated[
-        str | None,
-        typer.Option(help="Replay against a running server at IP:PORT instead of a local store."),
+        list[str] | None,
+        typer.Option(
+            help="Replay against a running service at IP:PORT instead of a local store "
+            "(repeatable: list several servers, and any live one finds the cluster)."
+        ),
     ] = None,
     name: Annotated[
         str | None, typer.Option(help="The server's actor name (default: settings).")
@@ -168,8 +171,9 @@ def bench_replay(
         "--disk-bytes": disk_bytes,
         "--durability": durability,
     }
-    if server is not None:
-        socket_address(server, "--server")
+    if server:
+        for addr in server:
+            socket_address(addr, "--server")
         given = [flag for flag, value in local_flags.items() if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} set a local store: not with --server")
@@ -248,7 +252,7 @@ def _values(
 
 @contextmanager
 def _target(
-    server: str | None,
+    server: list[str] | None,
     name: str | None,
     storage_path: Path | None,
     model: str,
@@ -264,10 +268,10 @@ def _target(
         store_tier_hits,
     )
 
-    if server is not None:
+    if server:
         client = open_server_target(server, model, settings, name)
         try:
-            yield client, f"server {server}", client_tier_hits(client)
+            yield client, f"server {', '.join(server)}", client_tier_hits(client)
         finally:
             client.close()
         return

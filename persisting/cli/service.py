@@ -27,8 +27,8 @@ from persisting.cli.app import (
     load_settings,
 )
 from persisting.cli.checks import free_port, listen_address, storage_folder, writable_root
-from persisting.cli.output import emit, to_jsonable
-from persisting.config import socket_address
+from persisting.cli.output import emit, stderr, to_jsonable
+from persisting.config import settings_file, socket_address
 from persisting.errors import ConfigError, PersistingError, ServiceUnavailableError
 
 if TYPE_CHECKING:
@@ -78,19 +78,29 @@ def service_settings(
     return load_settings(config, **overrides)
 
 
-def check_serving(settings: PersistingSettings, given: dict[str, Any]) -> None:
+def check_serving(
+    settings: PersistingSettings, given: dict[str, Any], config: Path | None = None
+) -> None:
     """Everything ``serve`` can find wrong before it opens a store: the storage root, the
     models, the address and the metrics port, each named by the flag the user typed (or the
     setting it came from). ``given`` holds the flags given on the command line."""
     storage_folder(settings.storage_path, named(given, "storage_path"))
     if not settings.models:
-        raise ConfigError("no models to serve: pass --model (or set PERSISTING_MODELS)")
+        raise ConfigError(no_models_message(config))
     service = settings.service
     host, _port = listen_address(service.addr, named(given, "addr"))
     for seed in service.seeds:
         socket_address(seed, named(given, "seeds"))
     if service.metrics_port is not None:
         free_port(host, service.metrics_port, named(given, "metrics_port"))
+
+
+def no_models_message(config: Path | None = None) -> str:
+    """Why nothing would be served, naming every place a model can be set -- the settings
+    file in use first (its ``models`` key), when there is one."""
+    toml = config or settings_file()
+    where = f'models = ["org/model"] in {toml}, ' if toml else "models in the settings file, "
+    return f"no models to serve: pass --model, or set {where}or PERSISTING_MODELS=org/model"
 
 
 #: The flag of each setting a service command can take.
@@ -186,7 +196,7 @@ def serve(
     for seed in seeds or []:
         socket_address(seed, "--seed")
     settings = service_settings(config, storage_path, model, **flags, passphrase=passphrase)
-    check_serving(settings, {**flags, "storage_path": storage_path})
+    check_serving(settings, {**flags, "storage_path": storage_path}, config)
     with pulsing_errors(settings):
         serve_forever(settings, consume_events=not no_events)
 
@@ -200,18 +210,34 @@ def demo(
     json_out: JsonFlag = False,
 ) -> None:
     """A bounded end-to-end session: serve a store, put, get, look up, evict and prewarm
-    through the event topic, show the stats, and exit."""
+    through the event topic, show the stats, and exit.
+
+    Without --storage-path (or a configured storage_path) it runs on a temporary root,
+    removed when it ends."""
     import os
+    import shutil
+    import tempfile
 
     from persisting.actors.launch import run_demo
 
     settings = service_settings(config, storage_path, model)
-    storage_folder(
-        settings.storage_path,
-        named({"storage_path": storage_path}, "storage_path"),
-    )
-    with pulsing_errors(settings):
-        report = run_demo(settings, chunks=chunks)
+    temporary: str | None = None
+    if storage_path is None and "storage_path" not in settings.model_fields_set:
+        # No root asked for: a temporary one, removed afterwards (no ./persisting-data left).
+        temporary = tempfile.mkdtemp(prefix="persisting-demo-")
+        settings = settings.model_copy(update={"storage_path": Path(temporary)})
+    try:
+        storage_folder(
+            settings.storage_path,
+            named({"storage_path": storage_path}, "storage_path"),
+        )
+        with pulsing_errors(settings):
+            report = run_demo(settings, chunks=chunks)
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+    if temporary is not None:
+        report["storage_path"] = f"{temporary} (temporary, removed)"
     emit(report, json_out, lambda console: render_demo(console, report))
     sys.stdout.flush()
     os._exit(0 if report.get("bit_exact") else EXIT_FAILED)  # Pulsing may crash at exit
@@ -248,7 +274,13 @@ def prewarm(
         int | None,
         typer.Option(help="Hasher worker id (default 0; with lmcache-mp: every worker)."),
     ] = None,
-    dtype: Annotated[str, typer.Option(help="Key dtype (LMCache's names).")] = "bfloat16",
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Key dtype: the model's KV dtype, torch's or LMCache's name (bfloat16, "
+            "float16/half, float32/float...; default: the kv.key_dtype setting)."
+        ),
+    ] = None,
     hash_scheme: Annotated[
         HashSchemeChoice | None,
         typer.Option(
@@ -312,7 +344,7 @@ def prewarm(
     hasher: dict[str, Any] = {
         "world_size": world_size,
         "worker_id": worker_id or 0,
-        "dtype": dtype,
+        "dtype": dtype or settings.kv.key_dtype,
         "save_unfull_chunk": save_unfull_chunk,
     }
     if chunk_size is not None:
@@ -333,6 +365,9 @@ def prewarm(
         "published": published,
         "topic": settings.service.event_topic,
     }
+    consumers = live_consumers(settings, model)
+    if consumers is not None:
+        result["consumers"] = consumers
     if hash_scheme is HashSchemeChoice.lmcache_mp:
         result.update(hash_scheme="lmcache-mp", chunk_size=mp_chunk_size, chunks=len(keys or ()))
     elif tokens is not None:  # how the tokens were hashed, so a miss can be explained
@@ -346,6 +381,33 @@ def prewarm(
             f"on topic {escape(str(result['topic']))}"
         ),
     )
+
+
+def live_consumers(settings: PersistingSettings, model: str) -> list[str] | None:
+    """The live event consumers of the topic under the root that apply ``model``'s events
+    (each described), or None where there is none -- then one warning line on stderr: the
+    event waits on the topic until a server with a consumer starts on this root. Only a
+    ``persisting serve`` consumes events; LMCache and engine processes that open the
+    store directly do not."""
+    from persisting.lance_store import StorageRoot
+
+    topic = settings.service.event_topic
+    root = StorageRoot(settings.storage_path)
+    live = [h for h in root.consumer_owners(topic) if h.live]
+    serving = [h for h in live if model in (h.details.get("models") or [model])]
+    if serving:
+        return [h.describe() for h in serving]
+    served = sorted({m for h in live for m in h.details.get("models", [])})
+    why = f"the live consumer(s) serve {served}, not {model!r}" if live else "none runs"
+    stderr().print(
+        f"[yellow]Warning:[/] no live consumer applies {escape(model)!r} events on topic "
+        f"{escape(topic)!r} under {escape(str(root.root))} ({escape(why)}): the event waits "
+        "there until a `persisting serve` of that model starts on this root. LMCache and "
+        "engines that open the store directly consume no events (see docs/operating.md).",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return None
 
 
 def _lmcache_mp_keys(namespace: str, tokens: list[int], **settings: Any) -> list[str]:

@@ -11,6 +11,8 @@ from rich.markup import escape
 
 from persisting.cli.app import ConfigOption, JsonFlag, app, command, load_settings
 from persisting.cli.output import emit
+from persisting.config import PersistingSettings, setting_fields, size_text
+from persisting.config_sample import is_size
 
 config_app = typer.Typer(
     help="Settings: a sample file with every default, and the settings in effect.",
@@ -43,12 +45,22 @@ def show(config: ConfigOption = None, json_out: JsonFlag = False) -> None:
         for key, value in data.items():
             if isinstance(value, dict):
                 console.print(f"[bold]\\[{key}][/]")
+                section = setting_fields(PersistingSettings).get(key)
                 for sub, item in value.items():
-                    console.print(f"  {sub} = {escape(repr(item))}", highlight=False)
+                    shown = _shown(item, section is not None and is_size(section, sub))
+                    console.print(f"  {sub} = {escape(shown)}", highlight=False)
             else:
                 console.print(f"{key} = {escape(repr(value))}", highlight=False)
 
     emit(data, json_out, render)
+
+
+def _shown(value: Any, size: bool) -> str:
+    """A setting as ``show`` prints it: a size with its unit (``2GiB``, ``512MiB``, or
+    ``1000B`` when no binary unit divides it), anything else as Python writes it."""
+    if size and isinstance(value, int) and not isinstance(value, bool):
+        return size_text(value)
+    return repr(value)
 
 
 __all__ = ["config_app"]

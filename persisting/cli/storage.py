@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from persisting.admin import CompactionResult, RootInfo, StatsReport
     from persisting.figures import ConsumerLag
     from persisting.lance_store import StorageRoot
+    from persisting.service.client.survey import ClusterView
 
 
 def open_storage_root(
@@ -71,7 +72,7 @@ def render_inspect(console: Console, info: RootInfo) -> None:
     if info.models:
         models = Table(title="KV models", title_justify="left")
         models.add_column("model", overflow="fold")
-        for column in ("chunks", "bytes", "meta rows", "versions", "fragments"):
+        for column in ("chunks", "on disk (du)", "meta rows", "versions", "fragments"):
             models.add_column(column, justify="right")
         for m in info.models:
             models.add_row(
@@ -85,6 +86,13 @@ def render_inspect(console: Console, info: RootInfo) -> None:
             if m.note:
                 notes.append(f"{m.model}: {m.note}")
         console.print(models)
+        console.print(
+            "[dim]on disk: what the namespace's files occupy (as du counts); `persisting "
+            "stats` shows the bytes its capacity counts.[/]"
+        )
+        for m in info.models:
+            if m.owner is not None:
+                render_owner(console, m.model, m.owner)
     buckets = [b for topic in info.topics for b in topic.buckets]
     if buckets:
         topics = Table(title="Queue topics", title_justify="left")
@@ -109,6 +117,59 @@ def render_inspect(console: Console, info: RootInfo) -> None:
         render_lags(console, lags)
     for note in notes:
         console.print(f"[yellow]Note:[/] {escape(note)}", highlight=False)
+
+
+#: An L2 adapter's status fields ``inspect`` and ``stats`` show, in this order.
+_ADAPTER_FIGURES = (
+    "state",
+    "is_healthy",
+    "stored_object_count",
+    "used_bytes",
+    "capacity_bytes",
+    "checksum_failures",
+    "evictions",
+    "store_failures",
+    "load_failures",
+    "load_misses",
+    "layout_mismatches",
+    "locked_key_count",
+    "expired_locks",
+    "io_errors",
+)
+
+
+def render_owner(console: Console, model: str, owner: dict[str, Any]) -> None:
+    """Who serves ``model`` (live or when it last ran) and, for an L2 adapter, its
+    capacity, usage and counters as it last recorded them."""
+    import time
+
+    state = "serving now" if owner.get("live") else "not running (last record)"
+    console.print(
+        f"[bold]{escape(model)}[/]: {escape(str(owner.get('what', owner.get('role'))))}, "
+        f"pid {owner.get('pid')} on {escape(str(owner.get('host')))}, {state}.",
+        highlight=False,
+    )
+    details = owner.get("details") or {}
+    status = details.get("status")
+    if not isinstance(status, dict):
+        return
+    age = time.time() - float(details.get("status_time", time.time()))
+    table = Table(
+        title=f"L2 adapter of {escape(model)} (status {age:,.0f} s old; counters since it started)",
+        title_justify="left",
+    )
+    table.add_column("figure (LMCache /status name)")
+    table.add_column("value", justify="right")
+    for name in _ADAPTER_FIGURES:
+        if name in status:
+            value = status[name]
+            shown = human_bytes(value) if name.endswith("_bytes") else f"{value}"
+            table.add_row(name, shown)
+    console.print(table)
+    console.print(
+        "[dim]used_bytes: what the capacity counts (payload files in 4 KiB blocks plus "
+        "the metadata), the same figure LMCache reports.[/]"
+    )
 
 
 def render_lags(console: Console, lags: list[ConsumerLag]) -> None:
@@ -192,11 +253,16 @@ def compact(
     config: ConfigOption = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Compact KV metadata tables and queue buckets, then delete their old versions."""
-    from persisting.admin import compact_dataset, compaction_targets
+    """Compact KV metadata tables and queue buckets, then delete their old versions.
+
+    Refused while a model it would compact is served by a live server or L2 adapter
+    (named in the message): stop it first, or compact only queue topics (--topic).
+    """
+    from persisting.admin import compact_dataset, compaction_targets, refuse_live
 
     store = open_storage_root(storage_path, config, writes="compact rewrites metadata")
     targets = compaction_targets(store, models or (), topic or ())
+    refuse_live(store, targets)
     results = []
     with progress_bar("compacting", len(targets)) as advance:
         for target in targets:
@@ -250,19 +316,42 @@ def stats(
         str | None,
         typer.Option(help="A running server's metrics, e.g. http://127.0.0.1:9464/metrics."),
     ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for --metrics-url.")] = 10.0,
+    service: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--service",
+            help="A server of a running service, IP:PORT (repeatable: any live one finds "
+            "the cluster): shows every member, its state and figures.",
+        ),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="With --service: the service's actor name.")
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for --metrics-url or --service.")
+    ] = 10.0,
     config: ConfigOption = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Store figures: hits, misses, bytes per tier, evictions, damage, latency, queue lag.
 
     From a running server's Prometheus endpoint (--metrics-url: its traffic and latency
-    percentiles), or from a storage root (what is stored; counters start at zero).
+    percentiles), from a running cluster (--service: every member, its state and figures),
+    or from a storage root (what is stored; counters start at zero).
     """
     from persisting.admin import figures_from_scrape, root_stats, scrape
 
-    if storage_path is not None and metrics_url is not None:
-        fail("give --storage-path or --metrics-url, not both", EXIT_BAD_INPUT)
+    sources = {"--storage-path": storage_path, "--metrics-url": metrics_url, "--service": service}
+    given = [flag for flag, value in sources.items() if value]
+    if len(given) > 1:
+        fail(
+            f"give one of --storage-path, --metrics-url and --service, not both {given[0]} "
+            f"and {given[1]}",
+            EXIT_BAD_INPUT,
+        )
+    if service:
+        cluster_stats(service, name, timeout, config, json_out)
+        return
     if metrics_url is not None:
         report = figures_from_scrape(scrape(metrics_url, timeout), metrics_url)
     else:
@@ -272,6 +361,73 @@ def stats(
         with progress_bar("opening stores", len(store.list_models())) as advance:
             report = root_stats(store, settings, on_model=advance)
     emit(report.to_dict(), json_out, lambda console: render_stats(console, report))
+
+
+def cluster_stats(
+    seeds: list[str], name: str | None, timeout: float, config: Path | None, json_out: bool
+) -> None:
+    """``stats --service``: the members of a running service and their figures."""
+    import asyncio
+    import os
+
+    from persisting.config import socket_address
+    from persisting.service.client.survey import survey_cluster
+
+    for seed in seeds:
+        socket_address(seed, "--service")
+    settings = load_settings(config)
+    view = asyncio.run(survey_cluster(seeds, name=name, settings=settings, timeout_s=timeout))
+    emit(view, json_out, lambda console: render_cluster(console, view))
+    sys.stdout.flush()
+    os._exit(0)  # Pulsing 0.1.2 may crash at interpreter exit after a shutdown
+
+
+def render_cluster(console: Console, view: ClusterView) -> None:
+    console.print(
+        f"Service {escape(view.name)!r}: {view.up} of {len(view.members)} member(s) up "
+        f"(found through {escape(', '.join(view.seeds))}).",
+        highlight=False,
+    )
+    table = Table(title="Members", title_justify="left")
+    table.add_column("member", overflow="fold")
+    table.add_column("state")
+    for column in ("pid", "sessions", "requests", "errors", "events applied"):
+        table.add_column(column, justify="right")
+    for m in view.members:
+        up = m.state == "up"
+        requests = sum(v for k, v in m.service.items() if k.startswith("op_"))
+        events = m.events or {}
+        table.add_row(
+            escape(m.addr),
+            "[green]up[/]" if up else f"[red]{escape(m.state)}[/]",
+            str(m.node.get("pid", "-")),
+            count(m.service.get("sessions")),
+            f"{requests:,}" if up else "-",
+            count(m.service.get("errors", 0) if up else None),
+            f"{int(events.get('applied', 0)):,}" if m.events is not None else "-",
+        )
+    console.print(table)
+    figures = Table(title="Stores per member", title_justify="left")
+    figures.add_column("member", overflow="fold")
+    figures.add_column("model", overflow="fold")
+    for column in ("chunks", "stored", "get hits", "get misses", "hit tokens"):
+        figures.add_column(column, justify="right")
+    for m in view.members:
+        for model, st in sorted(m.stores.items()):
+            figures.add_row(
+                escape(m.addr),
+                escape(model),
+                f"{int(st.get('disk_items', st.get('memory_items', 0))):,}",
+                human_bytes(int(st.get("disk_bytes", st.get("memory_bytes", 0)))),
+                f"{int(st.get('get_hit', 0)):,}",
+                f"{int(st.get('get_miss', 0)):,}",
+                f"{int(st.get('lookup_hit_tokens', 0)):,}",
+            )
+    if figures.row_count:
+        console.print(figures)
+    for m in view.members:
+        if m.error:
+            console.print(f"[yellow]{escape(m.addr)}[/]: {escape(m.error)}", highlight=False)
 
 
 #: Figures shown in binary byte units.
@@ -309,6 +465,13 @@ def render_stats(console: Console, report: StatsReport) -> None:
             else:
                 table.add_row(name, "", "", show(value))
         console.print(table)
+        console.print(
+            "[dim]bytes (disk): what the disk capacity counts -- payload files in 4 KiB "
+            "blocks plus the metadata table; `persisting inspect` shows what the files "
+            "occupy (du).[/]"
+        )
+        if m.owner is not None:
+            render_owner(console, m.model, m.owner)
         if m.latency:
             latency = Table(title=f"Latency of {escape(m.model)} (ms)", title_justify="left")
             for column in ("op", "tier", "outcome"):

@@ -1,8 +1,20 @@
 """Save and restore a transformers ``DynamicCache`` prefix in a Persisting KV store.
 
-    n, cache = load_prefix(store, ids, num_kv_heads=8, dtype=torch.bfloat16, device="cuda")
+    n, cache = load_prefix(store, ids, model=model, device="cuda", max_tokens=len(ids) - 1)
     logits, cache = forward(model, ids[:, n:], cache)        # prefill only the rest
     save_prefix(store, ids, cache)                            # store what is new
+
+Keys carry the KV dtype (``...@float`` for a float32 model): ``save_prefix`` sets the
+store's :attr:`~persisting.kv.KVStore.key_dtype` to the cache's, so the store's own
+``lookup_tokens``/``plan_tokens`` find what it saved; in another process, pass
+``dtype=`` (or set ``kv.key_dtype``).
+
+What a restore is checked against, so a mismatch is a
+:class:`~persisting.errors.LayoutMismatchError` and never a cache: the geometry
+``save_prefix`` records beside the chunks (KV heads, head size, layers; one small record
+per model and dtype), and the model restored into (``model=``: its config's KV heads,
+head size and layers). :func:`forward` checks a cache against the model too, and refuses a
+prompt with nothing left to compute.
 
 Each chunk of ``chunk_size`` tokens is one ``KV_2LTD`` value, ``[2, layers, tokens,
 kv_heads * head_dim]`` (LMCache's layout), under the prefix-chained key
@@ -26,29 +38,75 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from persisting.cuda import DeviceCopier, shared_copier
-from persisting.errors import InvalidValueError
-from persisting.kv.keys import KEY_DTYPES, ChunkKey, TokenHasher
+from persisting.errors import InvalidKeyError, InvalidValueError, LayoutMismatchError
+from persisting.kv.keys import KEY_DTYPES, TORCH_DTYPE_NAMES, ChunkKey, TokenHasher, key_dtype
 from persisting.kv.layout import Layout, torch_dtype
 
 FORMAT = "KV_2LTD"
+#: The tag of the geometry record's key (no token chunk key has tags of its own).
+GEOMETRY_TAG = ("persisting", "kv-geometry")
+_GEOMETRY_HASH = xxhash.xxh3_64_intdigest(b"persisting/transformers kv geometry") >> 1
 
 
 def dtype_name(dtype: Any) -> str:
-    """The name keys and layouts give a torch dtype (``bfloat16``, ``half``, ``float``...)."""
-    for name in KEY_DTYPES:
-        try:
-            if torch_dtype(name) == dtype:
-                return name
-        except InvalidValueError:
-            continue
-    raise InvalidValueError(f"KV caches of dtype {dtype} cannot be stored")
+    """The name keys and layouts give a KV dtype (``bfloat16``, ``half``, ``float``...):
+    of a ``torch.dtype``, or of a name (torch's, ``"float32"``, or LMCache's)."""
+    try:
+        name = key_dtype(dtype)
+        torch_dtype(name)  # a dtype torch has (every key dtype but those it lacks)
+    except (InvalidKeyError, InvalidValueError):
+        supported = ", ".join(sorted({*TORCH_DTYPE_NAMES, *KEY_DTYPES} - {"bool"}))
+        raise InvalidValueError(
+            f"KV caches of dtype {dtype} cannot be stored; supported: {supported}"
+        ) from None
+    return name
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    """A torch dtype from a ``torch.dtype`` or any name :func:`dtype_name` takes."""
+    return torch_dtype(dtype_name(dtype))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of a model's KV cache: what a stored prefix must match to be restored."""
+
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+
+    def describe(self) -> str:
+        return f"{self.num_kv_heads} KV heads of {self.head_dim}, {self.num_layers} layer(s)"
+
+    @classmethod
+    def of_model(cls, model: Any) -> Geometry:
+        """A transformers model's (or config's) KV geometry, from its config."""
+        config = getattr(model, "config", model)
+        text = getattr(config, "get_text_config", None)
+        config = text() if callable(text) else config
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None)
+        if not head_dim and heads:
+            head_dim = int(config.hidden_size) // int(heads)
+        layers = getattr(config, "num_hidden_layers", None)
+        if not (kv_heads and head_dim and layers):
+            raise InvalidValueError(
+                f"cannot read the KV geometry of {type(model).__name__}: its config needs "
+                "num_key_value_heads (or num_attention_heads), head_dim (or hidden_size) "
+                "and num_hidden_layers"
+            )
+        return cls(int(kv_heads), int(head_dim), int(layers))
 
 
 def _token_ids(tokens: Any) -> np.ndarray:
@@ -65,12 +123,60 @@ def _token_ids(tokens: Any) -> np.ndarray:
 
 def _hasher(store: Any, hasher: TokenHasher | None, dtype: str) -> TokenHasher:
     if hasher is not None:
+        if hasher.dtype != dtype:
+            raise InvalidValueError(
+                f"the hasher keys chunks as {hasher.dtype} but the KV cache is {dtype}: "
+                f"make it with TokenHasher(..., dtype={dtype!r})"
+            )
         return hasher
     model = getattr(store, "model", None)
     chunk_size = getattr(store, "chunk_size", None)
     if not isinstance(model, str) or not isinstance(chunk_size, int):
         raise InvalidValueError(f"{type(store).__name__} has no model/chunk_size: pass hasher=")
     return TokenHasher(model, chunk_size=chunk_size, dtype=dtype)
+
+
+def _geometry_key(hasher: TokenHasher) -> ChunkKey:
+    """Where the geometry of ``hasher``'s model and dtype is recorded: a key of that model,
+    rank and dtype with a tag no token chunk carries."""
+    return ChunkKey(
+        hasher.model,
+        hasher.world_size,
+        hasher.worker_id,
+        _GEOMETRY_HASH,
+        hasher.dtype,
+        (*hasher.tags, GEOMETRY_TAG),
+    )
+
+
+def saved_geometry(store: Any, hasher: TokenHasher) -> Geometry | None:
+    """The geometry recorded for ``hasher``'s model and dtype, or None (none saved yet, or
+    saved before records were kept)."""
+    key = _geometry_key(hasher)
+    layout = store.layout(key)
+    if layout is None or layout.nbytes > 4096:
+        return None
+    buffer = bytearray(layout.nbytes)
+    if store.get_into(key, buffer) is None:
+        return None
+    try:
+        data = json.loads(bytes(buffer))
+        return Geometry(int(data["num_kv_heads"]), int(data["head_dim"]), int(data["num_layers"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _record_geometry(store: Any, hasher: TokenHasher, geometry: Geometry) -> None:
+    """Record ``geometry`` for the model and dtype, or refuse a cache of another one."""
+    saved = saved_geometry(store, hasher)
+    if saved is not None and saved != geometry:
+        raise LayoutMismatchError(
+            f"{hasher.model!r} ({hasher.dtype}) holds KV caches of {saved.describe()}; this "
+            f"cache has {geometry.describe()}: another model under the same name?"
+        )
+    if saved is None:
+        record = json.dumps(geometry.__dict__, sort_keys=True).encode()
+        store.put(_geometry_key(hasher), record, fmt="binary")
 
 
 def _layers(cache: Any) -> list[tuple[Any, Any]]:
@@ -120,7 +226,11 @@ def save_prefix(
     returns how many leading tokens the store now holds.
 
     Only whole chunks are stored unless ``hasher`` saves the last partial one. Chunks
-    already stored are not copied again (a lookup first).
+    already stored are not copied again (a lookup first). The cache's geometry (KV heads,
+    head size, layers) is recorded for its model and dtype, and a cache of another
+    geometry under the same model name is a LayoutMismatchError. The store's
+    ``key_dtype`` becomes the cache's dtype, so ``store.lookup_tokens(tokens)`` finds
+    these chunks.
     """
     import torch
 
@@ -131,6 +241,10 @@ def save_prefix(
     chunks = hasher.process_tokens(_token_ids(tokens)[:covered])
     if not chunks:
         return 0
+    geometry = Geometry(int(first.shape[1]), int(first.shape[3]), len(layers))
+    _record_geometry(store, hasher, geometry)
+    if getattr(store, "key_dtype", None) is not None:
+        store.key_dtype = hasher.dtype  # the store's own token lookups find these chunks
     keys = [key for _s, _e, key in chunks]
     present = store.lookup_prefix(keys)
     todo = chunks[present:]
@@ -180,8 +294,9 @@ def load_prefix(
     store: Any,
     tokens: Any,
     *,
-    num_kv_heads: int,
-    dtype: Any,
+    num_kv_heads: int | None = None,
+    dtype: Any = None,
+    model: Any = None,
     device: Any = "cpu",
     max_tokens: int | None = None,
     hasher: TokenHasher | None = None,
@@ -195,22 +310,47 @@ def load_prefix(
     Returns ``(n_tokens, cache)``: the KV of the first ``n_tokens`` tokens in ``cache`` (a
     new ``DynamicCache`` unless one is given) on ``device``. A chunk that turns out to be
     missing, damaged or laid out differently ends the prefix there; nothing after it is
-    used. ``num_kv_heads`` and ``dtype`` are the model's (``config.num_key_value_heads``,
-    ``model.dtype``).
+    used.
+
+    ``model`` is the model restored into: its config gives the KV heads, head size and
+    layers the stored prefix must have, and its dtype the default ``dtype``. Without it,
+    give ``num_kv_heads`` (``config.num_key_value_heads``) and ``dtype`` (``model.dtype``,
+    or a name: ``"float32"``). A prefix saved with another geometry -- per the record
+    :func:`save_prefix` keeps, the model's config, or a chunk's shape -- is a
+    LayoutMismatchError, never a cache.
     """
     import torch
     from transformers import DynamicCache
 
+    expected = Geometry.of_model(model) if model is not None else None
+    if num_kv_heads is None:
+        if expected is None:
+            raise InvalidValueError("pass model= (the model restored into), or num_kv_heads=")
+        num_kv_heads = expected.num_kv_heads
+    elif expected is not None and num_kv_heads != expected.num_kv_heads:
+        raise LayoutMismatchError(
+            f"num_kv_heads={num_kv_heads}, but the model restored into has "
+            f"{expected.num_kv_heads} KV heads"
+        ).about("num_kv_heads")
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise InvalidValueError(f"num_kv_heads must be a positive int, not {num_kv_heads!r}")
+    if dtype is None:
+        if model is None or getattr(model, "dtype", None) is None:
+            raise InvalidValueError("pass dtype= (the model's KV dtype), or model=")
+        dtype = model.dtype
+    name = dtype_name(dtype)
+    dtype = _torch_dtype(name)
     cache = cache if cache is not None else DynamicCache()
-    hasher = _hasher(store, hasher, dtype_name(dtype))
+    hasher = _hasher(store, hasher, name)
     chunks = hasher.process_tokens(_token_ids(tokens))
     if max_tokens is not None:
         chunks = [c for c in chunks if c[1] <= max_tokens]
     hits = store.lookup_prefix([key for _s, _e, key in chunks]) if chunks else 0
     chunks = chunks[:hits]
     stored = store.layout(chunks[0][2]) if chunks else None
-    if stored is None or not _loadable(stored, num_kv_heads, dtype):
+    if stored is None or not _is_chunk(stored, name):
         return 0, cache
+    _check_geometry(stored, num_kv_heads, expected, saved_geometry(store, hasher))
     n_layers, hidden = stored.shape[1], stored.shape[3]
     element = torch.empty((), dtype=dtype).element_size()
     sizes = [math.prod((2, n_layers, e - s, hidden)) for s, e, _k in chunks]
@@ -231,6 +371,45 @@ def load_prefix(
     return chunks[loaded - 1][1], cache_from_chunks(outs[:loaded], num_kv_heads, cache)
 
 
+def _is_chunk(layout: Layout, dtype: str) -> bool:
+    """Whether ``layout`` is a bridge chunk of ``dtype`` at all (else: nothing to restore)."""
+    shape = layout.shape
+    return layout.fmt == FORMAT and len(shape) == 4 and shape[0] == 2 and layout.dtype == dtype
+
+
+def _check_geometry(
+    layout: Layout, num_kv_heads: int, model: Geometry | None, saved: Geometry | None
+) -> None:
+    """LayoutMismatchError unless the stored chunk, what was saved, the model restored into
+    and ``num_kv_heads`` agree on KV heads, head size and layers."""
+    layers, hidden = layout.shape[1], layout.shape[3]
+    problems = []
+    if saved is not None:
+        if saved.num_kv_heads != num_kv_heads:
+            problems.append(f"it was saved with {saved.describe()}, not {num_kv_heads} KV heads")
+        if model is not None and saved != model:
+            problems.append(
+                f"it was saved with {saved.describe()}; the model has {model.describe()}"
+            )
+    if model is not None:
+        if layers != model.num_layers:
+            problems.append(f"its chunks hold {layers} layer(s); the model has {model.num_layers}")
+        if hidden != model.num_kv_heads * model.head_dim:
+            problems.append(
+                f"its chunks hold {hidden} values per token and layer; the model's "
+                f"{model.num_kv_heads} KV heads of {model.head_dim} make "
+                f"{model.num_kv_heads * model.head_dim}"
+            )
+    if hidden % num_kv_heads:
+        problems.append(
+            f"{hidden} values per token and layer do not split into {num_kv_heads} heads"
+        )
+    if problems:
+        raise LayoutMismatchError(
+            "the stored prefix does not fit: " + "; ".join(dict.fromkeys(problems))
+        ).about("num_kv_heads")
+
+
 def cache_from_chunks(chunks: Sequence[Any], num_kv_heads: int, cache: Any = None) -> Any:
     """A ``DynamicCache`` (``cache`` if given, extended) holding the consecutive
     ``[2, layers, tokens, kv_heads * head_dim]`` chunk tensors ``chunks``, on their device."""
@@ -248,18 +427,6 @@ def cache_from_chunks(chunks: Sequence[Any], num_kv_heads: int, cache: Any = Non
     return cache
 
 
-def _loadable(layout: Layout, num_kv_heads: int, dtype: Any) -> bool:
-    shape = layout.shape
-    return (
-        layout.fmt == FORMAT
-        and len(shape) == 4
-        and shape[0] == 2
-        and num_kv_heads > 0
-        and shape[3] % num_kv_heads == 0
-        and layout.dtype == dtype_name(dtype)
-    )
-
-
 def _cache_argument(model: Any) -> str:
     """The name ``model.forward`` takes its KV cache by in this transformers release."""
     params = inspect.signature(model.forward).parameters
@@ -268,7 +435,21 @@ def _cache_argument(model: Any) -> str:
 
 def forward(model: Any, input_ids: Any, cache: Any = None, **kwargs: Any) -> tuple[Any, Any]:
     """``model(input_ids)`` continuing ``cache`` (which it extends in place): (logits, cache),
-    in any transformers 5.x release."""
+    in any transformers 5.x release.
+
+    Refused with a clear error before the model runs: ``input_ids`` with no token (the
+    cache covers the whole prompt: restore at most ``len(prompt) - 1`` tokens), and a
+    cache whose KV heads, head size or layer count are not the model's
+    (LayoutMismatchError).
+    """
+    if int(input_ids.shape[-1]) == 0:
+        raise InvalidValueError(
+            "nothing left to compute: the restored cache covers the whole prompt; restore "
+            "with load_prefix(..., max_tokens=len(prompt) - 1) so the model has a token "
+            "to compute the next logits from"
+        )
+    if cache is not None and getattr(cache, "layers", None):
+        _check_cache(model, cache)
     kwargs[_cache_argument(model)] = cache
     out = model(input_ids=input_ids, use_cache=True, **kwargs)
     new_cache = out.get("cache")
@@ -277,11 +458,30 @@ def forward(model: Any, input_ids: Any, cache: Any = None, **kwargs: Any) -> tup
     return out.logits, new_cache
 
 
+def _check_cache(model: Any, cache: Any) -> None:
+    """LayoutMismatchError unless ``cache``'s layers have the model's KV geometry."""
+    try:
+        expected = Geometry.of_model(model)
+    except InvalidValueError:
+        return  # not a config we can read: transformers will say what it finds
+    filled = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    if not filled:
+        return
+    shape = tuple(filled[0].keys.shape)
+    found = Geometry(int(shape[1]), int(shape[3]), len(cache.layers)) if len(shape) == 4 else None
+    if found is not None and found != expected:
+        raise LayoutMismatchError(
+            f"the cache holds {found.describe()}; the model has {expected.describe()}"
+        )
+
+
 __all__: Sequence[str] = [
     "FORMAT",
+    "Geometry",
     "cache_from_chunks",
     "dtype_name",
     "forward",
     "load_prefix",
     "save_prefix",
+    "saved_geometry",
 ]

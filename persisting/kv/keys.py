@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import xxhash
@@ -42,6 +42,37 @@ KEY_DTYPES = frozenset(
         "fp8_e5m2fnuz",
     }
 )
+
+#: torch's names (``str(torch.float32)`` without ``torch.``) of the key dtypes whose LMCache
+#: spelling differs; a key built with one of them is spelled LMCache's way.
+TORCH_DTYPE_NAMES = {
+    "float16": "half",
+    "float32": "float",
+    "float64": "double",
+    "float8_e4m3fn": "fp8_e4m3fn",
+    "float8_e4m3fnuz": "fp8_e4m3fnuz",
+    "float8_e5m2": "fp8_e5m2",
+    "float8_e5m2fnuz": "fp8_e5m2fnuz",
+}
+
+
+def key_dtype(dtype: object) -> str:
+    """The key spelling (LMCache's: ``bfloat16``, ``half``, ``float``...) of ``dtype``: a
+    key dtype name, torch's name (``float32``, ``float16``...), ``"torch.float32"`` or a
+    ``torch.dtype``. Anything else is an InvalidKeyError listing the valid names."""
+    name = str(dtype).removeprefix("torch.")
+    name = TORCH_DTYPE_NAMES.get(name, name)
+    if name not in KEY_DTYPES:
+        raise InvalidKeyError(f"unknown key dtype {dtype!r}; valid: {_valid_dtypes()}")
+    return name
+
+
+def _valid_dtypes() -> str:
+    aliases = {v: k for k, v in TORCH_DTYPE_NAMES.items()}
+    return ", ".join(
+        f"{name} ({aliases[name]})" if name in aliases else name for name in sorted(KEY_DTYPES)
+    )
+
 
 #: Longest key string accepted (keys become index entries and file headers).
 MAX_KEY_CHARS = 1024
@@ -87,8 +118,8 @@ class ChunkKey:
                 f"world_size must be >= 1 and worker_id >= 0, got {self.world_size}, "
                 f"{self.worker_id}"
             )
-        if self.dtype not in KEY_DTYPES:
-            raise InvalidKeyError(f"unknown key dtype {self.dtype!r}")
+        if self.dtype not in KEY_DTYPES:  # torch's name: spelled LMCache's way in the key
+            object.__setattr__(self, "dtype", key_dtype(self.dtype))
         for tag in self.tags:
             if not (isinstance(tag, tuple) and len(tag) == 2):
                 raise InvalidKeyError(f"tags must be (name, value) pairs, got {tag!r}")
@@ -190,6 +221,10 @@ def parse_key(text: object) -> ChunkKey:
     if len(parts) < 5:
         raise InvalidKeyError(f"not a chunk key (want model@world@worker@hash@dtype): {text!r}")
     model, world, worker, chunk_hash, dtype = parts[:5]
+    if dtype not in KEY_DTYPES:  # a string is kept verbatim: it must be spelled as stored
+        spelled = TORCH_DTYPE_NAMES.get(dtype)
+        hint = f" (keys spell {dtype} {spelled!r})" if spelled else f"; valid: {_valid_dtypes()}"
+        raise InvalidKeyError(f"unknown key dtype {dtype!r} in key {text!r}{hint}")
     rest = parts[5:]
     layer_id: int | None = None
     if rest and rest[0].isdigit():
@@ -340,7 +375,7 @@ class TokenHasher:
         chunk_size: int = 256,
         world_size: int = 1,
         worker_id: int = 0,
-        dtype: str = "bfloat16",
+        dtype: Any = "bfloat16",
         save_unfull_chunk: bool = False,
         tags: Sequence[tuple[str, str]] = (),
         scheme: HashScheme = "persisting",
@@ -355,7 +390,11 @@ class TokenHasher:
         self.chunk_size = chunk_size
         self.world_size = world_size
         self.worker_id = worker_id
-        self.dtype = dtype
+        #: The key dtype, spelled LMCache's way (``float32`` and ``torch.float32`` give
+        #: ``float``).
+        self.dtype = self._template.dtype
+        #: The tags every key gets (``(name, value)`` pairs).
+        self.tags = self._template.tags
         self.save_unfull_chunk = save_unfull_chunk
         self.scheme: HashScheme = scheme
         self._seed = xxhash.xxh3_64_intdigest(model.encode("utf-8"))
@@ -406,11 +445,13 @@ class TokenHasher:
 __all__ = [
     "HASH_SCHEMES",
     "KEY_DTYPES",
+    "TORCH_DTYPE_NAMES",
     "AnyKey",
     "ChunkKey",
     "HashScheme",
     "LayerChunkKey",
     "TokenHasher",
+    "key_dtype",
     "key_string",
     "lmcache_chunk_hash",
     "parse_key",

@@ -36,6 +36,9 @@ MEMORY_FORMATS: dict[str, tuple[int, int] | None] = {
     "HS_TD": None,  # hidden states [tokens, hidden]
 }
 
+#: Formats whose payload is opaque bytes: a key's dtype says nothing about them.
+BYTE_FORMATS = frozenset({"BINARY", "binary", "BINARY_BUFFER"})
+
 _TORCH_NAMES = {
     "float16": "half",
     "bfloat16": "bfloat16",
@@ -305,6 +308,7 @@ def checksum(data: memoryview | np.ndarray | bytes) -> int:
 
 
 __all__ = [
+    "BYTE_FORMATS",
     "MEMORY_FORMATS",
     "NAME_TO_NUMPY",
     "Layout",

@@ -8,7 +8,7 @@ delegates to :class:`Lookups` after checking it is open.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -20,15 +20,29 @@ from persisting.kv.tiers import KeyLike, Tiers
 class Lookups:
     """Prefix and token lookups over one store's tiers."""
 
-    def __init__(self, tiers: Tiers, chunk_size: int, hash_scheme: HashScheme = "persisting"):
+    def __init__(
+        self,
+        tiers: Tiers,
+        chunk_size: int,
+        hash_scheme: HashScheme = "persisting",
+        key_dtype: str = "bfloat16",
+    ):
         self._t = tiers
         self.chunk_size = chunk_size
         self.hash_scheme: HashScheme = hash_scheme
+        self.key_dtype = key_dtype
 
     def _hasher(self, hasher: TokenHasher | None) -> TokenHasher:
-        """``hasher``, or the store's: its chunk size and hash scheme."""
-        return hasher or TokenHasher(
-            self._t.model, chunk_size=self.chunk_size, scheme=self.hash_scheme
+        """``hasher``, or the store's: its chunk size, hash scheme and key dtype."""
+        return hasher or self.default_hasher()
+
+    def default_hasher(self, dtype: Any = None) -> TokenHasher:
+        """The store's hasher, with ``dtype`` (any spelling) instead of its key dtype."""
+        return TokenHasher(
+            self._t.model,
+            chunk_size=self.chunk_size,
+            scheme=self.hash_scheme,
+            dtype=self.key_dtype if dtype is None else dtype,
         )
 
     def contains(self, key: KeyLike) -> bool:

@@ -31,6 +31,7 @@ from persisting.errors import CapacityError, InvalidValueError, PersistingError
 from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import (
+    BYTE_FORMATS,
     Layout,
     decode_value,
     encode_value,
@@ -57,12 +58,16 @@ class PutResult:
     ``stored`` is False when nothing was stored by this put: the key was already present
     (first writer wins; ``contains`` is then true), or no tier could take the value (a
     memory tier full of pinned or busy chunks and no disk tier; ``contains`` is false).
+    ``conflict`` tells the first case apart when the value already stored under the key
+    has another layout (shape, dtype, format or size) than the one put: it was *not*
+    replaced, and a reader expecting the new layout misses.
     """
 
     key: str
     tier: Tier
     durable: bool
     stored: bool = True
+    conflict: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -83,6 +88,22 @@ def notify(callback: OnComplete | None, result: PutResult, tiers: Tiers) -> None
     except Exception:
         tiers.op_stats.count("on_complete_errors")
         log.exception("on_complete callback for %r raised", result.key)
+
+
+def check_key_dtypes(texts: Sequence[str], layouts: Sequence[Layout]) -> None:
+    """InvalidValueError for the first value whose dtype is not its key's: a key names the
+    dtype of what it holds (``...@bfloat16``), and a reader hashing with that dtype must
+    find values of it. Opaque bytes (``binary`` formats, ``bytes`` values) are exempt."""
+    for text, layout in zip(texts, layouts, strict=True):
+        if layout.kind == "bytes" or layout.fmt in BYTE_FORMATS:
+            continue
+        key_dtype = text.split("@", 5)[4]
+        if layout.dtype != key_dtype:
+            raise InvalidValueError(
+                f"a {layout.dtype} value under key {text!r}, whose dtype is {key_dtype}: "
+                f"store it under a key of dtype {layout.dtype} (TokenHasher(..., "
+                f"dtype=...)), or convert it"
+            ).about("dtype")
 
 
 class Writes:
@@ -137,6 +158,8 @@ class Writes:
         else:
             parent_texts = [None] * len(texts)
         encoded = self._encode_all(values, fmt, check_shape)
+        if check_shape:
+            check_key_dtypes(texts, [layout for layout, _view in encoded])
         # Each value is hashed where its bytes are first copied -- written to disk, or
         # copied into the memory tier -- piece by piece as they go: one pass over the
         # caller's memory, not two.
@@ -245,12 +268,13 @@ class Writes:
         results: dict[int, PutResult] = {}
         with t.lock:
             for i, it in enumerate(items):
-                if t.on_disk(it.key):
-                    results[i] = PutResult(it.key, "disk", True, stored=False)
+                present = self._present_result(it.key, it.layout, writes=False)
+                if present is not None and present.tier == "disk":
+                    results[i] = present
                 elif t.disk is not None and self.admission.admit(it.key):
-                    to_disk.append(it)
-                elif it.key in t.memory.index:
-                    results[i] = PutResult(it.key, "memory", False, stored=False)
+                    to_disk.append(it)  # also a key held in memory only (second sighting)
+                elif present is not None:
+                    results[i] = present
         if to_disk:
             assert t.disk is not None
             t.disk.write(to_disk, durable=self.fsync)
@@ -281,12 +305,18 @@ class Writes:
                 )
         return [results[i] for i in range(len(items))]
 
-    def _present_result(self, key: str) -> PutResult | None:
-        """The no-op result of putting a key that is already stored or being written."""
-        if self._t.on_disk(key):
-            return PutResult(key, "disk", True, stored=False)
-        if key in self._t.memory.index or key in self._inflight:
-            return PutResult(key, "memory", False, stored=False)
+    def _present_result(self, key: str, layout: Layout, writes: bool = True) -> PutResult | None:
+        """The no-op result of putting a key that is already stored (or, with ``writes``,
+        being written), flagged ``conflict`` when what is there has another layout."""
+        t = self._t
+        disk = t.disk.entry(key) if t.disk is not None else None
+        if disk is not None:
+            return PutResult(key, "disk", True, False, not disk.layout.matches(layout))
+        entry = t.memory.index.get(key, touch=False)
+        pending = self._inflight.get(key) if writes else None
+        if entry is not None or pending is not None:
+            there = entry.layout if entry is not None else pending.item.layout  # type: ignore[union-attr]
+            return PutResult(key, "memory", False, False, not there.matches(layout))
         return None
 
     def _put_memory_first(
@@ -294,7 +324,7 @@ class Writes:
     ) -> PutResult:
         t = self._t
         with t.lock:
-            present = self._present_result(it.key)
+            present = self._present_result(it.key, it.layout)
         if present is not None:
             return present
         if owned is not None:  # already in a memory-tier buffer, its checksum known
@@ -303,7 +333,7 @@ class Writes:
             buffer, it.checksum = owned_copy_hashed(it.data, t.memory_buffer)
         assert it.checksum is not None
         with t.lock:
-            present = self._present_result(it.key)
+            present = self._present_result(it.key, it.layout)
             if present is not None:
                 return present
             inserted, evicted = t.memory.insert(

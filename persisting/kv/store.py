@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from persisting.config import KVSettings, PersistingSettings
+from persisting.config import KVSettings, PersistingSettings, size_bytes
 from persisting.cuda import DEFAULT_STAGING_BYTES, StoreHostMemory
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
 from persisting.kv.api import KVApi, in_thread
 from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
 from persisting.kv.keys import HASH_SCHEMES, HashScheme, TokenHasher
+from persisting.kv.keys import key_dtype as key_dtype_name
 from persisting.kv.layout import Layout
 from persisting.kv.load_plan import LoadPlan, TierBandwidth
 from persisting.kv.lookups import Lookups
@@ -67,23 +68,31 @@ class KVStore(KVApi):
         storage_path: str | Path,
         model: str,
         *,
-        memory_bytes: int,
-        disk_bytes: int,
+        memory_bytes: int | str,
+        disk_bytes: int | str,
         durability: Durability = "sync",
         eviction: str | EvictionPolicy = "lru",
         admission: str | AdmissionPolicy = "always",
-        max_value_bytes: int | None = None,
+        max_value_bytes: int | str | None = None,
         chunk_size: int = 256,
         hash_scheme: HashScheme = "persisting",
+        key_dtype: Any = "bfloat16",
         shared_memory: bool = False,
-        result_buffer_bytes: int = 256 << 20,
+        result_buffer_bytes: int | str = 256 << 20,
         storage_access: str = "owner",
         fsync: bool = True,
         on_disk_evict: EvictionListener | None = None,
         read_threads: int = 8,
         pinned_memory: str = "auto",
-        pinned_staging_bytes: int = DEFAULT_STAGING_BYTES,
+        pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
     ):
+        # Sizes take units as the settings do ("64 MB", "8GiB").
+        memory_bytes = size_bytes(memory_bytes, "memory_bytes")
+        disk_bytes = size_bytes(disk_bytes, "disk_bytes")
+        result_buffer_bytes = size_bytes(result_buffer_bytes, "result_buffer_bytes")
+        pinned_staging_bytes = size_bytes(pinned_staging_bytes, "pinned_staging_bytes")
+        if max_value_bytes is not None:
+            max_value_bytes = size_bytes(max_value_bytes, "max_value_bytes")
         validate_name(model, "model")
         if "@" in model:
             raise InvalidKeyError(
@@ -156,7 +165,7 @@ class KVStore(KVApi):
             else None
         )
         self._reads = Reads(self._tiers, results, self._writes.write_back, read_threads)
-        self._lookups = Lookups(self._tiers, chunk_size, hash_scheme)
+        self._lookups = Lookups(self._tiers, chunk_size, hash_scheme, key_dtype_name(key_dtype))
         self._closed = False
 
     def _release_tiers(self) -> None:
@@ -179,6 +188,7 @@ class KVStore(KVApi):
             max_value_bytes=kv.max_value_bytes,
             chunk_size=kv.chunk_size,
             hash_scheme=kv.hash_scheme,
+            key_dtype=kv.key_dtype,
             result_buffer_bytes=kv.result_buffer_bytes,
             storage_access=settings.storage_access,
             read_threads=kv.read_threads,
@@ -232,8 +242,11 @@ class KVStore(KVApi):
 
         ``chain=True`` says the keys are consecutive chunks of one prefix (each one's parent
         is the key before it), which the prefix-aware eviction policy uses. Every item is
-        validated before anything is stored; ``check_shape=False`` skips the format's shape
-        rule (for layouts another system defines, such as LMCache's MemoryObjs).
+        validated before anything is stored: its format's shape rule, and its dtype against
+        its key's (a float32 tensor under a ``...@bfloat16`` key is an InvalidValueError;
+        ``binary`` values are exempt). ``check_shape=False`` skips both (for layouts
+        another system defines, such as LMCache's MemoryObjs and the L2 adapter's opaque
+        object keys).
         ``on_complete`` gets each key's final result once; one that raises is logged and
         counted (``on_complete_errors``), never propagated.
         """
@@ -365,9 +378,22 @@ class KVStore(KVApi):
         self._check_open()
         return self._lookups.lookup_prefix(keys)
 
-    def token_hasher(self) -> TokenHasher:
-        """The hasher token lookups use by default: this store's chunk size and scheme."""
-        return TokenHasher(self.model, chunk_size=self.chunk_size, scheme=self.hash_scheme)
+    @property
+    def key_dtype(self) -> str:
+        """The key dtype token lookups hash with by default (LMCache's spelling): the
+        ``kv.key_dtype`` setting, or the dtype :func:`persisting.integrations.transformers.
+        save_prefix` last saved a cache of into this store. Settable with any spelling
+        (``"float32"``, ``torch.float16``)."""
+        return self._lookups.key_dtype
+
+    @key_dtype.setter
+    def key_dtype(self, dtype: Any) -> None:
+        self._lookups.key_dtype = key_dtype_name(dtype)
+
+    def token_hasher(self, dtype: Any = None) -> TokenHasher:
+        """The hasher token lookups use by default: this store's chunk size, scheme and
+        :attr:`key_dtype` (or ``dtype``)."""
+        return self._lookups.default_hasher(dtype)
 
     def lookup_tokens(
         self,
@@ -375,9 +401,11 @@ class KVStore(KVApi):
         hasher: TokenHasher | None = None,
         *,
         recompute_tokens_per_s: float | None = None,
+        dtype: Any = None,
     ) -> int:
         """How many leading tokens are covered by stored chunks (hashed by ``hasher``, by
-        default with the store's chunk size and :attr:`hash_scheme`).
+        default with the store's chunk size, :attr:`hash_scheme` and :attr:`key_dtype`,
+        or ``dtype``: the model's KV dtype, e.g. ``torch.float32``).
 
         With ``recompute_tokens_per_s`` (the engine's prefill rate), how many of them are
         worth loading rather than recomputing: :meth:`plan_tokens`'s ``load_tokens``.
@@ -385,9 +413,11 @@ class KVStore(KVApi):
         """
         if recompute_tokens_per_s is not None:
             return self.plan_tokens(
-                tokens, recompute_tokens_per_s=recompute_tokens_per_s, hasher=hasher
+                tokens, recompute_tokens_per_s=recompute_tokens_per_s, hasher=hasher, dtype=dtype
             ).load_tokens
         self._check_open()
+        if hasher is None and dtype is not None:
+            hasher = self.token_hasher(dtype)
         return self._lookups.lookup_tokens(tokens, hasher)
 
     def plan_tokens(
@@ -397,9 +427,11 @@ class KVStore(KVApi):
         recompute_tokens_per_s: float,
         hasher: TokenHasher | None = None,
         min_saving_s: float = 0.0,
+        dtype: Any = None,
     ) -> LoadPlan:
-        """Load or recompute: of the stored prefix of ``tokens``, the leading part worth
-        loading at a prefill rate of ``recompute_tokens_per_s``.
+        """Load or recompute: of the stored prefix of ``tokens`` (hashed as for
+        :meth:`lookup_tokens`), the leading part worth loading at a prefill rate of
+        ``recompute_tokens_per_s``.
 
         Each hit chunk costs its bytes over the read bandwidth its tier achieved lately
         (:attr:`bandwidth`; a tier never read yet counts as free) and saves its tokens'
@@ -409,6 +441,8 @@ class KVStore(KVApi):
         ``load_plan_recompute_tokens`` (and ``_chunks``) in :attr:`op_stats`.
         """
         self._check_open()
+        if hasher is None and dtype is not None:
+            hasher = self.token_hasher(dtype)
         return self._lookups.plan_tokens(tokens, recompute_tokens_per_s, hasher, min_saving_s)
 
     @property
@@ -627,8 +661,8 @@ def open_kv_store(
     storage_path: str | Path,
     model: str,
     *,
-    memory_bytes: int | None = None,
-    disk_bytes: int | None = None,
+    memory_bytes: int | str | None = None,
+    disk_bytes: int | str | None = None,
     durability: Durability | None = None,
     settings: PersistingSettings | None = None,
     **options: Any,
@@ -636,6 +670,7 @@ def open_kv_store(
     """Open (or create) the KV namespace of ``model`` under ``storage_path``.
 
     Unspecified options come from ``settings`` (or ``PersistingSettings()``: env/TOML).
+    Sizes take units as the settings do: ``memory_bytes="64 MB"``, ``disk_bytes="8GiB"``.
     """
     settings = settings or PersistingSettings()
     overrides: dict[str, Any] = dict(options)

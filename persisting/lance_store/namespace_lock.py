@@ -59,10 +59,12 @@ def hold_namespace(directory: Path, make_dir: Callable[[], object]) -> Namespace
 
 
 @contextmanager
-def exclusive_namespace(directory: Path, what: str) -> Iterator[bool]:
-    """Hold ``directory``'s lock exclusively for a drop; yields False if it does not exist.
+def exclusive_namespace(directory: Path, what: str, holder: str | None = None) -> Iterator[bool]:
+    """Hold ``directory``'s lock exclusively for a drop; yields False if it does not
+    exist. Stores opening meanwhile wait for it.
 
-    Raises NamespaceInUseError at once if a live store holds the namespace.
+    Raises NamespaceInUseError at once if a live store holds the namespace (``holder``
+    names it, when known).
     """
     if not directory.is_dir():
         yield False
@@ -72,9 +74,9 @@ def exclusive_namespace(directory: Path, what: str) -> Iterator[bool]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            who = holder or "a server or job using it"
             raise NamespaceInUseError(
-                f"{what} is open in a live store (a server or job using it); "
-                "stop it before dropping"
+                f"{what} is open in a live store ({who}); stop it before dropping"
             ) from None
         yield _same_file(fd, directory / LOCK_NAME)
     finally:
@@ -90,4 +92,9 @@ def _same_file(fd: int, path: Path) -> bool:
     return (mine.st_dev, mine.st_ino) == (at_path.st_dev, at_path.st_ino)
 
 
-__all__ = ["LOCK_NAME", "NamespaceHold", "exclusive_namespace", "hold_namespace"]
+__all__ = [
+    "LOCK_NAME",
+    "NamespaceHold",
+    "exclusive_namespace",
+    "hold_namespace",
+]

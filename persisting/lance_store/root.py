@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,11 +28,17 @@ from persisting.lance_store.namespace_lock import (
     exclusive_namespace,
     hold_namespace,
 )
+from persisting.lance_store.ownership import Holder, OwnerClaim, claim_owner, read_owner
 from persisting.lance_store.table import LanceTable, disk_usage
 
 QUEUE_DIR = "queue"
 KV_DIR = "kv"
 QUEUE_DATASET = "data.lance"
+#: Under a topic's directory: one directory per consumer holding its claim (see
+#: :mod:`persisting.lance_store.ownership`).
+CONSUMER_CLAIMS_DIR = ".consumers"
+#: Under ``kv/``: one directory per model holding the claim of the process serving it.
+OWNER_CLAIMS_DIR = ".owners"
 
 
 class StorageRoot:
@@ -80,6 +87,60 @@ class StorageRoot:
         path = self.kv_path(model)
         return hold_namespace(path, lambda: self.make_kv_dir(model))
 
+    def claim_model(
+        self, model: str, role: str, what: str, details: Mapping[str, object] | None = None
+    ) -> OwnerClaim:
+        """Claim ``model``'s namespace for a serving role (a server, an L2 adapter): refused
+        with NamespaceOwnedError, naming the holder, while a live process holds it."""
+        path = self.model_claim_dir(model)
+        return claim_owner(
+            path,
+            role=role,
+            what=what,
+            subject=f"model {model!r} under {self.root}",
+            details=details,
+            make_dir=lambda: makedirs_durable(path, self.modes),
+        )
+
+    def model_claim_dir(self, model: str) -> Path:
+        """``<root>/kv/.owners/<model>``: where the claim on a model's namespace lives --
+        beside the namespace, not in it, so it neither counts against the namespace's disk
+        budget nor goes with a drop."""
+        return self.root / KV_DIR / OWNER_CLAIMS_DIR / encode_name(model, "model")
+
+    def model_owner(self, model: str) -> Holder | None:
+        """Who claimed ``model``'s namespace (``live`` if it still holds it), or None."""
+        return read_owner(self.model_claim_dir(model))
+
+    def consumer_dir(self, topic: str, consumer: str) -> Path:
+        """``<root>/queue/<topic>/.consumers/<consumer>``: where a consumer's claim lives."""
+        return self.topic_dir(topic) / CONSUMER_CLAIMS_DIR / encode_name(consumer, "consumer")
+
+    def claim_consumer(
+        self, topic: str, consumer: str, what: str, details: Mapping[str, object] | None = None
+    ) -> OwnerClaim:
+        """Claim the consumer ``consumer`` of ``topic``: one live process runs it."""
+        path = self.consumer_dir(topic, consumer)
+        return claim_owner(
+            path,
+            role="event-consumer",
+            what=what,
+            subject=f"consumer {consumer!r} of topic {topic!r} under {self.root}",
+            details=details,
+            advice="one process runs a consumer (serve with --no-events, or another --name)",
+            make_dir=lambda: makedirs_durable(path, self.modes),
+        )
+
+    def consumer_owners(self, topic: str) -> list[Holder]:
+        """The recorded holders of ``topic``'s consumer claims (live or not)."""
+        base = self.topic_dir(topic) / CONSUMER_CLAIMS_DIR
+        try:
+            entries = sorted(os.listdir(base))
+        except FileNotFoundError:
+            return []
+        found = (read_owner(base / entry) for entry in entries)
+        return [holder for holder in found if holder is not None]
+
     # -- namespaces ---------------------------------------------------------------------
 
     def list_models(self) -> list[str]:
@@ -95,8 +156,12 @@ class StorageRoot:
         live store, in any process, has the model open.
         """
         path = self.kv_path(model)
-        with exclusive_namespace(path, f"model {model!r}") as exists:
+        with exclusive_namespace(path, f"model {model!r}", holder=self._holder(model)) as exists:
             return _drop_tree(path) if exists else False
+
+    def _holder(self, model: str) -> str | None:
+        owner = self.model_owner(model)
+        return owner.describe() if owner is not None and owner.live else None
 
     def drop_topic(self, topic: str) -> bool:
         return _drop_tree(self.topic_dir(topic))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,8 +40,10 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from sortedcontainers import SortedDict
 
+from persisting.config import size_text
 from persisting.errors import InvalidKeyError, InvalidNameError, StoreClosedError
 from persisting.kv import KVStore, key_string
+from persisting.kv.owners import OwnerClaim, claim_model
 from persisting.kv.payload_files import file_size
 from persisting.lmcache.health import IOErrors, errno_of, logger
 from persisting.lmcache.l2_io import Stored, load_object, store_objects
@@ -50,6 +53,27 @@ from persisting.lmcache.settings import L2Params, l2_params
 
 #: An I/O error within this many seconds makes ``report_status`` say unhealthy.
 UNHEALTHY_AFTER_IO_ERROR_S = 60.0
+#: How often (at most) the adapter rewrites its status into its namespace's owner record.
+STATUS_EVERY_S = 5.0
+
+
+def claim_adapter(params: L2Params) -> OwnerClaim:
+    """Claim the adapter's namespace (NamespaceOwnedError naming the holder if a live
+    adapter or server serves it), recording the settings ``persisting stats`` reports."""
+    what = (
+        f"LMCache L2 adapter, namespace {params.namespace!r}, capacity {size_text(params.capacity)}"
+    )
+    details = {
+        "capacity": params.capacity,
+        "memory_bytes": params.memory_bytes,
+        "durability": params.durability,
+        "fsync": params.fsync,
+        "eviction": params.eviction,
+        "namespace": params.namespace,
+    }
+    return claim_model(
+        params.storage_path, params.namespace, role="l2-adapter", what=what, details=details
+    )
 
 
 class PersistingL2AdapterConfig(L2AdapterConfigBase):
@@ -69,6 +93,7 @@ class PersistingL2AdapterConfig(L2AdapterConfigBase):
             "Persisting L2 adapter adapter_params:\n"
             "- storage_path (str, required): the Persisting storage root\n"
             "- capacity (bytes or '500GiB', default 64GiB): bytes on disk\n"
+            "  (or max_capacity_gb, a number of GiB, as LMCache's own adapters take it)\n"
             "- durability ('sync' | 'async' | 'write_back', default 'sync')\n"
             "- fsync (bool, default true): sync stores fsync before completing\n"
             "- memory_bytes (default 0), namespace (default 'lmcache'),\n"
@@ -91,7 +116,39 @@ class PersistingL2Adapter(L2AdapterInterface):
         self.params = params
         self._lock = threading.Lock()  # the key mirror, counters, closing
         self._evicted: deque[tuple[str, int]] = deque()  # filled on the writing thread
-        self.store = KVStore(
+        # One adapter (or server) per namespace: a second one is refused here, naming the
+        # process that holds it; the record also tells `persisting stats` our capacity.
+        self._claim = claim_adapter(params)
+        self._status_written = 0.0
+        try:
+            self.store = self._open_store(params)
+        except BaseException:
+            self._claim.release()
+            raise
+        #: Key string -> payload bytes of every chunk this adapter holds (sorted: pages).
+        self._sizes: SortedDict = SortedDict()
+        self._counters: Counter[str] = Counter()
+        self.io_errors = IOErrors()
+        self._locks = KeyLocks(params.lock_ttl_s)
+        self._store_tasks: TaskBoard[L2StoreResult] = TaskBoard()
+        self._lookup_tasks: TaskBoard[Bitmap] = TaskBoard()
+        self._load_tasks: TaskBoard[Bitmap] = TaskBoard()
+        self._io = ThreadPoolExecutor(params.io_threads, thread_name_prefix="persisting-l2-io")
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="persisting-l2-control")
+        self._closed = False
+        self._restore()
+        self._record_status(force=True)
+        logger.info(
+            "PersistingL2Adapter on %s (namespace %s): %d chunks, %d of %d bytes",
+            params.storage_path,
+            params.namespace,
+            len(self._sizes),
+            self.store.disk.used_bytes() if self.store.disk else 0,
+            params.capacity,
+        )
+
+    def _open_store(self, params: L2Params) -> KVStore:
+        return KVStore(
             params.storage_path,
             params.namespace,
             memory_bytes=params.memory_bytes,
@@ -106,26 +163,6 @@ class PersistingL2Adapter(L2AdapterInterface):
             # second pass over it for the checksum.
             read_threads=1,
             on_disk_evict=self._evicted.extend,
-        )
-        #: Key string -> payload bytes of every chunk this adapter holds (sorted: pages).
-        self._sizes: SortedDict = SortedDict()
-        self._counters: Counter[str] = Counter()
-        self.io_errors = IOErrors()
-        self._locks = KeyLocks(params.lock_ttl_s)
-        self._store_tasks: TaskBoard[L2StoreResult] = TaskBoard()
-        self._lookup_tasks: TaskBoard[Bitmap] = TaskBoard()
-        self._load_tasks: TaskBoard[Bitmap] = TaskBoard()
-        self._io = ThreadPoolExecutor(params.io_threads, thread_name_prefix="persisting-l2-io")
-        self._control = ThreadPoolExecutor(1, thread_name_prefix="persisting-l2-control")
-        self._closed = False
-        self._restore()
-        logger.info(
-            "PersistingL2Adapter on %s (namespace %s): %d chunks, %d of %d bytes",
-            params.storage_path,
-            params.namespace,
-            len(self._sizes),
-            self.store.disk.used_bytes() if self.store.disk else 0,
-            params.capacity,
         )
 
     # -- what a restart brings back ---------------------------------------------------------
@@ -219,6 +256,7 @@ class PersistingL2Adapter(L2AdapterInterface):
             )
         written = sum(nbytes for _k, _t, nbytes, was_written in stored if was_written)
         self._store_tasks.finish(task_id, L2StoreResult(ok, written))
+        self._record_status()
 
     def _store_failed(self, text: str, exc: BaseException) -> None:
         with self._lock:
@@ -422,7 +460,28 @@ class PersistingL2Adapter(L2AdapterInterface):
 
     # -- status, lifecycle ------------------------------------------------------------------
 
-    def report_status(self) -> dict:
+    def _record_status(self, force: bool = False) -> None:
+        """Keep the claim's record current (at most every STATUS_EVERY_S seconds, or now),
+        so ``persisting stats``/``inspect`` on this root show our capacity, usage and
+        counters without asking LMCache."""
+        now = time.monotonic()
+        if not force and now - self._status_written < STATUS_EVERY_S:
+            return
+        self._status_written = now
+        try:
+            status = self.report_status(record=False)
+        except Exception:  # informative only: never fail a task over it
+            return
+        if self._closed:  # the last record: stopped, not unhealthy
+            status.pop("is_healthy", None)
+        status["state"] = "stopped" if self._closed else "running"
+        self._claim.update(status=status, status_time=time.time())
+
+    def report_status(self, record: bool = True) -> dict:
+        """LMCache's ``/status`` view of the adapter (also kept in the namespace's owner
+        record, for ``persisting stats``)."""
+        if record:
+            self._record_status()
         self._report_evictions()
         stats = self.store.stats() if not self.store.closed else {}
         with self._lock:
@@ -461,7 +520,11 @@ class PersistingL2Adapter(L2AdapterInterface):
         self._io.shutdown(wait=True)
         self._report_evictions()
         self._locks.clear()
+        with contextlib.suppress(Exception):
+            self._status_written = 0.0
+            self._record_status(force=True)
         self.store.close()
+        self._claim.release()
         for board in (self._store_tasks, self._lookup_tasks, self._load_tasks):
             board.close()
 

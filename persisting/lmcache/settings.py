@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from persisting.config import GiB, KVSettings, PersistingSettings
+from persisting.config import GiB, KVSettings, PersistingSettings, closest
 from persisting.errors import ConfigError
 
 #: extra_config keys start with this prefix.
@@ -125,8 +125,10 @@ def settings_from_extra_config(
             kv[name] = value
         else:
             known = sorted(["config", "storage_path", *_OPTION_FIELDS, *_KV_FIELDS])
+            guess = closest(name, known)
+            hint = f"; did you mean {PREFIX + guess!r}?" if guess else ""
             raise ConfigError(
-                f"unknown extra_config key {raw_key!r}; known: {[PREFIX + k for k in known]}"
+                f"unknown extra_config key {raw_key!r}{hint} (known: {[PREFIX + k for k in known]})"
             )
     plugin_options = _plugin_options(options)
     settings = PersistingSettings.load(toml_file, **top, kv=kv)
@@ -167,17 +169,33 @@ class L2Params:
 _L2_FIELDS = {f.name for f in fields(L2Params)}
 
 
+#: LMCache's own adapters' capacity key (s3, resp, valkey, bigtable, native...): GiB, as a
+#: number (``int(gb * 1024**3)`` bytes, as they read it); ``capacity`` takes units instead.
+MAX_CAPACITY_GB = "max_capacity_gb"
+
+
 def l2_params(raw: Mapping[str, Any]) -> L2Params:
-    """Validated :class:`L2Params` from ``adapter_params`` (sizes accept units)."""
-    unknown = sorted(set(raw) - _L2_FIELDS)
+    """Validated :class:`L2Params` from ``adapter_params`` (sizes accept units; LMCache's
+    ``max_capacity_gb`` is taken as its adapters take it). An unknown key is refused with
+    the closest valid one."""
+    known = sorted(_L2_FIELDS | {MAX_CAPACITY_GB})
+    unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ConfigError(f"unknown adapter_params {unknown}; known: {sorted(_L2_FIELDS)}")
+        guess = closest(str(unknown[0]), known)
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        raise ConfigError(f"unknown adapter_params key {unknown[0]!r}{hint} (known: {known})")
     if not raw.get("storage_path"):
         raise ConfigError("adapter_params.storage_path is required")
     values: dict[str, Any] = {"storage_path": Path(str(raw["storage_path"]))}
     for name in ("capacity", "memory_bytes"):
         if name in raw:
             values[name] = parse_size(raw[name], f"adapter_params.{name}")
+    if MAX_CAPACITY_GB in raw:
+        if "capacity" in raw:
+            raise ConfigError(
+                "adapter_params: give capacity (with a unit) or max_capacity_gb, not both"
+            )
+        values["capacity"] = _gib(raw[MAX_CAPACITY_GB])
     durability = raw.get("durability", L2Params.durability)
     if durability not in ("sync", "async", "write_back"):
         raise ConfigError(
@@ -212,7 +230,18 @@ def l2_params(raw: Mapping[str, Any]) -> L2Params:
     return params
 
 
+def _gib(value: Any) -> int:
+    """``max_capacity_gb`` in bytes, as LMCache's adapters read it (``int(gb * 1024**3)``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(
+            f"adapter_params.max_capacity_gb must be a number of GiB > 0 (Persisting "
+            f"enforces its capacity; 0 does not turn it off), got {value!r}"
+        )
+    return int(value * (1 << 30))
+
+
 __all__ = [
+    "MAX_CAPACITY_GB",
     "PREFIX",
     "SIZE_FIELDS",
     "L2Params",

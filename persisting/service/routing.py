@@ -72,6 +72,7 @@ class Membership:
         self._next_probe[member] = self._clock() + self.retry_s
 
     def mark_up(self, member: str) -> None:
+        """``member`` answered: back in use."""
         self._next_probe.pop(member, None)
 
     def is_live(self, member: str) -> bool:

@@ -28,8 +28,9 @@ MODEL = "meta-llama/Llama-3-8B"
 Check = Callable[[Any, int], Awaitable[None]]
 
 
-def key(i: int, worker: int = 0) -> ChunkKey:
-    return ChunkKey(MODEL, 2 if worker else 1, worker, i * 104_729 - 7, "bfloat16")
+def key(i: int, worker: int = 0, dtype: str = "bfloat16") -> ChunkKey:
+    """Chunk ``i``'s key; ``dtype`` must be its value's (a put checks it)."""
+    return ChunkKey(MODEL, 2 if worker else 1, worker, i * 104_729 - 7, dtype)
 
 
 def tensor(seed: int, tokens: int = 16, hidden: int = 64) -> torch.Tensor:
@@ -99,15 +100,16 @@ async def round_trip_is_bit_exact(api: Any, base: int) -> None:
     bf16 = tensor(base)
     array = np.arange(2 * 3 * 40 * 8, dtype=np.float32).reshape(2, 3, 40, 8) / 7
     raw = bytes(range(256)) * 300
+    keys = [key(base), key(base + 1, dtype="float32"), key(base + 2)]
     results = [
-        await api.put(key(base), bf16),
-        await api.put(key(base + 1), array),
-        await api.put(key(base + 2), raw, fmt="binary"),
+        await api.put(keys[0], bf16),
+        await api.put(keys[1], array),
+        await api.put(keys[2], raw, fmt="binary"),
     ]
     assert [r.stored for r in results] == [True, True, True], results
-    assert [r.key for r in results] == [key(base + i).to_string() for i in range(3)], results
+    assert [r.key for r in results] == [k.to_string() for k in keys], results
     for i, want in enumerate((bf16, array, raw)):
-        got = await api.get(key(base + i))
+        got = await api.get(keys[i])
         assert same(got, want), (i, type(got))
     again = await api.put(key(base), tensor(base + 999))  # content-addressed: a no-op
     assert again.stored is False, again

@@ -100,6 +100,8 @@ BAD_INVOCATIONS = [
     bad("prewarm", MODEL, "--storage-path", "{work}/root", says="give --key (one or more)"),
     bad("demo", "--storage-path", "{work}/a-file", says="--storage-path {work}/a-file is a file"),
     bad("serve", "--storage-path", "{work}/root", says="no models to serve: pass --model"),
+    bad("serve", "--storage-path", "{work}/root", "--config", "{work}/sample.toml",
+        says='or set models = ["org/model"] in {work}/sample.toml, or PERSISTING_MODELS'),
 ]  # fmt: skip
 
 
@@ -110,6 +112,9 @@ def work(tmp_path: Path) -> Path:
     (tmp_path / "broken.toml").write_text("[kv\nmemory_bytes = 5\n")
     (tmp_path / "typo.toml").write_text("[kv]\nmemory_byte = 5\n")
     (tmp_path / "a-file").write_text("not a folder\n")
+    from persisting.config_sample import sample_toml
+
+    (tmp_path / "sample.toml").write_text(sample_toml())  # `models = []`, as shipped
     (tmp_path / "broken.jsonl").write_text('{"format": "something-else"}\n')
     header = {"format": "persisting-trace", "version": 1, "model": MODEL, "vocab_size": 100}
     request = {"id": "r0", "t": 0.0, "tokens": list(range(8))}

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from persisting.metrics import LATENCY_METRIC, QUEUE_LAG_METRIC, STORE_FIGURES, KVMetrics
+from persisting.metrics import (
+    LATENCY_METRIC,
+    QUEUE_LAG_METRIC,
+    SERVICE_METRICS,
+    STORE_FIGURES,
+    KVMetrics,
+)
 from tests.cli.cli_ops_helpers import key, open_store, value
 from tests.docs.docs_helpers import fenced_blocks
 
@@ -41,6 +47,21 @@ def served(tmp_path: Path) -> Iterator[tuple[str, KVMetrics]]:
     store.get(key(1))
     store.get(key(2))
     metrics.set_queue_lag("kv-events", 0, "prewarm", 3)
+    metrics.track_service(  # what a server exports about itself
+        lambda: {
+            "requests": {"get": 2},
+            "errors": {"invalid_value": 1},
+            "sessions": 1,
+            "members_up": 1,
+            "ready": True,
+            "consumer": {
+                "topic": "kv-events",
+                "consumer": "kv-service/kvstore",
+                "position": {"0": 3},
+                "applied": 3,
+            },
+        }
+    )
     server = metrics.serve()
     yield server.url, metrics
     server.close()
@@ -121,6 +142,7 @@ def test_every_metric_is_documented_and_every_documented_metric_exists(
     text = DOC.read_text()
     table = set(re.findall(r"^\| `(persisting_[a-z_]+)` \|", text, flags=re.M))
     exported = {f.sample_name for f in STORE_FIGURES} | {LATENCY_METRIC, QUEUE_LAG_METRIC}
+    exported |= set(SERVICE_METRICS)
     assert table == exported
     served_names = {
         line.split("{")[0].split(" ")[0]

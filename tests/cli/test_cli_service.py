@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -103,12 +104,10 @@ def test_serve_answers_clients_exposes_metrics_and_takes_prewarm_events(tmp_path
             cwd=REPO,
         )
         assert published.returncode == 0, published.stderr
-        assert json.loads(published.stdout) == {
-            "model": MODEL,
-            "op": "evict",
-            "published": 1,
-            "topic": "kv-events",
-        }
+        evict = json.loads(published.stdout)
+        (consumer,) = evict.pop("consumers")  # the server's, which will apply it
+        assert f"pid {server.pid} " in consumer
+        assert evict == {"model": MODEL, "op": "evict", "published": 1, "topic": "kv-events"}
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             present = run_client("present_keys", {"seeds": seeds, "start": 100, "stop": 104})
@@ -207,3 +206,40 @@ def test_serve_logs_a_banner_and_a_stop_line_as_json(tmp_path: Path) -> None:
         assert server.wait(timeout=60) == 0
     records = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     assert any(r.get("event") == "stopped" and r["actor"] == "kvstore" for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_demo_without_a_root_leaves_nothing_behind(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
+    out = subprocess.run(
+        [PERSISTING, "demo", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["bit_exact"] is True
+    assert report["storage_path"].endswith("(temporary, removed)")
+    assert list(tmp_path.iterdir()) == []  # no ./persisting-data
+    assert not Path(report["storage_path"].split(" ")[0]).exists()
+
+
+def test_config_show_prints_sizes_with_units(tmp_path: Path) -> None:
+    config = tmp_path / "p.toml"
+    config.write_text('[kv]\nmemory_bytes = "512MiB"\ndisk_bytes = 1000\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
+    out = subprocess.run(
+        [PERSISTING, "config", "show", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = {line.strip() for line in out.stdout.splitlines()}
+    assert {"memory_bytes = 512MiB", "disk_bytes = 1000B", "max_value_bytes = 1GiB"} <= lines
+    assert "key_dtype = 'bfloat16'" in lines

@@ -226,3 +226,113 @@ def test_a_busy_port_is_a_clear_error() -> None:
             start_metrics_server(server.port, "127.0.0.1", KVMetrics().registry)
         with urllib.request.urlopen(server.url, timeout=10) as response:  # still answers
             assert b"# TYPE persisting_kv_hits_total counter" in response.read()
+
+
+def _get(url: str) -> tuple[int, str, str]:
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def test_healthz_readyz_and_404_beside_metrics(root: Path) -> None:
+    import json
+
+    state = {"ready": False}
+
+    def probe() -> tuple[bool, dict[str, object]]:
+        return state["ready"], {"stores": True, "cluster": True if state["ready"] else "not yet"}
+
+    metrics = KVMetrics()
+    with metrics.serve(ready=probe) as server:
+        base = server.url.removesuffix("/metrics")
+        assert _get(f"{base}/healthz")[::2] == (200, "ok\n")
+        status, kind, body = _get(f"{base}/readyz")
+        assert (status, kind) == (503, "application/json")
+        assert json.loads(body) == {
+            "ready": False,
+            "checks": {"stores": True, "cluster": "not yet"},
+        }
+        state["ready"] = True
+        assert _get(f"{base}/readyz")[0] == 200
+        for path in ("/", "/ready", "/healthz/x", "/metricsx"):
+            status, _kind, body = _get(base + path)
+            assert status == 404 and "/metrics, /healthz, /readyz" in body, path
+        status, kind, body = _get(server.url)
+        assert status == 200 and kind.startswith("text/plain") and "persisting_kv_hits" in body
+
+
+def test_a_failing_probe_reads_not_ready() -> None:
+    def probe() -> tuple[bool, dict[str, object]]:
+        raise RuntimeError("boom")
+
+    with KVMetrics().serve(ready=probe) as server:
+        status, _kind, body = _get(server.url.replace("/metrics", "/readyz"))
+    assert status == 503 and "boom" in body
+
+
+def test_hits_read_without_a_duration_are_counted_not_timed(root: Path) -> None:
+    metrics = KVMetrics()
+    store = open_store(root)
+    metrics.attach(store)
+    try:
+        store.put(key(1), value(1))
+        assert store.get(key(1)) is not None  # timed
+        assert store.touch([key(1), key(1)]) == 2  # a same-host reader's hits: no duration
+        samples = {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(metrics.render())
+            for s in family.samples
+        }
+        labels = frozenset(
+            {("model", MODEL), ("op", "get"), ("tier", "memory"), ("outcome", "hit")}
+        )
+        assert samples[(f"{LATENCY_METRIC}_count", labels)] == 1
+        assert samples[(f"{LATENCY_METRIC}_sum", labels)] > 0  # so the mean is never 0
+        hits = frozenset({("model", MODEL), ("tier", "memory")})
+        assert samples[("persisting_kv_hits_total", hits)] == 3
+    finally:
+        metrics.detach(store)
+        store.close()
+
+
+def test_service_figures_are_exported_from_the_snapshot() -> None:
+    metrics = KVMetrics()
+    metrics.track_service(
+        lambda: {
+            "requests": {"put": 3, "get": 5},
+            "errors": {"invalid_value": 2},
+            "sessions": 1,
+            "pins": 0,
+            "leases": 4,
+            "members_up": 2,
+            "ready": True,
+            "consumer": {
+                "topic": "kv-events",
+                "consumer": "kv-service/kvstore",
+                "position": {"0": 17},
+                "applied": 9,
+            },
+        }
+    )
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(metrics.render())
+        for s in family.samples
+    }
+    assert samples[("persisting_service_requests_total", frozenset({("op", "get")}))] == 5
+    assert samples[("persisting_service_errors_total", frozenset({("code", "invalid_value")}))] == 2
+    assert samples[("persisting_service_members_up", frozenset())] == 2
+    assert samples[("persisting_service_ready", frozenset())] == 1
+    assert samples[("persisting_service_leases", frozenset())] == 4
+    position = frozenset(
+        {("topic", "kv-events"), ("bucket", "0"), ("consumer", "kv-service/kvstore")}
+    )
+    assert samples[("persisting_events_consumer_position", position)] == 17
+    applied = frozenset(
+        {("topic", "kv-events"), ("consumer", "kv-service/kvstore"), ("outcome", "applied")}
+    )
+    assert samples[("persisting_events_total", applied)] == 9

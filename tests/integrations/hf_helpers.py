@@ -13,14 +13,16 @@ KV_HEADS = 2
 VOCAB = 256
 
 
-def tiny_llama(dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
+def tiny_llama(
+    dtype: torch.dtype = torch.float32, seed: int = 0, kv_heads: int = KV_HEADS, layers: int = 3
+) -> Any:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=3,
+        num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
     )
     torch.manual_seed(seed)

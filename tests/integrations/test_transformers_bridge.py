@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from persisting.errors import InvalidValueError
-from persisting.integrations.transformers import dtype_name, forward, load_prefix, save_prefix
+from persisting.errors import InvalidValueError, LayoutMismatchError
+from persisting.integrations.transformers import (
+    Geometry,
+    _geometry_key,
+    dtype_name,
+    forward,
+    load_prefix,
+    save_prefix,
+    saved_geometry,
+)
 from persisting.kv import KVStore, TokenHasher, open_kv_store
 from tests import child_env
 from tests.integrations.hf_helpers import CHUNK, KV_HEADS, MODEL, prompt, tiny_llama
@@ -31,7 +39,8 @@ def test_suffix_logits_with_the_restored_cache_equal_those_with_the_original(
     with torch.no_grad(), store_at(root) as store:
         _, original = forward(model, ids[:, :256])
         assert save_prefix(store, ids[:, :256], original) == 256
-        assert store.stats()["put_bytes_disk"] == 4 * 2 * 3 * CHUNK * 32 * dtype.itemsize
+        record = store.layout(_geometry_key(store.token_hasher())).nbytes  # the geometry
+        assert store.stats()["put_bytes_disk"] == 4 * 2 * 3 * CHUNK * 32 * dtype.itemsize + record
         expected, _ = forward(model, ids[:, 256:], original)
 
         n, restored = load_prefix(store, ids, num_kv_heads=KV_HEADS, dtype=dtype)
@@ -71,7 +80,8 @@ def test_saving_again_copies_only_new_chunks(root: Path) -> None:
         _, longer = forward(model, ids)
         assert save_prefix(store, ids, longer) == 320
         stats = store.stats()
-        assert stats["disk_items"] == 5 and stats["put_stored"] == 2  # two batches, 2 + 3
+        # Two batches of chunks, 2 + 3, and the geometry record put once beside them.
+        assert stats["disk_items"] == 5 + 1 and stats["put_stored"] == 2 + 1
 
 
 def test_a_damaged_chunk_ends_the_restored_prefix_before_it(root: Path) -> None:
@@ -99,8 +109,86 @@ def test_bad_inputs_are_refused_clearly(root: Path) -> None:
             save_prefix(store, prompt(128, 5), object())
         with pytest.raises(InvalidValueError, match="pass hasher="):
             load_prefix(object(), prompt(128, 5), num_kv_heads=2, dtype=torch.float32)
-        with pytest.raises(InvalidValueError, match="cannot be stored"):
+        with pytest.raises(InvalidValueError, match=r"cannot be stored; supported: .*float32"):
             dtype_name(torch.complex64)
+        assert dtype_name("float32") == dtype_name(torch.float32) == "float"
+
+
+def test_after_save_prefix_the_stores_own_token_lookups_find_the_chunks(root: Path) -> None:
+    model = tiny_llama(torch.float32)
+    ids = prompt(256, seed=11)
+    with torch.no_grad(), store_at(root) as store:
+        _, cache = forward(model, ids)
+        assert store.lookup_tokens(ids[0].tolist()) == 0  # nothing saved yet
+        assert save_prefix(store, ids, cache) == 256
+        assert store.key_dtype == "float"
+        assert store.lookup_tokens(ids[0].tolist()) == 256
+        plan = store.plan_tokens(ids[0].tolist(), recompute_tokens_per_s=1e12)
+        assert plan.hit_tokens == 256
+    # Another process (a fresh store) says which dtype, in any spelling.
+    with store_at(root) as again:
+        assert again.lookup_tokens(ids[0].tolist()) == 0  # keys say float, lookups bfloat16
+        assert again.lookup_tokens(ids[0].tolist(), dtype="float32") == 256
+        assert again.lookup_tokens(ids[0].tolist(), dtype=torch.float32) == 256
+        n, restored = load_prefix(again, ids, num_kv_heads=KV_HEADS, dtype="float32")
+        assert n == 256 and restored.get_seq_length() == 256
+
+
+def test_a_wrong_head_count_head_size_or_layer_count_is_a_typed_error_never_a_cache(
+    root: Path,
+) -> None:
+    model = tiny_llama()  # 2 KV heads of 16, 3 layers
+    ids = prompt(256, seed=12)
+    with torch.no_grad(), store_at(root) as store:
+        _, cache = forward(model, ids)
+        save_prefix(store, ids, cache)
+        assert saved_geometry(store, store.token_hasher()) == Geometry(KV_HEADS, 16, 3)
+        for heads in (1, 4, 8):  # what was saved says 2
+            with pytest.raises(LayoutMismatchError, match="saved with 2 KV heads of 16"):
+                load_prefix(store, ids, num_kv_heads=heads, dtype=torch.float32)
+        for other in (tiny_llama(kv_heads=4), tiny_llama(kv_heads=1), tiny_llama(layers=2)):
+            with pytest.raises(LayoutMismatchError):  # the model restored into differs
+                load_prefix(store, ids, model=other)
+        with pytest.raises(LayoutMismatchError, match="the model restored into has 2"):
+            load_prefix(store, ids, model=model, num_kv_heads=4)
+        n, restored = load_prefix(store, ids, model=model, max_tokens=255)
+        assert n == 192 and restored.get_seq_length() == 192
+        # Chunks of another geometry under the same model name are refused at save.
+        _, four_heads = forward(tiny_llama(kv_heads=4), ids)
+        with pytest.raises(LayoutMismatchError, match="another model under the same name"):
+            save_prefix(store, ids, four_heads)
+
+
+def test_without_a_geometry_record_the_model_still_catches_a_mismatch(root: Path) -> None:
+    model = tiny_llama()
+    ids = prompt(256, seed=13)
+    with torch.no_grad(), store_at(root) as store:
+        _, cache = forward(model, ids)
+        save_prefix(store, ids, cache)
+        store.remove(_geometry_key(store.token_hasher()))  # as saved by an older version
+        assert saved_geometry(store, store.token_hasher()) is None
+        with pytest.raises(LayoutMismatchError, match="the model's 4 KV heads of 16 make 64"):
+            load_prefix(store, ids, model=tiny_llama(kv_heads=4))
+        with pytest.raises(LayoutMismatchError, match=r"3 layer.*the model has .* 2 layer"):
+            forward(tiny_llama(layers=2), ids[:, :1], load_prefix(store, ids, model=model)[1])
+
+
+def test_forward_refuses_a_prompt_with_nothing_left_to_compute_and_a_foreign_cache(
+    root: Path,
+) -> None:
+    model = tiny_llama()
+    ids = prompt(128, seed=14)
+    with torch.no_grad(), store_at(root) as store:
+        _, cache = forward(model, ids)
+        save_prefix(store, ids, cache)
+        n, restored = load_prefix(store, ids, model=model)
+        assert n == 128
+        with pytest.raises(InvalidValueError, match="nothing left to compute"):
+            forward(model, ids[:, n:], restored)
+        with pytest.raises(LayoutMismatchError, match="the cache holds 2 KV heads"):
+            forward(tiny_llama(kv_heads=4), ids[:, -1:], restored)
+        with pytest.raises(InvalidValueError, match="pass model="):
+            load_prefix(store, ids, dtype=torch.float32)
 
 
 @pytest.mark.slow

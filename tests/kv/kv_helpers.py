@@ -12,8 +12,11 @@ MODEL = "meta-llama/Llama-3-8B"
 OVERHEAD_ROOM = 512 << 10
 
 
-def key(i: int, *, worker: int = 0, world: int = 1, model: str = MODEL) -> ChunkKey:
-    return ChunkKey(model, world, worker, i * 7919 - 50_000, "bfloat16")
+def key(
+    i: int, *, worker: int = 0, world: int = 1, model: str = MODEL, dtype: str = "bfloat16"
+) -> ChunkKey:
+    """Chunk ``i``'s key; ``dtype`` must be its value's (a put checks it)."""
+    return ChunkKey(model, world, worker, i * 7919 - 50_000, dtype)
 
 
 def tensor(seed: int, tokens: int = 16, hidden: int = 64) -> torch.Tensor:

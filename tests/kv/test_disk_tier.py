@@ -78,7 +78,7 @@ import sys, torch, numpy as np
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], {model!r}, memory_bytes=0, disk_bytes=64 << 20)
 from tests.kv.kv_helpers import key, tensor
-t = store.get(key(1)); a = store.get(key(2))
+t = store.get(key(1)); a = store.get(key(2, dtype="float64"))
 want_a = np.arange(1000, dtype=np.float64).reshape(2, 10, 50)
 same_t = t is not None and torch.equal(t.view(torch.int16), tensor(1).view(torch.int16))
 print("T", "none" if t is None else (t.dtype if same_t else "WRONG"))
@@ -104,7 +104,8 @@ def run_reader(root: Path) -> list[str]:
 def test_bit_exact_round_trip_through_a_fresh_process(root: Path) -> None:
     with open_kv_store(root, MODEL, memory_bytes=MiB, disk_bytes=64 * MiB) as store:
         store.put(key(1), tensor(1))
-        store.put(key(2), np.arange(1000, dtype=np.float64).reshape(2, 10, 50), fmt="KV_2TD")
+        array = np.arange(1000, dtype=np.float64).reshape(2, 10, 50)
+        store.put(key(2, dtype="float64"), array, fmt="KV_2TD")
     lines = run_reader(root)
     assert lines[0] == "T torch.bfloat16"
     assert lines[1] == "A 1"
@@ -113,7 +114,8 @@ def test_bit_exact_round_trip_through_a_fresh_process(root: Path) -> None:
 def test_flipped_payload_byte_is_a_miss_counted_and_dropped(root: Path) -> None:
     with open_kv_store(root, MODEL, memory_bytes=MiB, disk_bytes=64 * MiB) as store:
         store.put(key(1), tensor(1))
-        store.put(key(2), np.arange(1000, dtype=np.float64).reshape(2, 10, 50), fmt="KV_2TD")
+        array = np.arange(1000, dtype=np.float64).reshape(2, 10, 50)
+        store.put(key(2, dtype="float64"), array, fmt="KV_2TD")
     victim = next(p for p in payload_files(root) if p.stat().st_size > HEADER_BYTES + 8000)
     with open(victim, "r+b") as f:
         f.seek(HEADER_BYTES + 1234)

@@ -39,7 +39,7 @@ CANCEL_AFTER_S = 0.03
 
 
 def key_text(run: int, i: int) -> str:
-    return f"{MODEL}@1@0@{run * 1000 + i:x}@bfloat16"
+    return f"{MODEL}@1@0@{run * 1000 + i:x}@half"  # the values are float16
 
 
 def value(run: int, i: int) -> np.ndarray:

@@ -245,7 +245,8 @@ async def _raw_garbage_then_client(addr: str, rounds: int) -> dict[str, Any]:
         seeds=[addr], name="kvstore", model=MODEL, settings=PersistingSettings(models=[MODEL])
     )
     try:
-        tensors = [torch.full((2, 2, 8, 16), float(i), dtype=torch.bfloat16) for i in range(4)]
+        # float16: the keys (key_text) name half, and a put checks a value against its key
+        tensors = [torch.full((2, 2, 8, 16), float(i), dtype=torch.float16) for i in range(4)]
         keys = [key_text(100 + i) for i in range(4)]
         await client.batched_put(keys, tensors)
         got = await client.batched_get(keys)

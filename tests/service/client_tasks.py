@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -65,7 +66,7 @@ async def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
         puts = await client.batched_put(keys, values)
         array = np.arange(3000, dtype=np.float32).reshape(2, 1, 1500, 1)
         raw = bytes(range(256)) * 9000  # > one message chunk
-        await client.put(key(base + 10), array)
+        await client.put(key(base + 10, dtype="float32"), array)
         await client.put(key(base + 11), raw, fmt="binary")
         single = [await client.get(k) for k in keys]
         batched = await client.batched_get([*keys, key(base + 99)])
@@ -93,7 +94,9 @@ async def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
             ),
             "miss_is_none": batched[-1] is None,
             "get_into_exact": layout is not None and torch.equal(out, values[2]),
-            "numpy_exact": bool(np.array_equal(await client.get(key(base + 10)), array)),
+            "numpy_exact": bool(
+                np.array_equal(await client.get(key(base + 10, dtype="float")), array)
+            ),
             "bytes_exact": await client.get(key(base + 11)) == raw,
             "expect_mismatch_is_miss": await client.get(keys[0], expect=wrong) is None,
             "lookup_prefix": await client.lookup_prefix([*keys, key(base + 99), *keys]),
@@ -117,10 +120,12 @@ async def connect_only(args: dict[str, Any]) -> dict[str, Any]:
     except PersistingError as exc:
         return {"connected": False, "error": type(exc).__name__}
     try:
+        members = client.members  # what the client saw before its first placement
         value = tensor(5)
         await client.put(key(500), value)
         got = await client.get(key(500))
-        return {"connected": True, "exact": got is not None and torch.equal(got, value)}
+        exact = got is not None and torch.equal(got, value)
+        return {"connected": True, "exact": exact, "members": members}
     finally:
         await client.close()
 
@@ -171,7 +176,19 @@ async def cluster(args: dict[str, Any]) -> dict[str, Any]:
         learned = await client.batched_get(keys)
         assert all(v is not None for v in learned)
         owners = {str(k): client.member_of(k) for k in keys}
-        print("READY " + json.dumps({"members": client.members, "owners": owners}), flush=True)
+        # A token lookup over several members: the client hashes, so the client counts.
+        hasher = TokenHasher(model=MODEL, chunk_size=16)
+        tokens = list(range(4 * 16))
+        chunk_keys = [k for _s, _e, k in hasher.process_tokens(tokens)]
+        await client.batched_put(chunk_keys, [tensor(500 + i) for i in range(len(chunk_keys))])
+        hit = await client.lookup_tokens(tokens, hasher=hasher)
+        ready = {
+            "members": client.members,
+            "owners": owners,
+            "hit_tokens": hit,
+            "client_hit_tokens": client.counters["lookup_hit_tokens"],
+        }
+        print("READY " + json.dumps(ready), flush=True)
         gone = sys.stdin.readline().strip()  # the test kills a member, then names it
         got = await client.batched_get(keys)  # the dead member's keys: misses, no error
         singles = [await client.get(k) for k in keys]
@@ -224,6 +241,29 @@ async def put_keys(args: dict[str, Any]) -> dict[str, Any]:
             keys, [tensor(i, tokens=4, hidden=16) for i in range(args["start"], args["stop"])]
         )
         return {"stored": sum(p.stored for p in puts)}
+    finally:
+        await client.close()
+
+
+async def put_checks(args: dict[str, Any]) -> dict[str, Any]:
+    """Through the service: a value whose dtype is not its key's is refused with the store's
+    typed error, and a second put of a key is told apart by layout (``conflict``)."""
+    client = await _connect(args)
+    try:
+        refused = ""
+        try:
+            await client.put(key(700), torch.zeros(2, 4, 16, 64))  # float32, key bfloat16
+        except PersistingError as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+        first = await client.put(key(701), tensor(1))
+        same = await client.put(key(701), tensor(2))  # same layout: already stored
+        other = await client.put(key(701), tensor(3, tokens=32))  # another layout
+        return {
+            "refused": refused,
+            "first": [first.stored, first.conflict],
+            "same": [same.stored, same.conflict],
+            "other": [other.stored, other.conflict],
+        }
     finally:
         await client.close()
 
@@ -472,12 +512,16 @@ TASKS = {
     "service_stats": service_stats,
     "cluster": cluster,
     "put_keys": put_keys,
+    "put_checks": put_checks,
     "present_keys": present_keys,
 }
 
 
 def main() -> None:
     task, raw = sys.argv[1], sys.argv[2]
+    # The client's own log (members going and coming back) on stderr, as an app shows it.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("persisting.service.client").setLevel(logging.INFO)
     try:
         result = asyncio.run(TASKS[task](json.loads(raw)))
         print("RESULT " + json.dumps(result), flush=True)

@@ -23,8 +23,9 @@ MODEL = "meta-llama/Llama-3-8B"
 OTHER_MODEL = "mistralai/Mistral-7B"
 
 
-def key(i: int, model: str = MODEL) -> ChunkKey:
-    return ChunkKey(model, 1, 0, i * 104_729 - 7, "bfloat16")
+def key(i: int, model: str = MODEL, dtype: str = "bfloat16") -> ChunkKey:
+    """Chunk ``i``'s key; ``dtype`` must be its value's (a put checks it)."""
+    return ChunkKey(model, 1, 0, i * 104_729 - 7, dtype)
 
 
 def tensor(seed: int, tokens: int = 16, hidden: int = 64) -> torch.Tensor:

@@ -90,7 +90,13 @@ def test_put_inline_then_get_over_messages_is_bit_exact(handler: StorageHandler)
     sid = hello(handler)
     value = tensor(1, tokens=4, hidden=32)  # 2 KiB: inline both ways
     result = put_inline(handler, sid, 1, value)
-    assert result == {"key": str(key(1)), "tier": "disk", "durable": True, "stored": True}
+    assert result == {
+        "key": str(key(1)),
+        "tier": "disk",
+        "durable": True,
+        "stored": True,
+        "conflict": False,
+    }
     entry = call(handler, "get", sid, keys=[str(key(1))])[0]
     got = decode_value(
         Layout.from_dict(entry["layout"]), np.frombuffer(entry["data"], np.uint8).copy()
@@ -469,7 +475,7 @@ def test_arena_window_slots_follow_the_hosts_page_size(
             for i in (30, 31):
                 layout, view = encode_value(value, "KV_2LTD")
                 item = {
-                    "key": str(key(i)),
+                    "key": str(key(i, dtype="half")),
                     "layout": layout.to_dict(),
                     "checksum": checksum(view),
                     "source": {"inline": bytes(view)},
@@ -481,7 +487,7 @@ def test_arena_window_slots_follow_the_hosts_page_size(
                 handler,
                 "get",
                 sid,
-                keys=[str(key(30)), str(key(31))],
+                keys=[str(key(30, dtype="half")), str(key(31, dtype="half"))],
                 direct=True,
                 arena=[window.offset, window.capacity],
                 ticket=1,

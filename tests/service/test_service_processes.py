@@ -6,6 +6,7 @@ Every process runs in its own session and is killed (with its group) when the te
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -211,6 +212,7 @@ def test_without_the_passphrase_there_is_no_access(tmp_path: Path) -> None:
         assert run_client("connect_only", {**quick, "passphrase": "open-sesame"}) == {
             "connected": True,
             "exact": True,
+            "members": seeds,
         }
 
 
@@ -240,12 +242,14 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
             )
             wait_for_log(log, "Started at", procs[-1])
         args = json.dumps({"seeds": [addrs[0]], "keys": n, "min_members": 3})
+        client_log = tmp_path / "client.log"
         client = subprocess.Popen(
             [sys.executable, str(REPO / "tests/service/client_tasks.py"), "cluster", args],
             cwd=REPO,
             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=client_log.open("w"),
             text=True,
             start_new_session=True,
         )
@@ -254,6 +258,8 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
         assert line.startswith("READY"), line
         ready = json.loads(line[6:])
         assert sorted(ready["members"]) == sorted(addrs)
+        # Hit tokens are counted where a multi-member lookup happens: in the client.
+        assert ready["hit_tokens"] == ready["client_hit_tokens"] == 64
         owners = ready["owners"]
         assert set(owners.values()) == set(addrs)  # every node holds some keys
         victim = addrs[1]
@@ -263,12 +269,29 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
         line = client.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("PHASE1 "), line
         result = json.loads(line[7:])
+        # Seeded with the dead node first, a new client finds the cluster through the next;
+        # `stats --service` shows the members and their state.
+        seeds = [victim, addrs[2]]
+        found = run_client("connect_only", {"seeds": seeds, "discovery_timeout_s": 30})
+        assert found["connected"] and found["exact"], found
+        assert sorted(found["members"]) == sorted([addrs[0], addrs[2]])
+        survey = _stats_service(seeds)
+        states = {m["addr"]: m["state"] for m in survey["members"]}
+        assert states[addrs[0]] == states[addrs[2]] == "up" and states.get(victim) != "up"
         # The victim comes back on the same address and disk: its keys hit again.
         log = tmp_path / "node1-again.log"
         procs.append(start_pulsing_actor(tmp_path / "root1", ports[1], log, seeds=addrs[0]))
         wait_for_log(log, "Started at", procs[-1])
         out, _ = client.communicate("restarted\n", timeout=120)
+        # A fresh client waits for the members the servers see before it places a key.
+        fresh = run_client("connect_only", {"seeds": [addrs[0]], "min_members": 1})
+        assert sorted(fresh["members"]) == sorted(addrs), fresh
     final = next(json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT "))
+    # One line when the member went, one when it came back; no Pulsing JSON in them.
+    logged = client_log.read_text()
+    assert logged.count(f"kv service member {victim} is down") == 1, logged
+    assert logged.count(f"kv service member {victim} is back") == 1, logged
+    assert "__PULSING_ERROR__" not in logged
     assert final["recovered"] == n
     assert sorted(final["members"]) == sorted(addrs)
     assert result["wrong"] == 0
@@ -283,6 +306,16 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
     assert result["lookup_prefix"] == first_victim
     assert result["fresh_stored"] == n and result["fresh_back"] == n
     assert victim not in result["fresh_owners"]
+
+
+def _stats_service(seeds: list[str]) -> dict:
+    args = [str(Path(sys.executable).with_name("persisting")), "stats", "--json"]
+    for seed in seeds:
+        args += ["--service", seed]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 @pytest.mark.slow

@@ -78,23 +78,37 @@ class Cluster:
             service.request_timeout_s,
             counters,
             rehello=self.hello,
-            answered=lambda member: self.membership.mark_up(member.addr),
+            answered=lambda member: self.mark_up(member.addr),
             restore=self.restore,
         )
+        #: How long discovery waits, at most, for servers the live ones know of.
+        self.settle_s = service.settle_s
+        #: Set once the first discovery is done: members found later are logged.
+        self._connected = False
+        #: Members logged as down and not yet as back (one line each way).
+        self._logged_down: set[str] = set()
 
     async def call(self, member: Member, op: str, **args: Any) -> Any:
         return await self.transport.call(member, op, **args)
 
     # -- discovery -----------------------------------------------------------------------
 
-    async def discover(self, min_members: int = 0, wait_s: float = 0.0) -> None:
+    async def discover(
+        self, min_members: int = 0, wait_s: float = 0.0, settle: bool = False
+    ) -> None:
         """Learn the members registered under ``name``; wait for ``min_members`` of them.
+
+        With ``settle`` (a new client, before its first placement), also wait -- at most
+        ``service.settle_s`` -- until this client's view holds every server the live ones
+        report seeing: a client that placed keys over part of the cluster would look for
+        them on the wrong members until its view caught up.
 
         A member that answers but does not serve the model is an AccessDeniedError at
         once when no member found serves it: waiting would not change its answer.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
+        started = loop.time()
+        deadline = started + wait_s
         while True:
             found = await self._instances()
             refused: list[str] = []
@@ -103,14 +117,19 @@ class Cluster:
                 if known is None or known.node_id != node_id:  # new, or restarted
                     try:
                         await self._attach(addr, node_id)
-                        self.membership.mark_up(addr)
+                        if known is None and self._connected:
+                            logger.info("kv service member %s joined", addr)
+                        self.mark_up(addr)
                     except AccessDeniedError as exc:
                         refused.append(str(exc))
                     except (MemberFailed, PersistingError):
                         pass
             live = [a for a in found if a in self.members]
             self.membership.update(live)
-            if len(live) >= min_members:
+            unseen = self._unseen(found) if settle else set()
+            settling = unseen and loop.time() < min(deadline, started + self.settle_s)
+            if len(live) >= min_members and not settling:
+                self._connected = True
                 return
             if refused and not live:
                 raise AccessDeniedError(refused[0])
@@ -120,6 +139,14 @@ class Cluster:
                     f"wanted {min_members} (is the server up, and the passphrase right?)"
                 )
             await asyncio.sleep(0.2)
+
+    def _unseen(self, found: dict[str, int]) -> set[str]:
+        """Servers the attached members report seeing alive that this client has not found
+        yet (their gossip reached them; ours has not)."""
+        reported: set[str] = set()
+        for member in self.members.values():
+            reported.update(str(a) for a in member.info.get("members") or ())
+        return reported - set(found)
 
     async def _instances(self) -> dict[str, int]:
         try:
@@ -278,19 +305,36 @@ class Cluster:
     # -- liveness -------------------------------------------------------------------------
 
     def failed(self, exc: MemberFailed) -> None:
-        """Take a member out of use until a probe reaches it again."""
+        """Take a member out of use until a probe reaches it again (one log line when it
+        goes; its later failures while down are only counted)."""
         self.counters["member_failures"] += 1
+        was_live = self.membership.is_live(exc.member)
         self.membership.mark_down(exc.member)
         member = self.members.get(exc.member)
         if member is not None and member.pool is not None:
             self.forget_pool(member)
             member.needs_restore = True  # once it answers again
+        if was_live:
+            self._log_down(exc.member, exc.reason)
+
+    def _log_down(self, addr: str, reason: str) -> None:
+        if addr in self._logged_down:
+            return
+        self._logged_down.add(addr)
         logger.warning(
-            "kv service member %s failed; left out until a probe (every %.1fs) reaches it: %s",
-            exc.member,
+            "kv service member %s is down (%s); its keys go to the other members until "
+            "a probe (every %.1fs) reaches it",
+            addr,
+            reason,
             self.membership.retry_s,
-            exc,
         )
+
+    def mark_up(self, addr: str) -> None:
+        """``addr`` answered: back in use (one log line if it was logged down)."""
+        self.membership.mark_up(addr)
+        if addr in self._logged_down:
+            self._logged_down.discard(addr)
+            logger.info("kv service member %s is back", addr)
 
     def keepalive_period(self) -> float:
         ttl = min(

@@ -94,6 +94,8 @@ class KVCacheClient(AsyncKVApi):
         )
         self._tasks: list[asyncio.Task[Any]] = []
         self._closed = False
+        #: The key dtype token lookups hash with by default (see KVStore.key_dtype).
+        self.key_dtype: Any = settings.kv.key_dtype
 
     # -- connecting ---------------------------------------------------------------------
 
@@ -144,7 +146,7 @@ class KVCacheClient(AsyncKVApi):
         )
         try:
             wait_s = service.discovery_timeout_s
-            await client.cluster.discover(min_members=min_members, wait_s=wait_s)
+            await client.cluster.discover(min_members=min_members, wait_s=wait_s, settle=True)
         except BaseException:
             await client.close()
             raise
@@ -323,11 +325,17 @@ class KVCacheClient(AsyncKVApi):
         """Leading tokens whose chunks are all stored (hashed with the servers' chunk size
         and hash scheme unless a ``hasher`` is given).
 
-        With one server, the server hashes and looks up (one request), so its store counts
-        the hit tokens (``persisting_kv_hit_tokens_total``) as for an in-process lookup.
+        Hit tokens are counted where the lookup happens: with one server, the server hashes
+        and looks up (one request), so its store counts them
+        (``persisting_kv_hit_tokens_total``) as for an in-process lookup; with several, no
+        server sees the whole prefix, so this client hashes, asks each owner about its
+        chunks and counts them itself (``stats()["client"]["lookup_hit_tokens"]``).
         """
         hasher = hasher or TokenHasher(
-            model=self.model, chunk_size=self.chunk_size, scheme=self.hash_scheme
+            model=self.model,
+            chunk_size=self.chunk_size,
+            scheme=self.hash_scheme,
+            dtype=self.key_dtype,
         )
         single = self._single_member()
         wire = None
@@ -344,7 +352,10 @@ class KVCacheClient(AsyncKVApi):
                 return 0
         chunks = hasher.process_tokens(tokens)
         hits = await self.lookup_prefix([key for _s, _e, key in chunks])
-        return chunks[hits - 1][1] if hits else 0
+        hit_tokens = chunks[hits - 1][1] if hits else 0
+        self.counters["lookup_tokens"] += 1
+        self.counters["lookup_hit_tokens"] += hit_tokens
+        return hit_tokens
 
     async def plan_tokens(
         self,

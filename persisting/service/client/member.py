@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +30,28 @@ class MemberFailed(Exception):
     """A member could not be reached or did not answer in time."""
 
     def __init__(self, member: str, cause: BaseException):
-        super().__init__(f"{member}: {type(cause).__name__}: {cause}")
+        super().__init__(f"{member}: {describe_failure(cause)}")
         self.member = member
+        #: The cause in one plain line (no Pulsing JSON), for logs.
+        self.reason = describe_failure(cause)
+
+
+_PULSING_MARK = "__PULSING_ERROR__:"
+
+
+def describe_failure(cause: BaseException) -> str:
+    """``cause`` in one plain line: Pulsing's ``__PULSING_ERROR__:{json}`` errors become
+    their ``message`` (a log line must not carry escaped JSON)."""
+    text = str(cause)
+    if _PULSING_MARK in text:
+        detail = text.partition(_PULSING_MARK)[2]
+        try:
+            data = json.loads(detail)
+            text = str(data.get("message") or data.get("kind") or detail)
+        except ValueError:
+            text = detail
+    text = " ".join(text.split())
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
 @dataclass
@@ -91,4 +112,4 @@ class Member:
         return self.same_host and pid is not None and not pid_alive(pid)
 
 
-__all__ = ["TRANSPORT_ERRORS", "Loan", "Member", "MemberFailed"]
+__all__ = ["TRANSPORT_ERRORS", "Loan", "Member", "MemberFailed", "describe_failure"]

@@ -80,6 +80,24 @@ class SyncKVCacheClient(KVApi):
     def members(self) -> list[str]:
         return self.client.members
 
+    @property
+    def model(self) -> str:
+        return self.client.model
+
+    @property
+    def chunk_size(self) -> int:
+        """The token chunk size the servers hash this model with."""
+        return self.client.chunk_size
+
+    @property
+    def key_dtype(self) -> Any:
+        """The key dtype token lookups hash with by default (settable, any spelling)."""
+        return self.client.key_dtype
+
+    @key_dtype.setter
+    def key_dtype(self, dtype: Any) -> None:
+        self.client.key_dtype = dtype
+
     def close(self) -> None:
         try:
             self._run(self.client.close())

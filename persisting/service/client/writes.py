@@ -179,7 +179,15 @@ class Writer:
             where = entry.pop("pool", None)
             if where is not None and member.pool is not None:
                 self._remember(member, key, SharedLocation(layout, int(where[0]), int(where[1])))
-            results.append(PutResult(**entry))
+            results.append(
+                PutResult(
+                    str(entry["key"]),
+                    entry["tier"],
+                    bool(entry["durable"]),
+                    bool(entry.get("stored", True)),
+                    bool(entry.get("conflict", False)),  # absent from older servers
+                )
+            )
         return results
 
     def _region(self, member: Member, nbytes: int) -> Region | None:

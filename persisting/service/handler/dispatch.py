@@ -89,6 +89,9 @@ class StorageHandler:
         #: Where clients on other hosts open data connections (``host``, ``port``,
         #: ``sealed``; set by the actor when it serves the bulk data path).
         self.bulk: dict[str, Any] | None = None
+        #: Servers of this service the actor sees alive (told to clients in ``hello``, so
+        #: a new client waits for the members it has not found yet).
+        self.members: list[str] | None = None
         #: Named callables whose plain-dict results join the ``stats`` reply (e.g. "events").
         self.extra_stats: dict[str, Callable[[], dict[str, Any]]] = {}
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-service")
@@ -153,9 +156,15 @@ class StorageHandler:
         try:
             request = parse_request(message)
         except PersistingError as exc:
-            self.counters["errors"] += 1
-            return error_reply(exc)
+            return self._error(exc)
         return self.handle_sync(request)
+
+    def _error(self, exc: BaseException) -> dict[str, Any]:
+        """The error reply for ``exc``, counted in total and by its code."""
+        reply = error_reply(exc)
+        self.counters["errors"] += 1
+        self.counters[f"error_{reply['error']['code']}"] += 1
+        return reply
 
     def handle_sync(self, request: Request) -> dict[str, Any]:
         self.counters[f"op_{request.op}"] += 1
@@ -171,12 +180,8 @@ class StorageHandler:
                 # a hint riding along: a bad one must not fail the request it came with
                 quietly(self.gets.touch_keys, request.model, request.args["touch"])
             return ok_reply(self._ops[request.op](request, session))
-        except PersistingError as exc:
-            self.counters["errors"] += 1
-            return error_reply(exc)
-        except Exception as exc:  # a bug or an unexpected library error: still a reply
-            self.counters["errors"] += 1
-            return error_reply(exc)
+        except Exception as exc:  # a refusal, a bug or an unexpected library error: a reply
+            return self._error(exc)
 
     def expire_sessions(self) -> int:
         """Give back what expired sessions held; returns how many expired."""
@@ -237,6 +242,7 @@ class StorageHandler:
             "chunk_sizes": {m: getattr(s, "chunk_size", None) for m, s in self.stores.items()},
             "hash_schemes": {m: getattr(s, "hash_scheme", None) for m, s in self.stores.items()},
             "node": self.node,
+            "members": list(self.members) if self.members is not None else None,
             "lanes": list(self.lanes),
             "lease_ttl_s": self.lease_ttl_s,
             "message_part_bytes": self.message_part_bytes,
@@ -276,6 +282,20 @@ class StorageHandler:
         assert session is not None
         with self.state.lock:
             return self.sessions.withdraw(session, request.args["tickets"])
+
+    def service_figures(self) -> dict[str, Any]:
+        """Requests by operation, errors by code, sessions, pins and leases: what the
+        metrics endpoint exports for the service itself."""
+        with self.state.lock:
+            counters = dict(self.counters)
+            figures: dict[str, Any] = {
+                "sessions": len(self.sessions),
+                "pins": self.sessions.pin_count,
+                "leases": self.sessions.lease_count,
+            }
+        figures["requests"] = {k[3:]: n for k, n in counters.items() if k.startswith("op_")}
+        figures["errors"] = {k[6:]: n for k, n in counters.items() if k.startswith("error_")}
+        return figures
 
     def _server_stats(self) -> dict[str, Any]:
         """What ``stats`` adds to the stores' figures: this server and its sessions."""

@@ -200,6 +200,7 @@ def _put_result(result: Any) -> dict[str, Any]:
         "tier": str(result.tier),
         "durable": bool(result.durable),
         "stored": bool(result.stored),
+        "conflict": bool(getattr(result, "conflict", False)),
     }
 
 
