@@ -7,11 +7,19 @@ must be durable, then renamed into place, so a file under ``payload/`` is always
 Eviction unlinks the file, which gives its space back at once; a reader that already
 opened it still reads the whole, correct file.
 
-An in-flight file is named ``tmp/<random>-<tag>-<reserved bytes>.tmp`` and its writer holds
-an exclusive ``flock`` on it from creation until after the rename. That lock is the proof
-of life: a file nobody holds locked belongs to a dead writer and may be removed, whatever
+An in-flight file is written beside the place it will land, as
+``payload/<hh>/<random>-<tag>-<reserved bytes>.tmp``, and renamed within that directory: a
+``du`` that lists the directory sees the file once, under one name or the other (a rename
+from another directory could be counted twice by a ``du`` walking both). Its writer holds an
+exclusive ``flock`` on it from creation until after the rename. That lock is the proof of
+life: a file nobody holds locked belongs to a dead writer and may be removed, whatever
 process, store or pid namespace wrote it (a pid in the name would prove nothing across pid
-namespaces, and two stores of one process share a pid).
+namespaces, and two stores of one process share a pid). An empty marker
+``tmp/<hh>-<random>-<tag>-<reserved bytes>.writing`` names each in-flight file, so finding
+them takes one small listing, not one per ``payload/<hh>`` directory (from older versions,
+``tmp/`` may also hold whole in-flight files). ``reservations/`` holds empty, locked
+``<random>-<tag>-<reserved bytes>.tmp`` files: reservations of metadata growth, whose lock
+proves their holder alive the same way.
 
 Over 500 lines on purpose: the file format, the writers and the positioned readers share
 the header and the checksum-while-copying pieces, and are read together when the format
@@ -52,9 +60,11 @@ MAGIC = b"PKVCHNK1"
 #: (files move between hosts); 4 KiB is also what O_DIRECT and most filesystems want.
 BLOCK = 4096
 HEADER_BYTES = BLOCK
-_PREFIX = struct.Struct("<8sIQ")
+_PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
 #: Files of one durable batch written (and fsynced) at once.
-WRITE_THREADS = 8  # magic, json length, xxh64 of the json
+WRITE_THREADS = 8
+#: Suffix of the empty marker in ``tmp/`` that names an in-flight payload file.
+MARKER_SUFFIX = ".writing"
 
 
 def key_hash(key: str) -> int:
@@ -183,11 +193,24 @@ class FileHeader:
 
 @dataclass(slots=True)
 class PendingFile:
-    """A payload file being written: its open, locked tmp file and where it will land."""
+    """A payload file being written: its open, locked tmp file, where it will land, its
+    marker in ``tmp/``, and the bytes its creation added to directories (``grown``)."""
 
     fd: int
     tmp: Path
     final: Path
+    marker: Path | None = None
+    grown: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    """An empty, locked file in ``tmp/`` whose name carries reserved bytes (see
+    :meth:`PayloadFiles.reserve_file`)."""
+
+    fd: int
+    path: Path
+    nbytes: int
 
 
 class PayloadFiles:
@@ -199,12 +222,13 @@ class PayloadFiles:
         self.payload_dir = directory / "payload"
         self._payload_text = str(self.payload_dir)
         self.tmp_dir = directory / "tmp"
+        self.reservations_dir = directory / "reservations"
         #: ``payload/<hh>`` directories created whose entry is not yet synced.
         self._new_subdirs: set[Path] = set()
         #: Threads writing the files of a durable batch (started with the first one).
         self._writers: ThreadPoolExecutor | None = None
         self._writers_lock = threading.Lock()
-        for d in (self.payload_dir, self.tmp_dir):
+        for d in (self.payload_dir, self.tmp_dir, self.reservations_dir):
             make_dir(d, modes)
 
     def path(self, key: str, tag: int) -> Path:
@@ -220,25 +244,50 @@ class PayloadFiles:
         return secrets.randbits(32)
 
     def create(self, key: str, tag: int, reserved: int) -> PendingFile:
-        """Create and lock the tmp file of a write (named with its reservation, see
-        :meth:`tmp_files`).
+        """Create and lock the tmp file of a write beside its final place (named with its
+        reservation), after its marker in ``tmp/``; ``grown`` says what the directories
+        grew by (a new ``payload/<hh>``, a new directory block).
 
         Called under the usage lock, so a usage recount never misses a reserved write.
         """
-        tmp = self.tmp_dir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        final = self.path(key, tag)
+        subdir = final.parent
+        name = f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
+        watched = (self.payload_dir, subdir, self.tmp_dir)
+        before = sum(_allocated(d) for d in watched)
         try:
-            fd = os.open(tmp, flags, self.modes.file)
+            self._make_subdir(subdir)
         except OSError as exc:
-            raise _io_error(f"cannot create {tmp}", exc) from exc
-        restrict(tmp, self.modes.file, fd=fd)  # exactly its mode, whatever the umask
+            raise _io_error(f"cannot create {subdir}", exc) from exc
+        marker = self.tmp_dir / f"{subdir.name}-{name.removesuffix('.tmp')}{MARKER_SUFFIX}"
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and unseen: never blocks
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         except OSError as exc:
-            os.close(fd)
-            _unlink_quietly(tmp)
-            raise _io_error(f"cannot lock {tmp}", exc) from exc
-        return PendingFile(fd, tmp, self.path(key, tag))
+            raise _io_error(f"cannot create {marker}", exc) from exc
+        tmp = subdir / name
+        try:
+            fd = _create_locked(tmp, self.modes.file)
+        except BaseException:
+            _unlink_quietly(marker)
+            raise
+        grown = max(0, sum(_allocated(d) for d in watched) - before)
+        return PendingFile(fd, tmp, final, marker, grown)
+
+    def reserve_file(self, nbytes: int) -> Reservation:
+        """An empty, locked file in ``reservations/`` holding a reservation of ``nbytes``
+        (metadata growth) in its name: while its holder lives the bytes stay counted, and
+        once it dies :meth:`~persisting.kv.shared_usage.SharedUsage.reclaim_abandoned`
+        gives them back. Called under the usage lock."""
+        name = f"{secrets.token_hex(8)}-{self.new_tag():08x}-{nbytes}.tmp"
+        path = self.reservations_dir / name
+        return Reservation(_create_locked(path, self.modes.file), path, nbytes)
+
+    @staticmethod
+    def release_file(reservation: Reservation) -> None:
+        """Remove a reservation file (unlinked while still locked, then let go)."""
+        _unlink_quietly(reservation.path)
+        with contextlib.suppress(OSError):
+            os.close(reservation.fd)
 
     def finish(
         self, pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
@@ -331,16 +380,16 @@ class PayloadFiles:
             writers.shutdown(wait=True)
 
     def publish(self, pending: PendingFile) -> Path:
-        """Rename a written tmp file into place (creating its ``payload/<hh>`` directory on
-        first use) and let go of it."""
+        """Rename a written tmp file into place (within its directory) and let go of it."""
         try:
-            self._make_subdir(pending.final.parent)
             os.rename(pending.tmp, pending.final)
         except OSError as exc:
             PayloadFiles.abort(pending)
             raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
+        if pending.marker is not None:
+            _unlink_quietly(pending.marker)
         return pending.final
 
     def _make_subdir(self, path: Path) -> None:
@@ -363,6 +412,8 @@ class PayloadFiles:
             with contextlib.suppress(OSError):
                 os.close(pending.fd)
             pending.fd = -1
+        if pending.marker is not None:
+            _unlink_quietly(pending.marker)
 
     def sync_dirs(self, paths: list[Path]) -> None:
         """Make the renames of ``paths`` durable: fsync each destination directory once, and
@@ -448,15 +499,44 @@ class PayloadFiles:
                 yield Path(entry.path)
 
     def tmp_files(self) -> Iterator[tuple[Path, int]]:
-        """In-flight writes as ``(path, reserved bytes)``, live or abandoned."""
-        for entry in os.scandir(self.tmp_dir):
-            parts = entry.name.removesuffix(".tmp").split("-")
-            if len(parts) != 3 or not entry.name.endswith(".tmp"):
-                continue
+        """Files whose name holds a reservation, as ``(path, reserved bytes)``, live or
+        abandoned: metadata reservations, and whole in-flight files of older versions."""
+        for directory in (self.reservations_dir, self.tmp_dir):
             try:
-                yield Path(entry.path), int(parts[2])
-            except ValueError:
+                entries = list(os.scandir(directory))
+            except FileNotFoundError:
                 continue
+            for entry in entries:
+                reserved = _reserved_of(entry.name)
+                if reserved is not None:
+                    yield Path(entry.path), reserved
+
+    def marked_files(self) -> Iterator[tuple[Path, Path, int]]:
+        """In-flight payload files as ``(marker, tmp file, reserved bytes)``, from the
+        markers in ``tmp/`` (the tmp file may be gone: published, aborted or reclaimed)."""
+        for entry in os.scandir(self.tmp_dir):
+            name = entry.name
+            if not name.endswith(MARKER_SUFFIX) or name[2:3] != "-":
+                continue
+            tmp_name = name[3:].removesuffix(MARKER_SUFFIX) + ".tmp"
+            reserved = _reserved_of(tmp_name)
+            if reserved is not None:
+                yield Path(entry.path), self.payload_dir / name[:2] / tmp_name, reserved
+
+    def census(self) -> Iterator[tuple[Path, int | None]]:
+        """Every payload file as ``(path, None)`` and every in-flight one as ``(path,
+        reserved bytes)``: one listing per ``payload/<hh>`` directory, so a file renamed
+        into place meanwhile is seen once. Slow (every directory): for a recount only."""
+        for subdir in self.subdirs():
+            try:
+                names = os.listdir(subdir)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.endswith(".kv") and len(name) == 28:
+                    yield subdir / name, None
+                elif (reserved := _reserved_of(name)) is not None:
+                    yield subdir / name, reserved
 
     @staticmethod
     def remove_if_abandoned(path: Path) -> bool:
@@ -485,6 +565,40 @@ class PayloadFiles:
             return same
         finally:
             os.close(fd)
+
+
+def _reserved_of(name: str) -> int | None:
+    """The reserved bytes in a ``<random>-<tag>-<bytes>.tmp`` name (None: not such a name)."""
+    if not name.endswith(".tmp"):
+        return None
+    parts = name.removesuffix(".tmp").split("-")
+    if len(parts) != 3 or not parts[2].isdigit():
+        return None
+    return int(parts[2])
+
+
+def _create_locked(path: Path, mode: int) -> int:
+    """Create ``path`` (it must not exist) with exactly ``mode``, exclusively locked."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        raise _io_error(f"cannot create {path}", exc) from exc
+    restrict(path, mode, fd=fd)  # exactly its mode, whatever the umask
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and unseen: never blocks
+    except OSError as exc:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise _io_error(f"cannot lock {path}", exc) from exc
+    return fd
+
+
+def _allocated(path: str | os.PathLike[str]) -> int:
+    try:
+        return os.lstat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:
@@ -530,8 +644,11 @@ def _unlink_quietly(path: Path) -> None:
 __all__ = [
     "BLOCK",
     "HEADER_BYTES",
+    "MARKER_SUFFIX",
     "FileHeader",
     "PayloadFiles",
+    "PendingFile",
+    "Reservation",
     "file_size",
     "key_hash",
     "read_file_range",

@@ -3,12 +3,19 @@
 Capacity holds for the directory as a whole, not per process: each writer reserves bytes
 in a small counter file under an exclusive ``flock`` before it writes, and gives them back
 when it unlinks a payload file. The counter has two slots: payload bytes (reserved before a
-write, exact) and overhead bytes (the metadata table, directories and small files, measured
-after each metadata commit). It is recomputed from the files on open, and a dead writer's
-reservations are reclaimed when a writer finds the directory full (see ``DiskTier``).
+write, exact; metadata growth is reserved in the same slot before each metadata commit) and
+overhead bytes (the metadata table, directories and small files, as measured after each
+metadata commit and grown by the directory blocks each new file adds). It is recomputed
+from the files on open, and a dead writer's reservations are reclaimed when a writer finds
+the directory full (see ``DiskTier``).
 
-Both files are mode 0600 whatever the store's access setting: whoever can open the lock
-file can ``flock`` it and stall every writer.
+A second lock, ``.metadata.lock``, is held around each metadata commit with its
+reservation and measurement: commits of all processes take turns, so a measurement never
+catches another process's commit half-way (which would count its growth twice, once
+measured and once reserved).
+
+The files are mode 0600 whatever the store's access setting: whoever can open a lock file
+can ``flock`` it and stall every writer.
 """
 
 from __future__ import annotations
@@ -34,36 +41,60 @@ PAYLOAD_SLOT = 0
 OVERHEAD_SLOT = _SLOT.size
 
 
-class SharedUsage:
-    """A two-slot byte counter and a lock shared across processes through two small files."""
+class _FileLock:
+    """An exclusive ``flock`` on a file, re-entrant within the thread that holds it."""
 
-    def __init__(self, directory: Path):
-        self._lock_fd = open_private(directory / ".lock", os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
-        try:
-            self._counter_fd = open_private(
-                directory / "usage.bin", os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE
-            )
-        except BaseException:
-            os.close(self._lock_fd)
-            raise
+    def __init__(self, path: Path):
+        self.fd = open_private(path, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
         self._thread_lock = threading.RLock()
         self._depth = 0
-        #: Bytes of dead writers' reservations given back (see :meth:`reclaim_abandoned`).
-        self.reclaimed_bytes = 0
 
     @contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the directory's exclusive lock (re-entrant within this process)."""
+    def held(self) -> Iterator[None]:
         with self._thread_lock:
             if self._depth == 0:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
             self._depth += 1
             try:
                 yield
             finally:
                 self._depth -= 1
                 if self._depth == 0:
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class SharedUsage:
+    """A two-slot byte counter and two locks shared across processes through small files."""
+
+    def __init__(self, directory: Path):
+        self._lock = _FileLock(directory / ".lock")
+        try:
+            self._metadata_lock = _FileLock(directory / ".metadata.lock")
+        except BaseException:
+            self._lock.close()
+            raise
+        try:
+            self._counter_fd = open_private(
+                directory / "usage.bin", os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE
+            )
+        except BaseException:
+            self._lock.close()
+            self._metadata_lock.close()
+            raise
+        #: Bytes of dead writers' reservations given back (see :meth:`reclaim_abandoned`).
+        self.reclaimed_bytes = 0
+
+    def locked(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the directory's exclusive usage lock (re-entrant within this thread)."""
+        return self._lock.held()
+
+    def metadata_locked(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the directory's metadata lock (take it before :meth:`locked`, never after)."""
+        return self._metadata_lock.held()
 
     def _read(self, slot: int) -> int:
         raw = os.pread(self._counter_fd, _SLOT.size, slot)
@@ -100,30 +131,42 @@ class SharedUsage:
 
     def recount(self, files: PayloadFiles) -> None:
         """Set the payload slot from the files actually present (caller holds the lock);
-        abandoned tmp files (their writer died) are removed on the way."""
+        abandoned in-flight files and reservations (their writer died) are removed on the
+        way, and so are markers left without their file."""
         total = 0
-        # tmp/ before payload/: a write renamed in between is counted twice, never missed.
         for tmp, reserved in files.tmp_files():
             if not files.remove_if_abandoned(tmp):
                 total += reserved
-        for path, _h, _tag in files.scan():
-            try:
-                total += round_to_block(os.stat(path).st_size)
-            except FileNotFoundError:
-                continue
+        for path, in_flight in files.census():
+            if in_flight is None:
+                with contextlib.suppress(FileNotFoundError):
+                    total += round_to_block(os.stat(path).st_size)
+            elif not files.remove_if_abandoned(path):
+                total += in_flight
+        for marker, tmp, _reserved in files.marked_files():
+            if not tmp.exists():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(marker)
         self.set(total)
 
     def reclaim_abandoned(self, files: PayloadFiles) -> int:
         """Give back the reservations of writers that died mid-batch (their tmp files are
         no longer locked); returns the bytes reclaimed. The caller holds the lock.
 
-        Cheap (``tmp/`` holds only writes in flight), so a writer runs it whenever the
-        directory looks full, before it evicts anything.
+        Cheap (``tmp/`` and ``reservations/`` hold only markers and reservations of what
+        is in flight), so a writer runs it whenever the directory looks full, before it
+        evicts anything.
         """
         freed = 0
         for tmp, reserved in files.tmp_files():
             if files.remove_if_abandoned(tmp):
                 freed += reserved
+        for marker, tmp, reserved in files.marked_files():
+            if files.remove_if_abandoned(tmp):
+                freed += reserved
+            if not tmp.exists():  # reclaimed now, or published or given up by its writer
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(marker)
         if freed:
             log.warning("reclaimed %d bytes reserved by dead writers in %s", freed, files.tmp_dir)
             self.set(self.get() - freed)
@@ -148,9 +191,10 @@ class SharedUsage:
         return total
 
     def close(self) -> None:
-        for fd in (self._lock_fd, self._counter_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._lock.close()
+        self._metadata_lock.close()
+        with contextlib.suppress(OSError):
+            os.close(self._counter_fd)
 
 
 def _allocated(path: str | os.PathLike[str]) -> int:
