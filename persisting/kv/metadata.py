@@ -30,6 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from persisting.errors import PersistingError
+from persisting.kv import at_exit
 from persisting.kv.layout import Layout
 from persisting.kv.payload_files import BLOCK, HEADER_BYTES, round_to_block
 from persisting.lance_store import LanceTable, blob_field
@@ -126,8 +127,10 @@ class MetadataTable:
         self._compact_every = compact_every
         self._interval = flush_interval_s
         self.errors = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="persisting-kv-meta", daemon=True)
         self._thread.start()
+        at_exit.track(self, at_exit.METADATA)  # stopped at exit: never inside Lance then
 
     # -- reading ------------------------------------------------------------------------
 
@@ -325,6 +328,11 @@ class MetadataTable:
                 log.exception("metadata commit of %s failed", self.path)
 
     def close(self) -> None:
+        """Stop the background thread and commit what is pending (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        at_exit.untrack(self, at_exit.METADATA)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)

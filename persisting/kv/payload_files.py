@@ -37,10 +37,11 @@ import os
 import secrets
 import struct
 import threading
-from collections.abc import Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -359,10 +360,13 @@ class PayloadFiles:
                     WRITE_THREADS, thread_name_prefix="persisting-kv-write"
                 )
             writers = self._writers
-        futures = [
-            writers.submit(self.write, p, header, payload, durable=True, hashed=h)
-            for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True)
-        ]
+        futures: list[Future[FileHeader]] = []
+        for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True):
+            args = (p, header, payload)
+            try:
+                futures.append(writers.submit(self.write, *args, durable=True, hashed=h))
+            except RuntimeError:  # the pool is shut down: the interpreter is exiting
+                futures.append(_inline(self.write, *args, durable=True, hashed=h))
         failure: BaseException | None = None
         for future in futures:
             failure = failure or future.exception()
@@ -565,6 +569,16 @@ class PayloadFiles:
             return same
         finally:
             os.close(fd)
+
+
+def _inline(fn: Callable[..., FileHeader], *args: Any, **kwargs: Any) -> Future[FileHeader]:
+    """Run ``fn`` now, on this thread, as a completed future (outcome or exception)."""
+    future: Future[FileHeader] = Future()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as exc:
+        future.set_exception(exc)
+    return future
 
 
 def _reserved_of(name: str) -> int | None:
