@@ -229,7 +229,7 @@ class PayloadFiles:
         #: Threads writing the files of a durable batch (started with the first one).
         self._writers: ThreadPoolExecutor | None = None
         self._writers_lock = threading.Lock()
-        for d in (self.payload_dir, self.tmp_dir, self.reservations_dir):
+        for d in (self.payload_dir, self.tmp_dir):  # reservations/: on first use
             make_dir(d, modes)
 
     def path(self, key: str, tag: int) -> Path:
@@ -281,6 +281,8 @@ class PayloadFiles:
         gives them back. Called under the usage lock."""
         name = f"{secrets.token_hex(8)}-{self.new_tag():08x}-{nbytes}.tmp"
         path = self.reservations_dir / name
+        if not self.reservations_dir.is_dir():
+            make_dir(self.reservations_dir, self.modes)
         return Reservation(_create_locked(path, self.modes.file), path, nbytes)
 
     @staticmethod
