@@ -42,6 +42,7 @@ from persisting.kv.payload_files import (
     FileHeader,
     PayloadFiles,
     PendingFile,
+    Reservation,
     file_size,
     key_hash,
     round_to_block,
@@ -64,6 +65,9 @@ class Location:
     layout: Layout
     checksum: int
 
+
+#: Metadata commits a flush runs at most (see :meth:`DiskTier.flush`).
+FLUSH_ROUNDS = 4
 
 #: Told which chunks eviction removed, as ``(key, bytes on disk)``.
 EvictionListener = Callable[[list[tuple[str, int]]], None]
@@ -120,14 +124,19 @@ class DiskTier:
         except OSError as exc:  # e.g. a read-only filesystem
             self.usage.close()
             _raise_opening_error(directory, exc)
+        #: Held while open: this store's proof of life (see PayloadFiles).
+        self._alive: Reservation | None = None
         try:
             with self.usage.metadata_locked(), self.usage.locked():
+                self._alive = self.files.register_writer()
                 self._load_index()
                 self._restore_order()
                 self.usage.recount(self.files)
                 self._account_overhead()
         except BaseException as exc:
             self.meta.close()
+            if self._alive is not None:
+                self.files.release_file(self._alive)
             self.usage.close()
             if isinstance(exc, OSError):
                 _raise_opening_error(directory, exc)
@@ -263,7 +272,7 @@ class DiskTier:
 
     def _set_overhead(self, measured: int) -> None:
         """Record a measured overhead (caller holds both locks), evicting first if needed."""
-        over = self.usage.get() + measured - self.capacity
+        over = self.usage.get() + self.usage.reserved() + measured - self.capacity
         if over > 0:
             self._evict(over)
         self.usage.set_overhead(measured)
@@ -287,29 +296,36 @@ class DiskTier:
         with self.usage.metadata_locked():
             with self.usage.locked():
                 bound += BLOCK  # the reservation file's own directory entry
-                self._reserve(bound)
+                self._reserve(bound, metadata=True)
                 try:
                     reservation = self.files.reserve_file(bound)
                 except BaseException:
-                    self.usage.set(self.usage.get() - bound)
+                    self.usage.set_reserved(self.usage.reserved() - bound)
                     raise
             try:
                 yield
             finally:
                 with self.usage.locked():
                     self.files.release_file(reservation)
-                    self.usage.set(self.usage.get() - bound)
+                    self.usage.set_reserved(self.usage.reserved() - bound)
                     try:
                         self._set_overhead(self.measure_overhead())
                     except OSError as exc:  # best effort: the next change measures again
                         log.warning("cannot measure the overhead of %s: %s", self.directory, exc)
 
     def flush(self) -> None:
-        """Commit pending metadata now and account for what it occupies."""
+        """Commit pending metadata now and account for what it occupies.
+
+        A commit reserves its room first, which may evict chunks and so queue the deletion
+        of their rows: those are committed too (a few rounds at most, each smaller), so
+        nothing is left reserved or pending when this returns.
+        """
         if self._closed:
             return
-        self.meta.flush()
         self.save_order()
+        for _ in range(FLUSH_ROUNDS):
+            if not self.meta.flush():
+                break
         self._account_overhead()
 
     def refresh(self) -> int:
@@ -432,10 +448,10 @@ class DiskTier:
     def _growth_of(self, todo: list[WriteItem], tags: list[int]) -> int:
         """Room for the directory blocks a batch's files may add (measured and counted
         once created): a new ``payload/<hh>``, and a block more for each directory an
-        entry goes into (its ``payload/<hh>``, ``tmp/`` and ``payload/``)."""
+        entry goes into (its ``payload/<hh>``, and ``payload/`` for a new one)."""
         subdirs = {self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)}
         new_dirs = sum(not d.is_dir() for d in subdirs)
-        return BLOCK * (new_dirs + len(subdirs) + 2)
+        return BLOCK * (2 * new_dirs + len(subdirs) + 1)
 
     def _account_renames(self, before: dict[Path, int]) -> None:
         """Count the blocks renames into place added to their directories (rare: a rename
@@ -445,8 +461,9 @@ class DiskTier:
             with self.usage.locked():
                 self._add_overhead(grown)
 
-    def _reserve(self, nbytes: int, headroom: int = 0) -> None:
-        """Count ``nbytes`` in the shared usage, evicting first (caller holds the usage lock).
+    def _reserve(self, nbytes: int, headroom: int = 0, *, metadata: bool = False) -> None:
+        """Count ``nbytes`` in the shared usage (as payload, or with ``metadata`` as a
+        metadata reservation), evicting first (caller holds the usage lock).
 
         Room is made for ``headroom`` more (the batch's metadata and new directories, which
         are counted once measured after the commit), so ``du`` stays within the budget
@@ -471,7 +488,10 @@ class DiskTier:
                 f"({self.usage.overhead()} of them metadata and directories), "
                 f"{nbytes} more needed and nothing evictable"
             )
-        self.usage.set(self.usage.get() + nbytes)
+        if metadata:
+            self.usage.set_reserved(self.usage.reserved() + nbytes)
+        else:
+            self.usage.set(self.usage.get() + nbytes)
 
     def _evict(self, need: int) -> int:
         """Unlink victims until ``need`` bytes are freed (caller holds the usage lock).
@@ -615,6 +635,8 @@ class DiskTier:
         self.save_order()
         self.meta.close()
         self._closed = True
+        if self._alive is not None:
+            self.files.release_file(self._alive)
         self.usage.close()
         self.files.close()
 

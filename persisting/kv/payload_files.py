@@ -14,12 +14,13 @@ from another directory could be counted twice by a ``du`` walking both). Its wri
 exclusive ``flock`` on it from creation until after the rename. That lock is the proof of
 life: a file nobody holds locked belongs to a dead writer and may be removed, whatever
 process, store or pid namespace wrote it (a pid in the name would prove nothing across pid
-namespaces, and two stores of one process share a pid). An empty marker
-``tmp/<hh>-<random>-<tag>-<reserved bytes>.writing`` names each in-flight file, so finding
-them takes one small listing, not one per ``payload/<hh>`` directory (from older versions,
-``tmp/`` may also hold whole in-flight files). ``reservations/`` holds empty, locked
+namespaces, and two stores of one process share a pid). Each open store also holds a lock
+on a file of its own in ``writers/``: finding one unlocked says a writer died, and only
+then are the ``payload/<hh>`` directories searched for its in-flight files, so the put path
+pays nothing for it. ``reservations/`` holds empty, locked
 ``<random>-<tag>-<reserved bytes>.tmp`` files: reservations of metadata growth, whose lock
-proves their holder alive the same way.
+proves their holder alive the same way (from older versions, ``tmp/`` may hold whole
+in-flight files, found and reclaimed the same way).
 
 Over 500 lines on purpose: the file format, the writers and the positioned readers share
 the header and the checksum-while-copying pieces, and are read together when the format
@@ -48,6 +49,7 @@ import xxhash
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.layout import HASH_PIECE, Layout
 from persisting.lance_store.access import (
+    CONTROL_FILE_MODE,
     OWNER_ONLY,
     FileModes,
     make_dir,
@@ -64,8 +66,6 @@ HEADER_BYTES = BLOCK
 _PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
 #: Files of one durable batch written (and fsynced) at once.
 WRITE_THREADS = 8
-#: Suffix of the empty marker in ``tmp/`` that names an in-flight payload file.
-MARKER_SUFFIX = ".writing"
 
 
 def key_hash(key: str) -> int:
@@ -194,13 +194,12 @@ class FileHeader:
 
 @dataclass(slots=True)
 class PendingFile:
-    """A payload file being written: its open, locked tmp file, where it will land, its
-    marker in ``tmp/``, and the bytes its creation added to directories (``grown``)."""
+    """A payload file being written: its open, locked tmp file, where it will land, and
+    the bytes its creation added to directories (``grown``)."""
 
     fd: int
     tmp: Path
     final: Path
-    marker: Path | None = None
     grown: int = 0
 
 
@@ -224,13 +223,13 @@ class PayloadFiles:
         self._payload_text = str(self.payload_dir)
         self.tmp_dir = directory / "tmp"
         self.reservations_dir = directory / "reservations"
+        self.writers_dir = directory / "writers"
         #: ``payload/<hh>`` directories created whose entry is not yet synced.
         self._new_subdirs: set[Path] = set()
         #: Threads writing the files of a durable batch (started with the first one).
         self._writers: ThreadPoolExecutor | None = None
         self._writers_lock = threading.Lock()
-        for d in (self.payload_dir, self.tmp_dir):  # reservations/: on first use
-            make_dir(d, modes)
+        make_dir(self.payload_dir, modes)  # writers/, reservations/: on first use
 
     def path(self, key: str, tag: int) -> Path:
         return Path(self.path_text(key, tag))
@@ -246,33 +245,41 @@ class PayloadFiles:
 
     def create(self, key: str, tag: int, reserved: int) -> PendingFile:
         """Create and lock the tmp file of a write beside its final place (named with its
-        reservation), after its marker in ``tmp/``; ``grown`` says what the directories
-        grew by (a new ``payload/<hh>``, a new directory block).
+        reservation); ``grown`` says what the directories grew by (a new ``payload/<hh>``,
+        a new directory block).
 
         Called under the usage lock, so a usage recount never misses a reserved write.
         """
         final = self.path(key, tag)
         subdir = final.parent
-        name = f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
-        watched = (self.payload_dir, subdir, self.tmp_dir)
+        watched = (self.payload_dir, subdir)
         before = sum(_allocated(d) for d in watched)
         try:
             self._make_subdir(subdir)
         except OSError as exc:
             raise _io_error(f"cannot create {subdir}", exc) from exc
-        marker = self.tmp_dir / f"{subdir.name}-{name.removesuffix('.tmp')}{MARKER_SUFFIX}"
-        try:
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-        except OSError as exc:
-            raise _io_error(f"cannot create {marker}", exc) from exc
-        tmp = subdir / name
-        try:
-            fd = _create_locked(tmp, self.modes.file)
-        except BaseException:
-            _unlink_quietly(marker)
-            raise
+        tmp = subdir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
+        fd = _create_locked(tmp, self.modes.file)
         grown = max(0, sum(_allocated(d) for d in watched) - before)
-        return PendingFile(fd, tmp, final, marker, grown)
+        return PendingFile(fd, tmp, final, grown)
+
+    def register_writer(self) -> Reservation:
+        """This store's own locked file in ``writers/``, held while it is open: whoever
+        finds it unlocked knows a writer died (see :meth:`dead_writers`)."""
+        path = self.writers_dir / f"{secrets.token_hex(8)}.lock"
+        if not self.writers_dir.is_dir():
+            make_dir(self.writers_dir, self.modes)
+        # 0600 whatever the access setting: who can open it can hold its lock, and a dead
+        # writer would then look alive for ever (its in-flight files never reclaimed).
+        return Reservation(_create_locked(path, CONTROL_FILE_MODE), path, 0)
+
+    def dead_writers(self) -> list[Path]:
+        """The ``writers/`` files of stores that died open (nobody holds their lock)."""
+        try:
+            entries = list(os.scandir(self.writers_dir))
+        except FileNotFoundError:
+            return []
+        return [Path(e.path) for e in entries if self.remove_if_abandoned(Path(e.path), keep=True)]
 
     def reserve_file(self, nbytes: int) -> Reservation:
         """An empty, locked file in ``reservations/`` holding a reservation of ``nbytes``
@@ -283,7 +290,7 @@ class PayloadFiles:
         path = self.reservations_dir / name
         if not self.reservations_dir.is_dir():
             make_dir(self.reservations_dir, self.modes)
-        return Reservation(_create_locked(path, self.modes.file), path, nbytes)
+        return Reservation(_create_locked(path, CONTROL_FILE_MODE), path, nbytes)  # as above
 
     @staticmethod
     def release_file(reservation: Reservation) -> None:
@@ -394,8 +401,6 @@ class PayloadFiles:
             raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
-        if pending.marker is not None:
-            _unlink_quietly(pending.marker)
         return pending.final
 
     def _make_subdir(self, path: Path) -> None:
@@ -418,8 +423,6 @@ class PayloadFiles:
             with contextlib.suppress(OSError):
                 os.close(pending.fd)
             pending.fd = -1
-        if pending.marker is not None:
-            _unlink_quietly(pending.marker)
 
     def sync_dirs(self, paths: list[Path]) -> None:
         """Make the renames of ``paths`` durable: fsync each destination directory once, and
@@ -504,30 +507,14 @@ class PayloadFiles:
             if entry.is_dir(follow_symlinks=False):
                 yield Path(entry.path)
 
-    def tmp_files(self) -> Iterator[tuple[Path, int]]:
-        """Files whose name holds a reservation, as ``(path, reserved bytes)``, live or
-        abandoned: metadata reservations, and whole in-flight files of older versions."""
-        for directory in (self.reservations_dir, self.tmp_dir):
-            try:
-                entries = list(os.scandir(directory))
-            except FileNotFoundError:
-                continue
-            for entry in entries:
-                reserved = _reserved_of(entry.name)
-                if reserved is not None:
-                    yield Path(entry.path), reserved
+    def reservation_files(self) -> Iterator[tuple[Path, int]]:
+        """Metadata reservations as ``(path, reserved bytes)``, live or abandoned."""
+        yield from _reservations_in(self.reservations_dir)
 
-    def marked_files(self) -> Iterator[tuple[Path, Path, int]]:
-        """In-flight payload files as ``(marker, tmp file, reserved bytes)``, from the
-        markers in ``tmp/`` (the tmp file may be gone: published, aborted or reclaimed)."""
-        for entry in os.scandir(self.tmp_dir):
-            name = entry.name
-            if not name.endswith(MARKER_SUFFIX) or name[2:3] != "-":
-                continue
-            tmp_name = name[3:].removesuffix(MARKER_SUFFIX) + ".tmp"
-            reserved = _reserved_of(tmp_name)
-            if reserved is not None:
-                yield Path(entry.path), self.payload_dir / name[:2] / tmp_name, reserved
+    def tmp_files(self) -> Iterator[tuple[Path, int]]:
+        """Whole in-flight files older versions wrote in ``tmp/``, as ``(path, reserved
+        bytes)``, live or abandoned."""
+        yield from _reservations_in(self.tmp_dir)
 
     def census(self) -> Iterator[tuple[Path, int | None]]:
         """Every payload file as ``(path, None)`` and every in-flight one as ``(path,
@@ -545,8 +532,9 @@ class PayloadFiles:
                     yield subdir / name, reserved
 
     @staticmethod
-    def remove_if_abandoned(path: Path) -> bool:
-        """Unlink tmp file ``path`` if no live writer holds its lock; True if it did.
+    def remove_if_abandoned(path: Path, *, keep: bool = False) -> bool:
+        """Unlink tmp file ``path`` if no live writer holds its lock (with ``keep``, only
+        say so); True if it did.
 
         Its writer holds the lock until the file has its final name, so a lock we can take
         means the writer died (the kernel dropped its lock) or gave the file up.
@@ -566,7 +554,7 @@ class PayloadFiles:
                 same = os.path.samestat(os.fstat(fd), os.stat(path))
             except FileNotFoundError:
                 return False
-            if same:
+            if same and not keep:
                 _unlink_quietly(path)
             return same
         finally:
@@ -581,6 +569,17 @@ def _inline(fn: Callable[..., FileHeader], *args: Any, **kwargs: Any) -> Future[
     except BaseException as exc:
         future.set_exception(exc)
     return future
+
+
+def _reservations_in(directory: Path) -> Iterator[tuple[Path, int]]:
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        reserved = _reserved_of(entry.name)
+        if reserved is not None:
+            yield Path(entry.path), reserved
 
 
 def _reserved_of(name: str) -> int | None:
@@ -660,7 +659,6 @@ def _unlink_quietly(path: Path) -> None:
 __all__ = [
     "BLOCK",
     "HEADER_BYTES",
-    "MARKER_SUFFIX",
     "FileHeader",
     "PayloadFiles",
     "PendingFile",

@@ -2,12 +2,12 @@
 
 Capacity holds for the directory as a whole, not per process: each writer reserves bytes
 in a small counter file under an exclusive ``flock`` before it writes, and gives them back
-when it unlinks a payload file. The counter has two slots: payload bytes (reserved before a
-write, exact; metadata growth is reserved in the same slot before each metadata commit) and
-overhead bytes (the metadata table, directories and small files, as measured after each
-metadata commit and grown by the directory blocks each new file adds). It is recomputed
-from the files on open, and a dead writer's reservations are reclaimed when a writer finds
-the directory full (see ``DiskTier``).
+when it unlinks a payload file. The counter has three slots: payload bytes (reserved before
+a write, exact), overhead bytes (the metadata table, directories and small files, as
+measured after each metadata commit and grown by the directory blocks each new file adds),
+and metadata reservations (what commits in progress may still add). It is recomputed from
+the files on open, and a dead writer's reservations are reclaimed when a writer finds the
+directory full (see ``DiskTier``).
 
 A second lock, ``.metadata.lock``, is held around each metadata commit with its
 reservation and measurement: commits of all processes take turns, so a measurement never
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _SLOT = struct.Struct("<q")
 PAYLOAD_SLOT = 0
 OVERHEAD_SLOT = _SLOT.size
+RESERVED_SLOT = 2 * _SLOT.size
 
 
 class _FileLock:
@@ -123,16 +124,25 @@ class SharedUsage:
     def set_overhead(self, value: int) -> None:
         self._write(OVERHEAD_SLOT, value)
 
+    def reserved(self) -> int:
+        """Bytes reserved for metadata commits in progress (see ``DiskTier``)."""
+        return max(0, self._read(RESERVED_SLOT))
+
+    def set_reserved(self, value: int) -> None:
+        self._write(RESERVED_SLOT, value)
+
     def total(self) -> int:
-        """What the directory holds on disk: payload plus overhead."""
-        return self.get() + self.overhead()
+        """What the directory holds on disk, or may hold once the metadata commits in
+        progress land: payload plus overhead plus their reservations."""
+        return self.get() + self.overhead() + self.reserved()
 
     # -- keeping the counter true -------------------------------------------------------
 
     def recount(self, files: PayloadFiles) -> None:
-        """Set the payload slot from the files actually present (caller holds the lock);
-        abandoned in-flight files and reservations (their writer died) are removed on the
-        way, and so are markers left without their file."""
+        """Set the payload and reservation slots from the files actually present (caller
+        holds the lock); abandoned in-flight files and reservations (their writer died) are
+        removed on the way, and so are the ``writers/`` files of the dead."""
+        dead = files.dead_writers()
         total = 0
         for tmp, reserved in files.tmp_files():
             if not files.remove_if_abandoned(tmp):
@@ -143,33 +153,46 @@ class SharedUsage:
                     total += round_to_block(os.stat(path).st_size)
             elif not files.remove_if_abandoned(path):
                 total += in_flight
-        for marker, tmp, _reserved in files.marked_files():
-            if not tmp.exists():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(marker)
         self.set(total)
+        live = 0
+        for path, reserved in files.reservation_files():
+            if not files.remove_if_abandoned(path):
+                live += reserved
+        self.set_reserved(live)
+        for path in dead:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def reclaim_abandoned(self, files: PayloadFiles) -> int:
-        """Give back the reservations of writers that died mid-batch (their tmp files are
-        no longer locked); returns the bytes reclaimed. The caller holds the lock.
+        """Give back the reservations of writers that died mid-batch or mid-commit (their
+        in-flight and reservation files are no longer locked); returns the bytes reclaimed.
+        The caller holds the lock.
 
-        Cheap (``tmp/`` and ``reservations/`` hold only markers and reservations of what
-        is in flight), so a writer runs it whenever the directory looks full, before it
-        evicts anything.
+        Cheap unless a writer died: ``reservations/`` and ``writers/`` hold a few files,
+        and the ``payload/<hh>`` directories are searched for in-flight files only when a
+        ``writers/`` file is found unlocked. So a writer runs it whenever the directory
+        looks full, before it evicts anything.
         """
-        freed = 0
-        for tmp, reserved in files.tmp_files():
+        payload = metadata = 0
+        for path, reserved in files.reservation_files():
+            if files.remove_if_abandoned(path):
+                metadata += reserved
+        for tmp, reserved in files.tmp_files():  # whole in-flight files of older versions
             if files.remove_if_abandoned(tmp):
-                freed += reserved
-        for marker, tmp, reserved in files.marked_files():
-            if files.remove_if_abandoned(tmp):
-                freed += reserved
-            if not tmp.exists():  # reclaimed now, or published or given up by its writer
+                payload += reserved
+        dead = files.dead_writers()
+        if dead:
+            for path, in_flight in files.census():
+                if in_flight is not None and files.remove_if_abandoned(path):
+                    payload += in_flight
+            for path in dead:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(marker)
+                    os.unlink(path)
+        freed = payload + metadata
         if freed:
-            log.warning("reclaimed %d bytes reserved by dead writers in %s", freed, files.tmp_dir)
-            self.set(self.get() - freed)
+            log.warning("reclaimed %d bytes reserved by dead writers in %s", freed, files.directory)
+            self.set(self.get() - payload)
+            self.set_reserved(self.reserved() - metadata)
             self.reclaimed_bytes += freed
         return freed
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from persisting.kv.payload_files import file_size
 from persisting.lmcache import PersistingL2Adapter
 from persisting.lmcache.object_keys import object_key_text
+from tests.kv.kv_helpers import make_uncreatable
 from tests.lmcache.l2_harness import (
     LAYOUT,
     Recorder,
@@ -96,10 +96,11 @@ def test_a_failed_store_is_never_visible_and_its_errno_is_reported(root: Path) -
     with storage_manager(adapter_json(root, capacity="16MiB")) as manager:
         adapter = adapter_of(manager)
         write_through_l1(manager, [object_key(0)])
-        tmp = namespace_dir(root) / "tmp"
-        shutil.rmtree(tmp)
-        tmp.write_bytes(b"not a directory")  # every new payload file now fails: ENOTDIR
         failed = [object_key(i) for i in range(1, 4)]
+        for k in failed:  # their new payload files cannot be created: ENOTDIR
+            text = adapter._text(k)
+            assert text is not None
+            make_uncreatable(namespace_dir(root), text)
         reserved = manager.reserve_write(failed, LAYOUT)
         manager.finish_write(list(reserved))
         wait_until(lambda: adapter.report_status()["io_errors"] >= 1, what="the failed store")

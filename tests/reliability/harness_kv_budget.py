@@ -101,12 +101,13 @@ def du_locked(directory: Path) -> int:
 
 
 def counter(directory: Path) -> int:
-    """The shared usage counter: payload plus overhead slots of ``usage.bin``."""
+    """The shared usage counter: the sum of the slots of ``usage.bin`` (payload, overhead,
+    metadata reservations)."""
     try:
         raw = (directory / "usage.bin").read_bytes()
     except FileNotFoundError:
         return 0
-    return sum(struct.unpack("<qq", raw[:16])) if len(raw) >= 16 else 0
+    return sum(v for (v,) in struct.iter_unpack("<q", raw[: len(raw) // 8 * 8]))
 
 
 def run_case(

@@ -51,14 +51,16 @@ PROMISES = """\
   returns only after the payload file and its directory entry are fsynced, so it survives
   SIGKILL and power loss.
 - **Torn writes are never visible.** Payload files are written beside their place
-  (`payload/<hh>/*.tmp`, each named by a marker in `tmp/`) and renamed into place. An
-  in-flight file is locked (`flock`) by its writer until the rename, and only a file nobody
-  holds locked is a dead writer's leftover: two stores of one process, or writers in other
-  pid namespaces sharing the volume, never delete each other's files.
+  (`payload/<hh>/*.tmp`) and renamed within their directory. An in-flight file is locked
+  (`flock`) by its writer until the rename, and only a file nobody holds locked is a dead
+  writer's leftover: two stores of one process, or writers in other pid namespaces sharing
+  the volume, never delete each other's files.
 - **A dead writer's reservation comes back.** A writer killed mid-batch (or mid metadata
   commit) leaves its reservation in the shared usage counter; the next writer that finds
-  the directory full reclaims it (from the unlocked in-flight and reservation files) before
-  evicting anything.
+  the directory full reclaims it before evicting anything: every open store holds a lock on
+  its own file in `writers/`, and one found unlocked sends the writer looking for the dead
+  one's unlocked in-flight files (metadata reservations are unlocked files in
+  `reservations/`).
 - **Damage degrades to misses.** Damaged payload files, a damaged or missing Lance
   metadata table, a missing manifest: the store still opens, rebuilds its index from the
   self-describing payload headers, serves what is intact, and counts what it dropped.
