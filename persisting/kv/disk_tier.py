@@ -211,7 +211,8 @@ class DiskTier:
             order = [(key_hash(key), entry.tag) for key, entry in self.index.items()]
         # The new snapshot is written beside the old one, then renamed over it.
         try:
-            with self._metadata_growth(round_to_block(recency.file_bytes(len(order)))):
+            bound = round_to_block(recency.file_bytes(len(order)))
+            with self._metadata_growth(lambda: bound):
                 recency.save_order(self.directory, order)
         except PersistingError as exc:  # only the order is lost: the store evicts by age
             log.warning("eviction order of %s not saved: %s", self.directory, exc)
@@ -287,15 +288,16 @@ class DiskTier:
         self.usage.set_overhead(self.usage.overhead() + grown)
 
     @contextmanager
-    def _metadata_growth(self, bound: int) -> Iterator[None]:
-        """Run a metadata change that may add up to ``bound`` bytes: reserve them first
+    def _metadata_growth(self, bound_of: Callable[[], int]) -> Iterator[None]:
+        """Run a metadata change that may add up to ``bound_of()`` bytes (asked once the
+        metadata lock is held, see :data:`~persisting.kv.metadata.Guard`): reserve them first
         (evicting as needed, named by a locked file that outlives no holder: see
         :meth:`~persisting.kv.payload_files.PayloadFiles.reserve_file`),
         then measure what it really added and give the reservation back. Changes of all
         processes take turns (the metadata lock), so no measurement sees one half-way."""
         with self.usage.metadata_locked():
+            bound = bound_of() + BLOCK  # and the reservation file's own directory entry
             with self.usage.locked():
-                bound += BLOCK  # the reservation file's own directory entry
                 self._reserve(bound, metadata=True)
                 try:
                     reservation = self.files.reserve_file(bound)

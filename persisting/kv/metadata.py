@@ -75,8 +75,10 @@ DELETION_BYTES_PER_64KI_ROWS = 8 << 10
 #: The fewest bytes a row takes in a data file (two int64 columns), to bound row counts.
 _MIN_ROW_BYTES = 16
 
-#: ``guard(bound)``: a context in which a change that may add up to ``bound`` bytes runs.
-Guard = Callable[[int], AbstractContextManager[None]]
+#: ``guard(bound)``: a context in which a change that may add up to ``bound()`` bytes runs
+#: (``bound`` is called once the guard holds the directory's metadata lock: no other
+#: process's commit then changes the table it looks at).
+Guard = Callable[[Callable[[], int]], AbstractContextManager[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,22 +216,31 @@ class MetadataTable:
 
     # -- bounds on what a change adds on disk --------------------------------------------
 
-    def _files(self, subdir: str) -> list[os.DirEntry[str]]:
+    def _files(self, subdir: str) -> list[os.stat_result]:
+        """The stat of each file in ``subdir`` of the table (one gone meanwhile is left out)."""
         try:
-            return [e for e in os.scandir(self.path / subdir) if e.is_file()]
+            entries = list(os.scandir(self.path / subdir))
         except FileNotFoundError:
             return []
+        found = []
+        for entry in entries:
+            try:
+                if entry.is_file():
+                    found.append(entry.stat())
+            except FileNotFoundError:
+                continue
+        return found
 
     def _commit_bound(self) -> int:
         """A manifest and a transaction file, each at most the largest manifest so far (a
         manifest lists every fragment; the new one adds the commit's few), plus the rest."""
-        manifests = [round_to_block(e.stat().st_size) for e in self._files("_versions")]
+        manifests = [round_to_block(st.st_size) for st in self._files("_versions")]
         return COMMIT_BYTES + 2 * max(manifests, default=BLOCK)
 
     def _data_files(self) -> tuple[int, int, int]:
         """Allocated bytes of the data files, their count (at least one per fragment) and
         the largest one's bytes."""
-        sizes = [e.stat().st_blocks * 512 for e in self._files("data")]
+        sizes = [st.st_blocks * 512 for st in self._files("data")]
         return sum(sizes), len(sizes), max(sizes, default=0)
 
     def _append_bound(self, rows: list[MetaRow]) -> int:
@@ -254,28 +265,38 @@ class MetadataTable:
         return self._commit_bound() + total + BLOCK * count
 
     @contextmanager
-    def _reserving(self, bound: int, what: str) -> Iterator[None]:
-        """Run a change inside the guard; count it if it grew the table beyond ``bound``."""
+    def _reserving(self, bound_of: Callable[[], int], what: str) -> Iterator[None]:
+        """Run a change inside the guard; count it if it grew the table beyond its bound."""
         if self._guard is None:
             yield
             return
+        bounds: list[int] = []
+
+        def bound() -> int:
+            bounds.append(bound_of())
+            return bounds[-1]
+
         with self._guard(bound):
             before = self.table.size_bytes()
             try:
                 yield
             finally:
                 grew = self.table.size_bytes() - before
-        if grew > bound:
+        if bounds and grew > bounds[0]:
             self.over_reservation += 1
             log.warning(
-                "metadata %s on %s grew %d bytes, over its bound %d", what, self.path, grew, bound
+                "metadata %s on %s grew %d bytes, over its bound %d",
+                what,
+                self.path,
+                grew,
+                bounds[0],
             )
 
     # -- the changes ------------------------------------------------------------------------
 
     def _delete(self, chunk: list[tuple[str, int]]) -> None:
         where = " OR ".join(f"(key = {_sql_quote(k)} AND tag = {t})" for k, t in chunk)
-        with self._reserving(self._delete_bound(len(chunk)), "delete"):
+        with self._reserving(lambda: self._delete_bound(len(chunk)), "delete"):
             self.table.delete(where)
         self._commits += 1
 
@@ -303,14 +324,14 @@ class MetadataTable:
             },
             schema=SCHEMA,
         )
-        with self._reserving(self._append_bound(rows), "append"):
+        with self._reserving(lambda: self._append_bound(rows), "append"):
             self.table.append(table)
         self._commits += 1
 
     def _maintain(self) -> None:
         """Compact and clean up under one reservation: the table is largest after the
         compaction and before the cleanup."""
-        with self._reserving(self._maintenance_bound(), "maintenance"):
+        with self._reserving(self._maintenance_bound, "maintenance"):
             if self.table.num_fragments() > 8:
                 self.table.compact()
             self.table.cleanup(timedelta(seconds=0), keep_versions=2)

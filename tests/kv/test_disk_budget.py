@@ -97,8 +97,8 @@ def test_metadata_changes_land_inside_their_reservation(
             store.put(key(i), tensor(i, tokens=64 + 8 * (i % 5)))
             if i % 3 == 0:
                 store.remove(key(i - 1))
-            if i % 10 == 9:
-                store.flush()
+            if i % 3 == 2:
+                store.flush()  # a commit each: fragments pile up, so maintenance compacts
         store.flush()
     finally:
         store.close()

