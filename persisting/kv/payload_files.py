@@ -2,8 +2,8 @@
 
 Each chunk's bytes live in their own file, ``payload/<hh>/<keyhash>-<tag>.kv``: a 4 KiB
 header (magic, key, layout, payload checksum, parent, header checksum) followed by the
-payload at a page-aligned offset. Files are written under ``tmp/``, fsynced when the put
-must be durable, then renamed into place, so a file under ``payload/`` is always whole.
+payload at a page-aligned offset. Files are written under a ``.tmp`` name, fsynced when the
+put must be durable, then renamed into place, so a ``.kv`` file is always whole.
 Eviction unlinks the file, which gives its space back at once; a reader that already
 opened it still reads the whole, correct file.
 
@@ -205,8 +205,9 @@ class PendingFile:
 
 @dataclass(slots=True)
 class Reservation:
-    """An empty, locked file in ``tmp/`` whose name carries reserved bytes (see
-    :meth:`PayloadFiles.reserve_file`)."""
+    """An empty file its holder keeps locked: a metadata reservation, whose name carries
+    the reserved bytes (:meth:`PayloadFiles.reserve_file`), or a store's proof of life
+    (:meth:`PayloadFiles.register_writer`)."""
 
     fd: int
     path: Path

@@ -105,7 +105,7 @@ class SharedUsage:
         os.pwrite(self._counter_fd, _SLOT.pack(max(0, value)), slot)
 
     def get(self) -> int:
-        """Payload bytes reserved or stored (block-rounded payload files and tmp files)."""
+        """Payload bytes reserved or stored (block-rounded payload and in-flight files)."""
         return max(0, self._read(PAYLOAD_SLOT))
 
     def set(self, value: int) -> None:
@@ -198,7 +198,7 @@ class SharedUsage:
 
     @staticmethod
     def measure_overhead(directory: Path, files: PayloadFiles) -> int:
-        """Allocated bytes of everything in ``directory`` but payload and tmp files (those
+        """Allocated bytes of everything in ``directory`` but payload and in-flight files (those
         are counted exactly as they are reserved): directories, metadata, small files."""
         total = _allocated(directory)
         for entry in os.scandir(directory):

@@ -17,12 +17,14 @@ server side runs on its own threads (blocking sockets); the client side is async
 
 Each connection has a thread, so their number is capped: ``max_connections`` in all (the
 server's own user is the only one it answers, so that is also the cap per user) and
-``max_per_session`` per session (counted by the session of a connection's first request;
-a client needs one). A connection over a cap is refused cleanly: before any of its
-requests is read (or after reading only its first, unanswered), the server sends a refusal
-frame (request id 0) and closes it. The client's waiting requests then fail with
-:class:`ChannelRefused` -- none of them was carried out, so the client sends them through
-Pulsing instead.
+``max_per_session`` per session (a client needs one). A client attaches first (``attach``
+with its session id) and sends requests only once the server said yes; a connection over a
+cap is refused cleanly: the server sends a refusal frame (request id 0) instead, before
+reading anything else of it, and closes it. The client then stays on Pulsing, nothing sent
+on the channel having been carried out (:meth:`LocalChannel.open` raises
+:class:`ChannelRefused`, or :class:`ServiceUnavailableError` if the refusal was lost to the
+close). A client that sends requests without attaching is counted by the session of its
+first request, refused the same way (that request unanswered).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ MAX_CONNECTIONS = 256
 MAX_CONNECTIONS_PER_SESSION = 4
 #: The request id of a refusal frame (clients number their requests from 1).
 REFUSAL_ID = 0
+#: How long a client waits for the server to admit its connection.
+ATTACH_TIMEOUT_S = 5.0
 
 
 class ChannelRefused(ServiceUnavailableError):
@@ -230,6 +234,10 @@ class LocalChannelServer:
                         self._refuse(conn, refusal)
                         return
                     session = message["sid"]
+                if isinstance(message, dict) and message.get("op") == "attach":
+                    with send_lock:
+                        conn.sendall(_frame(request_id, {"attached": session is not None}))
+                    continue
                 if self._light(message):
                     self._reply(conn, send_lock, request_id, message)
                 else:
@@ -307,9 +315,23 @@ class LocalChannel:
         self._pump = asyncio.ensure_future(self._read_replies())
 
     @classmethod
-    async def open(cls, path: str) -> LocalChannel:
+    async def open(cls, path: str, sid: str | None = None) -> LocalChannel:
+        """Connect; with ``sid``, attach that session and return only once the server
+        admitted the connection (:class:`ChannelRefused` if it did not;
+        :class:`ServiceUnavailableError` if the connection broke meanwhile). Nothing but the
+        attach is sent before, so a failure here leaves nothing done on the server."""
         reader, writer = await asyncio.open_unix_connection(path, limit=MAX_FRAME_BYTES)
-        return cls(reader, writer)
+        channel = cls(reader, writer)
+        if sid is None:
+            return channel
+        try:
+            await asyncio.wait_for(channel.ask({"op": "attach", "sid": sid}), ATTACH_TIMEOUT_S)
+        except BaseException as exc:
+            await channel.close()
+            if isinstance(exc, (ServiceUnavailableError, asyncio.CancelledError)):
+                raise
+            raise ServiceUnavailableError(f"local channel not attached: {exc!r}") from exc
+        return channel
 
     async def ask(self, message: dict[str, Any]) -> Any:
         """Send one request and wait for its reply; :class:`ChannelRefused` when the server

@@ -16,13 +16,16 @@ import pulsing
 import pytest
 
 from persisting.actors.kv_cache_storage import _Lane
+from persisting.config import PersistingSettings
+from persisting.errors import ServiceUnavailableError
 from persisting.kv import KVStore, open_kv_store
 from persisting.kv.layout import checksum, encode_value
+from persisting.service.client.cluster import Cluster
 from persisting.service.client.member import Member
-from persisting.service.client.transport import Transport
 from persisting.service.handler import StorageHandler
 from persisting.service.local_channel import ChannelRefused, LocalChannel, LocalChannelServer
 from persisting.service.protocol import make_request, unwrap_reply
+from persisting.service.same_host import ClientArena
 from tests.service.service_helpers import MODEL, key, tensor
 
 
@@ -67,7 +70,7 @@ def eventually(predicate: Any, timeout: float = 10.0) -> bool:
     return bool(predicate())
 
 
-def test_a_session_over_its_share_is_refused_and_its_request_not_run(
+def test_a_session_over_its_share_is_refused_before_sending_anything(
     store: KVStore, handler: StorageHandler
 ) -> None:
     server = serve(handler, max_connections=16, max_per_session=2)
@@ -75,31 +78,32 @@ def test_a_session_over_its_share_is_refused_and_its_request_not_run(
     async def scenario() -> None:
         assert server.path is not None
         sid = unwrap_reply(await handler.handle(make_request("hello", model=MODEL)))["sid"]
-        channels = [await LocalChannel.open(server.path) for _ in range(3)]
-        for ch in channels[:2]:
-            ask = make_request("contains", sid=sid, model=MODEL, keys=[str(key(0))])
-            assert unwrap_reply(await ch.ask(ask)) == [False]
+        attached = [await LocalChannel.open(server.path, sid) for _ in range(2)]
         with pytest.raises(ChannelRefused, match="session holds 2"):
-            await channels[2].ask(make_request("put", sid=sid, model=MODEL, **put_args(1)))
-        assert channels[2].refused
-        assert not store.contains(key(1))  # refused unread: the put was never carried out
+            await LocalChannel.open(server.path, sid)
+        # A client that skips attaching is refused at its first request, not carrying it out.
+        unattached = await LocalChannel.open(server.path)
+        with pytest.raises(ChannelRefused, match="session holds 2"):
+            await unattached.ask(make_request("put", sid=sid, model=MODEL, **put_args(1)))
+        assert unattached.refused
+        assert not store.contains(key(1))
         # Another session has its own share.
         other = unwrap_reply(await handler.handle(make_request("hello", model=MODEL)))["sid"]
-        fresh = await LocalChannel.open(server.path)
+        fresh = await LocalChannel.open(server.path, other)
         unwrap_reply(await fresh.ask(make_request("put", sid=other, model=MODEL, **put_args(2))))
         assert store.contains(key(2))
         # A connection that goes gives its slot back.
-        await channels[0].close()
+        await attached[0].close()
         assert await asyncio.to_thread(eventually, lambda: server._per_session[sid] == 1)
-        again = await LocalChannel.open(server.path)
+        again = await LocalChannel.open(server.path, sid)
         unwrap_reply(await again.ask(make_request("put", sid=sid, model=MODEL, **put_args(3))))
         assert store.contains(key(3))
-        for ch in [*channels[1:], fresh, again]:
+        for ch in [attached[1], unattached, fresh, again]:
             await ch.close()
 
     try:
         asyncio.run(scenario())
-        assert server.refused_over_cap == 1
+        assert server.refused_over_cap == 2
     finally:
         server.close()
 
@@ -114,12 +118,11 @@ def test_connections_over_the_servers_cap_get_no_thread_and_are_refused(
         assert server.path is not None
         sid = unwrap_reply(await handler.handle(make_request("hello", model=MODEL)))["sid"]
         held = [await LocalChannel.open(server.path) for _ in range(3)]
-        extra = [await LocalChannel.open(server.path) for _ in range(5)]
-        for ch in extra:
-            with pytest.raises(ChannelRefused, match="3 channel connections"):
-                await ch.ask(make_request("contains", sid=sid, model=MODEL, keys=["x"]))
+        for _ in range(5):  # refused, or broken by the refusal's close: no channel either way
+            with pytest.raises(ServiceUnavailableError):
+                await LocalChannel.open(server.path, sid)
         assert connection_threads() - before <= 3
-        for ch in held + extra:
+        for ch in held:
             await ch.close()
 
     try:
@@ -129,39 +132,31 @@ def test_connections_over_the_servers_cap_get_no_thread_and_are_refused(
         server.close()
 
 
-def test_a_client_whose_channel_is_refused_goes_on_through_pulsing(
+def test_a_client_whose_channel_is_refused_stays_on_pulsing(
     store: KVStore, handler: StorageHandler
 ) -> None:
+    """A real client (its cluster's hello and restore) against a server whose channel is
+    full: it gets no channel, and its requests go through Pulsing."""
     server = serve(handler, max_connections=1)
+    handler.local_channel = server.path
     counters: Counter[str] = Counter()
-
-    async def never(_member: Member) -> None:
-        raise AssertionError("the session was not lost")
+    arena = ClientArena(8 << 20)
 
     async def scenario() -> None:
         assert server.path is not None
         system = await pulsing.actor_system()  # in-process: no address, nothing listens
         try:
             ref = await system.spawn(_Lane(handler), name="persisting_lane_caps", public=True)
-            info = unwrap_reply(await handler.handle(make_request("hello", model=MODEL)))
-            member = Member(
-                addr="local",
-                node_id=1,
-                refs=[ref],
-                semaphore=asyncio.Semaphore(16),
-                sid=info["sid"],
-                info=info,
-                same_host=True,
+            cluster = Cluster(
+                system, "kvstore", MODEL, PersistingSettings().service, counters, arena
             )
-            transport = Transport(
-                MODEL, 10.0, counters, rehello=never, answered=lambda _m: None, restore=never
-            )
+            member = Member(addr="local", node_id=1, refs=[ref], semaphore=asyncio.Semaphore(16))
             hog = await LocalChannel.open(server.path)  # takes the server's one connection
             assert await asyncio.to_thread(eventually, lambda: len(server._connections) == 1)
-            member.channel = await LocalChannel.open(server.path)
-            await transport.call(member, "put", **put_args(5))
-            assert member.channel is None  # Pulsing carries its requests now
-            assert await transport.call(member, "contains", keys=[str(key(5))]) == [True]
+            await cluster.hello(member)
+            assert member.same_host and member.channel is None  # refused: Pulsing carries on
+            await cluster.call(member, "put", **put_args(5))
+            assert await cluster.call(member, "contains", keys=[str(key(5))]) == [True]
             await hog.close()
         finally:
             await system.shutdown()
@@ -170,5 +165,37 @@ def test_a_client_whose_channel_is_refused_goes_on_through_pulsing(
         asyncio.run(scenario())
     finally:
         server.close()
-    assert counters["channel_refused"] == 1
+        arena.close()
+    assert server.refused_over_cap == 1
     assert store.contains(key(5))
+
+
+def test_a_client_with_room_attaches_its_session_and_uses_the_channel(
+    store: KVStore, handler: StorageHandler
+) -> None:
+    server = serve(handler)
+    handler.local_channel = server.path
+    arena = ClientArena(8 << 20)
+
+    async def scenario() -> None:
+        system = await pulsing.actor_system()
+        try:
+            ref = await system.spawn(_Lane(handler), name="persisting_lane_room", public=True)
+            cluster = Cluster(
+                system, "kvstore", MODEL, PersistingSettings().service, Counter(), arena
+            )
+            member = Member(addr="local", node_id=1, refs=[ref], semaphore=asyncio.Semaphore(16))
+            await cluster.hello(member)
+            assert member.channel is not None and not member.channel.broken
+            assert member.sid is not None and server._per_session[member.sid] == 1
+            await cluster.call(member, "put", **put_args(6))
+            await member.channel.close()
+        finally:
+            await system.shutdown()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+        arena.close()
+    assert store.contains(key(6)) and server.refused_over_cap == 0
