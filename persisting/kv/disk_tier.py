@@ -4,12 +4,15 @@ A hot read costs one index lookup and one positioned read into the destination b
 a checksum check; Lance is off the read path.
 
 The budget covers everything in the model directory, for all processes sharing it (through
-:class:`SharedUsage`): payload files, block-rounded and reserved before they are written,
-plus the overhead -- the Lance metadata table, the ``payload/<hh>`` and other directories,
-the lock and counter files, quarantined metadata -- measured after each metadata commit.
-Eviction unlinks payload files until both fit, so ``du -s`` of the directory stays within
-the budget, except for metadata growth since the last commit's measurement (one commit's
-rows and manifest) until the next.
+:class:`SharedUsage`), and every byte is reserved before it lands: payload files,
+block-rounded, before they are created; a bound on what each metadata change (a Lance
+commit, a compaction, the recency snapshot) can add, before it runs -- afterwards the
+overhead (the Lance table, the ``payload/<hh>`` and other directories, the lock and counter
+files, quarantined metadata) is measured and the reservation given back; the directory
+blocks a new file adds, before its creation is accounted. Eviction unlinks payload files
+before the bytes they make room for are written, so ``du -s`` of the directory stays within
+the budget (docs/reliability.md states the one exception: a directory block a rename may
+add, accounted right after).
 
 Over 500 lines on purpose: the index, the byte accounting and the files change together
 under one lock, and that invariant reads best in one class.
@@ -21,8 +24,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -38,6 +42,7 @@ from persisting.kv.payload_files import (
     FileHeader,
     PayloadFiles,
     PendingFile,
+    Reservation,
     file_size,
     key_hash,
     round_to_block,
@@ -61,10 +66,8 @@ class Location:
     checksum: int
 
 
-#: Room kept for the metadata commits of one batch until they are measured: its append and
-#: the delete of what it evicted. A Lance commit (a data file, a manifest and a transaction
-#: file) grew meta.lance by 12-16 KiB each on ext4 here.
-METADATA_COMMIT_BYTES = 32 << 10
+#: Metadata commits a flush runs at most (see :meth:`DiskTier.flush`).
+FLUSH_ROUNDS = 4
 
 #: Told which chunks eviction removed, as ``(key, bytes on disk)``.
 EvictionListener = Callable[[list[tuple[str, int]]], None]
@@ -121,14 +124,19 @@ class DiskTier:
         except OSError as exc:  # e.g. a read-only filesystem
             self.usage.close()
             _raise_opening_error(directory, exc)
+        #: Held while open: this store's proof of life (see PayloadFiles).
+        self._alive: Reservation | None = None
         try:
-            with self.usage.locked():
+            with self.usage.metadata_locked(), self.usage.locked():
+                self._alive = self.files.register_writer()
                 self._load_index()
                 self._restore_order()
                 self.usage.recount(self.files)
                 self._account_overhead()
         except BaseException as exc:
             self.meta.close()
+            if self._alive is not None:
+                self.files.release_file(self._alive)
             self.usage.close()
             if isinstance(exc, OSError):
                 _raise_opening_error(directory, exc)
@@ -141,7 +149,7 @@ class DiskTier:
             path,
             modes=self.modes,
             max_bytes=max(self.capacity // 16, 128 << 10),
-            on_commit=self._after_metadata_commit,
+            guard=self._metadata_growth,
         )
 
     def _open_metadata(self) -> MetadataTable:
@@ -201,7 +209,13 @@ class DiskTier:
         """Snapshot the eviction order, so a reopened store evicts what this one would."""
         with self._lock:
             order = [(key_hash(key), entry.tag) for key, entry in self.index.items()]
-        recency.save_order(self.directory, order)
+        # The new snapshot is written beside the old one, then renamed over it.
+        try:
+            bound = round_to_block(recency.file_bytes(len(order)))
+            with self._metadata_growth(lambda: bound):
+                recency.save_order(self.directory, order)
+        except PersistingError as exc:  # only the order is lost: the store evicts by age
+            log.warning("eviction order of %s not saved: %s", self.directory, exc)
 
     def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
@@ -252,27 +266,68 @@ class DiskTier:
         return self.usage.measure_overhead(self.directory, self.files)
 
     def _account_overhead(self) -> None:
-        """Record the measured overhead and evict payload until the whole fits the budget."""
-        with self.usage.locked():
-            self.usage.set_overhead(self.measure_overhead())
-            over = self.usage.total() - self.capacity
-            if over > 0:
-                self._evict(over)
+        """Measure the overhead and record it, evicting payload first where the whole would
+        not fit the budget (so the counter is not seen over it)."""
+        with self.usage.metadata_locked(), self.usage.locked():
+            self._set_overhead(self.measure_overhead())
 
-    def _after_metadata_commit(self) -> None:
-        if self._closed:
+    def _set_overhead(self, measured: int) -> None:
+        """Record a measured overhead (caller holds both locks), evicting first if needed."""
+        over = self.usage.get() + self.usage.reserved() + measured - self.capacity
+        if over > 0:
+            self._evict(over)
+        self.usage.set_overhead(measured)
+
+    def _add_overhead(self, grown: int) -> None:
+        """Count directory blocks just added (caller holds the usage lock)."""
+        if grown <= 0:
             return
-        try:
-            self._account_overhead()
-        except OSError as exc:  # measuring is best effort; the next commit tries again
-            log.warning("cannot measure the overhead of %s: %s", self.directory, exc)
+        over = self.usage.total() + grown - self.capacity
+        if over > 0:
+            self._evict(over)
+        self.usage.set_overhead(self.usage.overhead() + grown)
+
+    @contextmanager
+    def _metadata_growth(self, bound_of: Callable[[], int]) -> Iterator[None]:
+        """Run a metadata change that may add up to ``bound_of()`` bytes (asked once the
+        metadata lock is held, see :data:`~persisting.kv.metadata.Guard`): reserve them first
+        (evicting as needed, named by a locked file that outlives no holder: see
+        :meth:`~persisting.kv.payload_files.PayloadFiles.reserve_file`),
+        then measure what it really added and give the reservation back. Changes of all
+        processes take turns (the metadata lock), so no measurement sees one half-way."""
+        with self.usage.metadata_locked():
+            bound = bound_of() + BLOCK  # and the reservation file's own directory entry
+            with self.usage.locked():
+                self._reserve(bound, metadata=True)
+                try:
+                    reservation = self.files.reserve_file(bound)
+                except BaseException:
+                    self.usage.set_reserved(self.usage.reserved() - bound)
+                    raise
+            try:
+                yield
+            finally:
+                with self.usage.locked():
+                    self.files.release_file(reservation)
+                    self.usage.set_reserved(self.usage.reserved() - bound)
+                    try:
+                        self._set_overhead(self.measure_overhead())
+                    except OSError as exc:  # best effort: the next change measures again
+                        log.warning("cannot measure the overhead of %s: %s", self.directory, exc)
 
     def flush(self) -> None:
-        """Commit pending metadata now and account for what it occupies."""
+        """Commit pending metadata now and account for what it occupies.
+
+        A commit reserves its room first, which may evict chunks and so queue the deletion
+        of their rows: those are committed too (a few rounds at most, each smaller), so
+        nothing is left reserved or pending when this returns.
+        """
         if self._closed:
             return
-        self.meta.flush()
         self.save_order()
+        for _ in range(FLUSH_ROUNDS):
+            if not self.meta.flush():
+                break
         self._account_overhead()
 
     def refresh(self) -> int:
@@ -350,6 +405,8 @@ class DiskTier:
                     self.files.abort(p)
                 self.usage.add(-sum(sizes))
                 raise
+            self._add_overhead(sum(p.grown for p in pending))
+            subdir_bytes = {d: _allocated(d) for d in {p.final.parent for p in pending}}
         done: list[Path] = []
         try:
             # An item without a checksum gets it made as its file is written.
@@ -362,6 +419,7 @@ class DiskTier:
                 it.checksum = header.checksum
             for p in pending:
                 done.append(self.files.publish(p))
+            self._account_renames(subdir_bytes)
             if durable:
                 self.files.sync_dirs(done)
         except BaseException:
@@ -390,19 +448,24 @@ class DiskTier:
         return {row.key for row in rows}
 
     def _growth_of(self, todo: list[WriteItem], tags: list[int]) -> int:
-        """What a batch adds on disk besides its payload files until the overhead is next
-        measured: one metadata commit, and the ``payload/<hh>`` directories it creates."""
-        new_dirs = {
-            d
-            for d in (
-                self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)
-            )
-            if not d.is_dir()
-        }
-        return METADATA_COMMIT_BYTES + BLOCK * len(new_dirs)
+        """Room for the directory blocks a batch's files may add (measured and counted
+        once created): a new ``payload/<hh>``, and a block more for each directory an
+        entry goes into (its ``payload/<hh>``, and ``payload/`` for a new one)."""
+        subdirs = {self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)}
+        new_dirs = sum(not d.is_dir() for d in subdirs)
+        return BLOCK * (2 * new_dirs + len(subdirs) + 1)
 
-    def _reserve(self, nbytes: int, headroom: int = 0) -> None:
-        """Count ``nbytes`` in the shared usage, evicting first (caller holds the usage lock).
+    def _account_renames(self, before: dict[Path, int]) -> None:
+        """Count the blocks renames into place added to their directories (rare: a rename
+        adds the new name before it drops the old one, and may need a block for it)."""
+        grown = sum(max(0, _allocated(d) - size) for d, size in before.items())
+        if grown:
+            with self.usage.locked():
+                self._add_overhead(grown)
+
+    def _reserve(self, nbytes: int, headroom: int = 0, *, metadata: bool = False) -> None:
+        """Count ``nbytes`` in the shared usage (as payload, or with ``metadata`` as a
+        metadata reservation), evicting first (caller holds the usage lock).
 
         Room is made for ``headroom`` more (the batch's metadata and new directories, which
         are counted once measured after the commit), so ``du`` stays within the budget
@@ -427,35 +490,48 @@ class DiskTier:
                 f"({self.usage.overhead()} of them metadata and directories), "
                 f"{nbytes} more needed and nothing evictable"
             )
-        self.usage.set(self.usage.get() + nbytes)
+        if metadata:
+            self.usage.set_reserved(self.usage.reserved() + nbytes)
+        else:
+            self.usage.set(self.usage.get() + nbytes)
 
     def _evict(self, need: int) -> int:
-        """Unlink victims until ``need`` bytes are freed (caller holds the usage lock)."""
-        now = time.monotonic()
-        with self._lock:
-            victims: list[tuple[str, DiskEntry]] = []
-            freed = 0
-            for key in self.policy.candidates(self.index):
-                entry = self.index.get(key)
-                if entry is None or entry.busy or entry.lease_until > now:
-                    continue
-                victims.append((key, entry))
-                freed += file_size(entry.layout.nbytes)
-                if freed >= need:
-                    break
-            for key, _entry in victims:
-                self.index.pop(key)
+        """Unlink victims until ``need`` bytes are freed (caller holds the usage lock).
+
+        Only files this process actually unlinks count: one another process evicted first
+        frees nothing here, so the next victims are taken until enough is freed or none
+        is left.
+        """
         released = 0
-        for key, entry in victims:
-            if self.files.unlink(self.files.path(key, entry.tag)):
-                released += file_size(entry.layout.nbytes)
+        evicted: list[tuple[str, DiskEntry]] = []
+        while released < need:
+            now = time.monotonic()
+            with self._lock:
+                victims: list[tuple[str, DiskEntry]] = []
+                planned = 0
+                for key in self.policy.candidates(self.index):
+                    entry = self.index.get(key)
+                    if entry is None or entry.busy or entry.lease_until > now:
+                        continue
+                    victims.append((key, entry))
+                    planned += file_size(entry.layout.nbytes)
+                    if released + planned >= need:
+                        break
+                for key, _entry in victims:
+                    self.index.pop(key)
+            if not victims:
+                break
+            for key, entry in victims:
+                if self.files.unlink(self.files.path(key, entry.tag)):
+                    released += file_size(entry.layout.nbytes)
+            evicted += victims
         if released:
             self.usage.set(self.usage.get() - released)
-        self.evictions += len(victims)
-        if victims:
-            self.meta.delete([(k, e.tag) for k, e in victims])
+        self.evictions += len(evicted)
+        if evicted:
+            self.meta.delete([(k, e.tag) for k, e in evicted])
             if self.on_evict is not None:
-                self.on_evict([(k, file_size(e.layout.nbytes)) for k, e in victims])
+                self.on_evict([(k, file_size(e.layout.nbytes)) for k, e in evicted])
         return released
 
     # -- reading ------------------------------------------------------------------------
@@ -570,8 +646,17 @@ class DiskTier:
         self.save_order()
         self.meta.close()
         self._closed = True
+        if self._alive is not None:
+            self.files.release_file(self._alive)
         self.usage.close()
         self.files.close()
+
+
+def _allocated(path: Path) -> int:
+    try:
+        return os.lstat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:

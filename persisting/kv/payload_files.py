@@ -2,16 +2,25 @@
 
 Each chunk's bytes live in their own file, ``payload/<hh>/<keyhash>-<tag>.kv``: a 4 KiB
 header (magic, key, layout, payload checksum, parent, header checksum) followed by the
-payload at a page-aligned offset. Files are written under ``tmp/``, fsynced when the put
-must be durable, then renamed into place, so a file under ``payload/`` is always whole.
+payload at a page-aligned offset. Files are written under a ``.tmp`` name, fsynced when the
+put must be durable, then renamed into place, so a ``.kv`` file is always whole.
 Eviction unlinks the file, which gives its space back at once; a reader that already
 opened it still reads the whole, correct file.
 
-An in-flight file is named ``tmp/<random>-<tag>-<reserved bytes>.tmp`` and its writer holds
-an exclusive ``flock`` on it from creation until after the rename. That lock is the proof
-of life: a file nobody holds locked belongs to a dead writer and may be removed, whatever
+An in-flight file is written beside the place it will land, as
+``payload/<hh>/<random>-<tag>-<reserved bytes>.tmp``, and renamed within that directory: a
+``du`` that lists the directory sees the file once, under one name or the other (a rename
+from another directory could be counted twice by a ``du`` walking both). Its writer holds an
+exclusive ``flock`` on it from creation until after the rename. That lock is the proof of
+life: a file nobody holds locked belongs to a dead writer and may be removed, whatever
 process, store or pid namespace wrote it (a pid in the name would prove nothing across pid
-namespaces, and two stores of one process share a pid).
+namespaces, and two stores of one process share a pid). Each open store also holds a lock
+on a file of its own in ``writers/``: finding one unlocked says a writer died, and only
+then are the ``payload/<hh>`` directories searched for its in-flight files, so the put path
+pays nothing for it. ``reservations/`` holds empty, locked
+``<random>-<tag>-<reserved bytes>.tmp`` files: reservations of metadata growth, whose lock
+proves their holder alive the same way (from older versions, ``tmp/`` may hold whole
+in-flight files, found and reclaimed the same way).
 
 Over 500 lines on purpose: the file format, the writers and the positioned readers share
 the header and the checksum-while-copying pieces, and are read together when the format
@@ -29,10 +38,11 @@ import os
 import secrets
 import struct
 import threading
-from collections.abc import Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -40,6 +50,7 @@ import xxhash
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.layout import HASH_PIECE, Layout
 from persisting.lance_store.access import (
+    CONTROL_FILE_MODE,
     OWNER_ONLY,
     FileModes,
     make_dir,
@@ -54,9 +65,9 @@ MAGIC = b"PKVCHNK1"
 #: (files move between hosts); 4 KiB is also what O_DIRECT and most filesystems want.
 BLOCK = 4096
 HEADER_BYTES = BLOCK
-_PREFIX = struct.Struct("<8sIQ")
+_PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
 #: Files of one durable batch written (and fsynced) at once.
-WRITE_THREADS = 8  # magic, json length, xxh64 of the json
+WRITE_THREADS = 8
 
 
 def key_hash(key: str) -> int:
@@ -207,11 +218,24 @@ class FileHeader:
 
 @dataclass(slots=True)
 class PendingFile:
-    """A payload file being written: its open, locked tmp file and where it will land."""
+    """A payload file being written: its open, locked tmp file, where it will land, and
+    the bytes its creation added to directories (``grown``)."""
 
     fd: int
     tmp: Path
     final: Path
+    grown: int = 0
+
+
+@dataclass(slots=True)
+class Reservation:
+    """An empty file its holder keeps locked: a metadata reservation, whose name carries
+    the reserved bytes (:meth:`PayloadFiles.reserve_file`), or a store's proof of life
+    (:meth:`PayloadFiles.register_writer`)."""
+
+    fd: int
+    path: Path
+    nbytes: int
 
 
 class PayloadFiles:
@@ -223,13 +247,14 @@ class PayloadFiles:
         self.payload_dir = directory / "payload"
         self._payload_text = str(self.payload_dir)
         self.tmp_dir = directory / "tmp"
+        self.reservations_dir = directory / "reservations"
+        self.writers_dir = directory / "writers"
         #: ``payload/<hh>`` directories created whose entry is not yet synced.
         self._new_subdirs: set[Path] = set()
         #: Threads writing the files of a durable batch (started with the first one).
         self._writers: ThreadPoolExecutor | None = None
         self._writers_lock = threading.Lock()
-        for d in (self.payload_dir, self.tmp_dir):
-            make_dir(d, modes)
+        make_dir(self.payload_dir, modes)  # writers/, reservations/: on first use
 
     def path(self, key: str, tag: int) -> Path:
         return Path(self.path_text(key, tag))
@@ -244,25 +269,60 @@ class PayloadFiles:
         return secrets.randbits(32)
 
     def create(self, key: str, tag: int, reserved: int) -> PendingFile:
-        """Create and lock the tmp file of a write (named with its reservation, see
-        :meth:`tmp_files`).
+        """Create and lock the tmp file of a write beside its final place (named with its
+        reservation); ``grown`` says what the directories grew by (a new ``payload/<hh>``,
+        a new directory block).
 
         Called under the usage lock, so a usage recount never misses a reserved write.
         """
-        tmp = self.tmp_dir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        final = self.path(key, tag)
+        subdir = final.parent
+        watched = (self.payload_dir, subdir)
+        before = sum(_allocated(d) for d in watched)
         try:
-            fd = os.open(tmp, flags, self.modes.file)
+            self._make_subdir(subdir)
         except OSError as exc:
-            raise _io_error(f"cannot create {tmp}", exc) from exc
-        restrict(tmp, self.modes.file, fd=fd)  # exactly its mode, whatever the umask
+            raise _io_error(f"cannot create {subdir}", exc) from exc
+        tmp = subdir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
+        fd = _create_locked(tmp, self.modes.file)
+        grown = max(0, sum(_allocated(d) for d in watched) - before)
+        return PendingFile(fd, tmp, final, grown)
+
+    def register_writer(self) -> Reservation:
+        """This store's own locked file in ``writers/``, held while it is open: whoever
+        finds it unlocked knows a writer died (see :meth:`dead_writers`)."""
+        path = self.writers_dir / f"{secrets.token_hex(8)}.lock"
+        if not self.writers_dir.is_dir():
+            make_dir(self.writers_dir, self.modes)
+        # 0600 whatever the access setting: who can open it can hold its lock, and a dead
+        # writer would then look alive for ever (its in-flight files never reclaimed).
+        return Reservation(_create_locked(path, CONTROL_FILE_MODE), path, 0)
+
+    def dead_writers(self) -> list[Path]:
+        """The ``writers/`` files of stores that died open (nobody holds their lock)."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and unseen: never blocks
-        except OSError as exc:
-            os.close(fd)
-            _unlink_quietly(tmp)
-            raise _io_error(f"cannot lock {tmp}", exc) from exc
-        return PendingFile(fd, tmp, self.path(key, tag))
+            entries = list(os.scandir(self.writers_dir))
+        except FileNotFoundError:
+            return []
+        return [Path(e.path) for e in entries if self.remove_if_abandoned(Path(e.path), keep=True)]
+
+    def reserve_file(self, nbytes: int) -> Reservation:
+        """An empty, locked file in ``reservations/`` holding a reservation of ``nbytes``
+        (metadata growth) in its name: while its holder lives the bytes stay counted, and
+        once it dies :meth:`~persisting.kv.shared_usage.SharedUsage.reclaim_abandoned`
+        gives them back. Called under the usage lock."""
+        name = f"{secrets.token_hex(8)}-{self.new_tag():08x}-{nbytes}.tmp"
+        path = self.reservations_dir / name
+        if not self.reservations_dir.is_dir():
+            make_dir(self.reservations_dir, self.modes)
+        return Reservation(_create_locked(path, CONTROL_FILE_MODE), path, nbytes)  # as above
+
+    @staticmethod
+    def release_file(reservation: Reservation) -> None:
+        """Remove a reservation file (unlinked while still locked, then let go)."""
+        _unlink_quietly(reservation.path)
+        with contextlib.suppress(OSError):
+            os.close(reservation.fd)
 
     def finish(
         self, pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
@@ -334,10 +394,13 @@ class PayloadFiles:
                     WRITE_THREADS, thread_name_prefix="persisting-kv-write"
                 )
             writers = self._writers
-        futures = [
-            writers.submit(self.write, p, header, payload, durable=True, hashed=h)
-            for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True)
-        ]
+        futures: list[Future[FileHeader]] = []
+        for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True):
+            args = (p, header, payload)
+            try:
+                futures.append(writers.submit(self.write, *args, durable=True, hashed=h))
+            except RuntimeError:  # the pool is shut down: the interpreter is exiting
+                futures.append(_inline(self.write, *args, durable=True, hashed=h))
         failure: BaseException | None = None
         for future in futures:
             failure = failure or future.exception()
@@ -355,10 +418,8 @@ class PayloadFiles:
             writers.shutdown(wait=True)
 
     def publish(self, pending: PendingFile) -> Path:
-        """Rename a written tmp file into place (creating its ``payload/<hh>`` directory on
-        first use) and let go of it."""
+        """Rename a written tmp file into place (within its directory) and let go of it."""
         try:
-            self._make_subdir(pending.final.parent)
             os.rename(pending.tmp, pending.final)
         except OSError as exc:
             PayloadFiles.abort(pending)
@@ -479,20 +540,34 @@ class PayloadFiles:
             if entry.is_dir(follow_symlinks=False):
                 yield Path(entry.path)
 
+    def reservation_files(self) -> Iterator[tuple[Path, int]]:
+        """Metadata reservations as ``(path, reserved bytes)``, live or abandoned."""
+        yield from _reservations_in(self.reservations_dir)
+
     def tmp_files(self) -> Iterator[tuple[Path, int]]:
-        """In-flight writes as ``(path, reserved bytes)``, live or abandoned."""
-        for entry in os.scandir(self.tmp_dir):
-            parts = entry.name.removesuffix(".tmp").split("-")
-            if len(parts) != 3 or not entry.name.endswith(".tmp"):
-                continue
+        """Whole in-flight files older versions wrote in ``tmp/``, as ``(path, reserved
+        bytes)``, live or abandoned."""
+        yield from _reservations_in(self.tmp_dir)
+
+    def census(self) -> Iterator[tuple[Path, int | None]]:
+        """Every payload file as ``(path, None)`` and every in-flight one as ``(path,
+        reserved bytes)``: one listing per ``payload/<hh>`` directory, so a file renamed
+        into place meanwhile is seen once. Slow (every directory): for a recount only."""
+        for subdir in self.subdirs():
             try:
-                yield Path(entry.path), int(parts[2])
-            except ValueError:
+                names = os.listdir(subdir)
+            except FileNotFoundError:
                 continue
+            for name in names:
+                if name.endswith(".kv") and len(name) == 28:
+                    yield subdir / name, None
+                elif (reserved := _reserved_of(name)) is not None:
+                    yield subdir / name, reserved
 
     @staticmethod
-    def remove_if_abandoned(path: Path) -> bool:
-        """Unlink tmp file ``path`` if no live writer holds its lock; True if it did.
+    def remove_if_abandoned(path: Path, *, keep: bool = False) -> bool:
+        """Unlink tmp file ``path`` if no live writer holds its lock (with ``keep``, only
+        say so); True if it did.
 
         Its writer holds the lock until the file has its final name, so a lock we can take
         means the writer died (the kernel dropped its lock) or gave the file up.
@@ -512,11 +587,66 @@ class PayloadFiles:
                 same = os.path.samestat(os.fstat(fd), os.stat(path))
             except FileNotFoundError:
                 return False
-            if same:
+            if same and not keep:
                 _unlink_quietly(path)
             return same
         finally:
             os.close(fd)
+
+
+def _inline(fn: Callable[..., FileHeader], *args: Any, **kwargs: Any) -> Future[FileHeader]:
+    """Run ``fn`` now, on this thread, as a completed future (outcome or exception)."""
+    future: Future[FileHeader] = Future()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as exc:
+        future.set_exception(exc)
+    return future
+
+
+def _reservations_in(directory: Path) -> Iterator[tuple[Path, int]]:
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        reserved = _reserved_of(entry.name)
+        if reserved is not None:
+            yield Path(entry.path), reserved
+
+
+def _reserved_of(name: str) -> int | None:
+    """The reserved bytes in a ``<random>-<tag>-<bytes>.tmp`` name (None: not such a name)."""
+    if not name.endswith(".tmp"):
+        return None
+    parts = name.removesuffix(".tmp").split("-")
+    if len(parts) != 3 or not parts[2].isdigit():
+        return None
+    return int(parts[2])
+
+
+def _create_locked(path: Path, mode: int) -> int:
+    """Create ``path`` (it must not exist) with exactly ``mode``, exclusively locked."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        raise _io_error(f"cannot create {path}", exc) from exc
+    restrict(path, mode, fd=fd)  # exactly its mode, whatever the umask
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and unseen: never blocks
+    except OSError as exc:
+        os.close(fd)
+        _unlink_quietly(path)
+        raise _io_error(f"cannot lock {path}", exc) from exc
+    return fd
+
+
+def _allocated(path: str | os.PathLike[str]) -> int:
+    try:
+        return os.lstat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
 
 
 def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:
@@ -564,6 +694,8 @@ __all__ = [
     "HEADER_BYTES",
     "FileHeader",
     "PayloadFiles",
+    "PendingFile",
+    "Reservation",
     "file_size",
     "key_hash",
     "read_file_range",

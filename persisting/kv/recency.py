@@ -27,6 +27,11 @@ _HEAD = struct.Struct("<8sQ")  # magic, entry count
 _ENTRY = struct.Struct("<QI")  # key hash, file tag
 
 
+def file_bytes(count: int) -> int:
+    """The size of a snapshot of ``count`` chunks."""
+    return _HEAD.size + count * _ENTRY.size
+
+
 def save_order(directory: Path, order: Iterable[tuple[int, int]]) -> None:
     """Replace the snapshot with ``order`` (``(key hash, tag)``, least recent first)."""
     entries = list(order)
@@ -70,4 +75,9 @@ def load_order(directory: Path) -> dict[tuple[int, int], int]:
     return ranks
 
 
-__all__ = ["FILE_NAME", "load_order", "save_order"]
+__all__ = [
+    "FILE_NAME",
+    "file_bytes",
+    "load_order",
+    "save_order",
+]

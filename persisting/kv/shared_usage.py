@@ -2,13 +2,20 @@
 
 Capacity holds for the directory as a whole, not per process: each writer reserves bytes
 in a small counter file under an exclusive ``flock`` before it writes, and gives them back
-when it unlinks a payload file. The counter has two slots: payload bytes (reserved before a
-write, exact) and overhead bytes (the metadata table, directories and small files, measured
-after each metadata commit). It is recomputed from the files on open, and a dead writer's
-reservations are reclaimed when a writer finds the directory full (see ``DiskTier``).
+when it unlinks a payload file. The counter has three slots: payload bytes (reserved before
+a write, exact), overhead bytes (the metadata table, directories and small files, as
+measured after each metadata commit and grown by the directory blocks each new file adds),
+and metadata reservations (what commits in progress may still add). It is recomputed from
+the files on open, and a dead writer's reservations are reclaimed when a writer finds the
+directory full (see ``DiskTier``).
 
-Both files are mode 0600 whatever the store's access setting: whoever can open the lock
-file can ``flock`` it and stall every writer.
+A second lock, ``.metadata.lock``, is held around each metadata commit with its
+reservation and measurement: commits of all processes take turns, so a measurement never
+catches another process's commit half-way (which would count its growth twice, once
+measured and once reserved).
+
+The files are mode 0600 whatever the store's access setting: whoever can open a lock file
+can ``flock`` it and stall every writer.
 """
 
 from __future__ import annotations
@@ -32,38 +39,63 @@ log = logging.getLogger(__name__)
 _SLOT = struct.Struct("<q")
 PAYLOAD_SLOT = 0
 OVERHEAD_SLOT = _SLOT.size
+RESERVED_SLOT = 2 * _SLOT.size
 
 
-class SharedUsage:
-    """A two-slot byte counter and a lock shared across processes through two small files."""
+class _FileLock:
+    """An exclusive ``flock`` on a file, re-entrant within the thread that holds it."""
 
-    def __init__(self, directory: Path):
-        self._lock_fd = open_private(directory / ".lock", os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
-        try:
-            self._counter_fd = open_private(
-                directory / "usage.bin", os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE
-            )
-        except BaseException:
-            os.close(self._lock_fd)
-            raise
+    def __init__(self, path: Path):
+        self.fd = open_private(path, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
         self._thread_lock = threading.RLock()
         self._depth = 0
-        #: Bytes of dead writers' reservations given back (see :meth:`reclaim_abandoned`).
-        self.reclaimed_bytes = 0
 
     @contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the directory's exclusive lock (re-entrant within this process)."""
+    def held(self) -> Iterator[None]:
         with self._thread_lock:
             if self._depth == 0:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
             self._depth += 1
             try:
                 yield
             finally:
                 self._depth -= 1
                 if self._depth == 0:
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class SharedUsage:
+    """A two-slot byte counter and two locks shared across processes through small files."""
+
+    def __init__(self, directory: Path):
+        self._lock = _FileLock(directory / ".lock")
+        try:
+            self._metadata_lock = _FileLock(directory / ".metadata.lock")
+        except BaseException:
+            self._lock.close()
+            raise
+        try:
+            self._counter_fd = open_private(
+                directory / "usage.bin", os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE
+            )
+        except BaseException:
+            self._lock.close()
+            self._metadata_lock.close()
+            raise
+        #: Bytes of dead writers' reservations given back (see :meth:`reclaim_abandoned`).
+        self.reclaimed_bytes = 0
+
+    def locked(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the directory's exclusive usage lock (re-entrant within this thread)."""
+        return self._lock.held()
+
+    def metadata_locked(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the directory's metadata lock (take it before :meth:`locked`, never after)."""
+        return self._metadata_lock.held()
 
     def _read(self, slot: int) -> int:
         raw = os.pread(self._counter_fd, _SLOT.size, slot)
@@ -73,7 +105,7 @@ class SharedUsage:
         os.pwrite(self._counter_fd, _SLOT.pack(max(0, value)), slot)
 
     def get(self) -> int:
-        """Payload bytes reserved or stored (block-rounded payload files and tmp files)."""
+        """Payload bytes reserved or stored (block-rounded payload and in-flight files)."""
         return max(0, self._read(PAYLOAD_SLOT))
 
     def set(self, value: int) -> None:
@@ -92,47 +124,81 @@ class SharedUsage:
     def set_overhead(self, value: int) -> None:
         self._write(OVERHEAD_SLOT, value)
 
+    def reserved(self) -> int:
+        """Bytes reserved for metadata commits in progress (see ``DiskTier``)."""
+        return max(0, self._read(RESERVED_SLOT))
+
+    def set_reserved(self, value: int) -> None:
+        self._write(RESERVED_SLOT, value)
+
     def total(self) -> int:
-        """What the directory holds on disk: payload plus overhead."""
-        return self.get() + self.overhead()
+        """What the directory holds on disk, or may hold once the metadata commits in
+        progress land: payload plus overhead plus their reservations."""
+        return self.get() + self.overhead() + self.reserved()
 
     # -- keeping the counter true -------------------------------------------------------
 
     def recount(self, files: PayloadFiles) -> None:
-        """Set the payload slot from the files actually present (caller holds the lock);
-        abandoned tmp files (their writer died) are removed on the way."""
+        """Set the payload and reservation slots from the files actually present (caller
+        holds the lock); abandoned in-flight files and reservations (their writer died) are
+        removed on the way, and so are the ``writers/`` files of the dead."""
+        dead = files.dead_writers()
         total = 0
-        # tmp/ before payload/: a write renamed in between is counted twice, never missed.
         for tmp, reserved in files.tmp_files():
             if not files.remove_if_abandoned(tmp):
                 total += reserved
-        for path, _h, _tag in files.scan():
-            try:
-                total += round_to_block(os.stat(path).st_size)
-            except FileNotFoundError:
-                continue
+        for path, in_flight in files.census():
+            if in_flight is None:
+                with contextlib.suppress(FileNotFoundError):
+                    total += round_to_block(os.stat(path).st_size)
+            elif not files.remove_if_abandoned(path):
+                total += in_flight
         self.set(total)
+        live = 0
+        for path, reserved in files.reservation_files():
+            if not files.remove_if_abandoned(path):
+                live += reserved
+        self.set_reserved(live)
+        for path in dead:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def reclaim_abandoned(self, files: PayloadFiles) -> int:
-        """Give back the reservations of writers that died mid-batch (their tmp files are
-        no longer locked); returns the bytes reclaimed. The caller holds the lock.
+        """Give back the reservations of writers that died mid-batch or mid-commit (their
+        in-flight and reservation files are no longer locked); returns the bytes reclaimed.
+        The caller holds the lock.
 
-        Cheap (``tmp/`` holds only writes in flight), so a writer runs it whenever the
-        directory looks full, before it evicts anything.
+        Cheap unless a writer died: ``reservations/`` and ``writers/`` hold a few files,
+        and the ``payload/<hh>`` directories are searched for in-flight files only when a
+        ``writers/`` file is found unlocked. So a writer runs it whenever the directory
+        looks full, before it evicts anything.
         """
-        freed = 0
-        for tmp, reserved in files.tmp_files():
+        payload = metadata = 0
+        for path, reserved in files.reservation_files():
+            if files.remove_if_abandoned(path):
+                metadata += reserved
+        for tmp, reserved in files.tmp_files():  # whole in-flight files of older versions
             if files.remove_if_abandoned(tmp):
-                freed += reserved
+                payload += reserved
+        dead = files.dead_writers()
+        if dead:
+            for path, in_flight in files.census():
+                if in_flight is not None and files.remove_if_abandoned(path):
+                    payload += in_flight
+            for path in dead:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        freed = payload + metadata
         if freed:
-            log.warning("reclaimed %d bytes reserved by dead writers in %s", freed, files.tmp_dir)
-            self.set(self.get() - freed)
+            log.warning("reclaimed %d bytes reserved by dead writers in %s", freed, files.directory)
+            self.set(self.get() - payload)
+            self.set_reserved(self.reserved() - metadata)
             self.reclaimed_bytes += freed
         return freed
 
     @staticmethod
     def measure_overhead(directory: Path, files: PayloadFiles) -> int:
-        """Allocated bytes of everything in ``directory`` but payload and tmp files (those
+        """Allocated bytes of everything in ``directory`` but payload and in-flight files (those
         are counted exactly as they are reserved): directories, metadata, small files."""
         total = _allocated(directory)
         for entry in os.scandir(directory):
@@ -148,9 +214,10 @@ class SharedUsage:
         return total
 
     def close(self) -> None:
-        for fd in (self._lock_fd, self._counter_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._lock.close()
+        self._metadata_lock.close()
+        with contextlib.suppress(OSError):
+            os.close(self._counter_fd)
 
 
 def _allocated(path: str | os.PathLike[str]) -> int:

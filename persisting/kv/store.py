@@ -22,6 +22,7 @@ import numpy as np
 from persisting.config import KVSettings, PersistingSettings, size_bytes
 from persisting.cuda import DEFAULT_STAGING_BYTES, StoreHostMemory
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
+from persisting.kv import at_exit
 from persisting.kv.api import KVApi, in_thread
 from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
 from persisting.kv.keys import HASH_SCHEMES, HashScheme, TokenHasher
@@ -167,6 +168,7 @@ class KVStore(KVApi):
         self._reads = Reads(self._tiers, results, self._writes.write_back, read_threads)
         self._lookups = Lookups(self._tiers, chunk_size, hash_scheme, key_dtype_name(key_dtype))
         self._closed = False
+        at_exit.track(self, at_exit.STORE)  # closed at interpreter exit if still open
 
     def _release_tiers(self) -> None:
         if self.disk is not None:
@@ -617,9 +619,11 @@ class KVStore(KVApi):
 
     def close(self) -> None:
         """Finish write-behind work, write back dirty memory (write-back mode), close files
-        and let go of the namespace."""
+        and let go of the namespace. A store still open when the interpreter exits is
+        closed then (:mod:`persisting.kv.at_exit`)."""
         if self._closed:
             return
+        at_exit.untrack(self, at_exit.STORE)
         if self.arena is not None:
             self.arena.stop_prefault()
         try:

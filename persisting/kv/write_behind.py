@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from persisting.errors import PersistingError, StorageIOError
+from persisting.kv import at_exit
 from persisting.kv.disk_tier import DiskTier, WriteItem
 from persisting.kv.read_activity import ReadActivity
 
@@ -63,6 +64,7 @@ class WriteBehind:
             target=self._run, name="persisting-kv-write-behind", daemon=True
         )
         self._thread.start()
+        at_exit.track(self, at_exit.WRITER)  # drained at exit if its store was not closed
 
     def submit(self, item: WriteItem) -> Future[bool]:
         future: Future[bool] = Future()
@@ -147,8 +149,11 @@ class WriteBehind:
                 self._idle.notify_all()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        """Write what is queued, then stop the thread."""
+        at_exit.untrack(self, at_exit.WRITER)
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
 
 __all__ = ["DoneHook", "WriteBehind"]

@@ -127,6 +127,10 @@ class PersistingL2Adapter(L2AdapterInterface):
             raise
         #: Key string -> payload bytes of every chunk this adapter holds (sorted: pages).
         self._sizes: SortedDict = SortedDict()
+        #: Chunks in the books whose store LMCache has not been told of yet, and deletions
+        #: of such chunks, told once it has (see :meth:`_take`).
+        self._announcing: Counter[str] = Counter()
+        self._deferred: dict[str, list[tuple[ObjectKey, int]]] = {}
         self._counters: Counter[str] = Counter()
         self.io_errors = IOErrors()
         self._locks = KeyLocks(params.lock_ttl_s)
@@ -250,10 +254,14 @@ class PersistingL2Adapter(L2AdapterInterface):
             ]
             for _key, text, nbytes, _written in fresh:
                 self._sizes[text] = nbytes
+                self._announcing[text] += 1
         if fresh:
-            self._notify_keys_stored(
-                [key for key, *_ in fresh], [file_size(item[2]) for item in fresh]
-            )
+            try:
+                self._notify_keys_stored(
+                    [key for key, *_ in fresh], [file_size(item[2]) for item in fresh]
+                )
+            finally:
+                self._announced([text for _k, text, *_ in fresh])
         written = sum(nbytes for _k, _t, nbytes, was_written in stored if was_written)
         self._store_tasks.finish(task_id, L2StoreResult(ok, written))
         self._record_status()
@@ -386,12 +394,41 @@ class PersistingL2Adapter(L2AdapterInterface):
                 logger.warning("Persisting L2 delete of %s failed: %s", text, exc)
                 continue
             if removed:
-                with self._lock:
-                    nbytes = self._sizes.pop(text, None)
+                nbytes = self._take(text, key)
                 if nbytes is not None:
-                    gone.append((key, file_size(nbytes)))
+                    gone.append((key, nbytes))
         if gone:
             self._notify_keys_deleted([k for k, _n in gone], [n for _k, n in gone])
+
+    def _take(self, text: str, key: ObjectKey) -> int | None:
+        """Take a chunk out of the books; the bytes (its file's) to tell LMCache of its
+        deletion now, or None: not in the books, or its store not yet told,
+        in which case the deletion is told right after the store (:meth:`_announced`).
+        LMCache clamps a salt's usage at zero, so a deletion told before the store it
+        undoes would leave that salt overstated by the chunk, and its listeners would see
+        the chunk stored after it was deleted."""
+        with self._lock:
+            nbytes = self._sizes.pop(text, None)
+            if nbytes is None:
+                return None
+            if self._announcing[text] > 0:
+                self._deferred.setdefault(text, []).append((key, file_size(nbytes)))
+                return None
+            self._announcing.pop(text, None)
+        return file_size(nbytes)
+
+    def _announced(self, texts: list[str]) -> None:
+        """LMCache was told of these chunks' stores: tell it of their deletions since."""
+        late: list[tuple[ObjectKey, int]] = []
+        with self._lock:
+            for text in texts:
+                self._announcing[text] -= 1
+                if self._announcing[text] <= 0:
+                    del self._announcing[text]
+                    if text in self._deferred:
+                        late += self._deferred.pop(text)
+        if late:
+            self._notify_keys_deleted([k for k, _n in late], [n for _k, n in late])
 
     def list_l2_keys(
         self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
@@ -435,11 +472,11 @@ class PersistingL2Adapter(L2AdapterInterface):
         """Tell LMCache of the chunks the store evicted to stay within ``capacity``."""
         gone: list[tuple[ObjectKey, int]] = []
         while self._evicted:
-            text, disk_bytes = self._evicted.popleft()
-            with self._lock:
-                known = self._sizes.pop(text, None) is not None
-            if known:
-                gone.append((object_key_of(text), disk_bytes))
+            text, _disk_bytes = self._evicted.popleft()  # the file's bytes, as _take says
+            key = object_key_of(text)
+            nbytes = self._take(text, key)
+            if nbytes is not None:
+                gone.append((key, nbytes))
         if gone:
             self._count("evictions", len(gone))
             self._notify_keys_deleted([k for k, _n in gone], [n for _k, n in gone])
@@ -453,10 +490,10 @@ class PersistingL2Adapter(L2AdapterInterface):
         """A chunk that vanished from the store (dropped as damaged) leaves LMCache's books."""
         if self.store.contains(text):
             return
-        with self._lock:
-            nbytes = self._sizes.pop(text, None)
+        key = object_key_of(text)
+        nbytes = self._take(text, key)
         if nbytes is not None:
-            self._notify_keys_deleted([object_key_of(text)], [file_size(nbytes)])
+            self._notify_keys_deleted([key], [nbytes])
 
     # -- status, lifecycle ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from persisting.errors import StorageIOError
+from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,9 @@ def acquire_writer_lock(bucket_dir: Path, timeout_s: float) -> int:
     Waits up to ``timeout_s`` for another process to let go, then raises StorageIOError
     naming the holder's pid.
     """
-    path = bucket_dir / LOCK_FILE
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise StorageIOError(f"cannot open {path}: {exc}") from exc
+    # 0600 whatever the access setting (an older one's 0644 file is tightened): whoever
+    # can open the lock file can hold the lock and stall the bucket's writer.
+    fd = open_private(bucket_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
     deadline = time.monotonic() + timeout_s
     while True:
         try:

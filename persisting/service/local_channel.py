@@ -14,6 +14,17 @@ refuses ``hello``: every request must carry a session id that a ``hello`` throug
 and both sides decode them with :func:`~persisting.service.protocol.safe_loads` (plain
 values only). Requests are answered concurrently and matched to callers by id. The
 server side runs on its own threads (blocking sockets); the client side is asyncio.
+
+Each connection has a thread, so their number is capped: ``max_connections`` in all (the
+server's own user is the only one it answers, so that is also the cap per user) and
+``max_per_session`` per session (a client needs one). A client attaches first (``attach``
+with its session id) and sends requests only once the server said yes; a connection over a
+cap is refused cleanly: the server sends a refusal frame (request id 0) instead, before
+reading anything else of it, and closes it. The client then stays on Pulsing, nothing sent
+on the channel having been carried out (:meth:`LocalChannel.open` raises
+:class:`ChannelRefused`, or :class:`ServiceUnavailableError` if the refusal was lost to the
+close). A client that sends requests without attaching is counted by the session of its
+first request, refused the same way (that request unanswered).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import socket
 import struct
 import tempfile
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
@@ -39,6 +51,17 @@ from persisting.shm import pid_alive
 _HEADER = struct.Struct("<IQ")
 #: Largest frame either side accepts (message-path replies carry at most one chunk).
 MAX_FRAME_BYTES = 64 << 20
+#: Connections served at once, and per session (see the module's docstring).
+MAX_CONNECTIONS = 256
+MAX_CONNECTIONS_PER_SESSION = 4
+#: The request id of a refusal frame (clients number their requests from 1).
+REFUSAL_ID = 0
+#: How long a client waits for the server to admit its connection.
+ATTACH_TIMEOUT_S = 5.0
+
+
+class ChannelRefused(ServiceUnavailableError):
+    """The server refused this connection (it is at a cap); nothing sent on it was done."""
 
 
 def _frame(request_id: int, message: Any) -> bytes:
@@ -94,18 +117,27 @@ class LocalChannelServer:
         answer: Callable[[Any], dict[str, Any]],
         light: Callable[[Any], bool],
         executor: Executor,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        max_per_session: int = MAX_CONNECTIONS_PER_SESSION,
     ):
         self._answer = answer
         self._light = light
         self._executor = executor
+        self._max_connections = max_connections
+        self._max_per_session = max_per_session
         self._listener: socket.socket | None = None
         self._directory: Path | None = None
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
+        #: Connections per session (by the session of each one's first request).
+        self._per_session: Counter[str] = Counter()
         self._closed = False
         self.path: str | None = None
         #: Connections closed unread because their peer was another user.
         self.refused = 0
+        #: Connections refused because a cap was reached (all, or their session's).
+        self.refused_over_cap = 0
 
     def start(self) -> str:
         """Listen (mode 0600 socket in a fresh private folder); returns the socket's path."""
@@ -154,17 +186,58 @@ class LocalChannelServer:
                 if self._closed:
                     conn.close()
                     return
-                self._connections.add(conn)
+                full = len(self._connections) >= self._max_connections
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                self._refuse(
+                    conn, f"the server's {self._max_connections} channel connections are in use"
+                )
+                continue
             threading.Thread(
                 target=self._serve_connection, args=(conn,), name="kv-channel-conn", daemon=True
             ).start()
 
+    def _refuse(self, conn: socket.socket, reason: str) -> None:
+        """Tell the peer this connection is refused, then close it (nothing it sent ran)."""
+        self.refused_over_cap += 1
+        with contextlib.suppress(OSError):
+            conn.settimeout(1.0)  # a refusal never waits on a peer that does not read
+            conn.sendall(_frame(REFUSAL_ID, {"refused": reason}))
+            conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
+
+    def _admit(self, conn: socket.socket, message: Any) -> str | None:
+        """Count ``conn`` under the session of its first request; the refusal's reason if
+        that session already holds its share of connections."""
+        sid = message.get("sid") if isinstance(message, dict) else None
+        if not isinstance(sid, str):
+            return None
+        with self._lock:
+            if self._per_session[sid] >= self._max_per_session:
+                return f"session holds {self._max_per_session} channel connections already"
+            self._per_session[sid] += 1
+        return None
+
     def _serve_connection(self, conn: socket.socket) -> None:
         reader = conn.makefile("rb")
         send_lock = threading.Lock()
+        session: str | None = None
         try:
             while True:
                 request_id, message = _read_frame_blocking(reader)
+                if session is None and isinstance(message, dict) and message.get("sid"):
+                    refusal = self._admit(conn, message)
+                    if refusal is not None:
+                        with self._lock:
+                            self._connections.discard(conn)
+                        self._refuse(conn, refusal)
+                        return
+                    session = message["sid"]
+                if isinstance(message, dict) and message.get("op") == "attach":
+                    with send_lock:
+                        conn.sendall(_frame(request_id, {"attached": session is not None}))
+                    continue
                 if self._light(message):
                     self._reply(conn, send_lock, request_id, message)
                 else:
@@ -174,6 +247,10 @@ class LocalChannelServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                if session is not None:
+                    self._per_session[session] -= 1
+                    if self._per_session[session] <= 0:
+                        del self._per_session[session]
             reader.close()
             conn.close()
 
@@ -238,11 +315,29 @@ class LocalChannel:
         self._pump = asyncio.ensure_future(self._read_replies())
 
     @classmethod
-    async def open(cls, path: str) -> LocalChannel:
+    async def open(cls, path: str, sid: str | None = None) -> LocalChannel:
+        """Connect; with ``sid``, attach that session and return only once the server
+        admitted the connection (:class:`ChannelRefused` if it did not;
+        :class:`ServiceUnavailableError` if the connection broke meanwhile). Nothing but the
+        attach is sent before, so a failure here leaves nothing done on the server."""
         reader, writer = await asyncio.open_unix_connection(path, limit=MAX_FRAME_BYTES)
-        return cls(reader, writer)
+        channel = cls(reader, writer)
+        if sid is None:
+            return channel
+        try:
+            await asyncio.wait_for(channel.ask({"op": "attach", "sid": sid}), ATTACH_TIMEOUT_S)
+        except BaseException as exc:
+            await channel.close()
+            if isinstance(exc, (ServiceUnavailableError, asyncio.CancelledError)):
+                raise
+            raise ServiceUnavailableError(f"local channel not attached: {exc!r}") from exc
+        return channel
 
     async def ask(self, message: dict[str, Any]) -> Any:
+        """Send one request and wait for its reply; :class:`ChannelRefused` when the server
+        refused the connection (the request was not carried out)."""
+        if isinstance(self._broken, ChannelRefused):
+            raise ChannelRefused(str(self._broken))
         if self._broken is not None:
             raise ServiceUnavailableError(f"local channel is closed: {self._broken}")
         request_id = self._next_id
@@ -259,6 +354,8 @@ class LocalChannel:
         try:
             while True:
                 request_id, reply = await _read_frame(self._reader)
+                if request_id == REFUSAL_ID and isinstance(reply, dict) and "refused" in reply:
+                    raise ChannelRefused(f"local channel refused: {reply['refused']}")
                 future = self._waiting.get(request_id)
                 if future is not None and not future.done():
                     future.set_result(reply)
@@ -267,7 +364,9 @@ class LocalChannel:
             for future in self._waiting.values():
                 if not future.done():
                     future.set_exception(
-                        ServiceUnavailableError(f"local channel lost: {type(exc).__name__}")
+                        ChannelRefused(str(exc))
+                        if isinstance(exc, ChannelRefused)
+                        else ServiceUnavailableError(f"local channel lost: {type(exc).__name__}")
                     )
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -275,6 +374,11 @@ class LocalChannel:
     @property
     def broken(self) -> bool:
         return self._broken is not None
+
+    @property
+    def refused(self) -> bool:
+        """The server refused this connection: nothing sent on it was carried out."""
+        return isinstance(self._broken, ChannelRefused)
 
     async def close(self) -> None:
         self._pump.cancel()
@@ -285,4 +389,11 @@ class LocalChannel:
             await self._writer.wait_closed()
 
 
-__all__ = ["MAX_FRAME_BYTES", "LocalChannel", "LocalChannelServer"]
+__all__ = [
+    "MAX_CONNECTIONS",
+    "MAX_CONNECTIONS_PER_SESSION",
+    "MAX_FRAME_BYTES",
+    "ChannelRefused",
+    "LocalChannel",
+    "LocalChannelServer",
+]

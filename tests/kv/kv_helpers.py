@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from persisting.kv import ChunkKey
@@ -57,3 +59,20 @@ def shared_dir_worker(root: str, worker: int, capacity: int, rounds: int, barrie
         store.refresh()
         seen = sum(store.contains(key(i)) for i in range(40))
     results.put((worker, wrong, hits, misses, seen))
+
+
+def in_flight(directory: Path) -> list[Path]:
+    """The in-flight payload files of a model directory (written beside their final place,
+    ``payload/<hh>/*.tmp``, and renamed within it)."""
+    return sorted(directory.glob("payload/*/*.tmp"))
+
+
+def make_uncreatable(directory: Path, key_text: str) -> None:
+    """Make creating the payload file of ``key_text`` fail with ENOTDIR: its
+    ``payload/<hh>`` directory becomes a plain file (it must hold no file yet)."""
+    from persisting.kv.payload_files import key_hash
+
+    subdir = directory / "payload" / f"{key_hash(key_text) >> 56:02x}"
+    if subdir.is_dir():
+        subdir.rmdir()  # fails if a stored chunk lives there: pick another key
+    subdir.write_bytes(b"not a directory")

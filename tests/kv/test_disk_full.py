@@ -15,7 +15,7 @@ import torch
 
 from persisting.errors import CapacityError
 from persisting.kv import open_kv_store
-from tests.kv.kv_helpers import MODEL, key
+from tests.kv.kv_helpers import MODEL, in_flight, key
 
 MiB = 1 << 20
 
@@ -49,7 +49,7 @@ def test_full_filesystem_fails_puts_cleanly_and_recovers(small_fs: Path) -> None
         # Reads keep working, bit-exact, and nothing half-written is visible.
         for i in stored:
             assert torch.equal(store.get(key(i)), value(i))
-        assert list((store.directory / "tmp").iterdir()) == []
+        assert in_flight(store.directory) == []
         with pytest.raises(CapacityError):
             store.put(key(failed), value(failed))
         # Space comes back (the operator grows the filesystem): puts work again.

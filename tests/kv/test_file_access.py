@@ -106,7 +106,7 @@ def test_every_directory_is_0700_and_every_file_0600(root: Path) -> None:
     wide = {str(p): oct(m) for p, m in modes.items() if m & 0o077}
     assert wide == {}
     kinds = {p.name for p in modes}
-    assert {"usage.bin", ".lock", ".namespace.lock", "meta.lance", "payload", "tmp"} <= kinds
+    assert {"usage.bin", ".lock", ".namespace.lock", "meta.lance", "payload", "writers"} <= kinds
     assert any(p.suffix == ".kv" for p in modes) and any(".lance" in p.name for p in modes)
     assert all(m == 0o700 for p, m in modes.items() if p.is_dir())
     assert all(m == 0o600 for p, m in modes.items() if p.is_file())
@@ -123,6 +123,7 @@ def test_group_access_widens_data_to_the_group_but_never_the_lock(root: Path) ->
                 "usage.bin",
                 ".lock",
                 ".namespace.lock",
+                ".metadata.lock",
                 "recency.bin",  # the eviction order: the owner's bookkeeping, like usage.bin
             )
             assert m == (0o600 if control else 0o640), (p, oct(m))

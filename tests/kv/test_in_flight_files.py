@@ -16,7 +16,7 @@ import torch
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size, round_to_block
 from tests import child_env
-from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
+from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, in_flight, key, tensor
 
 MiB = 1 << 20
 
@@ -52,11 +52,11 @@ def test_two_stores_of_one_process_keep_each_others_in_flight_files(root: Path) 
     writer.start()
     try:
         assert started.wait(60)
-        in_flight = sorted(p.name for p in (first.directory / "tmp").iterdir())
-        assert len(in_flight) == 10
+        writing = in_flight(first.directory)
+        assert len(writing) == 10
         with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as second:
             # Opening recounts the directory's usage: the first store's files must survive.
-            assert sorted(p.name for p in (first.directory / "tmp").iterdir()) == in_flight
+            assert in_flight(first.directory) == writing
             go.set()
             writer.join(60)
             assert all(getattr(r, "stored", False) for r in outcome), outcome
@@ -121,16 +121,16 @@ def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path)
             assert child.stdout is not None
             line = child.stdout.readline().split()
             assert line[:1] == ["writing"], line
-            tmp = sorted((mine.directory / "tmp").iterdir())
+            tmp = in_flight(mine.directory)
             assert len(tmp) == 3
             # Another store opens (and recounts), and a full directory would reclaim:
             # neither may take a live writer's files for dead, whatever its pid means here.
             with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as other:
-                assert sorted((mine.directory / "tmp").iterdir()) == tmp
+                assert in_flight(mine.directory) == tmp
                 assert other.disk is not None
                 with other.disk.usage.locked():
                     assert other.disk.usage.reclaim_abandoned(other.disk.files) == 0
-                assert sorted((mine.directory / "tmp").iterdir()) == tmp
+                assert in_flight(mine.directory) == tmp
             go.touch()
             assert child.stdout.readline().split() == ["stored", "3"]
             assert child.wait(60) == 0
@@ -174,7 +174,7 @@ def test_a_writer_killed_mid_batch_gives_its_reservation_back(root: Path) -> Non
             timeout=120,
         )
         assert killed.returncode == -9
-        assert len(list((store.directory / "tmp").iterdir())) == 7
+        assert len(in_flight(store.directory)) == 7
         assert store.disk.usage.get() == (6 + 8) * per_file  # the dead writer's reservation
         # 6 + 8 + 4 files would not fit: the dead reservation must go, not my values.
         store.batched_put(mine[6:], [big(i) for i in range(6, 10)])
@@ -182,6 +182,6 @@ def test_a_writer_killed_mid_batch_gives_its_reservation_back(root: Path) -> Non
         assert stats["disk_evictions"] == 0
         assert stats["reclaimed_bytes"] == 7 * per_file
         assert all(torch.equal(store.get(k), big(i)) for i, k in enumerate(mine))
-        assert list((store.directory / "tmp").iterdir()) == []
+        assert in_flight(store.directory) == []
         on_disk = sum(round_to_block(p.stat().st_size) for p in store.directory.rglob("*.kv"))
         assert store.disk.usage.get() == on_disk == 11 * per_file

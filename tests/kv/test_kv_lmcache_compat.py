@@ -145,16 +145,14 @@ def test_puts_without_fsync_are_whole_and_found_after_reopen(root: Path) -> None
 
 
 def test_a_put_that_cannot_create_its_file_gives_its_reservation_back(root: Path) -> None:
-    import shutil
-
     from persisting.errors import StorageIOError
+    from tests.kv.kv_helpers import make_uncreatable
 
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=1 << 20) as store:
         store.put(f"{MODEL}@1@0@1@bfloat16", _chunk(1))
         used = store.stats()["disk_bytes"]
-        tmp = store.directory / "tmp"
-        shutil.rmtree(tmp)
-        tmp.write_bytes(b"")  # creating an in-flight file now fails (ENOTDIR)
+        for i in range(2, 5):  # creating their in-flight files fails (ENOTDIR)
+            make_uncreatable(store.directory, f"{MODEL}@1@0@{i}@bfloat16")
         for i in range(2, 5):
             with pytest.raises(StorageIOError):
                 store.put(f"{MODEL}@1@0@{i}@bfloat16", _chunk(i))

@@ -17,7 +17,15 @@ from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size
 from persisting.lance_store import StorageRoot
 from tests import child_env
-from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key, shared_dir_worker, tensor
+from tests.kv.kv_helpers import (
+    MODEL,
+    OVERHEAD_ROOM,
+    big,
+    in_flight,
+    key,
+    shared_dir_worker,
+    tensor,
+)
 
 MiB = 1 << 20
 
@@ -120,5 +128,5 @@ def test_sigkill_loses_no_acknowledged_sync_put(root: Path) -> None:
             got = store.get(key(i))
             assert got is not None, f"acknowledged put {i} lost"
             assert torch.equal(got, tensor(i, tokens=64))
-        tmp = list((StorageRoot(root).kv_path(MODEL) / "tmp").iterdir())
+        tmp = in_flight(StorageRoot(root).kv_path(MODEL))
         assert tmp == []  # torn writes of dead processes are cleaned up, never visible

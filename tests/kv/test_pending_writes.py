@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from persisting.kv import KVStore, PutResult, open_kv_store
-from tests.kv.kv_helpers import MODEL, key, tensor
+from tests.kv.kv_helpers import MODEL, in_flight, key, tensor
 
 MiB = 1 << 20
 VALUE_BYTES = tensor(0).numel() * 2
@@ -76,7 +76,7 @@ def test_remove_wins_over_a_write_behind_already_writing(root: Path) -> None:
         store.flush()
         assert not store.contains(key(1))
         assert told == [PutResult(str(key(1)), "memory", False, stored=False)]
-        assert list((store.directory / "tmp").iterdir()) == []
+        assert in_flight(store.directory) == []
         payload_bytes = store.disk.usage.get()
         assert payload_bytes == 0  # the unpublished file's reservation was given back
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as again:

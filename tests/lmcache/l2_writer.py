@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.kv.kv_helpers import in_flight
 from tests.lmcache.l2_harness import (
     adapter_json,
     adapter_of,
@@ -74,9 +75,8 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         big = [object_key(1000 + i) for i in range(BIG)]
         adapter.submit_store_task(big, [tensor_obj(1000 + i, BIG_SHAPE) for i in range(BIG)])
-        tmp = root / "kv" / "lmcache" / "tmp"
         deadline = time.monotonic() + 60
-        while not any(tmp.iterdir()) and time.monotonic() < deadline:
+        while not in_flight(root / "kv" / "lmcache") and time.monotonic() < deadline:
             time.sleep(0.0005)
         os.kill(os.getpid(), signal.SIGKILL)
 

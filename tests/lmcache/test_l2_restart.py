@@ -15,6 +15,7 @@ import torch
 
 from persisting.lmcache import PersistingL2Adapter
 from tests import child_env
+from tests.kv.kv_helpers import in_flight
 from tests.lmcache.l2_harness import (
     adapter_json,
     adapter_of,
@@ -141,7 +142,7 @@ def test_a_store_torn_by_sigkill_is_never_visible(tmp_path: Path) -> None:
     assert result.returncode == -9, result.stderr[-3000:]
     with l2_adapter(root, capacity="256MiB") as adapter:
         assert isinstance(adapter, PersistingL2Adapter)
-        assert not any((root / "kv" / "lmcache" / "tmp").iterdir())  # no half-written file
+        assert in_flight(root / "kv" / "lmcache") == []  # no half-written file
         dest = [tensor_obj(None) for _ in KEYS]
         assert load(adapter, KEYS, dest) == list(range(len(KEYS)))
         big = [object_key(1000 + i) for i in range(BIG)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from persisting.kv.payload_files import file_size
 from persisting.lmcache import PersistingL2Adapter
 from persisting.lmcache.object_keys import object_key_text
+from tests.kv.kv_helpers import make_uncreatable
 from tests.lmcache.l2_harness import (
     LAYOUT,
     Recorder,
@@ -72,12 +72,15 @@ def test_capacity_holds_in_bytes_on_disk(root: Path) -> None:
             write_through_l1(manager, keys[start : start + 3], seed=start)
             assert du_bytes(namespace_dir(root)) <= capacity
             assert adapter.get_usage().total_bytes_used <= capacity
+        # A flush's metadata commits reserve their room first: in a budget this small that
+        # may evict one more chunk, so the books are read after it.
+        adapter.store.flush()
         kept = [k for k in keys if adapter.debug_has_key(k)]
         evicted = len(keys) - len(kept)
         assert 3 <= len(kept) < len(keys)
+        adapter.get_usage()  # LMCache hears of evictions the next time it asks the adapter
         wait_until(lambda: len(listener.deleted) == evicted, what="eviction notices")
         assert set(listener.deleted) == set(keys) - set(kept)
-        adapter.store.flush()
         assert du_bytes(namespace_dir(root)) == adapter.get_usage().total_bytes_used
         assert files_bytes(namespace_dir(root)) == len(kept) * ON_DISK
         assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": len(kept) * ON_DISK}
@@ -93,10 +96,11 @@ def test_a_failed_store_is_never_visible_and_its_errno_is_reported(root: Path) -
     with storage_manager(adapter_json(root, capacity="16MiB")) as manager:
         adapter = adapter_of(manager)
         write_through_l1(manager, [object_key(0)])
-        tmp = namespace_dir(root) / "tmp"
-        shutil.rmtree(tmp)
-        tmp.write_bytes(b"not a directory")  # every new payload file now fails: ENOTDIR
         failed = [object_key(i) for i in range(1, 4)]
+        for k in failed:  # their new payload files cannot be created: ENOTDIR
+            text = adapter._text(k)
+            assert text is not None
+            make_uncreatable(namespace_dir(root), text)
         reserved = manager.reserve_write(failed, LAYOUT)
         manager.finish_write(list(reserved))
         wait_until(lambda: adapter.report_status()["io_errors"] >= 1, what="the failed store")
@@ -194,11 +198,12 @@ def test_one_damaged_chunk_of_a_task_read_on_several_threads_is_its_only_miss(
 
 
 def test_a_task_larger_than_the_capacity_keeps_the_books_right(root: Path) -> None:
-    with l2_adapter(root, capacity=3 * ON_DISK) as adapter:  # metadata takes some of it
+    with l2_adapter(root, capacity=4 * ON_DISK) as adapter:  # metadata takes some of it
         listener = Recorder()
         adapter.register_listener(listener)
         keys = [object_key(i) for i in range(5)]
         assert store(adapter, keys, [tensor_obj(i) for i in range(5)]).is_successful()
+        adapter.store.flush()  # its metadata commits reserve room first: read the books after
         present = {k for k in keys if adapter.debug_has_key(k)}
         assert 1 <= len(present) < len(keys)
         assert present == set(keys[: len(present)])  # a request's first chunks are kept longest
@@ -206,6 +211,5 @@ def test_a_task_larger_than_the_capacity_keeps_the_books_right(root: Path) -> No
         assert listed == present
         told = {k for k, _n in listener.stored} - set(listener.deleted)
         assert told == present
-        adapter.store.flush()
         assert adapter.get_usage().total_bytes_used == du_bytes(namespace_dir(root))
         assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": len(present) * ON_DISK}

@@ -42,7 +42,10 @@ def test_store_lookup_retrieve_round_trip_through_the_plugin(root: Path) -> None
         engine.store(tokens, slot_mapping=slots)
         keys = [k for _s, _e, k in engine.token_database.process_tokens(tokens)]
         wait_until(lambda: plugin.batched_contains(keys) == 5, what="plugin puts")
-        # Only the plugin can serve the retrieve now.
+        # Its put tasks have let go of LMCache's objects (contains is true from the moment
+        # a value is in the plugin's memory tier): clear() then drops them all, and only
+        # the plugin can serve the retrieve.
+        plugin.wait_for_puts()
         manager.clear(locations=["LocalCPUBackend"])
         assert manager.batched_contains(keys)[1].keys() == {PLUGIN}
         assert engine.lookup(tokens) == 5 * CHUNK

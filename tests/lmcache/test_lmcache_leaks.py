@@ -10,7 +10,6 @@ import asyncio
 import errno
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from persisting.lmcache import PersistingKVBackend
+from tests.kv.kv_helpers import make_uncreatable
 from tests.lmcache.lmcache_harness import (
     cpu_of,
     filled,
@@ -178,9 +178,8 @@ def test_a_put_that_fails_with_an_io_error_is_counted_with_its_errno(
 ) -> None:
     manager = disk_only
     plugin = plugin_of(manager)
-    tmp = plugin.store_for(key(0)).directory / "tmp"
-    shutil.rmtree(tmp)
-    tmp.write_bytes(b"")  # new payload files cannot be created: ENOTDIR
+    # Its new payload file cannot be created: ENOTDIR.
+    make_uncreatable(plugin.store_for(key(0)).directory, key(0).to_string())
     obj = filled(manager, 0)
     (future,) = plugin.batched_submit_put_task([key(0)], [obj]) or []
     with pytest.raises(OSError):

@@ -66,7 +66,7 @@ def run(root: Path, kills: int, seed: int, time_budget_s: float = 240.0) -> dict
                 got = store.get(key_text(i))
                 if got is not None and not np.array_equal(got, value(i, 128)):
                     torn += 1
-            if list((store.directory / "tmp").iterdir()):
+            if list(store.directory.glob("payload/*/*.tmp")):
                 torn += 1
     return {
         "harness": "kv_crash",

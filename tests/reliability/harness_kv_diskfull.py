@@ -42,7 +42,7 @@ def run(fs_mib: int = 12) -> dict:
                         refused += 1
                     i += 1
                 reads_ok = sum(np.array_equal(store.get(key_text(j)), value(j)) for j in stored)
-                torn = len(list((store.directory / "tmp").iterdir()))
+                torn = len(list(store.directory.glob("payload/*/*.tmp")))
                 subprocess.run(["mount", "-o", f"remount,size={4 * fs_mib}m", str(mnt)], check=True)
                 recovered = 0
                 for j in range(1000, 1005):

@@ -283,9 +283,9 @@ class Cluster:
         path = member.info.get("local_channel")
         if member.channel is None and path:
             try:
-                member.channel = await LocalChannel.open(str(path))
-            except OSError:
-                member.channel = None  # e.g. another mount namespace: stay on Pulsing
+                member.channel = await LocalChannel.open(str(path), member.sid)
+            except (OSError, ServiceUnavailableError):  # another mount namespace, or the
+                member.channel = None  # server's channel is full: stay on Pulsing
 
     async def _drop_same_host(self, member: Member) -> None:
         """Close the member's channel, unmap its pool and forget every location in it."""

@@ -8,13 +8,21 @@ thread and offers the same methods (the contract of :mod:`persisting.kv.api`), b
     client.put(key, tensor)
     value = client.get(key)
     client.close()
+
+A client still open when the interpreter exits is closed then (an ``atexit`` hook, given
+:data:`EXIT_CLOSE_S` seconds): its sessions end at once, with their pins and leases, instead
+of at their TTL, and its loop thread and Pulsing are stopped before finalization.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
 import contextlib
+import logging
 import threading
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -22,6 +30,12 @@ from persisting.kv.api import KVApi, through_loop
 from persisting.service.client.kv_cache_client import KVCacheClient
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: How long closing a client left open may take at interpreter exit.
+EXIT_CLOSE_S = 10.0
+_OPEN: weakref.WeakSet[SyncKVCacheClient] = weakref.WeakSet()
 
 
 class SyncKVCacheClient(KVApi):
@@ -51,7 +65,9 @@ class SyncKVCacheClient(KVApi):
         except BaseException:
             _stop(loop, thread)
             raise
-        return cls(loop, thread, client)
+        sync = cls(loop, thread, client)
+        _OPEN.add(sync)
+        return sync
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -98,9 +114,14 @@ class SyncKVCacheClient(KVApi):
     def key_dtype(self, dtype: Any) -> None:
         self.client.key_dtype = dtype
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Say goodbye to every member and stop the loop (waiting at most ``timeout_s``
+        for the goodbyes, if given)."""
+        _OPEN.discard(self)
+        if self._loop.is_closed():
+            return
         try:
-            self._run(self.client.close())
+            asyncio.run_coroutine_threadsafe(self.client.close(), self._loop).result(timeout_s)
         finally:
             _stop(self._loop, self._thread)
 
@@ -128,6 +149,17 @@ def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
         thread.join(timeout=5)
     if not thread.is_alive():
         loop.close()
+
+
+def _close_all_at_exit() -> None:
+    for client in list(_OPEN):
+        try:
+            client.close(timeout_s=EXIT_CLOSE_S)
+        except (Exception, concurrent.futures.TimeoutError):
+            log.warning("closing a KV-cache client at exit failed", exc_info=True)
+
+
+atexit.register(_close_all_at_exit)
 
 
 def connect_sync(*args: Any, **kwargs: Any) -> SyncKVCacheClient:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from persisting.errors import ProtocolError, ServiceUnavailableError, SessionExpiredError
 from persisting.service.client.member import TRANSPORT_ERRORS, Member, MemberFailed
+from persisting.service.local_channel import ChannelRefused
 from persisting.service.protocol import (
     MAX_KEYS_PER_REQUEST,
     make_request,
@@ -63,6 +64,13 @@ class Transport:
         if channel is not None and message.get("op") != "hello":
             try:
                 return await with_timeout(channel.ask(message), self.timeout_s)
+            except ChannelRefused:  # the server is at a cap and did not run this request:
+                self.counters["channel_refused"] += 1  # Pulsing carries it, and the rest
+                if member.channel is channel:
+                    member.channel = None
+                    task = asyncio.ensure_future(channel.close())
+                    _closing.add(task)
+                    task.add_done_callback(_closing.discard)
             except (ServiceUnavailableError, *TRANSPORT_ERRORS) as exc:
                 if channel.broken:  # Pulsing carries the requests until it is reopened
                     member.channel = None
