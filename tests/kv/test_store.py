@@ -213,10 +213,9 @@ def test_async_burst_is_written_behind_in_batches(root: Path) -> None:
         assert all(torch.equal(reopened.get(key(i)), tensor(i)) for i in range(20))
 
 
-@pytest.mark.parametrize("mode", ["write_back", "evict"])  # "evict": the old name
-def test_write_back_mode_writes_back_on_eviction_and_close(root: Path, mode: str) -> None:
+def test_write_back_mode_writes_back_on_eviction_and_close(root: Path) -> None:
     value_bytes = tensor(0).numel() * 2
-    with open_store(root, durability=mode, memory_bytes=2 * value_bytes) as store:
+    with open_store(root, durability="write_back", memory_bytes=2 * value_bytes) as store:
         assert store.durability == "write_back"
         store.put(key(0), tensor(0))
         store.put(key(1), tensor(1))

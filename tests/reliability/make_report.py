@@ -99,6 +99,19 @@ PROMISES = """\
   asked to withdraw the ticket, says it will never touch them. Arena puts also carry the
   client's checksum, checked by the server before and after storing. Before, cancelled
   puts stored another key's bytes in nearly every run (figures below).
+- **One passphrase holder cannot hold the server's staging space.** Uploads, message-path
+  transfers and data-path puts are staged within `service.staging_bytes` per server and
+  `service.session_staging_bytes` per session, and an upload still staged
+  `service.staging_ttl_s` after it began is dropped however often its session renews. A
+  part sent twice counts once and overlapping parts are refused, so a put whose parts do
+  not cover its value is refused, with or without a checksum (before, a repeated part
+  counted twice and such a put could be stored with a hole: `tests/service/test_staging.py`).
+- **Data connections answer only a live session.** A client on another host moves values
+  on TCP connections that open with an HMAC of a per-session secret over a counter the
+  server never accepts twice; a peer without that gets no byte, is read for at most 3 s,
+  and at most 64 such peers are read at once. A connection killed or stalled mid-transfer
+  is a miss, never a partly written value, and leaves no lease or staging behind
+  (`docs/service.md`, `tests/service/test_remote_hosts.py`).
 - **A failed request does not lose the read leases riding on it.** Releases go back into
   the queue and leave with the next request, so no payload file stays leased (and
   unevictable) for the rest of a session.
