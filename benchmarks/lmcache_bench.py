@@ -269,8 +269,7 @@ def run_one(
         settle(args.pause)
         prefaulted = 0  # of the plugin's memory tier when the timed write starts
         if isinstance(backend, PersistingKVBackend):
-            arena = backend.store_for(keys[0]).arena
-            prefaulted = arena.prefaulted if arena is not None else 0
+            prefaulted = backend.store_for(keys[0]).prefaulted_bytes()
         write_s = _timed_writes(backend, keys, objs, args.concurrency, args.timeout)
         settle_s = 0.0
         if args.settle and isinstance(backend, PersistingKVBackend):

@@ -106,7 +106,7 @@ def log_banner(
             "memory_bytes": int(figures.get("memory_capacity", 0)),
             "disk_bytes": int(figures.get("disk_capacity", 0)),
             "durability": str(figures.get("durability")),
-            "shared_pool": store.pool is not None,
+            "shared_pool": store.shared_pool is not None,
             "disk_items": int(figures.get("disk_items", 0)),
         }
         logger.info(

@@ -35,6 +35,7 @@ from persisting.errors import CapacityError, CorruptValueError, PersistingError,
 from persisting.kv import recency
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout
+from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
     BLOCK,
@@ -113,7 +114,9 @@ class DiskTier:
         self.files = PayloadFiles(directory, modes)
         self.usage = SharedUsage(directory)
         self.index: LruIndex[DiskEntry] = LruIndex()
-        self._lock = threading.RLock()
+        # The index and the keys being written. Lock order (persisting.kv.lock_order): taken
+        # under the usage lock (eviction) or Tiers.lock (pins), never the other way round.
+        self._lock = ordered(Rank.DISK_INDEX, threading.RLock())
         self._writing: set[str] = set()
         self._closed = False
         self.evictions = 0
@@ -357,6 +360,24 @@ class DiskTier:
 
     def overhead_bytes(self) -> int:
         return self.usage.overhead()
+
+    def sizes(self) -> list[tuple[str, int]]:
+        """Every key with its payload size, from the first eviction candidate to the last."""
+        return [(key, entry.layout.nbytes) for key, entry in self.index.items()]
+
+    def figures(self) -> dict[str, int]:
+        """The tier's part of a store's ``stats()``: ``disk_bytes`` is everything the
+        directory holds (payload files plus ``disk_overhead_bytes``)."""
+        return {
+            "disk_items": len(self.index),
+            "disk_bytes": self.used_bytes(),
+            "disk_overhead_bytes": self.overhead_bytes(),
+            "disk_capacity": self.capacity,
+            "disk_evictions": self.evictions,
+            "corruptions": self.corruptions,
+            "recovered_files": self.recovered_files,
+            "reclaimed_bytes": self.reclaimed_bytes,
+        }
 
     # -- writing ------------------------------------------------------------------------
 

@@ -27,6 +27,43 @@ class MemoryTier:
     def used(self) -> int:
         return self.index.bytes
 
+    def __contains__(self, key: str) -> bool:
+        return key in self.index
+
+    def sizes(self) -> list[tuple[str, int]]:
+        """Every key with its payload size, least recently used first."""
+        return [(key, entry.layout.nbytes) for key, entry in self.index.items()]
+
+    def figures(self) -> dict[str, int]:
+        """The tier's part of a store's ``stats()``."""
+        return {
+            "memory_items": len(self.index),
+            "memory_bytes": self.used,
+            "memory_capacity": self.capacity,
+            "memory_evictions": self.evictions,
+        }
+
+    def pin(self, key: str) -> bool:
+        """Count a pin of ``key`` (False: not here)."""
+        entry = self.index.get(key)
+        if entry is not None:
+            entry.pins += 1
+        return entry is not None
+
+    def unpin(self, key: str) -> bool:
+        """Take back a pin of ``key`` (False: not here, or not pinned)."""
+        entry = self.index.get(key)
+        if entry is None or entry.pins == 0:
+            return False
+        entry.pins -= 1
+        return True
+
+    def removable(self, key: str, *, force: bool) -> bool:
+        """Whether a remove may drop ``key`` now: not being read, and unpinned unless
+        ``force`` (True when it is not here)."""
+        entry = self.index.get(key)
+        return entry is None or not ((entry.pins > 0 and not force) or entry.readers > 0)
+
     def fits(self, nbytes: int) -> bool:
         return 0 < nbytes <= self.capacity
 

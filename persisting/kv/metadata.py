@@ -32,6 +32,7 @@ import pyarrow as pa
 from persisting.errors import PersistingError
 from persisting.kv import at_exit
 from persisting.kv.layout import Layout
+from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.payload_files import BLOCK, HEADER_BYTES, round_to_block
 from persisting.lance_store import LanceTable, blob_field
 from persisting.lance_store.access import FileModes
@@ -121,8 +122,11 @@ class MetadataTable:
         self.over_reservation = 0
         self._pending_rows: list[MetaRow] = []
         self._pending_deletes: list[tuple[str, int]] = []
-        self._lock = threading.Lock()
-        self._commit_lock = threading.Lock()
+        # Lock order (persisting.kv.lock_order): the commit lock comes first of all the
+        # store's locks (a commit takes the directory's metadata and usage locks), the
+        # pending-rows lock last (nothing is taken under it).
+        self._lock = ordered(Rank.METADATA_PENDING, threading.Lock())
+        self._commit_lock = ordered(Rank.METADATA_COMMIT, threading.Lock())
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._commits = 0

@@ -412,6 +412,24 @@ class Writes:
             result = PutResult(pending.item.key, "disk" if durable else "memory", durable, ok)
             notify(pending.on_complete, result, t)
 
+    # -- removal --------------------------------------------------------------------------
+
+    def remove(self, key: str, *, force: bool) -> bool:
+        """Drop ``key`` from both tiers, cancelling a write of it in progress (whose
+        ``on_complete`` is told ``stored=False``); False when nothing was there, or it is
+        being read, or (without ``force``) pinned."""
+        t = self._t
+        with t.lock:
+            if not t.memory.removable(key, force=force):
+                return False
+            removed = t.memory.remove(key) is not None
+            cancelled, callbacks = self.cancel(key)
+        if t.disk is not None:
+            removed = t.disk.remove(key, force=force) or removed
+        for callback in callbacks:
+            notify(callback, PutResult(key, "memory", False, stored=False), t)
+        return removed or cancelled
+
     # -- what is not on disk yet ----------------------------------------------------------
 
     def cancel(self, key: str) -> tuple[bool, list[OnComplete]]:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.payload_files import PayloadFiles, round_to_block
 from persisting.lance_store import disk_usage
 from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
@@ -43,11 +44,13 @@ RESERVED_SLOT = 2 * _SLOT.size
 
 
 class _FileLock:
-    """An exclusive ``flock`` on a file, re-entrant within the thread that holds it."""
+    """An exclusive ``flock`` on a file, re-entrant within the thread that holds it: a
+    thread lock is taken first and held as long as the ``flock`` (``rank`` places the pair
+    in the store's lock order)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, rank: Rank):
         self.fd = open_private(path, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
-        self._thread_lock = threading.RLock()
+        self._thread_lock = ordered(rank, threading.RLock())
         self._depth = 0
 
     @contextmanager
@@ -72,9 +75,11 @@ class SharedUsage:
     """A two-slot byte counter and two locks shared across processes through small files."""
 
     def __init__(self, directory: Path):
-        self._lock = _FileLock(directory / ".lock")
+        # Lock order (persisting.kv.lock_order): the metadata lock before the usage lock,
+        # both before the store's thread locks (Tiers.lock, DiskTier._lock).
+        self._lock = _FileLock(directory / ".lock", Rank.USAGE_FLOCK)
         try:
-            self._metadata_lock = _FileLock(directory / ".metadata.lock")
+            self._metadata_lock = _FileLock(directory / ".metadata.lock", Rank.METADATA_FLOCK)
         except BaseException:
             self._lock.close()
             raise

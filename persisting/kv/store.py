@@ -20,40 +20,53 @@ from typing import Any
 import numpy as np
 
 from persisting.config import KVSettings, PersistingSettings, size_bytes
-from persisting.cuda import DEFAULT_STAGING_BYTES, StoreHostMemory
+from persisting.cuda import DEFAULT_STAGING_BYTES
 from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
 from persisting.kv import at_exit
 from persisting.kv.api import KVApi, in_thread
-from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
+from persisting.kv.disk_tier import EvictionListener, Location
 from persisting.kv.keys import HASH_SCHEMES, HashScheme, TokenHasher
 from persisting.kv.keys import key_dtype as key_dtype_name
 from persisting.kv.layout import Layout
 from persisting.kv.load_plan import LoadPlan, TierBandwidth
 from persisting.kv.lookups import Lookups
-from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.policy import (
     AdmissionPolicy,
     EvictionPolicy,
     admission_policy,
     eviction_policy,
 )
-from persisting.kv.puts import Durability, OnComplete, PutResult, Tier, Writes, notify
+from persisting.kv.puts import Durability, OnComplete, PutResult, Tier, Writes
 from persisting.kv.reads import MemoryPayload, Reads, SharedLocation
 from persisting.kv.stats import StoreStats
-from persisting.kv.tiers import KeyLike, Tiers
+from persisting.kv.tiers import KeyLike, PoolFile, Tiers
 from persisting.lance_store import StorageRoot, validate_name
-from persisting.lance_store.namespace_lock import NamespaceHold
-from persisting.shm import RecycledBuffers, SharedPool, seqlock_safe
+from persisting.shm import RecycledBuffers
 
 
-def _open_pool(memory_bytes: int) -> SharedPool | None:
-    """A shared pool for the memory tier, where this host allows one (else None)."""
-    if memory_bytes <= 0 or not seqlock_safe():
-        return None
-    try:
-        return SharedPool(memory_bytes)
-    except OSError:  # no /dev/shm, or no room for the pool's header
-        return None
+def _check_options(
+    model: str,
+    durability: str,
+    memory_bytes: int,
+    disk_bytes: int,
+    read_threads: int,
+    hash_scheme: str,
+) -> None:
+    """ConfigError (or InvalidKeyError for the model name) for options that do not go
+    together, before anything is opened."""
+    validate_name(model, "model")
+    if "@" in model:
+        raise InvalidKeyError(f"model name {model!r} must not contain '@' (it separates key parts)")
+    if durability not in ("sync", "async", "write_back"):
+        raise ConfigError(f"durability must be sync, async or write_back, not {durability!r}")
+    if memory_bytes < 0 or disk_bytes < 0:
+        raise ConfigError("tier capacities must not be negative")
+    if read_threads < 1:
+        raise ConfigError(f"read_threads must be at least 1, not {read_threads}")
+    if durability != "sync" and memory_bytes == 0:
+        raise ConfigError(f"durability={durability!r} needs a memory tier (memory_bytes > 0)")
+    if hash_scheme not in HASH_SCHEMES:
+        raise ConfigError(f"hash_scheme must be one of {HASH_SCHEMES}, not {hash_scheme!r}")
 
 
 class KVStore(KVApi):
@@ -62,6 +75,39 @@ class KVStore(KVApi):
     Thread-safe. Use :func:`open_kv_store` to make one; close it (or use ``with``). While
     it is open (with a disk tier) it holds its namespace: ``StorageRoot.drop_model`` of
     its model refuses with :class:`~persisting.errors.NamespaceInUseError`.
+
+    Options (``open_kv_store`` takes the same keywords; those left out come from the
+    ``kv`` settings). Sizes take units as the settings do (``"64 MB"``, ``"8GiB"``).
+
+    - ``storage_path``, ``model``: the storage root, and the model whose namespace this is
+      (no ``'@'``: it separates key parts).
+    - ``memory_bytes``: the memory tier's budget (0: no memory tier).
+    - ``disk_bytes``: the disk tier's budget, for everything in the model's directory and
+      all processes sharing it (0: no disk tier, nothing persists).
+    - ``durability``: when a put completes: ``"sync"`` (on disk), ``"async"`` (in memory,
+      written behind) or ``"write_back"`` (written when evicted); see
+      :mod:`persisting.kv.puts`. The last two need a memory tier.
+    - ``eviction``: the policy name (``"lru"``, ``"prefix"``...) or an
+      :class:`~persisting.kv.policy.EvictionPolicy`; both tiers use it.
+    - ``admission``: which puts go to disk (``"always"``, ``"second_hit"``...) or an
+      :class:`~persisting.kv.policy.AdmissionPolicy`.
+    - ``max_value_bytes``: the largest value a put takes (default: the larger tier).
+    - ``chunk_size``, ``hash_scheme``, ``key_dtype``: how token lookups hash token ids by
+      default (tokens per chunk, ``"persisting"`` or LMCache's scheme, the key dtype in
+      any spelling); see :meth:`token_hasher`.
+    - ``shared_memory``: keep the memory tier in a shared pool same-host processes read
+      by place (:meth:`shared_location`, :attr:`shared_pool`).
+    - ``result_buffer_bytes``: recycled pages for the values gets return (0: fresh
+      memory per value).
+    - ``storage_access``: ``"owner"`` (0600/0700 files) or the root's group setting.
+    - ``fsync``: whether write-through puts fsync before they complete (False leaves them
+      in the page cache, as LMCache's own disk backends do).
+    - ``on_disk_evict``: told which chunks disk eviction removed, as ``(key, bytes)``, on
+      the writing thread with the directory's usage lock held (quick, no calls back).
+    - ``read_threads``: disk reads a batch keeps in flight (at least 1).
+    - ``pinned_memory``: ``"auto"``, ``"on"`` or ``"off"``: the memory tier and staging
+      ring in page-locked memory where CUDA is (see :mod:`persisting.cuda`).
+    - ``pinned_staging_bytes``: the pinned staging ring for device reads and writes.
     """
 
     def __init__(
@@ -87,72 +133,35 @@ class KVStore(KVApi):
         pinned_memory: str = "auto",
         pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
     ):
-        # Sizes take units as the settings do ("64 MB", "8GiB").
-        memory_bytes = size_bytes(memory_bytes, "memory_bytes")
-        disk_bytes = size_bytes(disk_bytes, "disk_bytes")
-        result_buffer_bytes = size_bytes(result_buffer_bytes, "result_buffer_bytes")
-        pinned_staging_bytes = size_bytes(pinned_staging_bytes, "pinned_staging_bytes")
-        if max_value_bytes is not None:
-            max_value_bytes = size_bytes(max_value_bytes, "max_value_bytes")
-        validate_name(model, "model")
-        if "@" in model:
-            raise InvalidKeyError(
-                f"model name {model!r} must not contain '@' (it separates key parts)"
-            )
-        if durability not in ("sync", "async", "write_back"):
-            raise ConfigError(f"durability must be sync, async or write_back, not {durability!r}")
-        if memory_bytes < 0 or disk_bytes < 0:
-            raise ConfigError("tier capacities must not be negative")
-        if read_threads < 1:
-            raise ConfigError(f"read_threads must be at least 1, not {read_threads}")
-        if durability != "sync" and memory_bytes == 0:
-            raise ConfigError(f"durability={durability!r} needs a memory tier (memory_bytes > 0)")
+        memory = size_bytes(memory_bytes, "memory_bytes")
+        disk = size_bytes(disk_bytes, "disk_bytes")
+        results_bytes = size_bytes(result_buffer_bytes, "result_buffer_bytes")
+        staging_bytes = size_bytes(pinned_staging_bytes, "pinned_staging_bytes")
+        largest = size_bytes(max_value_bytes, "max_value_bytes") if max_value_bytes else 0
+        _check_options(model, durability, memory, disk, read_threads, hash_scheme)
         self.model = model
         self.durability: Durability = durability
         self.chunk_size = chunk_size
-        if hash_scheme not in HASH_SCHEMES:
-            raise ConfigError(f"hash_scheme must be one of {HASH_SCHEMES}, not {hash_scheme!r}")
         #: How :meth:`lookup_tokens` hashes token ids when no hasher is given.
         self.hash_scheme: HashScheme = hash_scheme
-        self.max_value_bytes = max_value_bytes or max(memory_bytes, disk_bytes)
+        self.max_value_bytes = largest or max(memory, disk)
         self.root = StorageRoot(storage_path, storage_access)
         self.directory = self.root.kv_path(model)
         policy = eviction_policy(eviction)
         self.admission = admission_policy(admission)
-        self.memory = MemoryTier(memory_bytes, policy)
         #: Counters and per-operation timings; metrics exporters add listeners here.
         self.op_stats = StoreStats()
-        self._namespace: NamespaceHold | None = None
-        self.disk: DiskTier | None = None
-        if disk_bytes > 0:
-            self._namespace = self.root.hold_model(model)
-            try:
-                self.disk = DiskTier(
-                    self.directory, disk_bytes, policy, on_disk_evict, self.root.modes
-                )
-            except BaseException:
-                self._namespace.release()
-                raise
-        #: Memory-tier buffers readable by same-host processes (see :meth:`shared_location`).
-        self.pool = _open_pool(memory_bytes) if shared_memory else None
-        try:
-            #: Pinned memory tier and staging ring, device copiers (plain memory without CUDA).
-            self.host = StoreHostMemory(
-                mode=pinned_memory,
-                memory_bytes=memory_bytes,
-                staging_bytes=pinned_staging_bytes,
-                pool=self.pool,
-            )
-        except BaseException:
-            self._release_tiers()
-            raise
-        #: Private memory-tier buffers (used when no shared pool or pinned region holds it).
-        #: Twice the budget in address space: a put copies its value before it evicts, and
-        #: write-behinds and readers hold evicted buffers a while, so a full tier still
-        #: takes recycled pages; only what is touched is resident.
-        self.arena = RecycledBuffers(2 * memory_bytes) if memory_bytes > 0 else None
-        self._tiers = Tiers(
-            model, self.memory, self.disk, self.pool, self.op_stats, self.host, self.arena
+        self._tiers = Tiers.open(
+            self.root,
+            model,
+            memory_bytes=memory,
+            disk_bytes=disk,
+            policy=policy,
+            op_stats=self.op_stats,
+            on_disk_evict=on_disk_evict,
+            shared_memory=shared_memory,
+            pinned_memory=pinned_memory,
+            pinned_staging_bytes=staging_bytes,
         )
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync
@@ -160,23 +169,11 @@ class KVStore(KVApi):
         # Result pages without huge pages: a kept result's range is touched once, on the
         # get's path, where fresh huge pages cost more than 4 KiB ones in VMs that give free
         # memory back to their host (docs/benchmarks.md); recycled ranges cost nothing.
-        results = (
-            RecycledBuffers(result_buffer_bytes, huge_pages=False)
-            if result_buffer_bytes > 0
-            else None
-        )
+        results = RecycledBuffers(results_bytes, huge_pages=False) if results_bytes > 0 else None
         self._reads = Reads(self._tiers, results, self._writes.write_back, read_threads)
         self._lookups = Lookups(self._tiers, chunk_size, hash_scheme, key_dtype_name(key_dtype))
         self._closed = False
         at_exit.track(self, at_exit.STORE)  # closed at interpreter exit if still open
-
-    def _release_tiers(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
-        if self._namespace is not None:
-            self._namespace.release()
-        if self.pool is not None:
-            self.pool.close()
 
     @classmethod
     def from_settings(cls, settings: PersistingSettings, model: str, **overrides: Any) -> KVStore:
@@ -327,7 +324,7 @@ class KVStore(KVApi):
     def shared_location(
         self, key: KeyLike, *, expect: Layout | None = None, count: bool = True
     ) -> SharedLocation | None:
-        """Where a memory-tier value lies in :attr:`pool`, for a same-host reader to copy
+        """Where a memory-tier value lies in :attr:`shared_pool`, for a same-host reader to copy
         itself (:class:`~persisting.shm.SharedPoolReader`); None when it is not in
         memory, not in the pool, or laid out differently from ``expect``.
 
@@ -350,7 +347,7 @@ class KVStore(KVApi):
         """Count reads that happened elsewhere: each key still in the memory tier becomes
         its most recently used and counts as a memory hit. Returns how many were there.
 
-        Same-host readers that copy values out of :attr:`pool` by a remembered location
+        Same-host readers that copy values out of :attr:`shared_pool` by a remembered location
         report their hits this way, so eviction still sees what is being read.
         """
         self._check_open()
@@ -456,25 +453,17 @@ class KVStore(KVApi):
         """Every stored key with its payload size: the disk tier's keys from the first to the
         last eviction candidate, then keys held in memory only."""
         self._check_open()
-        with self._tiers.lock:
-            out = [(k, e.layout.nbytes) for k, e in self.disk.index.items()] if self.disk else []
-            on_disk = {k for k, _n in out}
-            out += [(k, e.layout.nbytes) for k, e in self.memory.index.items() if k not in on_disk]
-        return out
+        return self._tiers.stored_keys()
 
     def in_memory(self, key: KeyLike) -> bool:
         """Whether ``key`` is in the memory tier now (a hint: it may be evicted any time)."""
         self._check_open()
-        text = self._key(key)
-        with self._tiers.lock:
-            return text in self.memory.index
+        return self._tiers.in_memory(self._key(key))
 
     def batched_contains(self, keys: Sequence[KeyLike]) -> list[bool]:
         """:meth:`contains` for a batch, under one hold of the store's lock."""
         self._check_open()
-        texts = [self._key(key) for key in keys]
-        with self._tiers.lock:
-            return [text in self.memory.index or self._tiers.on_disk(text) for text in texts]
+        return self._tiers.contains([self._key(key) for key in keys])
 
     def exists_in_put_tasks(self, key: KeyLike) -> bool:
         """True while ``key`` was put but is not yet on disk: a write-behind in progress
@@ -491,21 +480,7 @@ class KVStore(KVApi):
         and after a reopen.
         """
         self._check_open()
-        text = self._key(key)
-        removed = False
-        with self._tiers.lock:
-            entry = self.memory.index.get(text)
-            if entry is not None:
-                if (entry.pins > 0 and not force) or entry.readers > 0:
-                    return False
-                self.memory.remove(text)
-                removed = True
-            cancelled, callbacks = self._writes.cancel(text)
-        if self.disk is not None:
-            removed = self.disk.remove(text, force=force) or removed
-        for callback in callbacks:
-            notify(callback, PutResult(text, "memory", False, stored=False), self._tiers)
-        return removed or cancelled
+        return self._writes.remove(self._key(key), force=force)
 
     def batched_remove(self, keys: Sequence[KeyLike], *, force: bool = True) -> int:
         return sum(self.remove(k, force=force) for k in keys)
@@ -513,36 +488,19 @@ class KVStore(KVApi):
     def pin(self, key: KeyLike) -> bool:
         """Protect ``key`` from eviction until a matching :meth:`unpin` (pins are counted)."""
         self._check_open()
-        text = self._key(key)
-        with self._tiers.lock:
-            entry = self.memory.index.get(text)
-            if entry is not None:
-                entry.pins += 1
-            on_disk = self.disk.pin(text) if self.disk is not None else False
-            return entry is not None or on_disk
+        return self._tiers.pin(self._key(key))
 
     def unpin(self, key: KeyLike) -> bool:
         self._check_open()
-        text = self._key(key)
-        with self._tiers.lock:
-            entry = self.memory.index.get(text)
-            done = False
-            if entry is not None and entry.pins > 0:
-                entry.pins -= 1
-                done = True
-            if self.disk is not None:
-                done = self.disk.unpin(text) or done
-            return done
+        return self._tiers.unpin(self._key(key))
 
     def lease(self, key: KeyLike, ttl_s: float) -> Location | None:
         """A read lease: ``key``'s file is not evicted for ``ttl_s`` s; where its bytes are."""
         self._check_open()
-        text = self._key(key)
-        return self.disk.lease(text, ttl_s) if self.disk is not None else None
+        return self._tiers.lease(self._key(key), ttl_s)
 
     def release(self, key: KeyLike) -> None:
-        if self.disk is not None:
-            self.disk.release(self._key(key))
+        self._tiers.release(self._key(key))
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -555,48 +513,52 @@ class KVStore(KVApi):
         if self._closed:
             return
         self._writes.drain()
-        if self.disk is not None:
-            self.disk.flush()
+        self._tiers.flush()
 
     def refresh(self) -> int:
         """Pick up chunks other processes sharing this directory wrote or removed."""
         self._check_open()
-        return self.disk.refresh() if self.disk is not None else 0
+        return self._tiers.refresh()
 
     def stats(self) -> dict[str, Any]:
         """Counters and tier figures. ``disk_bytes`` is everything the model directory
         holds (payload files plus ``disk_overhead_bytes`` of metadata and directories)."""
         self._check_open()
         counters = self.op_stats.snapshot()
-        with self._tiers.lock:
-            out: dict[str, Any] = {
-                "model": self.model,
-                "durability": self.durability,
-                "memory_items": len(self.memory.index),
-                "memory_bytes": self.memory.used,
-                "memory_capacity": self.memory.capacity,
-                "memory_evictions": self.memory.evictions,
-                "pending_puts": self._writes.pending,
-                "writer_errors": self._writes.writer_errors,
-            }
-            if self.disk is not None:
-                out.update(
-                    disk_items=len(self.disk.index),
-                    disk_bytes=self.disk.used_bytes(),
-                    disk_overhead_bytes=self.disk.overhead_bytes(),
-                    disk_capacity=self.disk.capacity,
-                    disk_evictions=self.disk.evictions,
-                    corruptions=self.disk.corruptions,
-                    recovered_files=self.disk.recovered_files,
-                    reclaimed_bytes=self.disk.reclaimed_bytes,
-                )
-        out["read_threads"] = self._reads.read_threads
-        out["pinned"] = self.host.pinned
+        memory, disk = self._tiers.figures()
+        out: dict[str, Any] = {
+            "model": self.model,
+            "durability": self.durability,
+            **memory,
+            "pending_puts": self._writes.pending,
+            "writer_errors": self._writes.writer_errors,
+            **disk,
+            "read_threads": self._reads.read_threads,
+            "pinned": self._tiers.pinned,
+        }
         rates = self._tiers.bandwidth.snapshot()
-        for tier in ("memory", "disk") if self.disk is not None else ("memory",):
+        for tier in ("memory", "disk") if disk else ("memory",):
             out[f"read_bandwidth_{tier}"] = int(rates.get(tier, 0))  # 0: not read yet
         out.update(counters)
         return out
+
+    @property
+    def has_disk_tier(self) -> bool:
+        """Whether the store persists (it was opened with a disk budget)."""
+        return self._tiers.disk is not None
+
+    def disk_used_bytes(self) -> int:
+        """What the model directory holds now, as counted against the disk budget (all
+        processes sharing it; payload files plus metadata and directories): ``stats()``'s
+        ``disk_bytes`` without the rest of the figures. 0 without a disk tier."""
+        self._check_open()
+        return self._tiers.disk_used_bytes()
+
+    @property
+    def shared_pool(self) -> PoolFile | None:
+        """The shared pool file same-host readers map (``shared_memory=True``; None when
+        the host allows none): :meth:`shared_location` gives offsets into it."""
+        return self._tiers.pool_file
 
     @property
     def closed(self) -> bool:
@@ -613,9 +575,12 @@ class KVStore(KVApi):
         pool or in pinned memory (committed their own way), or there is no memory tier.
         """
         self._check_open()
-        if self.arena is None or self.pool is not None or self.host.pinned:
-            return False
-        return self.arena.start_prefault(self.memory.capacity) is not None
+        return self._tiers.prefault_memory()
+
+    def prefaulted_bytes(self, *, wait: bool = False) -> int:
+        """Bytes of the memory tier's private pages :meth:`prefault_memory` faulted in so
+        far (0 when the tier has no private pages); with ``wait``, once it finished."""
+        return self._tiers.prefaulted_bytes(wait=wait)
 
     def close(self) -> None:
         """Finish write-behind work, write back dirty memory (write-back mode), close files
@@ -624,15 +589,13 @@ class KVStore(KVApi):
         if self._closed:
             return
         at_exit.untrack(self, at_exit.STORE)
-        if self.arena is not None:
-            self.arena.stop_prefault()
+        self._tiers.stop_prefault()
         try:
             self._writes.close()
         finally:
             self._closed = True
             self._reads.close()
-            self.host.close()  # copies done and pages unlocked before the pool goes
-            self._release_tiers()
+            self._tiers.close()
 
     def __enter__(self) -> KVStore:
         return self

@@ -1,28 +1,57 @@
-"""What the put paths and the read paths of one store share.
+"""One store's tiers: what the put and read paths share, and the operations over both tiers.
 
 :class:`Tiers` holds the memory tier, the optional disk tier and shared pool, the one lock
 that orders every change to the tiers' indexes, and the operation statistics. The put
 paths (:mod:`persisting.kv.puts`) and the read paths (:mod:`persisting.kv.reads`) work on
-it; :class:`~persisting.kv.store.KVStore` is the facade over both.
+it, and so do the queries and changes that span both tiers (membership, pins, the key
+listing, the figures of ``stats()``); :class:`~persisting.kv.store.KVStore` is the facade
+that composes them.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from persisting.cuda.host import StoreHostMemory
 from persisting.errors import InvalidKeyError
-from persisting.kv.disk_tier import DiskTier
+from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
 from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.load_plan import TierBandwidth
+from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.memory_tier import MemoryTier
+from persisting.kv.policy import EvictionPolicy
 from persisting.kv.read_activity import ReadActivity
 from persisting.kv.stats import StoreStats
-from persisting.shm import RecycledBuffers, SharedPool, aligned_buffer
+from persisting.lance_store import StorageRoot
+from persisting.lance_store.namespace_lock import NamespaceHold
+from persisting.shm import RecycledBuffers, SharedPool, aligned_buffer, seqlock_safe
 
 KeyLike = ChunkKey | str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolFile:
+    """Where same-host readers map a store's shared memory pool: its file and byte size
+    (offsets of :class:`~persisting.kv.reads.SharedLocation` are into it)."""
+
+    path: Path
+    size: int
+
+
+def _open_pool(memory_bytes: int) -> SharedPool | None:
+    """A shared pool for the memory tier, where this host allows one (else None)."""
+    if memory_bytes <= 0 or not seqlock_safe():
+        return None
+    try:
+        return SharedPool(memory_bytes)
+    except OSError:  # no /dev/shm, or no room for the pool's header
+        return None
 
 
 class Tiers:
@@ -37,6 +66,7 @@ class Tiers:
         op_stats: StoreStats,
         host: StoreHostMemory,
         arena: RecycledBuffers | None = None,
+        namespace: NamespaceHold | None = None,
     ):
         self.model = model
         self.memory = memory
@@ -48,12 +78,59 @@ class Tiers:
         #: Private memory-tier buffers whose pages are reused (and huge where the kernel
         #: allows) when neither the shared pool nor pinned memory holds the tier.
         self.arena = arena
+        #: The hold on the model's namespace while a disk tier is open (None without one).
+        self._namespace = namespace
         #: Read bandwidth each tier achieved (load-or-recompute plans use it).
         self.bandwidth = TierBandwidth()
         #: Orders index changes of both tiers (never held across disk I/O or big copies).
-        self.lock = threading.RLock()
+        #: Lock order (persisting.kv.lock_order): after the directory's file locks, before
+        #: the disk tier's own lock.
+        self.lock = ordered(Rank.TIERS, threading.RLock())
         #: Gets in flight: the write-behind waits for them before each batch it writes.
         self.reads = ReadActivity()
+
+    @classmethod
+    def open(
+        cls,
+        root: StorageRoot,
+        model: str,
+        *,
+        memory_bytes: int,
+        disk_bytes: int,
+        policy: EvictionPolicy,
+        op_stats: StoreStats,
+        on_disk_evict: EvictionListener | None = None,
+        shared_memory: bool = False,
+        pinned_memory: str = "auto",
+        pinned_staging_bytes: int = 0,
+    ) -> Tiers:
+        """The tiers of ``model`` under ``root``: a memory tier of ``memory_bytes`` (in a
+        shared pool with ``shared_memory``, else pinned memory or a private arena) and, with
+        ``disk_bytes``, a disk tier, whose namespace is held until :meth:`close`."""
+        namespace: NamespaceHold | None = None
+        disk: DiskTier | None = None
+        pool: SharedPool | None = None
+        try:
+            if disk_bytes > 0:
+                namespace = root.hold_model(model)
+                disk = DiskTier(root.kv_path(model), disk_bytes, policy, on_disk_evict, root.modes)
+            pool = _open_pool(memory_bytes) if shared_memory else None
+            host = StoreHostMemory(
+                mode=pinned_memory,
+                memory_bytes=memory_bytes,
+                staging_bytes=pinned_staging_bytes,
+                pool=pool,
+            )
+        except BaseException:
+            _release(disk, namespace, pool)
+            raise
+        # Private memory-tier buffers (used when no shared pool or pinned region holds it).
+        # Twice the budget in address space: a put copies its value before it evicts, and
+        # write-behinds and readers hold evicted buffers a while, so a full tier still
+        # takes recycled pages; only what is touched is resident.
+        arena = RecycledBuffers(2 * memory_bytes) if memory_bytes > 0 else None
+        memory = MemoryTier(memory_bytes, policy)
+        return cls(model, memory, disk, pool, op_stats, host, arena, namespace)
 
     def key_text(self, key: KeyLike) -> str:
         """``key`` as a string, after checking that it belongs to this store's model."""
@@ -65,6 +142,80 @@ class Tiers:
 
     def on_disk(self, key: str) -> bool:
         return self.disk is not None and key in self.disk
+
+    # -- queries over both tiers ------------------------------------------------------
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored in either tier, under one hold of the lock."""
+        with self.lock:
+            return [key in self.memory or self.on_disk(key) for key in keys]
+
+    def in_memory(self, key: str) -> bool:
+        with self.lock:
+            return key in self.memory
+
+    def stored_keys(self) -> list[tuple[str, int]]:
+        """Every stored key with its payload size: the disk tier's from the first to the
+        last eviction candidate, then those held in memory only."""
+        with self.lock:
+            out = self.disk.sizes() if self.disk is not None else []
+            on_disk = {key for key, _n in out}
+            out += [(key, n) for key, n in self.memory.sizes() if key not in on_disk]
+        return out
+
+    def figures(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The memory tier's figures and the disk tier's (empty without one), read
+        together under the lock."""
+        with self.lock:
+            memory = self.memory.figures()
+            disk = self.disk.figures() if self.disk is not None else {}
+        return memory, disk
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the memory tier lives in page-locked memory."""
+        return self.host.pinned
+
+    @property
+    def pool_file(self) -> PoolFile | None:
+        return PoolFile(self.pool.path, self.pool.size) if self.pool is not None else None
+
+    # -- pins and leases --------------------------------------------------------------
+
+    def pin(self, key: str) -> bool:
+        """Pin ``key`` in each tier holding it; True if one did."""
+        with self.lock:
+            in_memory = self.memory.pin(key)
+            on_disk = self.disk.pin(key) if self.disk is not None else False
+            return in_memory or on_disk
+
+    def unpin(self, key: str) -> bool:
+        with self.lock:
+            in_memory = self.memory.unpin(key)
+            on_disk = self.disk.unpin(key) if self.disk is not None else False
+            return in_memory or on_disk
+
+    def lease(self, key: str, ttl_s: float) -> Location | None:
+        return self.disk.lease(key, ttl_s) if self.disk is not None else None
+
+    def release(self, key: str) -> None:
+        if self.disk is not None:
+            self.disk.release(key)
+
+    # -- the disk tier's upkeep ---------------------------------------------------------
+
+    def flush(self) -> None:
+        """Commit the disk tier's pending metadata (a no-op without one)."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def refresh(self) -> int:
+        return self.disk.refresh() if self.disk is not None else 0
+
+    def disk_used_bytes(self) -> int:
+        return self.disk.used_bytes() if self.disk is not None else 0
+
+    # -- memory ------------------------------------------------------------------------
 
     def memory_buffer(self, nbytes: int) -> np.ndarray:
         """Room for a memory-tier value: in the shared pool while it has room, else in the
@@ -92,5 +243,42 @@ class Tiers:
             self.op_stats.count("arena_full")
         return aligned_buffer(nbytes)
 
+    def prefault_memory(self) -> bool:
+        """Start faulting the private arena's pages in (see ``KVStore.prefault_memory``);
+        False when the tier lives in the shared pool or pinned memory, or there is none."""
+        if self.arena is None or self.pool is not None or self.host.pinned:
+            return False
+        return self.arena.start_prefault(self.memory.capacity) is not None
 
-__all__ = ["KeyLike", "Tiers"]
+    def prefaulted_bytes(self, *, wait: bool = False) -> int:
+        """Bytes of the private arena faulted in so far (0 without one); with ``wait``,
+        once its prefault finished."""
+        if self.arena is None:
+            return 0
+        if wait:
+            self.arena.wait_prefault()
+        return self.arena.prefaulted
+
+    def stop_prefault(self) -> None:
+        if self.arena is not None:
+            self.arena.stop_prefault()
+
+    def close(self) -> None:
+        """Close the tiers' memory and files and let go of the namespace (the caller has
+        finished every write)."""
+        self.host.close()  # copies done and pages unlocked before the pool goes
+        _release(self.disk, self._namespace, self.pool)
+
+
+def _release(
+    disk: DiskTier | None, namespace: NamespaceHold | None, pool: SharedPool | None
+) -> None:
+    if disk is not None:
+        disk.close()
+    if namespace is not None:
+        namespace.release()
+    if pool is not None:
+        pool.close()
+
+
+__all__ = ["KeyLike", "PoolFile", "Tiers"]

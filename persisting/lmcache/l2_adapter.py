@@ -147,7 +147,7 @@ class PersistingL2Adapter(L2AdapterInterface):
             params.storage_path,
             params.namespace,
             len(self._sizes),
-            self.store.disk.used_bytes() if self.store.disk else 0,
+            self.store.disk_used_bytes(),
             params.capacity,
         )
 
@@ -456,10 +456,10 @@ class PersistingL2Adapter(L2AdapterInterface):
 
     def get_usage(self) -> AdapterUsage:
         """Bytes on disk as the store counts them against ``capacity``, and per salt."""
-        if self._closed or self.store.disk is None:
+        if self._closed or not self.store.has_disk_tier:
             return super().get_usage()
         self._report_evictions()
-        used = self.store.disk.used_bytes()
+        used = self.store.disk_used_bytes()
         with self._usage_lock:
             per_salt = {k: v for k, v in self._bytes_by_cache_salt.items() if v > 0}
         return AdapterUsage(

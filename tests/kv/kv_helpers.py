@@ -6,12 +6,27 @@ from pathlib import Path
 
 import torch
 
-from persisting.kv import ChunkKey
+from persisting.kv import ChunkKey, KVStore
+from persisting.kv.disk_tier import DiskTier
+from persisting.kv.memory_tier import MemoryTier
 
 MODEL = "meta-llama/Llama-3-8B"
 #: Room a disk budget needs beside its payload files for the metadata table and the
 #: directories (the budget covers them too); less than one ``big`` value.
 OVERHEAD_ROOM = 512 << 10
+
+
+def disk_tier(store: KVStore) -> DiskTier:
+    """``store``'s disk tier, for tests of its files, index and byte accounting. White-box:
+    the store keeps its tiers private, and no caller but such a test needs them."""
+    disk = store._tiers.disk
+    assert disk is not None, "the store has no disk tier"
+    return disk
+
+
+def memory_tier(store: KVStore) -> MemoryTier:
+    """``store``'s memory tier (white-box, as :func:`disk_tier`)."""
+    return store._tiers.memory
 
 
 def key(

@@ -18,7 +18,7 @@ from persisting.errors import ConfigError, InvalidValueError
 from persisting.kv import KVStore, TokenHasher, open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES
 from persisting.metrics import KVMetrics
-from tests.kv.kv_helpers import MODEL, key, tensor
+from tests.kv.kv_helpers import MODEL, disk_tier, key, tensor
 
 MiB = 1 << 20
 
@@ -29,11 +29,10 @@ def root(tmp_path: Path) -> Path:
 
 
 def payload_path(store: KVStore, k: object) -> Path:
-    assert store.disk is not None
     text = store._key(k)  # type: ignore[arg-type]
-    entry = store.disk.entry(text)
+    entry = disk_tier(store).entry(text)
     assert entry is not None
-    return store.disk.files.path(text, entry.tag)
+    return disk_tier(store).files.path(text, entry.tag)
 
 
 def flip_payload_byte(path: Path, at: int = 100) -> None:

@@ -18,7 +18,7 @@ import torch
 from persisting.kv import open_kv_store
 from persisting.lance_store.table import LanceTable
 from tests import child_env
-from tests.kv.kv_helpers import MODEL, in_flight, key, tensor
+from tests.kv.kv_helpers import MODEL, disk_tier, in_flight, key, tensor
 from tests.reliability import harness_kv_budget
 
 MiB = 1 << 20
@@ -40,8 +40,7 @@ def test_an_in_flight_file_is_written_beside_its_place_and_renamed_within_it(
     root: Path,
 ) -> None:
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
-        assert store.disk is not None
-        files = store.disk.files
+        files = disk_tier(store).files
         started, go = threading.Event(), threading.Event()
         real = files.publish
 
@@ -75,8 +74,7 @@ def test_metadata_changes_land_inside_their_reservation(
     budget = 3 * MiB
     seen: list[tuple[str, int, int]] = []
     store = open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget)
-    assert store.disk is not None
-    disk = store.disk
+    disk = disk_tier(store)
 
     def watched(name: str):  # type: ignore[no-untyped-def]
         real = getattr(LanceTable, name)
@@ -167,11 +165,11 @@ def test_a_metadata_reservation_of_a_dead_process_comes_back(root: Path) -> None
         held = list((store.directory / "reservations").iterdir())
         assert len(held) == 1 and held[0].stat().st_size == 0  # an empty reservation
         reserved = int(held[0].stem.split("-")[2])
-        before = store.disk.usage.reserved()
+        before = disk_tier(store).usage.reserved()
         assert before >= reserved
-        with store.disk.usage.locked():
-            assert store.disk.usage.reclaim_abandoned(store.disk.files) == reserved
-        assert store.disk.usage.reserved() == before - reserved
+        with disk_tier(store).usage.locked():
+            assert disk_tier(store).usage.reclaim_abandoned(disk_tier(store).files) == reserved
+        assert disk_tier(store).usage.reserved() == before - reserved
         assert list((store.directory / "reservations").iterdir()) == []
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from persisting.kv import open_kv_store
 from tests import child_env
+from tests.kv.kv_helpers import disk_tier
 from tests.reliability.rel_common import MODEL, key_text, value
 
 MiB = 1 << 20
@@ -97,8 +98,7 @@ def damaged_store(root: Path) -> None:
         store.batched_put(
             [key_text(i) for i in range(KEYS)], [value(i, 64) for i in range(KEYS)], fmt="KV_2TD"
         )
-        assert store.disk is not None
-        disk = store.disk
+        disk = disk_tier(store)
         texts = [key_text(i) for i in range(DAMAGED)]
         paths = [disk.files.path(t, disk.index.get(t).tag) for t in texts]  # type: ignore[union-attr]
     for path in paths:

@@ -18,7 +18,7 @@ from persisting.kv import open_kv_store
 from persisting.kv import payload_files as payload_files_module
 from persisting.kv.read_activity import ReadActivity
 from persisting.shm import PAGE, copy_into, pages_resident, populate
-from tests.kv.kv_helpers import MODEL, key
+from tests.kv.kv_helpers import MODEL, disk_tier, key
 
 MiB = 1 << 20
 
@@ -136,13 +136,12 @@ def test_the_write_behind_holds_back_while_a_get_is_in_flight(root: Path) -> Non
     with open_kv_store(
         root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
     ) as s:
-        assert s.disk is not None
         text = s._key(key(3))
         with s._tiers.reads.reading():  # a get in flight (as its read path marks it)
             s.put(key(3), value)
             time.sleep(0.5)
-            assert s.disk.entry(text) is None  # not written while the read runs
+            assert disk_tier(s).entry(text) is None  # not written while the read runs
             assert torch.equal(s.get(key(3)), value)  # readable from memory meanwhile
         s.flush()
-        assert s.disk.entry(text) is not None
+        assert disk_tier(s).entry(text) is not None
         assert s._tiers.reads.yielded_s >= 0.4

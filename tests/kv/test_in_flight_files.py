@@ -16,14 +16,14 @@ import torch
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import file_size, round_to_block
 from tests import child_env
-from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, in_flight, key, tensor
+from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, disk_tier, in_flight, key, tensor
 
 MiB = 1 << 20
 
 
 def pause_writes(store, started: threading.Event, go: threading.Event) -> None:
     """Make ``store``'s writer stop after creating its tmp files, until ``go``."""
-    files = store.disk.files
+    files = disk_tier(store).files
     real = files.publish
 
     def finish(*args, **kwargs):
@@ -70,11 +70,11 @@ def test_two_stores_of_one_process_keep_each_others_in_flight_files(root: Path) 
 
 WRITER_IN_ANOTHER_NAMESPACE = """
 import os, sys, threading
-from tests.kv.kv_helpers import MODEL, key, tensor
+from tests.kv.kv_helpers import MODEL, disk_tier, key, tensor
 from persisting.kv import open_kv_store
 root, go_file = sys.argv[1], sys.argv[2]
 store = open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 << 20)
-files = store.disk.files
+files = disk_tier(store).files
 real = files.publish
 told = []
 def finish(*args, **kwargs):
@@ -127,9 +127,9 @@ def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path)
             # neither may take a live writer's files for dead, whatever its pid means here.
             with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as other:
                 assert in_flight(mine.directory) == tmp
-                assert other.disk is not None
-                with other.disk.usage.locked():
-                    assert other.disk.usage.reclaim_abandoned(other.disk.files) == 0
+                disk = disk_tier(other)
+                with disk.usage.locked():
+                    assert disk.usage.reclaim_abandoned(disk.files) == 0
                 assert in_flight(mine.directory) == tmp
             go.touch()
             assert child.stdout.readline().split() == ["stored", "3"]
@@ -145,10 +145,10 @@ def test_a_writer_in_another_pid_namespace_keeps_its_in_flight_files(root: Path)
 
 KILLED_MID_BATCH = """
 import os, signal, sys
-from tests.kv.kv_helpers import MODEL, big, key
+from tests.kv.kv_helpers import MODEL, big, disk_tier, key
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=int(sys.argv[2]))
-files = store.disk.files
+files = disk_tier(store).files
 real = files.publish
 done = []
 def finish(*args, **kwargs):
@@ -166,7 +166,6 @@ def test_a_writer_killed_mid_batch_gives_its_reservation_back(root: Path) -> Non
     capacity = 16 * per_file + OVERHEAD_ROOM
     mine = [key(i) for i in range(10)]
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=capacity) as store:
-        assert store.disk is not None
         store.batched_put(mine[:6], [big(i) for i in range(6)])
         killed = subprocess.run(
             [sys.executable, "-c", KILLED_MID_BATCH, str(root), str(capacity)],
@@ -175,7 +174,7 @@ def test_a_writer_killed_mid_batch_gives_its_reservation_back(root: Path) -> Non
         )
         assert killed.returncode == -9
         assert len(in_flight(store.directory)) == 7
-        assert store.disk.usage.get() == (6 + 8) * per_file  # the dead writer's reservation
+        assert disk_tier(store).usage.get() == (6 + 8) * per_file  # the dead writer's reservation
         # 6 + 8 + 4 files would not fit: the dead reservation must go, not my values.
         store.batched_put(mine[6:], [big(i) for i in range(6, 10)])
         stats = store.stats()
@@ -184,4 +183,4 @@ def test_a_writer_killed_mid_batch_gives_its_reservation_back(root: Path) -> Non
         assert all(torch.equal(store.get(k), big(i)) for i, k in enumerate(mine))
         assert in_flight(store.directory) == []
         on_disk = sum(round_to_block(p.stat().st_size) for p in store.directory.rglob("*.kv"))
-        assert store.disk.usage.get() == on_disk == 11 * per_file
+        assert disk_tier(store).usage.get() == on_disk == 11 * per_file

@@ -18,7 +18,7 @@ from persisting.kv.payload_files import (
     PayloadFiles,
     read_file_range,
 )
-from tests.kv.kv_helpers import MODEL, key
+from tests.kv.kv_helpers import MODEL, disk_tier, key
 
 MiB = 1 << 20
 #: Sizes around the hashing pieces of writes and of reads: smaller, exactly one, one and a
@@ -31,7 +31,7 @@ def test_a_write_through_put_records_the_payload_checksum(root: Path, nbytes: in
     value = torch.from_numpy(np.random.default_rng(nbytes).integers(0, 255, nbytes, np.uint8))
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
         store.put(key(1), value, fmt="KV_2LTD", check_shape=False)
-        disk = store.disk
+        disk = disk_tier(store)
         assert disk is not None
         text = str(key(1))
         entry = disk.entry(text)
@@ -51,7 +51,7 @@ def test_a_damaged_byte_past_the_first_piece_is_caught(root: Path) -> None:
     value = torch.arange(nbytes, dtype=torch.int64).to(torch.uint8)
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
         store.put(key(2), value, fmt="KV_2LTD", check_shape=False)
-        disk = store.disk
+        disk = disk_tier(store)
         assert disk is not None
         text = str(key(2))
         entry = disk.entry(text)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from persisting.kv import KVStore, PutResult, open_kv_store
-from tests.kv.kv_helpers import MODEL, in_flight, key, tensor
+from tests.kv.kv_helpers import MODEL, disk_tier, in_flight, key, tensor
 
 MiB = 1 << 20
 VALUE_BYTES = tensor(0).numel() * 2
@@ -68,16 +68,15 @@ def test_remove_wins_over_a_write_behind_already_writing(root: Path) -> None:
     with open_kv_store(
         root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
     ) as store:
-        assert store.disk is not None
-        with store.disk.usage.locked():  # the writer blocks at its reservation
+        with disk_tier(store).usage.locked():  # the writer blocks at its reservation
             store.put(key(1), tensor(1), on_complete=told.append)
-            assert until(lambda: str(key(1)) in store.disk._writing)  # inside the write
+            assert until(lambda: str(key(1)) in disk_tier(store)._writing)  # inside the write
             assert store.remove(key(1))
         store.flush()
         assert not store.contains(key(1))
         assert told == [PutResult(str(key(1)), "memory", False, stored=False)]
         assert in_flight(store.directory) == []
-        payload_bytes = store.disk.usage.get()
+        payload_bytes = disk_tier(store).usage.get()
         assert payload_bytes == 0  # the unpublished file's reservation was given back
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as again:
         assert not again.contains(key(1))
@@ -87,11 +86,10 @@ def test_remove_wins_over_a_write_back_of_an_evicted_value(root: Path) -> None:
     with open_kv_store(
         root, MODEL, memory_bytes=2 * VALUE_BYTES, disk_bytes=64 * MiB, durability="write_back"
     ) as store:
-        assert store.disk is not None
         store.put(key(1), tensor(1))
         store.put(key(2), tensor(2))
         putter = threading.Thread(target=store.put, args=(key(3), tensor(3)))
-        with store.disk.usage.locked():  # key 1's write-back blocks at its reservation
+        with disk_tier(store).usage.locked():  # key 1's write-back blocks at its reservation
             putter.start()
             # Key 1 has left memory: it is being written back, blocked at the reservation.
             evicted = until(lambda: not store.in_memory(key(1)))
@@ -172,8 +170,7 @@ def test_an_unexpected_write_error_fails_only_its_value(root: Path) -> None:
         root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
     )
     try:
-        assert store.disk is not None
-        real_write = store.disk.write
+        real_write = disk_tier(store).write
         broken = str(key(1))
 
         def write(items, *, durable):  # a bug deep in the write path, for one key only
@@ -181,7 +178,7 @@ def test_an_unexpected_write_error_fails_only_its_value(root: Path) -> None:
                 raise RuntimeError("unexpected failure")
             return real_write(items, durable=durable)
 
-        store.disk.write = write  # type: ignore[method-assign]
+        disk_tier(store).write = write  # type: ignore[method-assign]
         store.batched_put([key(1), key(2)], [tensor(1), tensor(2)], on_complete=told.append)
         assert finishes(store.flush), "flush hung: the write-behind thread died"
         outcome = {r.key: (r.stored, r.durable) for r in told}

@@ -19,7 +19,7 @@ from persisting.errors import (
 )
 from persisting.kv import Layout, TokenHasher, open_kv_store
 from persisting.lance_store import StorageRoot
-from tests.kv.kv_helpers import MODEL, key, tensor
+from tests.kv.kv_helpers import MODEL, disk_tier, key, memory_tier, tensor
 
 MiB = 1 << 20
 
@@ -186,7 +186,7 @@ def test_async_mode_writes_behind_with_callbacks(root: Path) -> None:
     with open_store(root, durability="async") as store:
         # Holding the directory's usage lock stalls the background writer at its reservation,
         # so the put is observably in flight.
-        with store.disk.usage.locked():
+        with disk_tier(store).usage.locked():
             res = store.put(key(1), tensor(1), on_complete=done.append)
             assert (res.tier, res.durable) == ("memory", False)
             assert store.exists_in_put_tasks(key(1))
@@ -202,7 +202,7 @@ def test_async_mode_writes_behind_with_callbacks(root: Path) -> None:
 def test_async_burst_is_written_behind_in_batches(root: Path) -> None:
     done: list = []
     with open_store(root, durability="async", memory_bytes=64 * MiB) as store:
-        with store.disk.usage.locked():
+        with disk_tier(store).usage.locked():
             for i in range(20):
                 store.put(key(i), tensor(i), on_complete=done.append)
         store.flush()
@@ -358,7 +358,7 @@ def test_memory_tier_values_reuse_the_pages_of_evicted_ones(root: Path) -> None:
         used: set[int] = set()
         for i in range(12):  # a tier of two values: ten evictions
             store.put(key(i), tensor(i))
-            used |= {e.buffer.ctypes.data for _k, e in store.memory.index.items()}
+            used |= {e.buffer.ctypes.data for _k, e in memory_tier(store).index.items()}
         # A put copies before it evicts, so three ranges take turns; none is fresh memory.
         assert len(used) == 3
         assert store.op_stats.counters["arena_full"] == 0
@@ -370,9 +370,7 @@ def test_prefault_memory_faults_the_private_tier_in_and_keeps_values(root: Path)
         store.put(key(0), tensor(0))
         assert store.prefault_memory()
         assert not store.prefault_memory()  # once per store
-        assert store.arena is not None
-        store.arena.wait_prefault()
-        assert store.arena.prefaulted == 8 * MiB  # the budget; the headroom on demand
+        assert store.prefaulted_bytes(wait=True) == 8 * MiB  # the budget; the headroom on demand
         store.put(key(1), tensor(1))
         assert torch.equal(store.get(key(0)), tensor(0))
         assert torch.equal(store.get(key(1)), tensor(1))

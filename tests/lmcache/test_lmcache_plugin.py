@@ -19,6 +19,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 from persisting.kv import open_kv_store
 from persisting.lance_store import StorageRoot
 from persisting.lmcache_backend import PersistingKVBackend
+from tests.kv.kv_helpers import disk_tier
 from tests.lmcache.lmcache_harness import (
     MODEL,
     PLUGIN,
@@ -335,6 +336,6 @@ def test_a_batch_is_stored_as_a_chain_so_prefix_eviction_drops_suffixes_first(
     with storage_manager(make_config(root, eviction="prefix", durability="sync")) as manager:
         keys = [key(i) for i in range(4)]
         put_and_wait(manager, keys, [filled(manager, i) for i in range(4)])
-        disk = plugin_of(manager).store_for(keys[0]).disk
+        disk = disk_tier(plugin_of(manager).store_for(keys[0]))
         parents = [disk.entry(k.to_string()).parent for k in keys]
         assert parents == [None, *[k.to_string() for k in keys[:3]]]

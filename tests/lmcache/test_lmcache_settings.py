@@ -152,9 +152,7 @@ def test_the_plugin_prefaults_each_store_s_memory_tier_unless_told_not_to(root: 
         want = [obj.tensor.clone() for obj in objs]
         manager.batched_put(keys, objs)  # puts racing the prefault: it never changes a page
         store = plugin.store_for(keys[0])
-        assert store.arena is not None
-        store.arena.wait_prefault()
-        assert store.arena.prefaulted == 8 << 20
+        assert store.prefaulted_bytes(wait=True) == 8 << 20
         plugin.flush()
         for k, w in zip(keys, want, strict=True):
             got = plugin.get_blocking(k)
@@ -162,4 +160,4 @@ def test_the_plugin_prefaults_each_store_s_memory_tier_unless_told_not_to(root: 
             got.ref_count_down()
     with storage_manager(make_config(root / "off", prefault_memory=False)) as manager:
         store = plugin_of(manager).store_for(key(0))
-        assert store.arena is not None and store.arena.prefaulted == 0
+        assert store.prefaulted_bytes() == 0

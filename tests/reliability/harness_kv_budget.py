@@ -34,6 +34,7 @@ from typing import Any
 from persisting.errors import CapacityError
 from persisting.kv import open_kv_store
 from persisting.lance_store import StorageRoot
+from tests.kv.kv_helpers import disk_tier
 from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 MiB = 1 << 20
@@ -67,8 +68,7 @@ def writer(
             counts["capacity_errors"] += 1
         counts["puts"] += n
     store.flush()
-    assert store.disk is not None
-    counts["over_reservation"] = store.disk.meta.over_reservation
+    counts["over_reservation"] = disk_tier(store).meta.over_reservation
     store.close()
     out.put(counts)
 

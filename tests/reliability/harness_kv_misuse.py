@@ -179,10 +179,12 @@ def block(i: int) -> np.ndarray:
 KILLED_WRITER = """
 import os, signal, sys
 import numpy as np
+from tests.kv.kv_helpers import disk_tier
 from tests.reliability.rel_common import MODEL, key_text
 from persisting.kv import open_kv_store
 store = open_kv_store(sys.argv[1], MODEL, memory_bytes=0, disk_bytes=int(sys.argv[2]))
-files, real, done = store.disk.files, store.disk.files.publish, []
+files = disk_tier(store).files
+real, done = files.publish, []
 def finish(*args, **kwargs):
     if done:
         os.kill(os.getpid(), signal.SIGKILL)

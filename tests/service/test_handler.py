@@ -340,8 +340,9 @@ def test_same_host_memory_hits_are_locations_in_the_shared_pool(
                 "arena": {"path": str(arena.path), "size": arena.size, "nonce": arena.nonce},
             }
             info = call(handler, "hello", client=client)
-            assert store.pool is not None
-            assert info["pool"] == {"path": str(store.pool.path), "size": store.pool.size}
+            pool = store.shared_pool
+            assert pool is not None
+            assert info["pool"] == {"path": str(pool.path), "size": pool.size}
             sid = info["sid"]
             value = tensor(9, tokens=64, hidden=256)
             put_inline(handler, sid, 9, value)

@@ -257,7 +257,7 @@ class StorageHandler:
     def _pool_of(self, model: str | None) -> dict[str, Any] | None:
         """Where a same-host client maps ``model``'s memory tier (None: no shared pool)."""
         store = self.stores.get(model) if model is not None else None
-        pool = store.pool if store is not None else None
+        pool = store.shared_pool if store is not None else None
         return None if pool is None else {"path": str(pool.path), "size": pool.size}
 
     def op_bye(self, request: Request, _session: Session | None) -> bool:

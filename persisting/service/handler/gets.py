@@ -63,7 +63,7 @@ class GetPaths:
             raise ProtocolError("arena must be [offset, capacity]")
         uses_arena = direct and window is not None
         with self.state.ticket(session, request.args.get("ticket"), needed=uses_arena):
-            pooled = direct and bool(request.args.get("pool")) and store.pool is not None
+            pooled = direct and bool(request.args.get("pool")) and store.shared_pool is not None
             if direct:
                 entries = self._get_direct(
                     store, session, request.model, keys, expect, pooled, window

@@ -62,7 +62,7 @@ class PutPaths:
         other same-host readers are told from and, with ``tell_writer``, in its reply
         (``pool``: ``[offset, generation]``, so a same-host writer's first get of it asks
         nothing). Telling is not reading: no hit is counted and recency is left alone."""
-        if store.pool is None:
+        if store.shared_pool is None:
             return
         for item, reply in zip(items, replies, strict=True):
             if not reply["stored"]:
