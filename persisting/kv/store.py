@@ -399,21 +399,16 @@ class KVStore(KVApi):
         tokens: Sequence[int] | np.ndarray,
         hasher: TokenHasher | None = None,
         *,
-        recompute_tokens_per_s: float | None = None,
         dtype: Any = None,
     ) -> int:
         """How many leading tokens are covered by stored chunks (hashed by ``hasher``, by
         default with the store's chunk size, :attr:`hash_scheme` and :attr:`key_dtype`,
         or ``dtype``: the model's KV dtype, e.g. ``torch.float32``).
 
-        With ``recompute_tokens_per_s`` (the engine's prefill rate), how many of them are
-        worth loading rather than recomputing: :meth:`plan_tokens`'s ``load_tokens``.
-        Tokens must be integers that fit 64 bits (else InvalidValueError).
+        How many of them are worth loading rather than recomputing is
+        :meth:`plan_tokens`'s ``load_tokens``. Tokens must be integers that fit 64 bits
+        (else InvalidValueError).
         """
-        if recompute_tokens_per_s is not None:
-            return self.plan_tokens(
-                tokens, recompute_tokens_per_s=recompute_tokens_per_s, hasher=hasher, dtype=dtype
-            ).load_tokens
         self._check_open()
         if hasher is None and dtype is not None:
             hasher = self.token_hasher(dtype)

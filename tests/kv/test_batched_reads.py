@@ -213,14 +213,14 @@ def test_a_disk_hit_slower_than_recomputing_is_not_loaded(root: Path) -> None:
         tokens, hasher = _prefix(s, 4)
         assert s.lookup_tokens(tokens, hasher) == 64
         # Never measured: loading is how it gets measured.
-        assert s.lookup_tokens(tokens, hasher, recompute_tokens_per_s=1e6) == 64
+        assert s.plan_tokens(tokens, recompute_tokens_per_s=1e6, hasher=hasher).load_tokens == 64
         nbytes = tensor(0).numel() * 2
         s.bandwidth.record("disk", 1 << 30, (1 << 30) / (nbytes / 0.01))  # 10 ms per chunk
         # 16 tokens per chunk: recomputing at 16k tokens/s takes 1 ms < 10 ms to read.
         plan = s.plan_tokens(tokens, recompute_tokens_per_s=16_000, hasher=hasher)
         assert (plan.hit_tokens, plan.load_tokens, plan.recompute_tokens) == (64, 0, 64)
         # At 160 tokens/s recomputing a chunk takes 100 ms: every chunk is worth reading.
-        assert s.lookup_tokens(tokens, hasher, recompute_tokens_per_s=160) == 64
+        assert s.plan_tokens(tokens, recompute_tokens_per_s=160, hasher=hasher).load_tokens == 64
         stats = s.stats()
         assert stats["load_plan_recompute_tokens"] == 64
         assert stats["load_plan_load_tokens"] == 64 + 64
@@ -250,7 +250,7 @@ def test_a_plan_with_no_hit_is_empty(root: Path) -> None:
         plan = s.plan_tokens(list(range(40)), recompute_tokens_per_s=1000)
         assert (plan.hit_tokens, plan.load_tokens, plan.load_chunks) == (0, 0, 0)
         with pytest.raises(InvalidValueError, match="positive"):
-            s.lookup_tokens(list(range(40)), recompute_tokens_per_s=0)
+            s.plan_tokens(list(range(40)), recompute_tokens_per_s=0)
 
 
 def test_a_lone_large_value_is_read_in_parts_at_once(
