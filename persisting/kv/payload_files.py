@@ -22,8 +22,11 @@ pays nothing for it. ``reservations/`` holds empty, locked
 proves their holder alive the same way (from older versions, ``tmp/`` may hold whole
 in-flight files, found and reclaimed the same way).
 
-Over 500 lines on purpose: the file format, the writers and the positioned readers share
-the header and the checksum-while-copying pieces, and are read together when the format
+Payload bytes are read with :func:`~persisting.kv.range_reads.read_file_range` (positioned
+reads straight into the destination, hashed as they land).
+
+Over 500 lines on purpose: the file format, its writers and the in-flight files' proof of
+life share the header, the names and the locks, and are read together when the format
 changes.
 """
 
@@ -44,11 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.layout import HASH_PIECE, Layout
+from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
     CONTROL_FILE_MODE,
     OWNER_ONLY,
@@ -57,7 +60,6 @@ from persisting.lance_store.access import (
     restrict,
 )
 from persisting.lance_store.durable import fsync_dir, fsync_fd
-from persisting.shm import populate as populate_pages
 
 MAGIC = b"PKVCHNK1"
 #: The payload format's block: header size and payload alignment, and the unit disk use is
@@ -82,102 +84,6 @@ def round_to_block(n: int) -> int:
 def file_size(nbytes: int) -> int:
     """Bytes a payload file of ``nbytes`` occupies on disk (header + payload, block-rounded)."""
     return HEADER_BYTES + round_to_block(nbytes)
-
-
-#: Bytes per positioned read where a read is also hashed. Larger than the
-#: :data:`~persisting.kv.layout.HASH_PIECE` of writes and copies: each read is a system
-#: call that lets go of the GIL, and the loading threads then queue to get it back. Reading
-#: 64 chunks of 4 MiB on 4 threads (2 cores), 1 MiB pieces loaded ~15% faster than 256 KiB
-#: ones, on ~8% less CPU (the piece is still hashed while in cache: L3 here).
-READ_PIECE = 1 << 20
-
-
-def read_file_range(
-    path: str | os.PathLike[str],
-    offset: int,
-    out: memoryview,
-    *,
-    executor: Executor | None = None,
-    parts: int = 1,
-    hashed: bool = False,
-    populate: bool = False,
-) -> int | None:
-    """Fill ``out`` with exactly ``len(out)`` bytes of ``path`` from ``offset``; with
-    ``hashed``, return the xxh3-64 of those bytes (:func:`persisting.kv.layout.checksum`):
-    read in one part, each piece is hashed as it lands, while still in cache.
-
-    One open and positioned reads straight into the destination: no intermediate buffer.
-    With an ``executor`` and ``parts > 1`` the range is read as that many block-aligned
-    parts at once (a disk that serves several requests in flight reads one large value
-    faster so; the calling thread must not be one of the executor's).
-
-    ``populate`` is for a destination whose pages were never touched (memory just
-    allocated, results a caller keeps): each part's pages are populated in one call
-    (:func:`persisting.shm.populate`) by the calling thread just before that part's read
-    is handed out (so the reader threads never fault pages in at once, and the next part
-    is populated while the earlier ones are read); read in one part, each piece is
-    populated just before it is read (while the kernel's readahead fetches the next).
-
-    FileNotFoundError propagates (the file was removed, e.g. evicted: a miss to the caller);
-    a file shorter than the range is a CorruptValueError; any other failure a StorageIOError.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise StorageIOError(f"cannot open {path}: {exc}") from exc
-    try:
-        if executor is None or parts <= 1:
-            return _pread_exact(fd, path, out, offset, hashed, populate)
-        step = round_to_block(-(-len(out) // parts))
-        futures = []
-        try:
-            for start in range(0, len(out), step):
-                part = out[start : start + step]
-                if populate:
-                    populate_pages(np.frombuffer(part, np.uint8))
-                futures.append(executor.submit(_pread_exact, fd, path, part, offset + start))
-        finally:
-            first: BaseException | None = None
-            for future in futures:  # every part, so none still writes ``out`` once we return
-                first = first or future.exception()
-        if first is not None:
-            raise first
-    except OSError as exc:
-        raise StorageIOError(f"reading {path} failed: {exc}") from exc
-    finally:
-        os.close(fd)
-    return xxhash.xxh3_64_intdigest(out) if hashed else None  # parts: hashed once all landed
-
-
-def _pread_exact(
-    fd: int,
-    path: str | os.PathLike[str],
-    out: memoryview,
-    offset: int,
-    hashed: bool = False,
-    populate: bool = False,
-) -> int | None:
-    """Read exactly ``len(out)`` bytes at ``offset``; with ``hashed``, in
-    :data:`READ_PIECE` pieces, each hashed right after it lands (returns the xxh3-64); with
-    ``populate``, in such pieces, each populated just before it is read."""
-    digest = xxhash.xxh3_64() if hashed else None
-    pieces = hashed or populate
-    done, size = 0, len(out)
-    while done < size:
-        piece = out[done : done + READ_PIECE] if pieces else out[done:]
-        if populate:
-            populate_pages(np.frombuffer(piece, np.uint8))
-        n = os.preadv(fd, [piece], offset + done)
-        if n == 0:
-            raise CorruptValueError(
-                f"{path} is shorter than expected ({offset + done} < {offset + size})"
-            )
-        if digest is not None:
-            digest.update(piece[:n])
-        done += n
-    return digest.intdigest() if digest is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -698,6 +604,5 @@ __all__ = [
     "Reservation",
     "file_size",
     "key_hash",
-    "read_file_range",
     "round_to_block",
 ]

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from persisting.errors import ProtocolError, StorageIOError
-from persisting.kv.payload_files import read_file_range
+from persisting.kv.range_reads import read_file_range
 from persisting.shm import (
     DEFAULT_SHM_DIR,
     PAGE,
@@ -175,7 +175,7 @@ def remove_orphaned_arenas(directory: Path = DEFAULT_SHM_DIR, only: str | None =
 
 def read_file_into(path: str, offset: int, out: memoryview) -> None:
     """Read exactly ``len(out)`` bytes at ``offset`` of ``path`` into ``out`` (the client's
-    read of a leased payload; see :func:`persisting.kv.payload_files.read_file_range`)."""
+    read of a leased payload; see :func:`persisting.kv.range_reads.read_file_range`)."""
     read_file_range(path, offset, out)
 
 

@@ -258,16 +258,16 @@ def test_a_lone_large_value_is_read_in_parts_at_once(
 ) -> None:
     """Too few values to keep the reader threads busy: each is split into block-aligned
     parts read at once (bit-exact, odd sizes too); a truncated file is still a miss."""
-    from persisting.kv import payload_files
+    from persisting.kv import range_reads
 
-    real = payload_files._pread_exact
+    real = range_reads._pread_exact
     threads: list[str] = []
 
     def traced(fd: int, path: object, out: memoryview, offset: int) -> None:
         threads.append(threading.current_thread().name)
         real(fd, path, out, offset)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(payload_files, "_pread_exact", traced)
+    monkeypatch.setattr(range_reads, "_pread_exact", traced)
     value = torch.arange(3 * MiB + 77, dtype=torch.uint8).reshape(1, -1)
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB, read_threads=4) as s:
         s.put(key(0), value, fmt="binary", check_shape=False)
@@ -286,9 +286,9 @@ def test_large_values_of_a_batch_are_each_read_in_parts_by_a_few_runners(
 ) -> None:
     """A batch of several large values: each is read by one of two runner threads as
     parts on the reader threads (bit-exact; a damaged one is still a counted miss)."""
-    from persisting.kv import payload_files
+    from persisting.kv import range_reads
 
-    real = payload_files._pread_exact
+    real = range_reads._pread_exact
     part_threads: list[str] = []
 
     def traced(fd: int, path: object, out: memoryview, offset: int) -> None:
@@ -308,7 +308,7 @@ def test_large_values_of_a_batch_are_each_read_in_parts_by_a_few_runners(
                 else None
             )
         )
-        monkeypatch.setattr(payload_files, "_pread_exact", traced)
+        monkeypatch.setattr(range_reads, "_pread_exact", traced)
         got = s.batched_get(keys)
         assert got[3] is None
         assert all(torch.equal(got[i], values[i]) for i in (0, 1, 2, 4))

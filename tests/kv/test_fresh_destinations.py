@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from persisting.kv import open_kv_store
-from persisting.kv import payload_files as payload_files_module
+from persisting.kv import open_kv_store, range_reads
 from persisting.kv.read_activity import ReadActivity
 from persisting.shm import PAGE, copy_into, pages_resident, populate
 from tests.kv.kv_helpers import MODEL, disk_tier, key
@@ -55,13 +54,13 @@ def test_copy_into_fresh_memory_populates_then_copies() -> None:
 def trace_populate(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Record (thread name, bytes) of every populate a disk read makes."""
     calls: list[tuple[str, int]] = []
-    real = payload_files_module.populate_pages
+    real = range_reads.populate_pages
 
     def traced(array: np.ndarray) -> bool:
         calls.append((threading.current_thread().name, array.nbytes))
         return real(array)
 
-    monkeypatch.setattr(payload_files_module, "populate_pages", traced)
+    monkeypatch.setattr(range_reads, "populate_pages", traced)
     return calls
 
 
@@ -95,7 +94,7 @@ def test_a_read_on_one_thread_populates_each_piece_before_reading_it(
         calls = trace_populate(monkeypatch)
         out = torch.from_numpy(fresh_array(3 * MiB)).reshape(1, -1)
         assert s.get_into(key(1), out) is not None and torch.equal(out, value)
-        assert [n for _t, n in calls] == [payload_files_module.READ_PIECE] * 3
+        assert [n for _t, n in calls] == [range_reads.READ_PIECE] * 3
 
 
 def test_a_memory_hit_into_a_fresh_destination_is_bit_exact(root: Path) -> None:

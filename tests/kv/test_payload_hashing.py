@@ -11,13 +11,8 @@ import torch
 
 from persisting.kv import open_kv_store
 from persisting.kv.layout import checksum
-from persisting.kv.payload_files import (
-    HASH_PIECE,
-    HEADER_BYTES,
-    READ_PIECE,
-    PayloadFiles,
-    read_file_range,
-)
+from persisting.kv.payload_files import HASH_PIECE, HEADER_BYTES, PayloadFiles
+from persisting.kv.range_reads import READ_PIECE, read_file_range
 from tests.kv.kv_helpers import MODEL, disk_tier, key
 
 MiB = 1 << 20
