@@ -3,19 +3,14 @@
 A hot read costs one index lookup and one positioned read into the destination buffer, then
 a checksum check; Lance is off the read path.
 
-The budget covers everything in the model directory, for all processes sharing it (through
-:class:`SharedUsage`), and every byte is reserved before it lands: payload files,
-block-rounded, before they are created; a bound on what each metadata change (a Lance
-commit, a compaction, the recency snapshot) can add, before it runs -- afterwards the
-overhead (the Lance table, the ``payload/<hh>`` and other directories, the lock and counter
-files, quarantined metadata) is measured and the reservation given back; the directory
-blocks a new file adds, before its creation is accounted. Eviction unlinks payload files
-before the bytes they make room for are written, so ``du -s`` of the directory stays within
-the budget (docs/reliability.md states the one exception: a directory block a rename may
-add, accounted right after).
+The budget covers everything in the model directory, for all processes sharing it, and
+every byte is reserved before it lands (:mod:`persisting.kv.disk_budget`); this tier's
+eviction makes the room, unlinking payload files before the bytes they make room for are
+written. On open the index is rebuilt from the metadata table and reconciled with the
+payload files actually present.
 
-Over 500 lines on purpose: the index, the byte accounting and the files change together
-under one lock, and that invariant reads best in one class.
+Over 500 lines on purpose: the index, the files and the eviction that keeps both within the
+budget change together under one lock, and that invariant reads best in one class.
 """
 
 from __future__ import annotations
@@ -24,21 +19,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
 from persisting.kv import recency
+from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
-    BLOCK,
     HEADER_BYTES,
     FileHeader,
     PayloadFiles,
@@ -113,6 +107,9 @@ class DiskTier:
         makedirs_durable(directory, modes)
         self.files = PayloadFiles(directory, modes)
         self.usage = SharedUsage(directory)
+        self._budget = DiskBudget(
+            directory, capacity, self.files, self.usage, evict=self._evict, refresh=self.refresh
+        )
         self.index: LruIndex[DiskEntry] = LruIndex()
         # The index and the keys being written. Lock order (persisting.kv.lock_order): taken
         # under the usage lock (eviction) or Tiers.lock (pins), never the other way round.
@@ -135,7 +132,7 @@ class DiskTier:
                 self._load_index()
                 self._restore_order()
                 self.usage.recount(self.files)
-                self._account_overhead()
+                self._budget.account_overhead()
         except BaseException as exc:
             self.meta.close()
             if self._alive is not None:
@@ -152,7 +149,7 @@ class DiskTier:
             path,
             modes=self.modes,
             max_bytes=max(self.capacity // 16, 128 << 10),
-            guard=self._metadata_growth,
+            guard=self._budget.metadata_growth,
         )
 
     def _open_metadata(self) -> MetadataTable:
@@ -179,7 +176,7 @@ class DiskTier:
                 exc,
             )
             self.corruptions += 1
-            self.meta.close()
+            self.meta.discard()  # only read: nothing to commit (and the locks are held)
             quarantine(self.meta.path)
             self.meta = self._new_metadata(self.meta.path)
             rows = []
@@ -215,7 +212,7 @@ class DiskTier:
         # The new snapshot is written beside the old one, then renamed over it.
         try:
             bound = round_to_block(recency.file_bytes(len(order)))
-            with self._metadata_growth(lambda: bound):
+            with self._budget.metadata_growth(lambda: bound):
                 recency.save_order(self.directory, order)
         except PersistingError as exc:  # only the order is lost: the store evicts by age
             log.warning("eviction order of %s not saved: %s", self.directory, exc)
@@ -265,59 +262,6 @@ class DiskTier:
         """Bytes of dead writers' reservations this store gave back while open."""
         return self.usage.reclaimed_bytes
 
-    def measure_overhead(self) -> int:
-        return self.usage.measure_overhead(self.directory, self.files)
-
-    def _account_overhead(self) -> None:
-        """Measure the overhead and record it, evicting payload first where the whole would
-        not fit the budget (so the counter is not seen over it)."""
-        with self.usage.metadata_locked(), self.usage.locked():
-            self._set_overhead(self.measure_overhead())
-
-    def _set_overhead(self, measured: int) -> None:
-        """Record a measured overhead (caller holds both locks), evicting first if needed."""
-        over = self.usage.get() + self.usage.reserved() + measured - self.capacity
-        if over > 0:
-            self._evict(over)
-        self.usage.set_overhead(measured)
-
-    def _add_overhead(self, grown: int) -> None:
-        """Count directory blocks just added (caller holds the usage lock)."""
-        if grown <= 0:
-            return
-        over = self.usage.total() + grown - self.capacity
-        if over > 0:
-            self._evict(over)
-        self.usage.set_overhead(self.usage.overhead() + grown)
-
-    @contextmanager
-    def _metadata_growth(self, bound_of: Callable[[], int]) -> Iterator[None]:
-        """Run a metadata change that may add up to ``bound_of()`` bytes (asked once the
-        metadata lock is held, see :data:`~persisting.kv.metadata.Guard`): reserve them first
-        (evicting as needed, named by a locked file that outlives no holder: see
-        :meth:`~persisting.kv.payload_files.PayloadFiles.reserve_file`),
-        then measure what it really added and give the reservation back. Changes of all
-        processes take turns (the metadata lock), so no measurement sees one half-way."""
-        with self.usage.metadata_locked():
-            bound = bound_of() + BLOCK  # and the reservation file's own directory entry
-            with self.usage.locked():
-                self._reserve(bound, metadata=True)
-                try:
-                    reservation = self.files.reserve_file(bound)
-                except BaseException:
-                    self.usage.set_reserved(self.usage.reserved() - bound)
-                    raise
-            try:
-                yield
-            finally:
-                with self.usage.locked():
-                    self.files.release_file(reservation)
-                    self.usage.set_reserved(self.usage.reserved() - bound)
-                    try:
-                        self._set_overhead(self.measure_overhead())
-                    except OSError as exc:  # best effort: the next change measures again
-                        log.warning("cannot measure the overhead of %s: %s", self.directory, exc)
-
     def flush(self) -> None:
         """Commit pending metadata now and account for what it occupies.
 
@@ -331,7 +275,7 @@ class DiskTier:
         for _ in range(FLUSH_ROUNDS):
             if not self.meta.flush():
                 break
-        self._account_overhead()
+        self._budget.account_overhead()
 
     def refresh(self) -> int:
         """Pick up chunks other processes wrote and forget those they removed."""
@@ -416,7 +360,10 @@ class DiskTier:
         sizes = [file_size(it.layout.nbytes) for it in todo]
         tags = [self.files.new_tag() for _ in todo]
         with self.usage.locked():
-            self._reserve(sum(sizes), headroom=self._growth_of(todo, tags))
+            subdirs = {
+                self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)
+            }
+            self._budget.reserve(sum(sizes), headroom=self._budget.growth_of(subdirs))
             pending: list[PendingFile] = []
             try:
                 for it, tag, size in zip(todo, tags, sizes, strict=True):
@@ -426,8 +373,8 @@ class DiskTier:
                     self.files.abort(p)
                 self.usage.add(-sum(sizes))
                 raise
-            self._add_overhead(sum(p.grown for p in pending))
-            subdir_bytes = {d: _allocated(d) for d in {p.final.parent for p in pending}}
+            self._budget.add_overhead(sum(p.grown for p in pending))
+            subdir_bytes = {d: allocated(d) for d in {p.final.parent for p in pending}}
         done: list[Path] = []
         try:
             # An item without a checksum gets it made as its file is written.
@@ -440,7 +387,7 @@ class DiskTier:
                 it.checksum = header.checksum
             for p in pending:
                 done.append(self.files.publish(p))
-            self._account_renames(subdir_bytes)
+            self._budget.account_renames(subdir_bytes)
             if durable:
                 self.files.sync_dirs(done)
         except BaseException:
@@ -467,54 +414,6 @@ class DiskTier:
             self.usage.add(-released)
         self.meta.add(rows)
         return {row.key for row in rows}
-
-    def _growth_of(self, todo: list[WriteItem], tags: list[int]) -> int:
-        """Room for the directory blocks a batch's files may add (measured and counted
-        once created): a new ``payload/<hh>``, and a block more for each directory an
-        entry goes into (its ``payload/<hh>``, and ``payload/`` for a new one)."""
-        subdirs = {self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)}
-        new_dirs = sum(not d.is_dir() for d in subdirs)
-        return BLOCK * (2 * new_dirs + len(subdirs) + 1)
-
-    def _account_renames(self, before: dict[Path, int]) -> None:
-        """Count the blocks renames into place added to their directories (rare: a rename
-        adds the new name before it drops the old one, and may need a block for it)."""
-        grown = sum(max(0, _allocated(d) - size) for d, size in before.items())
-        if grown:
-            with self.usage.locked():
-                self._add_overhead(grown)
-
-    def _reserve(self, nbytes: int, headroom: int = 0, *, metadata: bool = False) -> None:
-        """Count ``nbytes`` in the shared usage (as payload, or with ``metadata`` as a
-        metadata reservation), evicting first (caller holds the usage lock).
-
-        Room is made for ``headroom`` more (the batch's metadata and new directories, which
-        are counted once measured after the commit), so ``du`` stays within the budget
-        while the batch is being written, not only once it is accounted. A directory that
-        looks full first gives back dead writers' reservations, so a writer killed mid-batch
-        does not make the survivors over-evict.
-        """
-        need = nbytes + headroom
-        used = self.usage.total()
-        if used + need > self.capacity and self.usage.reclaim_abandoned(self.files):
-            used = self.usage.total()
-        if used + need > self.capacity:
-            self._evict(used + need - self.capacity)
-            used = self.usage.total()
-            if used + need > self.capacity:
-                self.refresh()  # files of other processes we have not indexed yet
-                self._evict(used + need - self.capacity)
-                used = self.usage.total()
-        if used + need > self.capacity:
-            raise CapacityError(
-                f"disk tier full: {used} of {self.capacity} bytes in use "
-                f"({self.usage.overhead()} of them metadata and directories), "
-                f"{nbytes} more needed and nothing evictable"
-            )
-        if metadata:
-            self.usage.set_reserved(self.usage.reserved() + nbytes)
-        else:
-            self.usage.set(self.usage.get() + nbytes)
 
     def _evict(self, need: int) -> int:
         """Unlink victims until ``need`` bytes are freed (caller holds the usage lock).
@@ -568,7 +467,7 @@ class DiskTier:
     ) -> Layout | None:
         """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum; in
         ``parts`` positioned reads at once on ``executor`` when given; ``populate`` when
-        ``out``'s pages are fresh (see :func:`~persisting.kv.payload_files.read_file_range`).
+        ``out``'s pages are fresh (see :func:`~persisting.kv.range_reads.read_file_range`).
 
         Returns None on a miss, including a file evicted by another process mid-way and a
         checksum failure (the damaged chunk is then dropped and counted).
@@ -671,13 +570,6 @@ class DiskTier:
             self.files.release_file(self._alive)
         self.usage.close()
         self.files.close()
-
-
-def _allocated(path: Path) -> int:
-    try:
-        return os.lstat(path).st_blocks * 512
-    except FileNotFoundError:
-        return 0
 
 
 def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:

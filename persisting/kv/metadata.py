@@ -354,14 +354,26 @@ class MetadataTable:
 
     def close(self) -> None:
         """Stop the background thread and commit what is pending (once)."""
+        if self._stop_thread():
+            self.flush()
+
+    def discard(self) -> None:
+        """Stop the background thread without committing: for a table that is being
+        quarantined while the directory's locks are held (a commit takes the commit lock,
+        which comes before them in the lock order). A table that was only read has
+        nothing to commit."""
+        self._stop_thread()
+
+    def _stop_thread(self) -> bool:
+        """Stop the background thread; False if it was stopped already."""
         if self._closed:
-            return
+            return False
         self._closed = True
         at_exit.untrack(self, at_exit.METADATA)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
-        self.flush()
+        return True
 
 
 def quarantine(path: Path) -> Path:
