@@ -1,9 +1,11 @@
-"""KVStore: the facade over the memory and disk tiers, with LMCache-like semantics.
+"""KVStore: the facade over a model's memory and disk tiers, with LMCache-like semantics.
 
-The put paths and their completion modes live in :mod:`persisting.kv.puts`, the read paths
-in :mod:`persisting.kv.reads`; this class owns the tiers, lookups, removal, pins and leases,
-and the store's lifecycle (including the namespace hold that makes a drop refuse while the
-store is open).
+The store checks it is open, turns keys into their text and composes the modules that do
+the work: :mod:`~persisting.kv.tiers` (the tiers, their lock, and what spans both:
+membership, pins, leases, figures), :mod:`~persisting.kv.puts` (puts in each completion
+mode, and removal, which cancels them), :mod:`~persisting.kv.reads` (gets) and
+:mod:`~persisting.kv.lookups` (prefix and token lookups, load plans). The order of the
+locks underneath is written in :mod:`~persisting.kv.lock_order`.
 
 Content-addressed keys never change value: putting an existing key is a no-op success.
 
@@ -21,15 +23,16 @@ import numpy as np
 
 from persisting.config import KVSettings, PersistingSettings, size_bytes
 from persisting.cuda import DEFAULT_STAGING_BYTES
-from persisting.errors import ConfigError, InvalidKeyError, StoreClosedError
+from persisting.errors import StoreClosedError
 from persisting.kv import at_exit
 from persisting.kv.api import KVApi, in_thread
 from persisting.kv.disk_tier import EvictionListener, Location
-from persisting.kv.keys import HASH_SCHEMES, HashScheme, TokenHasher
+from persisting.kv.keys import HashScheme, TokenHasher
 from persisting.kv.keys import key_dtype as key_dtype_name
 from persisting.kv.layout import Layout
 from persisting.kv.load_plan import LoadPlan, TierBandwidth
 from persisting.kv.lookups import Lookups
+from persisting.kv.options import SETTINGS_OPTIONS, check_options
 from persisting.kv.policy import (
     AdmissionPolicy,
     EvictionPolicy,
@@ -40,33 +43,8 @@ from persisting.kv.puts import Durability, OnComplete, PutResult, Tier, Writes
 from persisting.kv.reads import MemoryPayload, Reads, SharedLocation
 from persisting.kv.stats import StoreStats
 from persisting.kv.tiers import KeyLike, PoolFile, Tiers
-from persisting.lance_store import StorageRoot, validate_name
+from persisting.lance_store import StorageRoot
 from persisting.shm import RecycledBuffers
-
-
-def _check_options(
-    model: str,
-    durability: str,
-    memory_bytes: int,
-    disk_bytes: int,
-    read_threads: int,
-    hash_scheme: str,
-) -> None:
-    """ConfigError (or InvalidKeyError for the model name) for options that do not go
-    together, before anything is opened."""
-    validate_name(model, "model")
-    if "@" in model:
-        raise InvalidKeyError(f"model name {model!r} must not contain '@' (it separates key parts)")
-    if durability not in ("sync", "async", "write_back"):
-        raise ConfigError(f"durability must be sync, async or write_back, not {durability!r}")
-    if memory_bytes < 0 or disk_bytes < 0:
-        raise ConfigError("tier capacities must not be negative")
-    if read_threads < 1:
-        raise ConfigError(f"read_threads must be at least 1, not {read_threads}")
-    if durability != "sync" and memory_bytes == 0:
-        raise ConfigError(f"durability={durability!r} needs a memory tier (memory_bytes > 0)")
-    if hash_scheme not in HASH_SCHEMES:
-        raise ConfigError(f"hash_scheme must be one of {HASH_SCHEMES}, not {hash_scheme!r}")
 
 
 class KVStore(KVApi):
@@ -87,9 +65,9 @@ class KVStore(KVApi):
     - ``durability``: when a put completes: ``"sync"`` (on disk), ``"async"`` (in memory,
       written behind) or ``"write_back"`` (written when evicted); see
       :mod:`persisting.kv.puts`. The last two need a memory tier.
-    - ``eviction``: the policy name (``"lru"``, ``"prefix"``...) or an
+    - ``eviction``: ``"lru"``, ``"prefix"`` (chain suffixes first) or an
       :class:`~persisting.kv.policy.EvictionPolicy`; both tiers use it.
-    - ``admission``: which puts go to disk (``"always"``, ``"second_hit"``...) or an
+    - ``admission``: which puts go to disk: ``"always"``, ``"second_sighting"`` or an
       :class:`~persisting.kv.policy.AdmissionPolicy`.
     - ``max_value_bytes``: the largest value a put takes (default: the larger tier).
     - ``chunk_size``, ``hash_scheme``, ``key_dtype``: how token lookups hash token ids by
@@ -99,7 +77,8 @@ class KVStore(KVApi):
       by place (:meth:`shared_location`, :attr:`shared_pool`).
     - ``result_buffer_bytes``: recycled pages for the values gets return (0: fresh
       memory per value).
-    - ``storage_access``: ``"owner"`` (0600/0700 files) or the root's group setting.
+    - ``storage_access``: ``"owner"`` (files 0600, directories 0700) or ``"group"``
+      (0640/0750, for same-host readers of one group).
     - ``fsync``: whether write-through puts fsync before they complete (False leaves them
       in the page cache, as LMCache's own disk backends do).
     - ``on_disk_evict``: told which chunks disk eviction removed, as ``(key, bytes)``, on
@@ -138,7 +117,7 @@ class KVStore(KVApi):
         results_bytes = size_bytes(result_buffer_bytes, "result_buffer_bytes")
         staging_bytes = size_bytes(pinned_staging_bytes, "pinned_staging_bytes")
         largest = size_bytes(max_value_bytes, "max_value_bytes") if max_value_bytes else 0
-        _check_options(model, durability, memory, disk, read_threads, hash_scheme)
+        check_options(model, durability, memory, disk, read_threads, hash_scheme)
         self.model = model
         self.durability: Durability = durability
         self.chunk_size = chunk_size
@@ -177,23 +156,12 @@ class KVStore(KVApi):
 
     @classmethod
     def from_settings(cls, settings: PersistingSettings, model: str, **overrides: Any) -> KVStore:
+        """A store of ``model`` with the options ``settings`` give (those of its ``kv``
+        section named in :data:`~persisting.kv.options.SETTINGS_OPTIONS`, and the root's
+        ``storage_access``); ``overrides`` win."""
         kv: KVSettings = settings.kv
-        options: dict[str, Any] = dict(
-            memory_bytes=kv.memory_bytes,
-            disk_bytes=kv.disk_bytes,
-            durability=kv.durability,
-            eviction=kv.eviction,
-            admission=kv.admission,
-            max_value_bytes=kv.max_value_bytes,
-            chunk_size=kv.chunk_size,
-            hash_scheme=kv.hash_scheme,
-            key_dtype=kv.key_dtype,
-            result_buffer_bytes=kv.result_buffer_bytes,
-            storage_access=settings.storage_access,
-            read_threads=kv.read_threads,
-            pinned_memory=kv.pinned_memory,
-            pinned_staging_bytes=kv.pinned_staging_bytes,
-        )
+        options: dict[str, Any] = {name: getattr(kv, name) for name in SETTINGS_OPTIONS}
+        options["storage_access"] = settings.storage_access
         options.update(overrides)
         return cls(settings.storage_path, model, **options)
 
