@@ -153,7 +153,7 @@ store.flush()
 def test_a_metadata_reservation_of_a_dead_process_comes_back(root: Path) -> None:
     budget = 8 * MiB
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget) as store:
-        assert store.disk is not None
+        disk = disk_tier(store)
         store.put(key(1), tensor(1))
         store.flush()
         killed = subprocess.run(
@@ -165,11 +165,11 @@ def test_a_metadata_reservation_of_a_dead_process_comes_back(root: Path) -> None
         held = list((store.directory / "reservations").iterdir())
         assert len(held) == 1 and held[0].stat().st_size == 0  # an empty reservation
         reserved = int(held[0].stem.split("-")[2])
-        before = disk_tier(store).usage.reserved()
+        before = disk.usage.reserved()
         assert before >= reserved
-        with disk_tier(store).usage.locked():
-            assert disk_tier(store).usage.reclaim_abandoned(disk_tier(store).files) == reserved
-        assert disk_tier(store).usage.reserved() == before - reserved
+        with disk.usage.locked():
+            assert disk.usage.reclaim_abandoned(disk.files) == reserved
+        assert disk.usage.reserved() == before - reserved
         assert list((store.directory / "reservations").iterdir()) == []
 
 
