@@ -120,12 +120,12 @@ def ordered(rank: Rank, lock: L) -> L:
 def checking() -> Iterator[LockOrderLog]:
     """Check the locks of stores opened in this block; yields the log they report to."""
     global LOG, _enabled
-    before = _enabled
+    before = LOG, _enabled
     LOG, _enabled = LockOrderLog(), True
     try:
         yield LOG
     finally:
-        _enabled = before
+        LOG, _enabled = before
 
 
 __all__ = ["LOG", "LockOrderLog", "Rank", "checking", "ordered"]
