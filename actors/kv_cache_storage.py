@@ -1,16 +1,16 @@
 """KVCacheStorageActor: a Pulsing actor serving the KV stores of the models it is set up for.
 
-Start it with ``persisting serve`` (see :mod:`persisting.actors.launch`) or with Pulsing's
+Start it with ``persisting serve`` (see :mod:`actors.launch`) or with Pulsing's
 launcher::
 
     PERSISTING_STORAGE_PATH=./data PERSISTING_MODELS=meta-llama/Llama-3-8B \\
-        pulsing actor persisting.actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
+        pulsing actor actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
         --addr 127.0.0.1:8610
 
 Pulsing 0.1.2's launcher passes no constructor arguments, so an actor built without any
 reads :class:`~persisting.config.PersistingSettings` (``PERSISTING_*`` variables or the TOML
 file named by ``PERSISTING_CONFIG``). Nothing is served without a passphrase: the actor
-refuses a Pulsing system that :mod:`persisting.actors.system` did not start, and under the
+refuses a Pulsing system that :mod:`actors.system` did not start, and under the
 launcher it makes the launcher's system start with the server's passphrase.
 
 Pulsing hands one actor one message at a time, so the actor also spawns ``lanes - 1``
@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import pulsing
 
-from persisting.actors.logs import configure_logging, log_banner, log_bulk, log_stop, logger
-from persisting.actors.ownership import ServiceClaims, claim_models
-from persisting.actors.system import (
+from actors.logs import configure_logging, log_banner, log_bulk, log_stop, logger
+from actors.ownership import ServiceClaims, claim_models
+from actors.system import (
     arm_launcher,
     is_authenticated,
     passphrase_source,
@@ -55,7 +55,7 @@ from persisting.service.handler import StorageHandler
 from persisting.service.local_channel import LocalChannelServer
 
 if TYPE_CHECKING:
-    from persisting.actors.kv_events import EventConsumer
+    from actors.kv_events import EventConsumer
 
 #: How often a server reads which members of its service are alive.
 MEMBERS_EVERY_S = 2.0
@@ -87,7 +87,7 @@ class KVCacheStorageActor(pulsing.Actor):
             if not is_authenticated(pulsing.get_system()):
                 raise ConfigError(
                     "refusing to serve in a Pulsing system started without Persisting's "
-                    "passphrase: start it with persisting.actors.system.start_system"
+                    "passphrase: start it with actors.system.start_system"
                 )
         else:  # Pulsing's launcher starts the system after building the actor
             arm_launcher(service)
