@@ -7,11 +7,12 @@ launcher::
         pulsing actor actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
         --addr 127.0.0.1:8610
 
-Pulsing 0.1.2's launcher passes no constructor arguments, so an actor built without any
-reads :class:`~persisting.config.PersistingSettings` (``PERSISTING_*`` variables or the TOML
+Pulsing's launcher passes no constructor arguments (entry 1 of
+:mod:`persisting.pulsing_compat`), so an actor built without any reads
+:class:`~persisting.config.PersistingSettings` (``PERSISTING_*`` variables or the TOML
 file named by ``PERSISTING_CONFIG``). Nothing is served without a passphrase: the actor
-refuses a Pulsing system that :mod:`actors.system` did not start, and under the
-launcher it makes the launcher's system start with the server's passphrase.
+refuses a Pulsing system that :mod:`actors.system` did not start, and under the launcher
+it makes the launcher's system start with the server's passphrase.
 
 Pulsing hands one actor one message at a time, so the actor also spawns ``lanes - 1``
 helper actors over the same stores; a client spreads its requests over all of them, and

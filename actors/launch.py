@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +37,7 @@ from actors.system import start_system
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.kv import TokenHasher
+from persisting.pulsing_compat import exit_after_shutdown
 from persisting.service import KVCacheClient
 from persisting.service.events import evict_event, prewarm_event
 
@@ -146,7 +145,8 @@ def serve(
     """Serve until SIGINT or SIGTERM (see :func:`start_service` for the arguments).
 
     With ``exit_process`` (the default) the process ends with ``os._exit(0)`` once the
-    service has stopped: Pulsing 0.1.2 may crash at interpreter exit after a shutdown.
+    service has stopped: Pulsing may crash at interpreter exit after a shutdown
+    (:func:`persisting.pulsing_compat.exit_after_shutdown`).
     The log (banner, stop line) follows ``settings.service.log_level``/``log_format``.
     """
     settings = settings if settings is not None else PersistingSettings.load()
@@ -174,9 +174,7 @@ def serve(
 
     asyncio.run(run())
     if exit_process:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_after_shutdown()
 
 
 # -- the demo -------------------------------------------------------------------------------
