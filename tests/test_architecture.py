@@ -31,7 +31,6 @@ _DATA = _STORAGE | {"kv", "queue"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "config": {"errors"},
-    "config_sample": {"errors", "config"},
     "shm": {"errors", "config"},
     "cuda": {"errors", "config", "shm"},
     "lance_store": {"errors", "config", "shm"},
@@ -53,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     # The command line may import all (docs/architecture.md); `prewarm --hash-scheme
     # lmcache-mp` hashes token ids with the LMCache package's object keys.
     "cli": _DATA
-    | {"service", "actors", "admin", "bench", "planner", "figures", "metrics", "config_sample"}
+    | {"service", "actors", "admin", "bench", "planner", "figures", "metrics"}
     | {"pulsing_compat"}
     | {"lmcache"},
 }
