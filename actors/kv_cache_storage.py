@@ -62,6 +62,41 @@ if TYPE_CHECKING:
 MEMBERS_EVERY_S = 2.0
 
 
+def _model_names(models: Sequence[str]) -> list[str]:
+    """The models to serve, checked: at least one, valid names, none twice."""
+    names = list(models)
+    if not names:
+        raise ConfigError(
+            "no models to serve: set PERSISTING_MODELS (comma-separated), or models in "
+            "the settings file (PERSISTING_CONFIG)"
+        )
+    for name in names:
+        validate_name(name, "model")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"models listed twice: {names}")
+    return names
+
+
+def _handler(settings: PersistingSettings, stores: dict[str, KVStore]) -> StorageHandler:
+    """The protocol handler over ``stores``, sized by the service settings."""
+    service = settings.service
+    return StorageHandler(
+        stores,
+        lease_ttl_s=service.lease_ttl_s,
+        message_part_bytes=service.message_part_bytes,
+        max_inflight=service.max_inflight,
+        max_staged_bytes=service.staging_bytes,
+        max_session_staged_bytes=service.session_staging_bytes,
+        staged_ttl_s=service.staging_ttl_s,
+        threads=max(2, service.lanes),
+        node={
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "storage_path": str(settings.storage_path),
+        },
+    )
+
+
 class _Lane(pulsing.Actor):
     """A helper actor answering requests with its parent's handler (another mailbox)."""
 
@@ -94,16 +129,7 @@ class KVCacheStorageActor(pulsing.Actor):
             arm_launcher(service)
         if launched:
             configure_logging(service.log_level, service.log_format)
-        names = list(models if models is not None else self.settings.models)
-        if not names:
-            raise ConfigError(
-                "no models to serve: set PERSISTING_MODELS (comma-separated), or models in "
-                "the settings file (PERSISTING_CONFIG)"
-            )
-        for name in names:
-            validate_name(name, "model")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"models listed twice: {names}")
+        names = _model_names(models if models is not None else self.settings.models)
         #: One server per namespace: claimed before any store opens (the caller may have
         #: claimed them already, before it started Pulsing).
         self.claims = (
@@ -123,21 +149,7 @@ class KVCacheStorageActor(pulsing.Actor):
             self._close_stores()
             self.claims.release()
             raise
-        self.handler = StorageHandler(
-            self.stores,
-            lease_ttl_s=service.lease_ttl_s,
-            message_part_bytes=service.message_part_bytes,
-            max_inflight=service.max_inflight,
-            max_staged_bytes=service.staging_bytes,
-            max_session_staged_bytes=service.session_staging_bytes,
-            staged_ttl_s=service.staging_ttl_s,
-            threads=max(2, service.lanes),
-            node={
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "storage_path": str(self.settings.storage_path),
-            },
-        )
+        self.handler = _handler(self.settings, self.stores)
         #: The event consumer beside this actor (``start_service`` sets it), for readiness.
         self.consumer: EventConsumer | None = None
         self._addr: str | None = None
