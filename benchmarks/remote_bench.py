@@ -4,7 +4,7 @@ TCP socket moving the same bytes between two processes and against Mooncake Stor
 Three sides move the same number of 8 MiB chunks (default) per phase, in one run:
 
 * **persisting** -- ``persisting serve --passphrase ...`` (``python -m
-  persisting.actors.launch``) in its own process, a ``KVCacheClient.connect(...,
+  actors.launch``) in its own process, a ``KVCacheClient.connect(...,
   same_host=False)`` in the client process: ``put`` one by one, ``get`` one by one (values
   kept until the phase ends, as a caller keeps them), ``get_into`` preallocated tensors,
   and ``batched_get`` of ``--batch``;
@@ -382,7 +382,7 @@ def _run_network(args: argparse.Namespace, network: str) -> dict[str, Any]:
             addr = f"{server_host}:{port}"
             memory = (args.chunks + 8) * nbytes * 2
             server = _spawn(
-                wrap_server([sys.executable, "-m", "persisting.actors.launch"]),
+                wrap_server([sys.executable, "-m", "actors.launch"]),
                 _server_env(Path(tmp) / "root", addr, args, memory),
             )
             procs.append(server)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from persisting.actors.launch import free_loopback_port  # noqa: E402
+from actors.launch import free_loopback_port  # noqa: E402
 from persisting.kv import ChunkKey, KVStore, open_kv_store  # noqa: E402
 from persisting.service import KVCacheClient  # noqa: E402
 
@@ -78,7 +78,7 @@ def _server(root: Path, name: str, addr: str, memory_bytes: int, seeds: str | No
         PERSISTING_SERVICE__SEEDS=json.dumps([seeds] if seeds else []),
     )
     return subprocess.Popen(
-        [sys.executable, "-m", "persisting.actors.launch"],
+        [sys.executable, "-m", "actors.launch"],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,

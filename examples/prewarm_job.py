@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from _server_process import persisting_command, persisting_serve
 
-from persisting.actors.kv_events import publish_events
+from actors.kv_events import publish_events
 from persisting.config import PersistingSettings
 from persisting.kv import TokenHasher, open_kv_store
 from persisting.service import KVCacheClient

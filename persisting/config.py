@@ -9,7 +9,7 @@ Mistakes are refused, not ignored: a key no section has (``memory_byte``, a ``[s
 section, ``PERSISTING_KV__MEMORY_BYTE``) is a :class:`~persisting.errors.ConfigError`
 naming the key, where it came from and the closest valid one. Sizes take units anywhere
 (``8GiB``, ``512MB``, ``16MiB``, or plain bytes): ``GiB``/``MiB`` are powers of 2,
-``GB``/``MB`` powers of 10. :mod:`persisting.config_sample` writes every setting with its
+``GB``/``MB`` powers of 10. :mod:`persisting.cli.config_sample` writes every setting with its
 default.
 """
 

@@ -214,7 +214,7 @@ class KVMetrics:
         """At every scrape, export a server's figures from ``snapshot()``: a mapping with
         ``requests`` ({op: n}), ``errors`` ({code: n}), ``sessions``, ``pins``, ``leases``,
         ``members_up``, ``members_known``, ``ready`` (bool) and ``consumer`` (its
-        :meth:`~persisting.actors.kv_events.EventConsumer.status`, or None)."""
+        :meth:`~actors.kv_events.EventConsumer.status`, or None)."""
         with self._lock:
             self._service = snapshot
 

@@ -9,8 +9,8 @@ import pytest
 import tomllib
 
 from persisting import errors
+from persisting.cli.config_sample import sample_toml
 from persisting.config import PersistingSettings
-from persisting.config_sample import sample_toml
 from persisting.errors import ConfigError, PersistingError
 
 

@@ -1,5 +1,5 @@
-"""Every third-party package ``persisting`` imports is declared in pyproject.toml (as a
-dependency or in an extra), lazy imports included."""
+"""Every third-party package ``persisting`` and ``actors`` import is declared in
+pyproject.toml (as a dependency or in an extra), lazy imports included."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: The packages pyproject installs (packages.find).
+FIRST_PARTY = {"persisting", "actors"}
+
 #: Import names whose distribution is named otherwise, or is not installed in this
 #: environment (the engines: vLLM lives in .venv-vllm).
 DISTRIBUTION_OF = {
@@ -29,13 +32,13 @@ DISTRIBUTION_OF = {
 
 def imported_packages() -> set[str]:
     found: set[str] = set()
-    for path in (REPO / "persisting").rglob("*.py"):
+    for path in [p for pkg in FIRST_PARTY for p in (REPO / pkg).rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 found |= {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 found.add(node.module.split(".")[0])
-    return {name for name in found if name not in sys.stdlib_module_names} - {"persisting"}
+    return {name for name in found if name not in sys.stdlib_module_names} - FIRST_PARTY
 
 
 def declared() -> set[str]:

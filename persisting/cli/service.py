@@ -1,4 +1,4 @@
-"""``persisting serve | demo | prewarm``: the actor service (``persisting/actors/``), its topic."""
+"""``persisting serve | demo | prewarm``: the actor service (``actors/``), its topic."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def serve(
     With no passphrase configured it generates one, which clients of the same user on this
     host find by themselves, and serves loopback only (see docs/service.md).
     """
-    from persisting.actors.launch import serve as serve_forever
+    from actors.launch import serve as serve_forever
 
     flags = {
         "addr": addr,
@@ -218,7 +218,7 @@ def demo(
     import shutil
     import tempfile
 
-    from persisting.actors.launch import run_demo
+    from actors.launch import run_demo
 
     settings = service_settings(config, storage_path, model)
     temporary: str | None = None
@@ -312,7 +312,7 @@ def prewarm(
     json_out: JsonFlag = False,
 ) -> None:
     """Publish a prewarm (or --evict) event to the serving actor's event topic."""
-    from persisting.actors.kv_events import prewarm as publish
+    from actors.kv_events import prewarm as publish
     from persisting.service.events import MAX_EVENT_KEYS
 
     if bool(keys) == (tokens_file is not None):

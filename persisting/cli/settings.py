@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from persisting.cli.app import ConfigOption, JsonFlag, app, command, load_settings
+from persisting.cli.config_sample import is_size
 from persisting.cli.output import emit
 from persisting.config import PersistingSettings, setting_fields, size_text
-from persisting.config_sample import is_size
 
 config_app = typer.Typer(
     help="Settings: a sample file with every default, and the settings in effect.",
@@ -27,7 +27,7 @@ HIDDEN = "<hidden>"
 @command(config_app, "sample")
 def sample() -> None:
     """Print a persisting.toml with every setting at its default, each explained."""
-    from persisting.config_sample import sample_toml
+    from persisting.cli.config_sample import sample_toml
 
     typer.echo(sample_toml(), nl=False)
 

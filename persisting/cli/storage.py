@@ -368,9 +368,9 @@ def cluster_stats(
 ) -> None:
     """``stats --service``: the members of a running service and their figures."""
     import asyncio
-    import os
 
     from persisting.config import socket_address
+    from persisting.pulsing_compat import exit_after_shutdown
     from persisting.service.client.survey import survey_cluster
 
     for seed in seeds:
@@ -378,8 +378,7 @@ def cluster_stats(
     settings = load_settings(config)
     view = asyncio.run(survey_cluster(seeds, name=name, settings=settings, timeout_s=timeout))
     emit(view, json_out, lambda console: render_cluster(console, view))
-    sys.stdout.flush()
-    os._exit(0)  # Pulsing 0.1.2 may crash at interpreter exit after a shutdown
+    exit_after_shutdown()  # Pulsing may crash at interpreter exit after a shutdown
 
 
 def render_cluster(console: Console, view: ClusterView) -> None:

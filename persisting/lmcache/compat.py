@@ -10,10 +10,18 @@ key: the key names the KV dtype, and chunks in the engine's own whole-chunk form
 the engine's kv size, layer count and hidden size (a same-named model run with another
 configuration must never load its tensors here). Per-layer and free-form layouts (as in
 LMCache's own tests and I/O benchmark) are checked on dtype only.
+
+This is also the only module that reads LMCache's private attributes (a memory object's
+``_used_size_override``, the L2 interface's usage counters). Each such read is guarded by
+:data:`PRIVATE_API_TESTED`: on an LMCache release other than the one they were read from,
+the callers take the public (slower) path instead.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from importlib import metadata as distributions
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,14 +31,56 @@ from lmcache.utils import (
     LayerCacheEngineKey,
     parse_cache_key,
 )
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj, TensorMemoryObj
 
-from persisting.errors import InvalidValueError
+from persisting.errors import ConfigError, InvalidValueError
 from persisting.kv import ChunkKey, Layout, parse_key
 from persisting.kv.keys import key_string
 
 if TYPE_CHECKING:
+    from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
     from lmcache.v1.metadata import LMCacheMetadata
+
+
+def _release(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+#: The LMCache release whose private attributes this module reads (pyproject pins
+#: ``lmcache>=0.5.6,<0.6``): the 0.5 series.
+LMCACHE_RELEASE = _release(distributions.version("lmcache"))
+PRIVATE_API_TESTED = LMCACHE_RELEASE == (0, 5)
+
+
+def is_plain_tensor_object(obj: MemoryObj) -> bool:
+    """Whether ``obj``'s tensor is its metadata's shape and dtype: a ``TensorMemoryObj``
+    whose ``tensor`` property is not overridden by a subclass and whose used size is not
+    narrowed to a byte count (LMCache 0.5's private ``_used_size_override``). False on
+    any other LMCache release: the caller then reads the object's tensor view."""
+    return (
+        PRIVATE_API_TESTED
+        and type(obj).tensor is TensorMemoryObj.tensor
+        and getattr(obj, "_used_size_override", 0) is None
+    )
+
+
+def seed_adapter_usage(adapter: L2AdapterInterface, by_salt: Mapping[str, int]) -> None:
+    """Set an L2 adapter's usage counters (kept by LMCache's base class) to what a store
+    reopened holds, before any listener is registered: no store is announced for chunks an
+    earlier process stored. LMCache 0.5 keeps them in private attributes under its
+    ``_usage_lock``. On another release this refuses (ConfigError) rather than guess: a
+    wrong usage figure would quietly switch LMCache's eviction off or on."""
+    if PRIVATE_API_TESTED:
+        with adapter._usage_lock:
+            adapter._total_bytes_used = sum(by_salt.values())
+            adapter._bytes_by_cache_salt = dict(by_salt)
+        return
+    raise ConfigError(
+        f"seeding the usage of an L2 adapter is written for LMCache 0.5, not "
+        f"{'.'.join(map(str, LMCACHE_RELEASE))}: see persisting/lmcache/compat.py"
+    )
+
 
 #: Formats whose payload is opaque bytes: the key's dtype says nothing about them.
 _BYTE_FORMATS = frozenset({"BINARY", "binary", "BINARY_BUFFER"})
@@ -109,11 +159,15 @@ class LayoutGuard:
 
 
 __all__ = [
+    "LMCACHE_RELEASE",
+    "PRIVATE_API_TESTED",
     "LayoutGuard",
     "cache_engine_key_of",
     "chunk_key_of",
     "format_name",
+    "is_plain_tensor_object",
     "key_dtype_name",
     "memory_format",
+    "seed_adapter_usage",
     "tensor_of",
 ]

@@ -23,13 +23,13 @@ load.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from types import MappingProxyType
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
@@ -45,8 +45,9 @@ from persisting.errors import InvalidKeyError, InvalidNameError, StoreClosedErro
 from persisting.kv import KVStore, key_string
 from persisting.kv.owners import OwnerClaim, claim_model
 from persisting.kv.payload_files import file_size
+from persisting.lmcache.compat import seed_adapter_usage
 from persisting.lmcache.health import IOErrors, errno_of, logger
-from persisting.lmcache.l2_io import Stored, load_object, store_objects
+from persisting.lmcache.l2_io import L2Counters, Stored, load_object, store_objects
 from persisting.lmcache.l2_tasks import KeyLocks, TaskBoard, next_task_id
 from persisting.lmcache.object_keys import object_key_of, object_key_text
 from persisting.lmcache.settings import L2Params, l2_params
@@ -131,7 +132,7 @@ class PersistingL2Adapter(L2AdapterInterface):
         #: of such chunks, told once it has (see :meth:`_take`).
         self._announcing: Counter[str] = Counter()
         self._deferred: dict[str, list[tuple[ObjectKey, int]]] = {}
-        self._counters: Counter[str] = Counter()
+        self._counters = L2Counters()
         self.io_errors = IOErrors()
         self._locks = KeyLocks(params.lock_ttl_s)
         self._store_tasks: TaskBoard[L2StoreResult] = TaskBoard()
@@ -181,9 +182,7 @@ class PersistingL2Adapter(L2AdapterInterface):
                 continue  # not an object key: something else shares the namespace
             self._sizes[text] = nbytes
             by_salt[key.cache_salt] += file_size(nbytes)
-        with self._usage_lock:
-            self._total_bytes_used = sum(by_salt.values())
-            self._bytes_by_cache_salt = dict(by_salt)
+        seed_adapter_usage(self, by_salt)
 
     def register_listener(self, listener: L2AdapterListener) -> None:
         """Register ``listener`` and tell it of every chunk already stored, least recently
@@ -234,7 +233,7 @@ class PersistingL2Adapter(L2AdapterInterface):
             self._expire_locks()  # an abandoned lock must not keep chunks from eviction
             items = []
             for key, obj in zip(keys, objs, strict=False):
-                text = self._text(key, failure="store")
+                text = self._text_to_store(key)
                 if text is None:
                     ok = False
                 else:
@@ -250,25 +249,25 @@ class PersistingL2Adapter(L2AdapterInterface):
             fresh = [
                 item
                 for item in stored
-                if item[1] not in self._sizes and self.store.contains(item[1])
+                if item.text not in self._sizes and self.store.contains(item.text)
             ]
-            for _key, text, nbytes, _written in fresh:
-                self._sizes[text] = nbytes
-                self._announcing[text] += 1
+            for item in fresh:
+                self._sizes[item.text] = item.nbytes
+                self._announcing[item.text] += 1
         if fresh:
             try:
                 self._notify_keys_stored(
-                    [key for key, *_ in fresh], [file_size(item[2]) for item in fresh]
+                    [item.key for item in fresh], [file_size(item.nbytes) for item in fresh]
                 )
             finally:
-                self._announced([text for _k, text, *_ in fresh])
-        written = sum(nbytes for _k, _t, nbytes, was_written in stored if was_written)
+                self._announced([item.text for item in fresh])
+        written = sum(item.nbytes for item in stored if item.written)
         self._store_tasks.finish(task_id, L2StoreResult(ok, written))
         self._record_status()
 
     def _store_failed(self, text: str, exc: BaseException) -> None:
         with self._lock:
-            self._counters["store_failures"] += 1
+            self._counters.store_failures += 1
         if errno_of(exc) is not None:
             self.io_errors.record("store", text, exc)
         else:
@@ -365,7 +364,8 @@ class PersistingL2Adapter(L2AdapterInterface):
         if outcome in ("absent", "miss"):
             self._forget_if_gone(text)
         if outcome != "hit":
-            self._count(f"load_{outcome}")
+            with self._lock:
+                self._counters.count_load(outcome)
         return outcome == "hit"
 
     def _load_failed(self, text: str, exc: BaseException) -> None:
@@ -460,12 +460,11 @@ class PersistingL2Adapter(L2AdapterInterface):
             return super().get_usage()
         self._report_evictions()
         used = self.store.disk_used_bytes()
-        with self._usage_lock:
-            per_salt = {k: v for k, v in self._bytes_by_cache_salt.items() if v > 0}
+        books = super().get_usage()  # the per-salt bytes LMCache's base class keeps
         return AdapterUsage(
             total_bytes_used=used,
-            total_capacity_bytes=self._max_capacity_bytes,
-            bytes_by_cache_salt=MappingProxyType(per_salt),
+            total_capacity_bytes=books.total_capacity_bytes,
+            bytes_by_cache_salt=books.bytes_by_cache_salt,
         )
 
     def _report_evictions(self) -> None:
@@ -478,7 +477,8 @@ class PersistingL2Adapter(L2AdapterInterface):
             if nbytes is not None:
                 gone.append((key, nbytes))
         if gone:
-            self._count("evictions", len(gone))
+            with self._lock:
+                self._counters.evictions += len(gone)
             self._notify_keys_deleted([k for k, _n in gone], [n for _k, n in gone])
 
     def debug_has_key(self, key: ObjectKey) -> bool:
@@ -522,7 +522,7 @@ class PersistingL2Adapter(L2AdapterInterface):
         self._report_evictions()
         stats = self.store.stats() if not self.store.closed else {}
         with self._lock:
-            counters = dict(self._counters)
+            counters = dataclasses.replace(self._counters)
             objects = len(self._sizes)
         io = self.io_errors.snapshot()
         healthy = not self._closed and not self.io_errors.recent(UNHEALTHY_AFTER_IO_ERROR_S)
@@ -539,11 +539,7 @@ class PersistingL2Adapter(L2AdapterInterface):
             "locked_key_count": self._locks.count(),
             "expired_locks": self._locks.expired,
             "checksum_failures": stats.get("corruptions", 0),
-            "evictions": counters.get("evictions", 0),
-            "store_failures": counters.get("store_failures", 0),
-            "load_failures": counters.get("load_failed", 0),
-            "load_misses": counters.get("load_miss", 0) + counters.get("load_absent", 0),
-            "layout_mismatches": counters.get("load_layout_mismatch", 0),
+            **dataclasses.asdict(counters),
             **io,
         }
 
@@ -572,19 +568,25 @@ class PersistingL2Adapter(L2AdapterInterface):
             raise StoreClosedError("PersistingL2Adapter is closed")
         pool.submit(_logged, fn, *args)
 
-    def _text(self, key: ObjectKey, *, failure: str | None = None) -> str | None:
+    def _text(self, key: ObjectKey) -> str | None:
         """The key string of ``key``, or None if Persisting cannot represent it (such a key
-        is never stored, so it is a miss; a store of it is a counted ``failure``)."""
+        is never stored, so a lookup or load of it is a miss)."""
         try:
-            return key_string(object_key_text(self.params.namespace, key))
-        except (InvalidKeyError, InvalidNameError) as exc:
-            if failure is not None:
-                self._store_failed(repr(key), exc)
+            return self._key_string(key)
+        except (InvalidKeyError, InvalidNameError):
             return None
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
+    def _text_to_store(self, key: ObjectKey) -> str | None:
+        """:meth:`_text` for a store: a key Persisting cannot represent is a counted store
+        failure."""
+        try:
+            return self._key_string(key)
+        except (InvalidKeyError, InvalidNameError) as exc:
+            self._store_failed(repr(key), exc)
+            return None
+
+    def _key_string(self, key: ObjectKey) -> str:
+        return key_string(object_key_text(self.params.namespace, key))
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -9,24 +9,66 @@ object's buffer and the disk tier verifies the chunk's checksum on the way.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 import torch
 from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
+from lmcache.v1.memory_management import MemoryObj
 
 from persisting.errors import PersistingError
 from persisting.kv import KVStore, Layout
 from persisting.kv.layout import dtype_name
+from persisting.lmcache.compat import is_plain_tensor_object
 
-#: A chunk a store task handled: its key, key string, payload bytes, and whether it was
-#: written now (False: it was stored already).
-Stored = tuple[ObjectKey, str, int, bool]
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import assert_never
+
+
+class Stored(NamedTuple):
+    """A chunk a store task handled."""
+
+    key: ObjectKey
+    text: str  # its key string
+    nbytes: int  # payload bytes
+    written: bool  # written now (False: it was stored already)
+
+
 #: Told of a chunk that could not be stored or loaded, with the error.
 OnFailure = Callable[[str, BaseException], None]
 #: What a load of one chunk found.
 LoadOutcome = Literal["hit", "absent", "layout_mismatch", "miss", "failed"]
+
+
+@dataclass
+class L2Counters:
+    """What the adapter counts, by name (``report_status`` reads the same fields, so a
+    renamed outcome or counter is a type error, never a figure stuck at 0)."""
+
+    evictions: int = 0
+    store_failures: int = 0
+    load_failures: int = 0
+    #: Chunks never stored, evicted or dropped as damaged (``absent``), and those
+    #: evicted or damaged while being read (``miss``).
+    load_misses: int = 0
+    layout_mismatches: int = 0
+
+    def count_load(self, outcome: LoadOutcome) -> None:
+        """Count a load that found ``outcome`` (a hit is not counted here)."""
+        if outcome == "hit":
+            return
+        if outcome == "failed":
+            self.load_failures += 1
+        elif outcome == "absent" or outcome == "miss":
+            self.load_misses += 1
+        elif outcome == "layout_mismatch":
+            self.layout_mismatches += 1
+        else:
+            assert_never(outcome)
 
 
 def value_of(obj: MemoryObj) -> Any:
@@ -53,8 +95,7 @@ def layout_of(obj: MemoryObj) -> Layout:
     """
     meta = obj.metadata
     if (
-        type(obj).tensor is TensorMemoryObj.tensor  # its tensor is meta's shape and dtype...
-        and getattr(obj, "_used_size_override", 0) is None  # ...not narrowed to bytes
+        is_plain_tensor_object(obj)  # its tensor is meta's shape and dtype
         and obj.is_valid()
         and (meta.shapes is None or len(meta.shapes) <= 1)
         and meta.dtype is not None
@@ -126,7 +167,7 @@ def _put_group(
         stored[before:] = stored[before:][::-1]  # reported in request order
         return ok
     for (key, text, value, _p), result in zip(items, results[::-1], strict=True):
-        stored.append((key, text, value.numel() * value.element_size(), result.stored))
+        stored.append(Stored(key, text, value.numel() * value.element_size(), result.stored))
     return True
 
 
@@ -152,6 +193,7 @@ def load_object(store: KVStore, text: str, obj: MemoryObj, failed: OnFailure) ->
 
 
 __all__ = [
+    "L2Counters",
     "LoadOutcome",
     "OnFailure",
     "Stored",

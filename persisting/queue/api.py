@@ -13,16 +13,15 @@ position and commits progress durably, for consumers that must resume where they
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError, OffsetTrimmedError
 from persisting.lance_store import StorageRoot
+from persisting.pulsing_compat import get_within
 from persisting.queue.backend import LanceBackend
 
 if TYPE_CHECKING:
@@ -92,8 +91,7 @@ class TopicReader:
     """Pulsing's ``QueueReader`` whose ``get(wait=True, timeout=t)`` waits at most ``t`` in all.
 
     Pulsing's reader visits its buckets one after another and hands each the whole
-    ``timeout``, and a bucket that has some records goes on waiting for ``limit`` of them: one
-    record in a topic of 4 buckets took 4 x ``timeout`` to read. This reader takes what the
+    ``timeout`` (entry 4 of :mod:`persisting.pulsing_compat`). This reader takes what the
     buckets hold now and, only if that is nothing, looks again every ``poll_interval_s``
     until a record comes or the deadline passes. Everything else (``reset``, ``set_offset``,
     ``queue``, ``bucket_ids``) is the wrapped reader's.
@@ -113,18 +111,7 @@ class TopicReader:
         With ``wait`` and nothing to read, waits for a record: at most ``timeout`` seconds in
         all when it is truthy, for as long as it takes otherwise (as in Pulsing).
         """
-        deadline = time.monotonic() + timeout if timeout else None
-        while True:
-            records = await self.reader.get(limit)
-            if records or not wait:
-                return records
-            pause = self.poll_interval_s
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return records
-                pause = min(pause, left)
-            await asyncio.sleep(pause)
+        return await get_within(self.reader, limit, wait, timeout, self.poll_interval_s)
 
     def reset(self) -> None:
         self.reader.reset()

@@ -2,9 +2,9 @@
 
 * Across processes one writer per bucket: an exclusive ``flock`` on ``<bucket>/writer.lock``,
   which the kernel releases when the holder dies, even by ``kill -9``.
-* Within a process the newest writer wins: Pulsing never closes a bucket's backend, so an
-  actor system restarted in the same process must be able to open the bucket again; the
-  previous writer is flushed and closed first.
+* Within a process the newest writer wins: Pulsing never closes a bucket's backend (entry
+  5 of :mod:`persisting.pulsing_compat`), so an actor system restarted in the same process
+  must be able to open the bucket again; the previous writer is flushed and closed first.
 * Every open backend is closed (so flushed) at interpreter exit, or by :func:`close_all`
   before ``os._exit``.
 """

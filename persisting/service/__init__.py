@@ -1,7 +1,7 @@
 """The KV-cache service: wire protocol, client, server handler, placement and sessions.
 
 ``from persisting.service import KVCacheClient`` gives the client of the
-``KVCacheStorageActor`` service (:mod:`persisting.actors.kv_cache_storage`). The protocol,
+``KVCacheStorageActor`` service (:mod:`actors.kv_cache_storage`). The protocol,
 handler, routing, session and same-host modules do not import Pulsing; only the client does.
 """
 

@@ -112,7 +112,7 @@ def work(tmp_path: Path) -> Path:
     (tmp_path / "broken.toml").write_text("[kv\nmemory_bytes = 5\n")
     (tmp_path / "typo.toml").write_text("[kv]\nmemory_byte = 5\n")
     (tmp_path / "a-file").write_text("not a folder\n")
-    from persisting.config_sample import sample_toml
+    from persisting.cli.config_sample import sample_toml
 
     (tmp_path / "sample.toml").write_text(sample_toml())  # `models = []`, as shipped
     (tmp_path / "broken.jsonl").write_text('{"format": "something-else"}\n')

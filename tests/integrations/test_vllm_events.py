@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from persisting.actors.kv_events import publish_events
+from actors.kv_events import publish_events
 from persisting.config import PersistingSettings
 from persisting.integrations.vllm.events import EventFollower
 from persisting.integrations.vllm.namespace import block_key

@@ -22,7 +22,7 @@ from lmcache.v1.distributed.api import ipc_key_to_object_keys
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.token_hasher import TokenHasher as ServerTokenHasher
 
-from persisting.actors.launch import free_loopback_port, start_service
+from actors.launch import free_loopback_port, start_service
 from persisting.config import PersistingSettings
 from persisting.kv import TokenHasher
 from persisting.service import KVCacheClient

@@ -68,7 +68,7 @@ def _start_server(root: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     )
     handle = open(log, "wb")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "persisting.actors.launch"],
+        [sys.executable, "-m", "actors.launch"],
         env=env,
         cwd=REPO,
         stdout=handle,

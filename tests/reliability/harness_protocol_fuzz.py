@@ -273,7 +273,7 @@ def fuzz_server(root: Path, rounds: int) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "persisting.actors.launch"],
+            [sys.executable, "-m", "actors.launch"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -73,7 +73,7 @@ def start_pulsing_actor(
     args = [
         str(Path(sys.executable).with_name("pulsing")),
         "actor",
-        "persisting.actors.kv_cache_storage.KVCacheStorageActor",
+        "actors.kv_cache_storage.KVCacheStorageActor",
         "-",
         "--name",
         name,
@@ -86,9 +86,9 @@ def start_pulsing_actor(
 
 
 def start_serve(root: Path, port: int, log: Path, **extra: str) -> subprocess.Popen[bytes]:
-    """A server started by ``persisting.actors.launch.serve`` (what ``persisting serve`` runs)."""
+    """A server started by ``actors.launch.serve`` (what ``persisting serve`` runs)."""
     env = server_env(root, PERSISTING_SERVICE__ADDR=f"127.0.0.1:{port}", **extra)
-    return spawn([sys.executable, "-m", "persisting.actors.launch"], env, log)
+    return spawn([sys.executable, "-m", "actors.launch"], env, log)
 
 
 def wait_for_log(

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from persisting.actors.kv_events import publish_events
+from actors.kv_events import publish_events
 from persisting.config import PersistingSettings
 from persisting.errors import InvalidValueError
 from persisting.kv import TokenHasher
@@ -89,7 +89,7 @@ def test_published_events_come_back_from_the_queue_in_order(tmp_path: Path) -> N
 
 
 def test_prewarm_helper_publishes_one_checked_event(tmp_path: Path) -> None:
-    from persisting.actors.kv_events import prewarm
+    from actors.kv_events import prewarm
 
     settings = PersistingSettings(
         storage_path=tmp_path / "root", models=[MODEL], kv={"chunk_size": 16}
@@ -113,7 +113,7 @@ def test_prewarm_helper_publishes_one_checked_event(tmp_path: Path) -> None:
 
 
 def test_prewarm_helper_hashes_with_the_configured_scheme(tmp_path: Path) -> None:
-    from persisting.actors.kv_events import prewarm
+    from actors.kv_events import prewarm
 
     settings = PersistingSettings(
         storage_path=tmp_path / "root",

@@ -15,7 +15,7 @@ from typing import Any
 import pulsing
 import pytest
 
-from persisting.actors.kv_cache_storage import _Lane
+from actors.kv_cache_storage import _Lane
 from persisting.config import PersistingSettings
 from persisting.errors import ServiceUnavailableError
 from persisting.kv import KVStore, open_kv_store

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from persisting.actors.launch import free_loopback_port, start_service
+from actors.launch import free_loopback_port, start_service
 from persisting.config import PersistingSettings
 from persisting.kv import TokenHasher
 from persisting.service import KVCacheClient

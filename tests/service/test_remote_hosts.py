@@ -58,7 +58,7 @@ def start_server(hosts: TwoHosts, root: Path, log: Path, port: int = PORT) -> Se
         PERSISTING_KV__MEMORY_BYTES=str(256 << 20),
         PERSISTING_SERVICE__REQUEST_TIMEOUT_S="3",
     )
-    proc = spawn(hosts.in_server([PYTHON, "-m", "persisting.actors.launch"]), env, log)
+    proc = spawn(hosts.in_server([PYTHON, "-m", "actors.launch"]), env, log)
     wait_for_log(log, "data path for other hosts", proc, timeout_s=90)
     found = re.search(
         rf"data path for other hosts at {re.escape(hosts.server_ip)}:(\d+)", log.read_text()

@@ -81,7 +81,7 @@ def test_a_non_loopback_address_without_a_passphrase_is_one_line_and_exit_2(
         [
             str(Path(sys.executable).with_name("pulsing")),
             "actor",
-            "persisting.actors.kv_cache_storage.KVCacheStorageActor",
+            "actors.kv_cache_storage.KVCacheStorageActor",
             "-",
             "--name",
             "kvstore",

@@ -135,7 +135,7 @@ def test_the_blocking_client_works_without_an_event_loop(actor_server: str) -> N
 def test_the_demo_runs_end_to_end_on_the_embedded_default(tmp_path: Path) -> None:
     code = (
         "import json, os\n"
-        "from persisting.actors.launch import run_demo\n"
+        "from actors.launch import run_demo\n"
         "from persisting.config import PersistingSettings\n"
         "print('RESULT ' + json.dumps(run_demo(PersistingSettings.load())), flush=True)\n"
         "os._exit(0)\n"
@@ -322,7 +322,7 @@ def _stats_service(seeds: list[str]) -> dict:
 def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -> None:
     import asyncio
 
-    from persisting.actors.kv_events import publish_events
+    from actors.kv_events import publish_events
     from persisting.config import PersistingSettings
     from persisting.queue.positions import ConsumerPositions
     from persisting.service.events import evict_event, prewarm_event

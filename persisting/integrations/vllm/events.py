@@ -1,7 +1,7 @@
 """Prewarm/evict events for a vLLM namespace, read from the storage root's event topic.
 
 Producers publish events on a Lance queue topic under the storage root (``persisting
-prewarm``, or ``persisting.actors.kv_events.publish_events``), the same topic a served
+prewarm``, or ``actors.kv_events.publish_events``), the same topic a served
 store's consumer reads. With ``event_topic`` set, each engine's scheduler runs this
 follower: it reads the topic's bucket 0 directly (no Pulsing), keeps the events naming this
 namespace's blocks, and applies them on the shared directory:
@@ -31,7 +31,7 @@ from persisting.queue import QueueConsumer
 
 log = logging.getLogger(__name__)
 
-#: The bucket event producers write (persisting.actors.kv_events.EVENT_BUCKET).
+#: The bucket event producers write (actors.kv_events.EVENT_BUCKET).
 EVENT_BUCKET = 0
 
 

@@ -182,8 +182,9 @@ class KVCacheClient(AsyncKVApi):
         self._copier.shutdown(wait=True)
         if self._arena is not None:
             self._arena.close()
-        # Drop what holds Pulsing objects while the interpreter is whole: Pulsing 0.1.2's
-        # threads releasing them during interpreter finalization can crash the process.
+        # Drop what holds Pulsing objects while the interpreter is whole: Pulsing's threads
+        # releasing them during finalization can crash the process (entry 2 of
+        # persisting.pulsing_compat).
         for member in self.cluster.members.values():
             member.refs.clear()
         self.cluster.members.clear()

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from persisting.errors import ProtocolError, ServiceUnavailableError, SessionExpiredError
+from persisting.pulsing_compat import is_pool_exhausted
 from persisting.service.client.member import TRANSPORT_ERRORS, Member, MemberFailed
 from persisting.service.local_channel import ChannelRefused
 from persisting.service.protocol import (
@@ -25,9 +26,6 @@ from persisting.service.protocol import (
 )
 
 T = TypeVar("T")
-
-#: Pulsing's refusal to open one more connection to a peer (the ask was not sent).
-_POOL_EXHAUSTED = "Connection pool exhausted"
 
 #: Broken local channels being closed in the background.
 _closing: set[asyncio.Future[None]] = set()
@@ -55,10 +53,10 @@ class Transport:
     async def ask(self, member: Member, message: dict[str, Any]) -> Any:
         """Send one message; a transport failure raises MemberFailed.
 
-        Pulsing 0.1.2 refuses an ask outright ("Connection pool exhausted") when too many
-        connections to a peer are being opened at once -- from a cold start about 12, even
-        below its pool of 16. Such an ask was never sent, so it is retried after a pause
-        instead of being taken for a dead member.
+        Pulsing refuses an ask outright ("Connection pool exhausted") when too many
+        connections to a peer are being opened at once (entry 3 of
+        :mod:`persisting.pulsing_compat`). Such an ask was never sent, so it is retried
+        after a pause instead of being taken for a dead member.
         """
         channel = member.channel
         if channel is not None and message.get("op") != "hello":
@@ -88,7 +86,7 @@ class Transport:
                 reply = await with_timeout(ref.ask(message), self.timeout_s)
                 break
             except TRANSPORT_ERRORS as exc:
-                if _POOL_EXHAUSTED in str(exc) and loop.time() < deadline:
+                if is_pool_exhausted(exc) and loop.time() < deadline:
                     self.counters["pool_exhausted_retries"] += 1
                     await asyncio.sleep(pause)
                     pause = min(pause * 2, 0.1)

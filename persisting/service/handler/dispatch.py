@@ -6,7 +6,7 @@ and hands it to the operation named in :data:`~persisting.service.protocol.OPS`:
 session operations here, the put paths (:mod:`.puts`), the get paths (:mod:`.gets`) and
 the index operations (:mod:`.index_ops`). Every failure becomes a structured error reply.
 
-It knows nothing of Pulsing: the actor in :mod:`persisting.actors` only feeds it
+It knows nothing of Pulsing: the actor in :mod:`actors` only feeds it
 messages, so the whole protocol is testable with plain function calls. Requests that may
 do file I/O run on a thread pool, so a slow put (fsync) never stalls lookups.
 """

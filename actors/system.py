@@ -6,12 +6,12 @@ it; only a passphrase (TLS) keeps a stranger from running code in it
 server's passphrase and remembers the system as authenticated; a storage actor refuses to
 be built in a system that was not started that way.
 
-Pulsing's own launcher (``pulsing actor <class> ...``, 0.1.2) builds the actor first and
-then calls ``pulsing.core.init(addr=..., seeds=...)`` with no passphrase.
-:func:`arm_launcher`, called by the actor's constructor when no system exists yet, wraps
-that one call so it starts with the server's passphrase. Should a launcher start the
-system some other way, the actor finds it unauthenticated when it is spawned, and ends
-the process rather than serve (:func:`require_authenticated`).
+Pulsing's own launcher (``pulsing actor <class> ...``) builds the actor first and then
+calls ``pulsing.core.init(addr=..., seeds=...)`` with no passphrase (entry 1 of
+:mod:`persisting.pulsing_compat`). :func:`arm_launcher`, called by the actor's constructor
+when no system exists yet, makes that one call start with the server's passphrase. Should
+a launcher start the system some other way, the actor finds it unauthenticated when it is
+spawned, and ends the process rather than serve (:func:`require_authenticated`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import pulsing
-import pulsing.core
 
 from persisting.config import ServiceSettings
 from persisting.errors import ConfigError
+from persisting.pulsing_compat import intercept_launcher_init
 from persisting.service.passphrase import passphrase_file, server_passphrase
 
 logger = logging.getLogger("persisting.service")
@@ -66,12 +66,10 @@ def arm_launcher(service: ServiceSettings) -> None:
     A refusal (a non-loopback address without a configured passphrase) is one line on
     stderr and exit status 2, not a traceback from inside the launcher.
     """
-    original = pulsing.core.init
-    if getattr(original, "persisting_armed", False):
-        return
 
-    async def init(addr: str | None = None, *, seeds: Any = None, **kwargs: Any) -> Any:
-        pulsing.core.init = original  # one shot
+    async def start(
+        original: Callable[..., Awaitable[Any]], addr: str | None, seeds: Any, kwargs: dict
+    ) -> Any:
         kwargs.pop("passphrase", None)
         try:
             secret = server_passphrase(service, addr, list(seeds or ()))
@@ -82,8 +80,7 @@ def arm_launcher(service: ServiceSettings) -> None:
         _AUTHENTICATED[id(system)] = _source(service)
         return system
 
-    init.persisting_armed = True  # type: ignore[attr-defined]
-    pulsing.core.init = init
+    intercept_launcher_init(start)
 
 
 def require_authenticated() -> None:

@@ -3,24 +3,22 @@
 These are the plain functions behind ``persisting serve`` and ``persisting demo``:
 
 * :func:`serve` joins (or starts) a Pulsing cluster, spawns a
-  :class:`~persisting.actors.kv_cache_storage.KVCacheStorageActor` for the configured models, runs
+  :class:`~actors.kv_cache_storage.KVCacheStorageActor` for the configured models, runs
   the prewarm/evict event consumer beside it, and blocks until SIGINT/SIGTERM.
 * :func:`run_demo` runs a bounded end-to-end session against a served store on the
   embedded default storage root (store, read back, lookup, evict and prewarm through the
   event topic, stats) and returns what it saw.
-* :func:`prewarm` (in :mod:`persisting.actors.kv_events`) feeds the event topic.
+* :func:`prewarm` (in :mod:`actors.kv_events`) feeds the event topic.
 
-``python -m persisting.actors.launch`` runs :func:`serve` with settings from the environment.
+``python -m actors.launch`` runs :func:`serve` with settings from the environment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,14 +29,15 @@ import numpy as np
 import pulsing
 import torch
 
-from persisting.actors.kv_cache_storage import KVCacheStorageActor
-from persisting.actors.kv_events import EventConsumer, publish_events
-from persisting.actors.logs import configure_logging
-from persisting.actors.ownership import claim_service
-from persisting.actors.system import start_system
+from actors.kv_cache_storage import KVCacheStorageActor
+from actors.kv_events import EventConsumer, publish_events
+from actors.logs import configure_logging
+from actors.ownership import claim_service
+from actors.system import start_system
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.kv import TokenHasher
+from persisting.pulsing_compat import exit_after_shutdown
 from persisting.service import KVCacheClient
 from persisting.service.events import evict_event, prewarm_event
 
@@ -84,7 +83,7 @@ async def start_service(
     """Spawn the storage actor (and the event consumer) in this process's Pulsing system.
 
     Arguments left out come from ``settings.service`` (addr, seeds, passphrase, name).
-    Pulsing is started with the server's passphrase (:mod:`persisting.actors.system`):
+    Pulsing is started with the server's passphrase (:mod:`actors.system`):
     the configured one, or one generated for loopback use; a non-loopback address without
     a configured passphrase is a ConfigError.
     """
@@ -146,7 +145,8 @@ def serve(
     """Serve until SIGINT or SIGTERM (see :func:`start_service` for the arguments).
 
     With ``exit_process`` (the default) the process ends with ``os._exit(0)`` once the
-    service has stopped: Pulsing 0.1.2 may crash at interpreter exit after a shutdown.
+    service has stopped: Pulsing may crash at interpreter exit after a shutdown
+    (:func:`persisting.pulsing_compat.exit_after_shutdown`).
     The log (banner, stop line) follows ``settings.service.log_level``/``log_format``.
     """
     settings = settings if settings is not None else PersistingSettings.load()
@@ -174,9 +174,7 @@ def serve(
 
     asyncio.run(run())
     if exit_process:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_after_shutdown()
 
 
 # -- the demo -------------------------------------------------------------------------------
@@ -298,7 +296,7 @@ async def _until(probe: Callable[[], Any], expect: Any, timeout_s: float = 30.0)
 
 
 def main() -> None:
-    """``python -m persisting.actors.launch``: serve with settings from the environment / TOML."""
+    """``python -m actors.launch``: serve with settings from the environment / TOML."""
     serve(PersistingSettings.load())
 
 

@@ -1,17 +1,18 @@
 """KVCacheStorageActor: a Pulsing actor serving the KV stores of the models it is set up for.
 
-Start it with ``persisting serve`` (see :mod:`persisting.actors.launch`) or with Pulsing's
+Start it with ``persisting serve`` (see :mod:`actors.launch`) or with Pulsing's
 launcher::
 
     PERSISTING_STORAGE_PATH=./data PERSISTING_MODELS=meta-llama/Llama-3-8B \\
-        pulsing actor persisting.actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
+        pulsing actor actors.kv_cache_storage.KVCacheStorageActor - --name kvstore \\
         --addr 127.0.0.1:8610
 
-Pulsing 0.1.2's launcher passes no constructor arguments, so an actor built without any
-reads :class:`~persisting.config.PersistingSettings` (``PERSISTING_*`` variables or the TOML
+Pulsing's launcher passes no constructor arguments (entry 1 of
+:mod:`persisting.pulsing_compat`), so an actor built without any reads
+:class:`~persisting.config.PersistingSettings` (``PERSISTING_*`` variables or the TOML
 file named by ``PERSISTING_CONFIG``). Nothing is served without a passphrase: the actor
-refuses a Pulsing system that :mod:`persisting.actors.system` did not start, and under the
-launcher it makes the launcher's system start with the server's passphrase.
+refuses a Pulsing system that :mod:`actors.system` did not start, and under the launcher
+it makes the launcher's system start with the server's passphrase.
 
 Pulsing hands one actor one message at a time, so the actor also spawns ``lanes - 1``
 helper actors over the same stores; a client spreads its requests over all of them, and
@@ -37,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import pulsing
 
-from persisting.actors.logs import configure_logging, log_banner, log_bulk, log_stop, logger
-from persisting.actors.ownership import ServiceClaims, claim_models
-from persisting.actors.system import (
+from actors.logs import configure_logging, log_banner, log_bulk, log_stop, logger
+from actors.ownership import ServiceClaims, claim_models
+from actors.system import (
     arm_launcher,
     is_authenticated,
     passphrase_source,
@@ -55,10 +56,45 @@ from persisting.service.handler import StorageHandler
 from persisting.service.local_channel import LocalChannelServer
 
 if TYPE_CHECKING:
-    from persisting.actors.kv_events import EventConsumer
+    from actors.kv_events import EventConsumer
 
 #: How often a server reads which members of its service are alive.
 MEMBERS_EVERY_S = 2.0
+
+
+def _model_names(models: Sequence[str]) -> list[str]:
+    """The models to serve, checked: at least one, valid names, none twice."""
+    names = list(models)
+    if not names:
+        raise ConfigError(
+            "no models to serve: set PERSISTING_MODELS (comma-separated), or models in "
+            "the settings file (PERSISTING_CONFIG)"
+        )
+    for name in names:
+        validate_name(name, "model")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"models listed twice: {names}")
+    return names
+
+
+def _handler(settings: PersistingSettings, stores: dict[str, KVStore]) -> StorageHandler:
+    """The protocol handler over ``stores``, sized by the service settings."""
+    service = settings.service
+    return StorageHandler(
+        stores,
+        lease_ttl_s=service.lease_ttl_s,
+        message_part_bytes=service.message_part_bytes,
+        max_inflight=service.max_inflight,
+        max_staged_bytes=service.staging_bytes,
+        max_session_staged_bytes=service.session_staging_bytes,
+        staged_ttl_s=service.staging_ttl_s,
+        threads=max(2, service.lanes),
+        node={
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "storage_path": str(settings.storage_path),
+        },
+    )
 
 
 class _Lane(pulsing.Actor):
@@ -87,22 +123,13 @@ class KVCacheStorageActor(pulsing.Actor):
             if not is_authenticated(pulsing.get_system()):
                 raise ConfigError(
                     "refusing to serve in a Pulsing system started without Persisting's "
-                    "passphrase: start it with persisting.actors.system.start_system"
+                    "passphrase: start it with actors.system.start_system"
                 )
         else:  # Pulsing's launcher starts the system after building the actor
             arm_launcher(service)
         if launched:
             configure_logging(service.log_level, service.log_format)
-        names = list(models if models is not None else self.settings.models)
-        if not names:
-            raise ConfigError(
-                "no models to serve: set PERSISTING_MODELS (comma-separated), or models in "
-                "the settings file (PERSISTING_CONFIG)"
-            )
-        for name in names:
-            validate_name(name, "model")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"models listed twice: {names}")
+        names = _model_names(models if models is not None else self.settings.models)
         #: One server per namespace: claimed before any store opens (the caller may have
         #: claimed them already, before it started Pulsing).
         self.claims = (
@@ -122,21 +149,7 @@ class KVCacheStorageActor(pulsing.Actor):
             self._close_stores()
             self.claims.release()
             raise
-        self.handler = StorageHandler(
-            self.stores,
-            lease_ttl_s=service.lease_ttl_s,
-            message_part_bytes=service.message_part_bytes,
-            max_inflight=service.max_inflight,
-            max_staged_bytes=service.staging_bytes,
-            max_session_staged_bytes=service.session_staging_bytes,
-            staged_ttl_s=service.staging_ttl_s,
-            threads=max(2, service.lanes),
-            node={
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "storage_path": str(self.settings.storage_path),
-            },
-        )
+        self.handler = _handler(self.settings, self.stores)
         #: The event consumer beside this actor (``start_service`` sets it), for readiness.
         self.consumer: EventConsumer | None = None
         self._addr: str | None = None

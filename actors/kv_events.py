@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from persisting.actors.ownership import consumer_name as default_consumer_name
+from actors.ownership import consumer_name as default_consumer_name
 from persisting.config import PersistingSettings
 from persisting.errors import PersistingError, ServiceUnavailableError, StoreClosedError
 from persisting.lance_store import StorageRoot
