@@ -192,3 +192,35 @@ def test_no_import_cycle() -> None:
         if module not in index:
             visit(module)
     assert not cycles, f"modules importing each other in a circle: {cycles}"
+
+
+#: Sizes a reader takes in at once: a module a sitting, a function a screen or so. The CLI's
+#: commands are exempt (each is one long list of options and one call).
+MAX_MODULE_LINES = 650
+MAX_FUNCTION_LINES = 80
+
+
+def _sources() -> list[Path]:
+    return sorted(p for pkg in ("persisting", "actors") for p in (REPO / pkg).rglob("*.py"))
+
+
+def test_no_module_is_over_its_size() -> None:
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in _sources()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_no_function_outside_the_cli_is_over_its_size() -> None:
+    long = {}
+    for path in _sources():
+        if "cli" in path.relative_to(REPO).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(REPO)}:{node.name}"] = lines
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
