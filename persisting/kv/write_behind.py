@@ -104,7 +104,7 @@ class WriteBehind:
             first = self._queue.get()
             if first is None:
                 return
-            give_way = self._reads.give_way(YIELD_TO_READS_S) if self._reads else None
+            give_way = self._reads.give_way(YIELD_TO_READS_S) if self._reads is not None else None
             if give_way is not None:
                 give_way()
             batch = self._next_batch(first)  # after the wait: whatever queued meanwhile
