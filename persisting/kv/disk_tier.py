@@ -35,6 +35,7 @@ from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
     HEADER_BYTES,
     FileHeader,
+    Pause,
     PayloadFiles,
     PendingFile,
     Reservation,
@@ -325,8 +326,11 @@ class DiskTier:
 
     # -- writing ------------------------------------------------------------------------
 
-    def write(self, items: list[WriteItem], *, durable: bool) -> list[bool]:
+    def write(
+        self, items: list[WriteItem], *, durable: bool, pause: Pause | None = None
+    ) -> list[bool]:
         """Store a batch; per item True if newly stored, False if already present.
+        ``pause()`` runs between the pieces of each file written (see ``PayloadFiles.write``).
 
         Capacity is reserved for the whole batch first (evicting as needed), so the batch
         either fits or fails with CapacityError before any file is written. A cancelled item
@@ -350,13 +354,15 @@ class DiskTier:
         stored: set[str] = set()
         try:
             if todo:
-                stored = self._write_reserved(todo, durable)
+                stored = self._write_reserved(todo, durable, pause)
         finally:
             with self._lock:
                 self._writing.difference_update(writing)
         return [it.key in stored for it in items]
 
-    def _write_reserved(self, todo: list[WriteItem], durable: bool) -> set[str]:
+    def _write_reserved(
+        self, todo: list[WriteItem], durable: bool, pause: Pause | None = None
+    ) -> set[str]:
         sizes = [file_size(it.layout.nbytes) for it in todo]
         tags = [self.files.new_tag() for _ in todo]
         with self.usage.locked():
@@ -381,7 +387,12 @@ class DiskTier:
             headers = [FileHeader(it.key, it.layout, it.checksum or 0, it.parent) for it in todo]
             hashed = [it.checksum is None for it in todo]
             written = self.files.write_batch(
-                pending, headers, [it.data for it in todo], durable=durable, hashed=hashed
+                pending,
+                headers,
+                [it.data for it in todo],
+                durable=durable,
+                hashed=hashed,
+                pause=pause,
             )
             for it, header in zip(todo, written, strict=True):
                 it.checksum = header.checksum

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import json
 import os
 import secrets
@@ -70,6 +71,11 @@ HEADER_BYTES = BLOCK
 _PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
 #: Files of one durable batch written (and fsynced) at once.
 WRITE_THREADS = 8
+#: Piece a payload is written in when its writer may be asked to pause between pieces.
+PAUSE_PIECE = 4 << 20
+#: Called between the pieces of a file being written; may block (a background write
+#: giving way to reads, see :mod:`persisting.kv.read_activity`).
+Pause = Callable[[], None]
 
 
 def key_hash(key: str) -> int:
@@ -249,6 +255,7 @@ class PayloadFiles:
         *,
         durable: bool,
         hashed: bool = False,
+        pause: Pause | None = None,
     ) -> FileHeader:
         """Write header and payload into the tmp file, fsync it if ``durable`` (thread-safe
         per file: a batch writes its files on several threads, so their syncs can share
@@ -258,12 +265,16 @@ class PayloadFiles:
         With ``hashed`` the header's checksum is not known yet: the payload is written
         first, in pieces, each hashed right after it is written (while still in cache: one
         pass over the caller's memory instead of two), then the header with that checksum.
-        The tmp file is only published once whole, so a torn one is never visible."""
+        The tmp file is only published once whole, so a torn one is never visible.
+        With ``pause`` the payload is written in pieces with ``pause()`` called before each."""
         try:
             if hashed:
-                digest = _write_hashed(pending.fd, payload, HEADER_BYTES)
+                digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
                 _write_all(pending.fd, [header.encode()], offset=0)
+            elif pause is not None:
+                _write_all(pending.fd, [header.encode()], offset=0)
+                _write_paused(pending.fd, payload, HEADER_BYTES, pause)
             else:
                 _write_all(pending.fd, [header.encode(), payload])
             if durable:
@@ -281,17 +292,18 @@ class PayloadFiles:
         *,
         durable: bool,
         hashed: list[bool] | None = None,
+        pause: Pause | None = None,
     ) -> list[FileHeader]:
         """:meth:`write` each file of a batch. Several at once when the batch must be
         durable: concurrent fsyncs share the filesystem's journal commits, where one after
         another each waits for a commit of its own. On failure every tmp file of the batch
         is removed and the first error raised (once no writer runs any more). ``hashed``
-        says per file whether its checksum is made as it is written (see :meth:`write`);
-        returns the headers written."""
+        says per file whether its checksum is made as it is written, ``pause`` is called
+        between the pieces of every file (see :meth:`write`); returns the headers written."""
         hashes = hashed if hashed is not None else [False] * len(pending)
         if not durable or len(pending) == 1:
             return [
-                self.write(p, header, payload, durable=durable, hashed=h)
+                self.write(p, header, payload, durable=durable, hashed=h, pause=pause)
                 for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True)
             ]
         with self._writers_lock:
@@ -302,11 +314,11 @@ class PayloadFiles:
             writers = self._writers
         futures: list[Future[FileHeader]] = []
         for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True):
-            args = (p, header, payload)
+            write = functools.partial(self.write, p, header, payload, durable=True, hashed=h)
             try:
-                futures.append(writers.submit(self.write, *args, durable=True, hashed=h))
+                futures.append(writers.submit(write, pause=pause))
             except RuntimeError:  # the pool is shut down: the interpreter is exiting
-                futures.append(_inline(self.write, *args, durable=True, hashed=h))
+                futures.append(_inline(write, pause=pause))
         failure: BaseException | None = None
         for future in futures:
             failure = failure or future.exception()
@@ -562,16 +574,27 @@ def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:
     return StorageIOError(f"{what}: {exc}")
 
 
-def _write_hashed(fd: int, payload: memoryview, offset: int) -> int:
+def _write_hashed(fd: int, payload: memoryview, offset: int, pause: Pause | None = None) -> int:
     """Write ``payload`` at ``offset`` in :data:`HASH_PIECE` pieces, hashing each piece
-    right after it is written; returns the xxh3-64 of the whole payload."""
+    right after it is written (``pause()`` before every :data:`PAUSE_PIECE`); returns the
+    xxh3-64 of the whole payload."""
     view = memoryview(payload).cast("B")
     digest = xxhash.xxh3_64()
     for start in range(0, len(view), HASH_PIECE):
+        if pause is not None and start % PAUSE_PIECE == 0:
+            pause()
         piece = view[start : start + HASH_PIECE]
         _write_all(fd, [piece], offset=offset + start)
         digest.update(piece)
     return digest.intdigest()
+
+
+def _write_paused(fd: int, payload: memoryview, offset: int, pause: Pause) -> None:
+    """Write ``payload`` at ``offset`` in :data:`PAUSE_PIECE` pieces, ``pause()`` before each."""
+    view = memoryview(payload).cast("B")
+    for start in range(0, len(view), PAUSE_PIECE):
+        pause()
+        _write_all(fd, [view[start : start + PAUSE_PIECE]], offset=offset + start)
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int | None = None) -> None:
@@ -599,6 +622,7 @@ __all__ = [
     "BLOCK",
     "HEADER_BYTES",
     "FileHeader",
+    "Pause",
     "PayloadFiles",
     "PendingFile",
     "Reservation",

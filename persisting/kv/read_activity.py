@@ -4,9 +4,11 @@ A get is on a request's critical path (an engine waits for the prefix it restore
 write-behind is not (the value is already readable from memory). On a machine with few
 cores both compete for the same CPUs: copying a batch of values into the page cache took
 46% of the CPU samples of a read phase that ran beside it in LMCache's storage-backend
-harness (``docs/lmcache.md``). So the write-behind thread waits, before each batch, until
-no read is in flight, for at most a bounded time: a store that is read without pause
-still writes every value, only later.
+harness (``docs/lmcache.md``). So a write-behind batch gives way to reads in flight
+(:meth:`ReadActivity.give_way`): before it starts, and between the pieces of every file it
+writes (a batch already under way when reads begin stops within one piece, instead of
+copying up to 256 MiB beside them). Each batch waits at most a bounded time in all: a
+store that is read without pause still writes every value, only later.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class ReadActivity:
     def __init__(self) -> None:
         self._in_flight = 0
         self._quiet = threading.Condition()
-        #: Seconds background writers spent waiting for reads to finish.
+        #: Seconds background writer threads spent waiting for reads to finish (summed
+        #: over threads: a batch's files wait on several at once).
         self.yielded_s = 0.0
 
     @contextmanager
@@ -53,9 +56,37 @@ class ReadActivity:
                 if left <= 0:
                     break
                 self._quiet.wait(left)
-        waited = time.monotonic() - start
-        self.yielded_s += waited
+            waited = time.monotonic() - start
+            self.yielded_s += waited
         return waited
 
+    def give_way(self, limit_s: float) -> GiveWay:
+        """An allowance of ``limit_s`` seconds of waiting for reads, for one background job
+        (one write-behind batch): see :class:`GiveWay`."""
+        return GiveWay(self, limit_s)
 
-__all__ = ["ReadActivity"]
+
+class GiveWay:
+    """Called by a background job between its steps (on any of its threads): returns at
+    once while no read is in flight, else waits until none is, for as long as the job's
+    allowance lasts. The allowance runs from the first wait, shared by every thread of the
+    job, so the job is held ``limit_s`` seconds at most in all, however many steps wait."""
+
+    def __init__(self, reads: ReadActivity, limit_s: float):
+        self._reads = reads
+        self._limit_s = limit_s
+        self._deadline: float | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        if not self._reads.in_flight:  # the common case: one attribute read, no lock
+            return
+        with self._lock:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + self._limit_s
+            left = self._deadline - time.monotonic()
+        if left > 0:
+            self._reads.wait_quiet(left)
+
+
+__all__ = ["GiveWay", "ReadActivity"]

@@ -4,8 +4,10 @@ One background thread drains whatever has queued up since its last write into on
 batch (one capacity reservation, one directory-fsync pass, one metadata commit), so a
 burst of async puts costs one batch, not one fsync round per chunk.
 
-Reads come first: before each batch the thread waits until no get of the store is in
-flight, for at most :data:`YIELD_TO_READS_S` (see :mod:`persisting.kv.read_activity`).
+Reads come first: a batch waits while gets of the store are in flight, before it starts and
+between the pieces of every file it writes (so a batch already under way when reads begin
+stops within one piece), for at most :data:`YIELD_TO_READS_S` in all (see
+:mod:`persisting.kv.read_activity`).
 
 The thread outlives every failure: a batch that fails is retried item by item, an
 unexpected exception completes the affected futures with that error (and is counted and
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from persisting.errors import PersistingError, StorageIOError
 from persisting.kv import at_exit
 from persisting.kv.disk_tier import DiskTier, WriteItem
+from persisting.kv.payload_files import Pause
 from persisting.kv.read_activity import ReadActivity
 
 log = logging.getLogger(__name__)
@@ -32,8 +35,9 @@ log = logging.getLogger(__name__)
 #: Most items, and bytes, one batch writes.
 MAX_BATCH_ITEMS = 64
 MAX_BATCH_BYTES = 256 << 20
-#: Longest a batch waits for the store's reads in flight to finish before it is written
-#: anyway (so a store read without pause still writes: one batch per this many seconds).
+#: Longest a batch waits in all for the store's reads in flight (before it starts and
+#: between pieces of its files) before it is written anyway: a store read without pause
+#: still writes, one batch per this many seconds plus the batch's own time.
 YIELD_TO_READS_S = 2.0
 
 #: on_done(item, stored, error): ``error`` is the exception that stopped the write, if any.
@@ -100,11 +104,12 @@ class WriteBehind:
             first = self._queue.get()
             if first is None:
                 return
-            if self._reads is not None:
-                self._reads.wait_quiet(YIELD_TO_READS_S)
+            give_way = self._reads.give_way(YIELD_TO_READS_S) if self._reads is not None else None
+            if give_way is not None:
+                give_way()
             batch = self._next_batch(first)  # after the wait: whatever queued meanwhile
             try:
-                outcomes = self._write(batch)
+                outcomes = self._write(batch, give_way)
             except Exception as exc:  # not even the fallback worked: fail the batch
                 self.errors += 1
                 log.exception("write-behind batch of %d failed", len(batch))
@@ -112,17 +117,17 @@ class WriteBehind:
             for job, outcome in zip(batch, outcomes, strict=True):
                 self._complete(job, outcome)
 
-    def _write(self, batch: list[_Job]) -> list[bool | BaseException]:
+    def _write(self, batch: list[_Job], pause: Pause | None) -> list[bool | BaseException]:
         try:
-            return list(self._disk.write([j.item for j in batch], durable=True))
+            return list(self._disk.write([j.item for j in batch], durable=True, pause=pause))
         except Exception as exc:
             # One bad item (too large, disk full, a failing file) must not sink the others.
             log.warning("write-behind batch of %d failed (%s); writing one by one", len(batch), exc)
-            return [self._write_one(j.item) for j in batch]
+            return [self._write_one(j.item, pause) for j in batch]
 
-    def _write_one(self, item: WriteItem) -> bool | BaseException:
+    def _write_one(self, item: WriteItem, pause: Pause | None) -> bool | BaseException:
         try:
-            return self._disk.write([item], durable=True)[0]
+            return self._disk.write([item], durable=True, pause=pause)[0]
         except PersistingError as exc:
             log.warning("write-behind of %r failed: %s", item.key, exc)
             return False

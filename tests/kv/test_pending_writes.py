@@ -173,10 +173,10 @@ def test_an_unexpected_write_error_fails_only_its_value(root: Path) -> None:
         real_write = disk_tier(store).write
         broken = str(key(1))
 
-        def write(items, *, durable):  # a bug deep in the write path, for one key only
+        def write(items, *, durable, pause=None):  # a bug deep in the write path, one key only
             if any(it.key == broken for it in items):
                 raise RuntimeError("unexpected failure")
-            return real_write(items, durable=durable)
+            return real_write(items, durable=durable, pause=pause)
 
         disk_tier(store).write = write  # type: ignore[method-assign]
         store.batched_put([key(1), key(2)], [tensor(1), tensor(2)], on_complete=told.append)

@@ -1,0 +1,147 @@
+"""The write-behind gives way to reads in flight within a batch, not only before it
+(issue 27): a batch already under way when reads begin stops between the pieces of its
+files until they end, for a bounded time in all, and still stores every value whole."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from persisting.kv import open_kv_store
+from persisting.kv import payload_files as payload_files_module
+from persisting.kv import write_behind as write_behind_module
+from persisting.kv.payload_files import HEADER_BYTES, PAUSE_PIECE
+from persisting.kv.read_activity import ReadActivity
+from tests.kv.kv_helpers import MODEL, key
+
+MiB = 1 << 20
+
+
+def hold_a_read(reads: ReadActivity) -> tuple[threading.Event, threading.Event, threading.Thread]:
+    """A read in flight on another thread until ``leave`` is set: (entered, leave, thread)."""
+    entered, leave = threading.Event(), threading.Event()
+
+    def reader() -> None:
+        with reads.reading():
+            entered.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    assert entered.wait(5)
+    return entered, leave, thread
+
+
+def test_give_way_returns_at_once_while_nothing_is_read() -> None:
+    give_way = ReadActivity().give_way(5.0)
+    start = time.monotonic()
+    for _ in range(1000):
+        give_way()
+    assert time.monotonic() - start < 0.5
+
+
+def test_give_way_waits_for_reads_and_holds_its_job_no_longer_than_its_allowance() -> None:
+    reads = ReadActivity()
+    _entered, leave, thread = hold_a_read(reads)
+    try:
+        give_way = reads.give_way(0.3)
+        waits = []
+        callers = []
+        for _ in range(3):  # three threads of one job wait on one allowance
+            t = threading.Thread(target=lambda: waits.append(_timed(give_way)))
+            t.start()
+            callers.append(t)
+        for t in callers:
+            t.join(5)
+        assert len(waits) == 3 and all(w < 1.5 for w in waits)
+        assert max(waits) >= 0.25  # they waited while the read was in flight...
+        assert _timed(give_way) < 0.1  # ...and the allowance, once spent, is spent
+    finally:
+        leave.set()
+        thread.join()
+    fresh = reads.give_way(10.0)
+    _entered, leave, thread = hold_a_read(reads)
+    threading.Timer(0.3, leave.set).start()
+    assert 0.2 <= _timed(fresh) < 5.0  # returns once the read is done
+    thread.join()
+
+
+def _timed(fn: Any) -> float:
+    start = time.monotonic()
+    fn()
+    return time.monotonic() - start
+
+
+def test_a_batch_under_way_stops_between_pieces_while_a_read_is_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first payload piece of a batch starts a read and lets it in; no further piece
+    is written until that read ends, and the value is stored whole afterwards."""
+    pieces = 6
+    value = torch.arange(pieces * PAUSE_PIECE // 2, dtype=torch.int16).view(torch.bfloat16)
+    value = value.reshape(2, 1, -1, 1024)
+    written: list[float] = []
+    read_ended: list[float] = []
+    real_write_all = payload_files_module._write_all
+
+    with open_kv_store(
+        tmp_path / "root", MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
+    ) as s:
+        reads = s._tiers.reads
+        started: list[threading.Thread] = []
+
+        def read_for_a_while() -> None:
+            with reads.reading():
+                started_read.set()
+                time.sleep(0.5)
+                read_ended.append(time.monotonic())
+
+        started_read = threading.Event()
+
+        def traced(fd: int, buffers: list[Any], offset: int | None = None) -> None:
+            if offset is not None and offset >= HEADER_BYTES:  # a piece of the payload
+                written.append(time.monotonic())
+                if len(written) == 1:  # the batch is under way: a read begins now
+                    reader = threading.Thread(target=read_for_a_while)
+                    reader.start()
+                    started.append(reader)
+                    assert started_read.wait(5)
+            real_write_all(fd, buffers, offset)
+
+        monkeypatch.setattr(payload_files_module, "_write_all", traced)
+        s.put(key(4), value)
+        s.flush()
+        for reader in started:
+            reader.join()
+        assert len(written) == pieces and len(read_ended) == 1
+        assert all(at >= read_ended[0] for at in written[1:])  # nothing beside the read
+        assert s.disk is not None and s.disk.entry(s._key(key(4))) is not None
+        assert reads.yielded_s >= 0.4
+    with open_kv_store(tmp_path / "root", MODEL, memory_bytes=0, disk_bytes=64 * MiB) as s:
+        assert torch.equal(s.get(key(4)).view(torch.int16), value.view(torch.int16))
+
+
+def test_a_batch_read_beside_without_pause_is_still_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads that never stop hold each batch back for its allowance only."""
+    monkeypatch.setattr(write_behind_module, "YIELD_TO_READS_S", 0.3)
+    value = torch.full((2, 1, PAUSE_PIECE // 1024, 1024), 5, dtype=torch.bfloat16)
+    with open_kv_store(
+        tmp_path / "root", MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
+    ) as s:
+        _entered, leave, thread = hold_a_read(s._tiers.reads)
+        try:
+            start = time.monotonic()
+            s.put(key(5), value)
+            s.flush()  # returns although the read is still in flight
+            assert 0.25 <= time.monotonic() - start < 5.0
+            assert s.disk is not None and s.disk.entry(s._key(key(5))) is not None
+        finally:
+            leave.set()
+            thread.join()
