@@ -17,7 +17,7 @@ from persisting.kv import payload_files as payload_files_module
 from persisting.kv import write_behind as write_behind_module
 from persisting.kv.payload_files import HEADER_BYTES, PAUSE_PIECE
 from persisting.kv.read_activity import ReadActivity
-from tests.kv.kv_helpers import MODEL, key
+from tests.kv.kv_helpers import MODEL, disk_tier, key
 
 MiB = 1 << 20
 
@@ -120,7 +120,7 @@ def test_a_batch_under_way_stops_between_pieces_while_a_read_is_in_flight(
             reader.join()
         assert len(written) == pieces and len(read_ended) == 1
         assert all(at >= read_ended[0] for at in written[1:])  # nothing beside the read
-        assert s.disk is not None and s.disk.entry(s._key(key(4))) is not None
+        assert disk_tier(s).entry(s._key(key(4))) is not None
         assert reads.yielded_s >= 0.4
     with open_kv_store(tmp_path / "root", MODEL, memory_bytes=0, disk_bytes=64 * MiB) as s:
         assert torch.equal(s.get(key(4)).view(torch.int16), value.view(torch.int16))
@@ -141,7 +141,7 @@ def test_a_batch_read_beside_without_pause_is_still_written(
             s.put(key(5), value)
             s.flush()  # returns although the read is still in flight
             assert 0.25 <= time.monotonic() - start < 5.0
-            assert s.disk is not None and s.disk.entry(s._key(key(5))) is not None
+            assert disk_tier(s).entry(s._key(key(5))) is not None
         finally:
             leave.set()
             thread.join()
