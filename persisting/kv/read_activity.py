@@ -1,34 +1,44 @@
-"""Reads in flight, so the store's background disk writes can give way to them.
+"""Reads and transfers in flight, so the store's background disk writes can give way to them.
 
-A get is on a request's critical path (an engine waits for the prefix it restores); a
+A get is on a request's critical path (an engine waits for the prefix it restores), and so
+is a remote client's put while its bytes land (the client waits for the answer); a
 write-behind is not (the value is already readable from memory). On a machine with few
 cores both compete for the same CPUs: copying a batch of values into the page cache took
 46% of the CPU samples of a read phase that ran beside it in LMCache's storage-backend
-harness (``docs/lmcache.md``). So the write-behind thread waits, before each batch, until
-no read is in flight, for at most a bounded time: a store that is read without pause
-still writes every value, only later.
+harness (``docs/lmcache.md``), and writing each remote put behind it halved the rate of a
+burst of 8 MiB remote puts (``docs/service.md``). So the write-behind thread waits, before
+each batch, until the store has been quiet -- nothing in flight, and nothing ended within
+:data:`LINGER_S` (requests that follow one another are one burst) -- for at most a bounded
+time, and not at all once a full batch has queued up: a store that is read or written
+without pause still writes every value, only later and in larger batches.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+#: How long the store counts as busy after its last read or transfer ended.
+LINGER_S = 0.05
 
 
 class ReadActivity:
-    """A count of reads in flight that a background writer can wait on."""
+    """A count of reads (and transfers) in flight that a background writer can wait on."""
 
-    def __init__(self) -> None:
+    def __init__(self, linger_s: float = LINGER_S) -> None:
+        self.linger_s = linger_s
         self._in_flight = 0
+        self._last_end = float("-inf")
         self._quiet = threading.Condition()
         #: Seconds background writers spent waiting for reads to finish.
         self.yielded_s = 0.0
 
     @contextmanager
     def reading(self) -> Iterator[None]:
-        """Mark a read as in flight while the block runs."""
+        """Mark a read (or a transfer on a request's critical path) as in flight while the
+        block runs."""
         with self._quiet:
             self._in_flight += 1
         try:
@@ -36,6 +46,7 @@ class ReadActivity:
         finally:
             with self._quiet:
                 self._in_flight -= 1
+                self._last_end = time.monotonic()
                 if not self._in_flight:
                     self._quiet.notify_all()
 
@@ -43,19 +54,25 @@ class ReadActivity:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def wait_quiet(self, limit_s: float) -> float:
-        """Wait until no read is in flight, or ``limit_s`` seconds; returns the wait."""
+    def wait_quiet(self, limit_s: float, enough: Callable[[], bool] | None = None) -> float:
+        """Wait until nothing is in flight and nothing ended for ``linger_s``, or
+        ``limit_s`` seconds, or ``enough()`` (checked at least every ``linger_s``) is
+        true; returns the wait."""
         start = time.monotonic()
         deadline = start + limit_s
         with self._quiet:
-            while self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while True:
+                now = time.monotonic()
+                if now >= deadline or (enough is not None and enough()):
                     break
-                self._quiet.wait(left)
+                idle = now - self._last_end
+                if not self._in_flight and idle >= self.linger_s:
+                    break
+                step = self.linger_s if self._in_flight else self.linger_s - idle
+                self._quiet.wait(min(max(step, 0.001), deadline - now))
         waited = time.monotonic() - start
         self.yielded_s += waited
         return waited
 
 
-__all__ = ["ReadActivity"]
+__all__ = ["LINGER_S", "ReadActivity"]
