@@ -315,7 +315,7 @@ def _put_request_bytes(items: list[PutItem]) -> int:
 @pytest.mark.parametrize(
     "cut_at",
     [
-        "in the first payload's tail",  # its head landed, the helper is hashing it
+        "in the first payload's tail",  # all but its last bytes landed
         "in the checksum riding before the second payload",
         "in the last checksum",  # every payload byte arrived, not the proof they are whole
     ],
@@ -354,7 +354,7 @@ def test_a_get_cut_in_a_payloads_tail_is_lost_never_a_partial_value(server: Serv
     setup = server.link()
     setup.put(Call(), MODEL, "KV_2LTD", [item(14)])
     setup.close()
-    # the value's head has landed (and is being hashed) when the connection goes
+    # all but the value's last bytes have landed when the connection goes
     relay = Relay(server.bulk.port, "down", after=WELCOME.size + CHUNK - 1000, action="cut")
     link = server.link(port=relay.port)
     out = np.zeros(CHUNK, np.uint8)

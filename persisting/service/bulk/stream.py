@@ -8,17 +8,19 @@ transfer that makes no progress for that long fails instead of hanging; an end o
 or a timeout in the middle of anything is :class:`ConnectionLost`.
 
 Payload bytes never pass through an intermediate buffer on the plain stream: a receiver
-``recv_into``\\s the destination itself and a sender sends from the payload's own memory,
-one system call per payload (a put's frame, or the checksum of the payload before, riding
-in front: :meth:`Stream.send_payloads`), not one per MiB: receiving 8 MiB in 1 MiB
-pieces, each hashed as it landed, took 4.7-6.1 ms of CPU against 2.8-3.8 ms for one
-``recv_into`` and one hash (loopback, 2 loaded cores), and sending in hashed pieces 2.5 ms
-against 2.0. The hashing runs beside the transfer on a helper thread (xxhash lets go of
-the GIL): a sender's over the whole payload while it is sent, a receiver's over all but
-the last :data:`TAIL` bytes while those arrive, so little of it is left to wait for once
-the last byte is in. A server sends a memory-tier value from the tier's own buffer
-(``sendmsg`` with the frame before it, one call) and a value on disk with
-``os.sendfile`` from its payload file.
+``recv_into``\\s the destination itself, the whole payload in one call, and hashes it
+once it is all there; a sender sends a payload from its own memory in one call (a put's
+frame, or the checksum of the payload before, riding in front: :meth:`Stream.send_payloads`)
+and hashes it after, while the receiver is still taking the tail. One system call per
+payload rather than one per MiB, measured per 8 MiB on loopback (2 loaded cores, CPU of
+the process): receiving in 1 MiB pieces, each hashed as it landed, 6.9-7.1 ms against
+3.3-3.8 ms for one ``recv_into`` and one hash; sending in hashed 1 MiB pieces 2.2-2.5 ms
+against 1.8-2.0 ms for one send and one hash. Hashing on a helper thread beside the
+transfer cost more than either (receiving: 4.2-4.6 ms with the last MiB received while a
+helper hashed the rest, 7.1-7.8 ms handing it every MiB; sending: 2.2-2.7 ms), so it is
+not done. A server sends a memory-tier value from the tier's own buffer (``sendmsg``
+with the frame before it, one call) and a value on disk with ``os.sendfile`` from its
+payload file.
 
 :class:`SealedStream` encrypts everything after the handshake in AES-256-GCM records (at
 most :data:`RECORD` bytes each, a per-direction key and a record counter as nonce, the
@@ -32,7 +34,6 @@ import os
 import socket
 import struct
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -47,11 +48,6 @@ MAX_FRAME_BYTES = 4 << 20
 RECORD = 1 << 20
 TAG_BYTES = 16
 
-#: A payload's last bytes, received after a helper thread started hashing the rest.
-TAIL = 1 << 20
-#: Threads hashing payloads beside their transfer (xxhash lets go of the GIL).
-_HASHER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-bulk-hash")
-
 _LENGTH = struct.Struct("<I")
 _CHECKSUM = struct.Struct("<Q")
 
@@ -64,13 +60,6 @@ class ConnectionLost(Exception):
     def __init__(self, message: str, timed_out: bool = False):
         super().__init__(message)
         self.timed_out = timed_out
-
-
-def _hash_beside(view: memoryview) -> Future[int] | None:
-    """The checksum of a large payload, made on a helper thread (None for a small one)."""
-    if len(view) < 2 * TAIL:
-        return None
-    return _HASHER.submit(xxhash.xxh3_64_intdigest, view)
 
 
 def _lost(what: str, exc: OSError) -> ConnectionLost:
@@ -183,50 +172,26 @@ class Stream:
         return unpack(body)
 
     def recv_payload(self, view: memoryview) -> int:
-        """Receive a payload into ``view`` (the destination itself); returns its checksum.
-        A large payload lands in two calls: while its last :data:`TAIL` bytes arrive, a
-        helper thread hashes what came before, so little hashing is left once the last
-        byte is in."""
-        if len(view) < 2 * TAIL:
-            self.recv_into(view)
-            return xxhash.xxh3_64_intdigest(view)
-        head, tail = view[: len(view) - TAIL], view[len(view) - TAIL :]
-        self.recv_into(head)
-        digest = xxhash.xxh3_64()
-        hashing = _HASHER.submit(digest.update, head)
-        try:
-            self.recv_into(tail)
-        finally:
-            hashing.result()  # nothing reads the destination once this returns
-        digest.update(tail)
-        return digest.intdigest()
+        """Receive a payload into ``view`` (the destination itself); returns its checksum,
+        made once every byte landed."""
+        self.recv_into(view)
+        return xxhash.xxh3_64_intdigest(view)
 
     def send_payload(self, view: memoryview) -> int:
-        """Send a payload; returns its checksum (made beside the send, see
-        :meth:`send_payloads`)."""
-        hashing = _hash_beside(view)
-        try:
-            self.send([view])
-        finally:
-            digest = hashing.result() if hashing is not None else None
-        return digest if digest is not None else xxhash.xxh3_64_intdigest(view)
+        """Send a payload; returns its checksum (made after it was handed to the kernel)."""
+        self.send([view])
+        return xxhash.xxh3_64_intdigest(view)
 
     def send_payloads(self, message: dict[str, Any], payloads: Sequence[memoryview]) -> None:
         """A frame, then each payload it announces followed by its checksum: one call per
-        payload (the frame, or the previous payload's checksum, in front of it), a large
-        payload hashed by a helper thread while it is sent -- the receiver hashes what
-        landed and compares. A payload changed while it is being sent fails that
-        comparison: it is never stored."""
+        payload (the frame, or the previous payload's checksum, in front of it), each
+        payload hashed after it went out -- the receiver hashes what landed and compares,
+        so bytes that changed between being sent and being hashed fail the comparison and
+        are never stored."""
         lead = pack(message)
         for payload in payloads:
-            hashing = _hash_beside(payload)
-            try:
-                self.send([lead, payload])
-            finally:
-                digest = hashing.result() if hashing is not None else None
-            if digest is None:
-                digest = xxhash.xxh3_64_intdigest(payload)
-            lead = _CHECKSUM.pack(digest)
+            self.send([lead, payload])
+            lead = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(payload))
         self.send([lead])
 
     def send_checksum(self, value: int) -> None:
@@ -343,7 +308,6 @@ class SealedStream(Stream):
 __all__ = [
     "MAX_FRAME_BYTES",
     "RECORD",
-    "TAIL",
     "ConnectionLost",
     "SealedStream",
     "Stream",
