@@ -20,8 +20,9 @@ Three sides move the same number of 8 MiB chunks (default) per phase, in one run
   Python of a separate venv).
 
 Per round, each phase (put, get, get_into, batched get) times each side once, the sides
-taking turns going first; the disk is let settle (``os.sync()`` and a pause) before each
-timed side. Every value read is compared with what was put, after the timing; a wrong
+taking turns going first; before each timed side the server's writes behind earlier puts
+are waited for (``pending_puts`` of its stats) and the disk is let settle (``os.sync()``
+and a pause). Every value read is compared with what was put, after the timing; a wrong
 value fails the run. Rows print the median over rounds of each side's GB/s and the median
 per-round ratio to the socket.
 
@@ -195,7 +196,24 @@ def _ready(proc: subprocess.Popen[str], what: str) -> None:
 # -- the client process ------------------------------------------------------------------------
 
 
-def _settle(seconds: float) -> None:
+def _pending_puts(stats: Any) -> int:
+    """Puts the servers have not written to disk yet (every ``pending_puts`` in ``stats``)."""
+    if isinstance(stats, dict):
+        return sum(
+            int(v) if k == "pending_puts" and isinstance(v, int) else _pending_puts(v)
+            for k, v in stats.items()
+        )
+    if isinstance(stats, list):
+        return sum(_pending_puts(v) for v in stats)
+    return 0
+
+
+async def _settle(client: KVCacheClient, seconds: float) -> None:
+    """Before a timed side: the server's writes behind earlier puts done (they would slow
+    whichever side came next), the disk flushed, a pause."""
+    deadline = time.monotonic() + 120.0
+    while _pending_puts(await client.stats()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     os.sync()
     time.sleep(seconds)
 
@@ -249,7 +267,7 @@ async def _client(config: dict[str, Any]) -> dict[str, Any]:
             for p, phase in enumerate(PHASES):
                 order = sides[(r + p) % len(sides) :] + sides[: (r + p) % len(sides)]
                 for side in order:
-                    _settle(config["settle_s"])
+                    await _settle(client, config["settle_s"])
                     if side == "persisting":
                         seconds, bad = await _persisting_phase(
                             client, phase, keys, values, outs, batch

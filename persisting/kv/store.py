@@ -15,7 +15,8 @@ user reads); each body is a few lines delegating to the modules above.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,14 @@ class KVStore(KVApi):
         room), for a value's bytes to land in before :meth:`batched_put_owned` keeps it."""
         self._check_open()
         return self._tiers.memory_buffer(nbytes)
+
+    @contextmanager
+    def foreground(self) -> Iterator[None]:
+        """Mark a transfer on a request's critical path (a remote client's put landing, a
+        value being sent) while the block runs: the write-behind gives way to it as to a
+        get (see :mod:`persisting.kv.read_activity`)."""
+        with self._tiers.reads.reading():
+            yield
 
     def batched_put_owned(
         self,

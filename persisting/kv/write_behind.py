@@ -4,10 +4,15 @@ One background thread drains whatever has queued up since its last write into on
 batch (one capacity reservation, one directory-fsync pass, one metadata commit), so a
 burst of async puts costs one batch, not one fsync round per chunk.
 
-Reads come first: a batch waits while gets of the store are in flight, before it starts and
-between the pieces of every file it writes (so a batch already under way when reads begin
-stops within one piece), for at most :data:`YIELD_TO_READS_S` in all (see
-:mod:`persisting.kv.read_activity`).
+Reads and remote puts come first: before each batch the thread waits until the store has
+been quiet for a moment (no get or data-path transfer in flight or just ended), and between
+the pieces of every file it writes it stops while gets are in flight (so a batch already
+under way when reads begin stops within one piece), for at most :data:`YIELD_TO_READS_S`
+in all, and not at all once a full batch (:data:`MAX_BATCH_ITEMS`,
+:data:`MAX_BATCH_BYTES`) has queued up or someone waits for the writes (see
+:mod:`persisting.kv.read_activity`): a burst of puts is acknowledged from memory at
+network speed and written in one batch after it, and a store written without pause still
+writes full batches back to back.
 
 The thread outlives every failure: a batch that fails is retried item by item, an
 unexpected exception completes the affected futures with that error (and is counted and
@@ -61,6 +66,8 @@ class WriteBehind:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
+        self._queued_bytes = 0  # submitted, not yet taken into a batch
+        self._hurry = 0  # callers waiting in drain() or close(): give way no longer
         #: Writes that failed with an unexpected error, and completion hooks that raised.
         self.errors = 0
         self.hook_errors = 0
@@ -74,16 +81,30 @@ class WriteBehind:
         future: Future[bool] = Future()
         with self._idle:
             self._outstanding += 1
+            self._queued_bytes += item.layout.nbytes
         self._queue.put(_Job(item, future))
         return future
 
     def drain(self) -> None:
         """Wait until every submitted write has completed (successfully or not)."""
         with self._idle:
-            while self._outstanding:
-                if not self._thread.is_alive():
-                    raise StorageIOError("the write-behind thread is gone; pending writes lost")
-                self._idle.wait(timeout=1.0)
+            self._hurry += 1
+            try:
+                while self._outstanding:
+                    if not self._thread.is_alive():
+                        raise StorageIOError("the write-behind thread is gone; pending writes lost")
+                    self._idle.wait(timeout=1.0)
+            finally:
+                self._hurry -= 1
+
+    def _batch_waiting(self) -> bool:
+        """Whether a full batch has queued up, or someone waits for the writes (the writer
+        then stops giving way)."""
+        return (
+            self._hurry > 0
+            or self._queue.qsize() + 1 >= MAX_BATCH_ITEMS
+            or self._queued_bytes >= MAX_BATCH_BYTES
+        )
 
     def _next_batch(self, first: _Job) -> list[_Job]:
         batch, size = [first], first.item.layout.nbytes
@@ -97,6 +118,8 @@ class WriteBehind:
                 break
             batch.append(job)
             size += job.item.layout.nbytes
+        with self._idle:
+            self._queued_bytes -= size
         return batch
 
     def _run(self) -> None:
@@ -104,9 +127,13 @@ class WriteBehind:
             first = self._queue.get()
             if first is None:
                 return
-            give_way = self._reads.give_way(YIELD_TO_READS_S) if self._reads is not None else None
+            give_way = (
+                self._reads.give_way(YIELD_TO_READS_S, self._batch_waiting)
+                if self._reads is not None
+                else None
+            )
             if give_way is not None:
-                give_way()
+                give_way.before()
             batch = self._next_batch(first)  # after the wait: whatever queued meanwhile
             try:
                 outcomes = self._write(batch, give_way)
@@ -156,6 +183,8 @@ class WriteBehind:
     def close(self) -> None:
         """Write what is queued, then stop the thread."""
         at_exit.untrack(self, at_exit.WRITER)
+        with self._idle:
+            self._hurry += 1  # for good: nothing waits for quiet any more
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from persisting.kv import open_kv_store, range_reads
+from persisting.kv import write_behind as write_behind_module
 from persisting.kv.read_activity import ReadActivity
 from persisting.shm import PAGE, copy_into, pages_resident, populate
 from tests.kv.kv_helpers import MODEL, disk_tier, key
@@ -144,3 +145,44 @@ def test_the_write_behind_holds_back_while_a_get_is_in_flight(root: Path) -> Non
         s.flush()
         assert disk_tier(s).entry(text) is not None
         assert s._tiers.reads.yielded_s >= 0.4
+
+
+def test_wait_quiet_counts_requests_that_follow_one_another_as_one_burst() -> None:
+    reads = ReadActivity(linger_s=0.3)
+    with reads.reading():
+        pass  # one just ended: the store counts as busy a moment longer
+    assert 0.2 <= reads.wait_quiet(10.0) < 5.0
+    assert reads.wait_quiet(10.0) < 0.2  # quiet since
+    with reads.reading():  # in flight, but the writer has had enough of waiting
+        assert reads.wait_quiet(10.0, enough=lambda: True) < 0.2
+
+
+def test_the_write_behind_holds_back_for_a_remote_put_burst_not_past_a_full_batch(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer marked with ``foreground()`` (a remote put landing) holds the writes
+    behind, but a full batch queued up, or a flush, writes at once: a store written
+    without pause still writes everything."""
+    monkeypatch.setattr(write_behind_module, "YIELD_TO_READS_S", 60.0)
+    value = torch.full((2, 4, 16, 64), 5, dtype=torch.bfloat16)
+    batch = write_behind_module.MAX_BATCH_ITEMS
+    with open_kv_store(
+        root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
+    ) as s:
+        disk = disk_tier(s)
+        with s.foreground():
+            s.put(key(100), value)
+            time.sleep(0.3)
+            assert disk.entry(s._key(key(100))) is None  # held back during the burst
+            for i in range(batch):
+                s.put(key(101 + i), value)
+            deadline = time.monotonic() + 30
+            written = 0
+            while written < batch and time.monotonic() < deadline:
+                time.sleep(0.05)
+                written = sum(
+                    disk.entry(s._key(key(100 + i))) is not None for i in range(batch + 1)
+                )
+            assert written >= batch  # a full batch does not wait for the burst to end
+            s.flush()  # nor does a flush
+            assert all(disk.entry(s._key(key(100 + i))) is not None for i in range(batch + 1))

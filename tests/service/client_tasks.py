@@ -430,7 +430,9 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
     """A client on another host, driven by the test one command per stdin line, each
     answered with ``DONE <json>``: ``put`` stores ``keys`` values of ``[2, 8, 256, hidden]``
     bf16; ``read`` reads them every way once; ``churn <s>`` reads them one by one for ``s``
-    seconds; ``wait <s>`` reads until every value is back (or ``s`` seconds passed);
+    seconds; ``putchurn <s>`` puts fresh keys one by one for ``s`` seconds, then reads each
+    back (``stored``, ``put_error``, then hit/miss/wrong as reads count them);
+    ``wait <s>`` reads until every value is back (or ``s`` seconds passed);
     ``stats`` the servers' figures; ``quit``. Reads count hits, misses, wrong values and
     errors: a failure must be a miss (or a typed error), never a wrong value."""
     client = await _connect(args)
@@ -471,6 +473,20 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
                 out = torch.empty_like(values[0])
                 layout = await client.get_into(keys[0], out)
                 count(out if layout is not None else None, values[0])
+            elif command == "putchurn":
+                deadline = time.monotonic() + float(rest[0])
+                fresh: list[tuple[Any, torch.Tensor]] = []
+                while time.monotonic() < deadline:
+                    j = len(fresh)
+                    fresh.append((key(base + 100_000 + j), values[j % n]))
+                    try:
+                        put = await client.put(*fresh[-1])
+                        outcome = "stored" if put.stored else "not_stored"
+                    except PersistingError:
+                        outcome = "put_error"  # the member failed: a miss or whole, never part
+                    tally[outcome] = tally.get(outcome, 0) + 1
+                for k, want in fresh:
+                    count(await client.get(k), want)
             elif command in ("churn", "wait"):
                 deadline = time.monotonic() + float(rest[0])
                 while time.monotonic() < deadline:

@@ -298,6 +298,76 @@ def test_a_connection_killed_mid_put_stores_nothing_and_leaks_no_staging(server:
     assert not server.store.contains(key(10)) and not server.store.contains(key(11))
 
 
+def _put_request_bytes(items: list[PutItem]) -> int:
+    """Bytes of the frame a link's put of ``items`` opens with (as ``BulkLink.put`` sends it)."""
+    request = {
+        "op": "put",
+        "model": MODEL,
+        "fmt": "KV_2LTD",
+        "items": [
+            {"key": k, "layout": layout.to_dict(), "parent": parent}
+            for k, layout, _data, parent in items
+        ],
+    }
+    return len(pack(request))
+
+
+@pytest.mark.parametrize(
+    "cut_at",
+    [
+        "in the first payload's tail",  # all but its last bytes landed
+        "in the checksum riding before the second payload",
+        "in the last checksum",  # every payload byte arrived, not the proof they are whole
+    ],
+)
+def test_a_put_cut_anywhere_in_its_stream_stores_nothing_and_leaks_no_staging(
+    server: Server, cut_at: str
+) -> None:
+    items = [item(12), item(13)]
+    start = HELLO.size + _put_request_bytes(items)
+    after = {
+        "in the first payload's tail": start + CHUNK - 1000,
+        "in the checksum riding before the second payload": start + CHUNK + 4,
+        "in the last checksum": start + 2 * CHUNK + 8 + 5,
+    }[cut_at]
+    relay = Relay(server.bulk.port, "up", after=after, action="cut")
+    link = server.link(port=relay.port)
+    try:
+        with pytest.raises(ConnectionLost):
+            link.put(Call(), MODEL, "KV_2LTD", items)
+    finally:
+        link.close()
+        relay.close()
+    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    assert server.held() == (0, 0)
+    assert not server.store.contains(key(12)) and not server.store.contains(key(13))
+    link = server.link()  # the server serves on, and the same put then goes through
+    try:
+        assert [r["stored"] for r in link.put(Call(), MODEL, "KV_2LTD", items)] == [True, True]
+        got = _get(link, [str(key(12)), str(key(13))])
+        assert torch.equal(got[0], value(12)) and torch.equal(got[1], value(13))  # type: ignore[arg-type]
+    finally:
+        link.close()
+
+
+def test_a_get_cut_in_a_payloads_tail_is_lost_never_a_partial_value(server: Server) -> None:
+    setup = server.link()
+    setup.put(Call(), MODEL, "KV_2LTD", [item(14)])
+    setup.close()
+    # all but the value's last bytes have landed when the connection goes
+    relay = Relay(server.bulk.port, "down", after=WELCOME.size + CHUNK - 1000, action="cut")
+    link = server.link(port=relay.port)
+    out = np.zeros(CHUNK, np.uint8)
+    try:
+        with pytest.raises(ConnectionLost):
+            link.get(Call(), MODEL, [str(key(14))], None, [out.data], None)
+    finally:
+        link.close()
+        relay.close()
+    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    assert server.held() == (0, 0)
+
+
 def test_a_member_that_stalls_mid_transfer_times_out(server: Server) -> None:
     setup = server.link()
     setup.put(Call(), MODEL, "KV_2LTD", [item(0)])
@@ -383,6 +453,35 @@ def test_a_damaged_put_is_refused_stores_nothing_and_keeps_the_stream_in_step(
     assert not server.store.contains(k) and server.held() == (0, 0)
     stream.send_frame({"op": "get", "model": MODEL, "keys": [k]})
     assert stream.recv_frame() == {"miss": True}
+
+
+def test_a_batch_with_one_damaged_value_stores_none_of_it(server: Server) -> None:
+    """The checksum of each payload rides in front of the next one: a wrong one in the
+    middle of a batch fails the whole batch, and the stream stays in step."""
+    stream = _authenticated(server)
+    (k0, layout0, data0, _), (k1, layout1, data1, _) = item(21), item(22)
+    stream.send_frame(
+        {
+            "op": "put",
+            "model": MODEL,
+            "items": [
+                {"key": k0, "layout": layout0.to_dict()},
+                {"key": k1, "layout": layout1.to_dict()},
+            ],
+        }
+    )
+    stream.send([data0])
+    stream.send_checksum(12345)  # not the checksum of the first value's bytes
+    stream.send_checksum(stream.send_payload(data1))
+    with pytest.raises(CorruptValueError):
+        _raise(stream.recv_frame())
+    assert not server.store.contains(k0) and not server.store.contains(k1)
+    assert server.held() == (0, 0)
+    stream.send_payloads(
+        {"op": "put", "model": MODEL, "items": [{"key": k1, "layout": layout1.to_dict()}]},
+        [data1],
+    )
+    assert [r["stored"] for r in stream.recv_frame()["results"]] == [True]
 
 
 def test_refused_requests_keep_the_connection_usable(server: Server) -> None:

@@ -2,8 +2,9 @@
 joined by a veth pair (``tests/netns.py``), everything through ``persisting serve`` with a
 passphrase and ``KVCacheClient.connect(..., same_host=False)``: values move on the bulk
 data path, bit-exact; a peer without a session gets nothing; a connection killed
-mid-transfer, a member that hangs, and a member killed and started again are misses while
-they last, never wrong values, and leave no lease or staged buffer behind.
+mid-transfer (a get or a put), a member that hangs, and a member killed and started again
+are misses while they last, never wrong values, and leave no lease or staged buffer
+behind.
 
 CI runs as root, where namespaces can be made; ``scripts/install.sh`` installs iproute2
 where ``ip`` is missing.
@@ -215,6 +216,31 @@ def test_connections_killed_mid_transfer_are_misses_never_wrong_values(
         assert tally.get("wrong", 0) == 0 and tally.get("hit", 0) > 0, churn
         assert churn["client"]["bulk_connections_lost"] > 0
         assert reader("wait 20")["tally"].get("recovered") == 6  # and all read back after
+        assert _server_holds(reader) == (0, 0)
+    finally:
+        reader.close()
+
+
+def test_connections_killed_mid_put_store_whole_values_or_nothing(
+    hosts: TwoHosts, server: Server
+) -> None:
+    """Puts of 8 MiB values one after another while their data connections are killed:
+    each value is then read back whole or missed, never partly written, and no staged
+    buffer is left behind."""
+    reader = Reader(hosts, server.addr, keys=4, base=56_000)
+    try:
+        reader.send("putchurn 6")
+        killed = 0
+        for _ in range(6):
+            time.sleep(0.7)
+            out = hosts.kill_connections(server.data_port)
+            killed += out.count(f"{hosts.server_ip}:{server.data_port}")
+        churn = reader.result()
+        assert killed > 0
+        tally = churn["tally"]
+        assert tally.get("wrong", 0) == 0, churn
+        assert tally.get("stored", 0) > 0 and tally.get("hit", 0) > 0, churn
+        assert churn["client"]["bulk_connections_lost"] > 0
         assert _server_holds(reader) == (0, 0)
     finally:
         reader.close()

@@ -294,10 +294,11 @@ class BulkServer:
             raise ProtocolError("keys must be strings")
         expect = optional_layout(request.get("expect"))
         counters = self.state.counters
-        for key in keys:
-            sent = self._send_value(stream, session, store, str(request["model"]), key, expect)
-            counters["get_hits" if sent else "get_misses"] += 1
-            counters["get_bytes_bulk"] += sent
+        with store.foreground():
+            for key in keys:
+                sent = self._send_value(stream, session, store, str(request["model"]), key, expect)
+                counters["get_hits" if sent else "get_misses"] += 1
+                counters["get_bytes_bulk"] += sent
 
     def _send_value(
         self,
@@ -386,7 +387,8 @@ class BulkServer:
                 stream.discard(layout.nbytes + 8, scratch)
             raise
         try:
-            self._receive_and_store(stream, store, str(request["model"]), request, layouts)
+            with store.foreground():  # the write-behind waits for the burst to pass
+                self._receive_and_store(stream, store, str(request["model"]), request, layouts)
         finally:
             with self.state.lock:
                 self.state.sessions.unstage(session, staged_id)

@@ -307,9 +307,7 @@ class BulkLink:
                     for key, layout, _data, parent in items
                 ],
             }
-            stream.send_frame(request)
-            for _key, _layout, data, _parent in items:
-                stream.send_checksum(stream.send_payload(data))
+            stream.send_payloads(request, [data for _key, _layout, data, _parent in items])
             reply = stream.recv_frame()
         except ConnectionLost:
             self._lose(call, stream)
