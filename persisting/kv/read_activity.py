@@ -58,6 +58,10 @@ class ReadActivity:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def busy(self) -> bool:
+        """Whether anything is in flight or ended within ``linger_s``."""
+        return bool(self._in_flight) or time.monotonic() - self._last_end < self.linger_s
+
     def wait_quiet(self, limit_s: float, enough: Callable[[], bool] | None = None) -> float:
         """Wait until nothing is in flight and nothing ended for ``linger_s``, or
         ``limit_s`` seconds, or ``enough()`` (checked at least every ``linger_s``) is
@@ -88,8 +92,11 @@ class GiveWay:
     """Waits of one background job for reads, within one allowance of ``limit_s`` seconds
     that runs from the first wait and is shared by every thread of the job (so the job is
     held ``limit_s`` at most in all, however many steps wait). :meth:`before` waits for a
-    quiet store before the job starts; calling the object between its steps returns at once
-    while no read is in flight, else waits until none is. Neither waits once ``enough()``."""
+    quiet store before the job starts, unless ``enough()`` says the job may not wait (a full
+    batch queued, a flush waiting); calling the object between its steps returns at once
+    while no read is in flight, else waits until none is -- unless the job started without
+    waiting for a busy store because of ``enough()``: a job that is behind stays behind no
+    longer than it must."""
 
     def __init__(
         self, reads: ReadActivity, limit_s: float, enough: Callable[[], bool] | None = None
@@ -98,24 +105,26 @@ class GiveWay:
         self._limit_s = limit_s
         self._enough = enough
         self._deadline: float | None = None
+        self._behind = False
         self._lock = threading.Lock()
 
     def before(self) -> None:
         """Wait until the store has been quiet (see :meth:`ReadActivity.wait_quiet`)."""
-        self._wait()
+        self._wait(self._enough)
+        self._behind = self._enough is not None and self._enough() and self._reads.busy()
 
     def __call__(self) -> None:
-        if not self._reads.in_flight:  # the common case: one attribute read, no lock
+        if self._behind or not self._reads.in_flight:  # common: one attribute read, no lock
             return
-        self._wait()
+        self._wait(None)
 
-    def _wait(self) -> None:
+    def _wait(self, enough: Callable[[], bool] | None) -> None:
         with self._lock:
             if self._deadline is None:
                 self._deadline = time.monotonic() + self._limit_s
             left = self._deadline - time.monotonic()
         if left > 0:
-            self._reads.wait_quiet(left, self._enough)
+            self._reads.wait_quiet(left, enough)
 
 
 __all__ = ["LINGER_S", "GiveWay", "ReadActivity"]

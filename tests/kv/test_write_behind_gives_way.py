@@ -129,7 +129,8 @@ def test_a_batch_under_way_stops_between_pieces_while_a_read_is_in_flight(
 def test_a_batch_read_beside_without_pause_is_still_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Reads that never stop hold each batch back for its allowance only."""
+    """Reads that never stop hold each batch back for its allowance only, and a flush (a
+    caller waiting for the writes) does not wait for them at all."""
     monkeypatch.setattr(write_behind_module, "YIELD_TO_READS_S", 0.3)
     value = torch.full((2, 1, PAUSE_PIECE // 1024, 1024), 5, dtype=torch.bfloat16)
     with open_kv_store(
@@ -139,9 +140,15 @@ def test_a_batch_read_beside_without_pause_is_still_written(
         try:
             start = time.monotonic()
             s.put(key(5), value)
-            s.flush()  # returns although the read is still in flight
-            assert 0.25 <= time.monotonic() - start < 5.0
-            assert disk_tier(s).entry(s._key(key(5))) is not None
+            while disk_tier(s).entry(s._key(key(5))) is None and time.monotonic() - start < 5:
+                time.sleep(0.01)
+            assert 0.25 <= time.monotonic() - start < 5.0  # written, once the allowance ran out
+            monkeypatch.setattr(write_behind_module, "YIELD_TO_READS_S", 5.0)
+            start = time.monotonic()
+            s.put(key(6), value)
+            s.flush()  # the read is still in flight
+            assert time.monotonic() - start < 2.5  # not held for the allowance
+            assert disk_tier(s).entry(s._key(key(6))) is not None
         finally:
             leave.set()
             thread.join()
