@@ -92,6 +92,17 @@ def make_dir(path: Path, modes: FileModes) -> bool:
     return created
 
 
+def is_open_at(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is the file now at ``path`` (not one unlinked or replaced since it was
+    opened): a lock file's holder checks this after taking its ``flock``."""
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+
 def open_private(path: Path, flags: int, mode: int) -> int:
     """``os.open`` a file we create or reuse, then give it exactly ``mode`` if it is ours."""
     try:
@@ -117,6 +128,7 @@ __all__ = [
     "OWNER_ONLY",
     "FileModes",
     "file_modes",
+    "is_open_at",
     "make_dir",
     "open_private",
     "restrict",

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from persisting.errors import NamespaceInUseError
-from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
+from persisting.lance_store.access import CONTROL_FILE_MODE, is_open_at, open_private
 
 LOCK_NAME = ".namespace.lock"
 
@@ -50,7 +50,7 @@ def hold_namespace(directory: Path, make_dir: Callable[[], object]) -> Namespace
         fd = open_private(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a drop is in progress
-            if _same_file(fd, directory / LOCK_NAME):
+            if is_open_at(fd, directory / LOCK_NAME):
                 return NamespaceHold(directory, fd)
         except BaseException:
             os.close(fd)
@@ -78,18 +78,9 @@ def exclusive_namespace(directory: Path, what: str, holder: str | None = None) -
             raise NamespaceInUseError(
                 f"{what} is open in a live store ({who}); stop it before dropping"
             ) from None
-        yield _same_file(fd, directory / LOCK_NAME)
+        yield is_open_at(fd, directory / LOCK_NAME)
     finally:
         os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        at_path = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (mine.st_dev, mine.st_ino) == (at_path.st_dev, at_path.st_ino)
 
 
 __all__ = [

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from persisting.errors import NamespaceOwnedError, StorageIOError
-from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
+from persisting.lance_store.access import CONTROL_FILE_MODE, is_open_at, open_private
 
 LOCK_NAME = ".owner.lock"
 RECORD_NAME = ".owner.json"
@@ -84,7 +84,7 @@ class OwnerClaim:
     def still_here(self) -> bool:
         """Whether the lock file this claim holds is still the one at the path (a drop
         renames a namespace away only while nothing holds it open)."""
-        return self._fd >= 0 and _same_file(self._fd, self.directory / LOCK_NAME)
+        return self._fd >= 0 and is_open_at(self._fd, self.directory / LOCK_NAME)
 
     def update(self, what: str | None = None, **details: Any) -> None:
         """Rewrite the record: a new one-line description and/or details merged in."""
@@ -208,15 +208,6 @@ def _write_record(directory: Path, record: Mapping[str, Any]) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, directory / RECORD_NAME)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        at_path = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (mine.st_dev, mine.st_ino) == (at_path.st_dev, at_path.st_ino)
 
 
 __all__ = [
