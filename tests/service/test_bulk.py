@@ -8,6 +8,7 @@ connection after a given number of bytes), or by speaking to the server directly
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import struct
@@ -27,8 +28,8 @@ from persisting.kv.layout import encode_value
 from persisting.service.bulk import server as bulk_server
 from persisting.service.bulk.auth import HELLO, PLAIN, WELCOME, client_hello
 from persisting.service.bulk.server import BulkServer
-from persisting.service.bulk.stream import ConnectionLost, Stream, pack
-from persisting.service.client.bulk import BulkLink, Call, Endpoint, PutItem, Refused
+from persisting.service.bulk.stream import ConnectionLost, Stream, pack, set_timeouts
+from persisting.service.client.bulk import BulkLink, Endpoint, PutItem, Refused
 from persisting.service.handler import StorageHandler
 from persisting.service.protocol import make_request, unwrap_reply
 from tests.service.service_helpers import MODEL, OTHER_MODEL, key
@@ -103,7 +104,7 @@ def disk_server(tmp_path: Path) -> Iterator[Server]:
 
 
 def _get(link: BulkLink, keys: list[str], **kw: object) -> list[object]:
-    reads = link.get(Call(), MODEL, keys, kw.get("expect"), kw.get("outs"), None)  # type: ignore[arg-type]
+    reads = asyncio.run(link.get(MODEL, keys, kw.get("expect"), kw.get("outs"), None))  # type: ignore[arg-type]
     return [None if r is None else r.value for r in reads]
 
 
@@ -114,9 +115,9 @@ def test_values_round_trip_bit_exact_from_memory_and_disk(
     for srv, tier in ((server, "memory"), (disk_server, "disk")):
         link = srv.link(sealed=sealed)
         try:
-            results = link.put(Call(), MODEL, "KV_2LTD", [item(i) for i in range(3)])
+            results = asyncio.run(link.put(MODEL, "KV_2LTD", [item(i) for i in range(3)]))
             assert [r["stored"] for r in results] == [True, True, True]
-            reads = link.get(Call(), MODEL, [str(key(i)) for i in range(4)], None, None, None)
+            reads = asyncio.run(link.get(MODEL, [str(key(i)) for i in range(4)], None, None, None))
             assert reads[3] is None  # never stored: a miss
             for i in range(3):
                 read = reads[i]
@@ -124,7 +125,7 @@ def test_values_round_trip_bit_exact_from_memory_and_disk(
                 assert torch.equal(read.value, value(i))
             out = torch.empty(2, 4, 256, 512, dtype=torch.bfloat16)
             outs = [memoryview(out.view(-1).view(torch.uint8).numpy())]
-            got = link.get(Call(), MODEL, [str(key(1))], None, outs, None)
+            got = asyncio.run(link.get(MODEL, [str(key(1))], None, outs, None))
             assert got[0] is not None and isinstance(got[0].value, Layout)
             assert torch.equal(out, value(1))
             other = Layout((2, 4, 256, 256), "bfloat16", "KV_2LTD", CHUNK // 2)
@@ -184,12 +185,12 @@ def test_handshakes_and_connections_are_capped(
     monkeypatch.setattr(bulk_server, "MAX_PER_SESSION", 2)
     link = BulkLink(server.endpoint(), streams=3, timeout_s=5.0)
     try:
-        streams = [link._take(Call()) for _ in range(2)]  # two connections at once
+        streams = [asyncio.run(link._take()) for _ in range(2)]  # two connections at once
         for stream in streams:
-            stream.send_frame({"op": "get", "model": MODEL, "keys": [str(key(1))]})
-            assert stream.recv_frame() == {"miss": True}
+            asyncio.run(stream.send_frame({"op": "get", "model": MODEL, "keys": [str(key(1))]}))
+            assert asyncio.run(stream.recv_frame()) == {"miss": True}
         with pytest.raises(CapacityError):  # a third: the server says it is busy
-            link._take(Call())
+            asyncio.run(link._take())
         assert server.bulk.stats()["refused_cap"] == 1
     finally:
         link.close()
@@ -260,20 +261,21 @@ def _wait_until(condition: object, timeout_s: float = 10.0) -> None:
 
 def test_a_connection_killed_mid_get_is_lost_never_a_partial_value(server: Server) -> None:
     setup = server.link()
-    setup.put(Call(), MODEL, "KV_2LTD", [item(i) for i in range(2)])
+    asyncio.run(setup.put(MODEL, "KV_2LTD", [item(i) for i in range(2)]))
     setup.close()
     relay = Relay(server.bulk.port, "down", after=WELCOME.size + CHUNK + CHUNK // 2, action="cut")
     link = server.link(port=relay.port)
     out = np.zeros(CHUNK, np.uint8)
     try:
         with pytest.raises(ConnectionLost) as lost:
-            link.get(
-                Call(),
-                MODEL,
-                [str(key(0)), str(key(1))],
-                None,
-                [memoryview(bytearray(CHUNK)), out.data],
-                None,
+            asyncio.run(
+                link.get(
+                    MODEL,
+                    [str(key(0)), str(key(1))],
+                    None,
+                    [memoryview(bytearray(CHUNK)), out.data],
+                    None,
+                )
             )
         assert not lost.value.timed_out
         assert link.lost == 1  # the connection is dropped, never reused
@@ -289,7 +291,7 @@ def test_a_connection_killed_mid_put_stores_nothing_and_leaks_no_staging(server:
     link = server.link(port=relay.port)
     try:
         with pytest.raises(ConnectionLost):
-            link.put(Call(), MODEL, "KV_2LTD", [item(10), item(11)])
+            asyncio.run(link.put(MODEL, "KV_2LTD", [item(10), item(11)]))
     finally:
         link.close()
         relay.close()
@@ -334,7 +336,7 @@ def test_a_put_cut_anywhere_in_its_stream_stores_nothing_and_leaks_no_staging(
     link = server.link(port=relay.port)
     try:
         with pytest.raises(ConnectionLost):
-            link.put(Call(), MODEL, "KV_2LTD", items)
+            asyncio.run(link.put(MODEL, "KV_2LTD", items))
     finally:
         link.close()
         relay.close()
@@ -343,7 +345,7 @@ def test_a_put_cut_anywhere_in_its_stream_stores_nothing_and_leaks_no_staging(
     assert not server.store.contains(key(12)) and not server.store.contains(key(13))
     link = server.link()  # the server serves on, and the same put then goes through
     try:
-        assert [r["stored"] for r in link.put(Call(), MODEL, "KV_2LTD", items)] == [True, True]
+        assert [r["stored"] for r in asyncio.run(link.put(MODEL, "KV_2LTD", items))] == [True, True]
         got = _get(link, [str(key(12)), str(key(13))])
         assert torch.equal(got[0], value(12)) and torch.equal(got[1], value(13))  # type: ignore[arg-type]
     finally:
@@ -352,7 +354,7 @@ def test_a_put_cut_anywhere_in_its_stream_stores_nothing_and_leaks_no_staging(
 
 def test_a_get_cut_in_a_payloads_tail_is_lost_never_a_partial_value(server: Server) -> None:
     setup = server.link()
-    setup.put(Call(), MODEL, "KV_2LTD", [item(14)])
+    asyncio.run(setup.put(MODEL, "KV_2LTD", [item(14)]))
     setup.close()
     # all but the value's last bytes have landed when the connection goes
     relay = Relay(server.bulk.port, "down", after=WELCOME.size + CHUNK - 1000, action="cut")
@@ -360,7 +362,7 @@ def test_a_get_cut_in_a_payloads_tail_is_lost_never_a_partial_value(server: Serv
     out = np.zeros(CHUNK, np.uint8)
     try:
         with pytest.raises(ConnectionLost):
-            link.get(Call(), MODEL, [str(key(14))], None, [out.data], None)
+            asyncio.run(link.get(MODEL, [str(key(14))], None, [out.data], None))
     finally:
         link.close()
         relay.close()
@@ -370,14 +372,14 @@ def test_a_get_cut_in_a_payloads_tail_is_lost_never_a_partial_value(server: Serv
 
 def test_a_member_that_stalls_mid_transfer_times_out(server: Server) -> None:
     setup = server.link()
-    setup.put(Call(), MODEL, "KV_2LTD", [item(0)])
+    asyncio.run(setup.put(MODEL, "KV_2LTD", [item(0)]))
     setup.close()
     relay = Relay(server.bulk.port, "down", after=WELCOME.size + CHUNK // 2, action="stall")
     link = server.link(port=relay.port, timeout_s=0.5)
     try:
         start = time.monotonic()
         with pytest.raises(ConnectionLost) as lost:
-            link.get(Call(), MODEL, [str(key(0))], None, None, None)
+            asyncio.run(link.get(MODEL, [str(key(0))], None, None, None))
         assert lost.value.timed_out and time.monotonic() - start < 5
     finally:
         link.close()
@@ -402,10 +404,10 @@ def test_a_server_that_never_answers_the_hello_times_out_and_one_that_closes_ref
     link = BulkLink(endpoint, streams=1, timeout_s=0.5)
     try:
         with pytest.raises(ConnectionLost) as lost:
-            link.get(Call(), MODEL, [str(key(0))], None, None, None)
+            asyncio.run(link.get(MODEL, [str(key(0))], None, None, None))
         assert lost.value.timed_out
         with pytest.raises(Refused):
-            link.get(Call(), MODEL, [str(key(0))], None, None, None)
+            asyncio.run(link.get(MODEL, [str(key(0))], None, None, None))
     finally:
         link.close()
         quiet.close()
@@ -414,8 +416,11 @@ def test_a_server_that_never_answers_the_hello_times_out_and_one_that_closes_ref
 
 
 def _authenticated(server: Server) -> Stream:
-    link = server.link()
-    return link._take(Call())
+    """An authenticated data connection, driven by hand with blocking calls."""
+    taken = asyncio.run(server.link()._take())
+    taken.sock.setblocking(True)
+    set_timeouts(taken.sock, 10.0)
+    return Stream(taken.sock)
 
 
 def test_frames_too_large_or_cut_short_end_only_their_connection(server: Server) -> None:
@@ -488,10 +493,10 @@ def test_refused_requests_keep_the_connection_usable(server: Server) -> None:
     link = server.link()
     try:
         with pytest.raises(AccessDeniedError):  # its payload is read and dropped
-            link.put(Call(), OTHER_MODEL, "KV_2LTD", [item(1)])
-        link.put(Call(), MODEL, "KV_2LTD", [item(1)])
+            asyncio.run(link.put(OTHER_MODEL, "KV_2LTD", [item(1)]))
+        asyncio.run(link.put(MODEL, "KV_2LTD", [item(1)]))
         with pytest.raises(InvalidValueError):  # a destination of the wrong size
-            link.get(Call(), MODEL, [str(key(1))], None, [memoryview(bytearray(10))], None)
+            asyncio.run(link.get(MODEL, [str(key(1))], None, [memoryview(bytearray(10))], None))
         assert torch.equal(_get(link, [str(key(1))])[0], value(1))  # type: ignore[arg-type]
         assert link.opened == 1 and link.lost == 0  # all on one connection
     finally:

@@ -33,7 +33,7 @@ import contextlib
 import os
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
@@ -44,12 +44,15 @@ from persisting.service.protocol import is_plain
 
 #: Largest header frame either side accepts (4096 keys of ~100 bytes fit easily).
 MAX_FRAME_BYTES = 4 << 20
+#: Bytes a receiver takes per system call and hashes before the next (the streaming
+#: xxh3 of the pieces equals the one-shot checksum of the payload).
+HASH_PIECE = 512 << 10
 #: Largest plaintext of one sealed record.
 RECORD = 1 << 20
 TAG_BYTES = 16
 
-_LENGTH = struct.Struct("<I")
-_CHECKSUM = struct.Struct("<Q")
+LENGTH = struct.Struct("<I")
+CHECKSUM = struct.Struct("<Q")
 
 
 class ConnectionLost(Exception):
@@ -62,7 +65,7 @@ class ConnectionLost(Exception):
         self.timed_out = timed_out
 
 
-def _lost(what: str, exc: OSError) -> ConnectionLost:
+def lost(what: str, exc: OSError) -> ConnectionLost:
     return ConnectionLost(
         f"{what}: {exc}", timed_out=isinstance(exc, BlockingIOError | TimeoutError)
     )
@@ -88,7 +91,7 @@ def pack(message: dict[str, Any]) -> bytes:
     body = msgpack.packb(message, use_bin_type=True)
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"a {len(body)}-byte frame exceeds the data path's limit")
-    return _LENGTH.pack(len(body)) + body
+    return LENGTH.pack(len(body)) + body
 
 
 def unpack(body: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -128,7 +131,7 @@ class Stream:
                 if views and sent:
                     views[0] = views[0][sent:]
         except OSError as exc:
-            raise _lost("send failed", exc) from exc
+            raise lost("send failed", exc) from exc
 
     def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` from the connection (all of it, or ConnectionLost)."""
@@ -140,7 +143,7 @@ class Stream:
                     raise ConnectionLost("the peer closed the connection")
                 got += n
         except OSError as exc:  # a reset, or the kernel timeout (EAGAIN)
-            raise _lost("receive failed", exc) from exc
+            raise lost("receive failed", exc) from exc
 
     def send_file(self, fd: int, offset: int, nbytes: int) -> None:
         """Send ``nbytes`` of the file ``fd`` from ``offset``, kernel to kernel."""
@@ -152,7 +155,7 @@ class Stream:
                     raise ConnectionLost("the payload file ended early")
                 offset += sent
         except OSError as exc:
-            raise _lost("sendfile failed", exc) from exc
+            raise lost("sendfile failed", exc) from exc
 
     # -- frames and payloads --------------------------------------------------------------
 
@@ -162,9 +165,9 @@ class Stream:
         self.send([frame] if payload is None else [frame, payload])
 
     def recv_frame(self) -> dict[str, Any]:
-        head = bytearray(_LENGTH.size)
+        head = bytearray(LENGTH.size)
         self.recv_into(memoryview(head))
-        (length,) = _LENGTH.unpack(head)
+        (length,) = LENGTH.unpack(head)
         if length > MAX_FRAME_BYTES:
             raise ConnectionLost(f"a {length}-byte frame exceeds the data path's limit")
         body = bytearray(length)
@@ -172,10 +175,15 @@ class Stream:
         return unpack(body)
 
     def recv_payload(self, view: memoryview) -> int:
-        """Receive a payload into ``view`` (the destination itself); returns its checksum,
-        made once every byte landed."""
-        self.recv_into(view)
-        return xxhash.xxh3_64_intdigest(view)
+        """Receive a payload into ``view`` (the destination itself) in pieces of
+        :data:`HASH_PIECE`, hashing each piece as it lands while the peer's next bytes are
+        on their way; returns the checksum of the whole."""
+        hasher = xxhash.xxh3_64()
+        for start in range(0, len(view), HASH_PIECE):
+            piece = view[start : start + HASH_PIECE]
+            self.recv_into(piece)
+            hasher.update(piece)
+        return int(hasher.intdigest())
 
     def send_payload(self, view: memoryview) -> int:
         """Send a payload; returns its checksum (made after it was handed to the kernel)."""
@@ -191,16 +199,16 @@ class Stream:
         lead = pack(message)
         for payload in payloads:
             self.send([lead, payload])
-            lead = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(payload))
+            lead = CHECKSUM.pack(xxhash.xxh3_64_intdigest(payload))
         self.send([lead])
 
     def send_checksum(self, value: int) -> None:
-        self.send([_CHECKSUM.pack(value)])
+        self.send([CHECKSUM.pack(value)])
 
     def recv_checksum(self) -> int:
-        raw = bytearray(_CHECKSUM.size)
+        raw = bytearray(CHECKSUM.size)
         self.recv_into(memoryview(raw))
-        return int(_CHECKSUM.unpack(raw)[0])
+        return int(CHECKSUM.unpack(raw)[0])
 
     def discard(self, nbytes: int, scratch: memoryview) -> None:
         """Read and drop ``nbytes`` (a refused put's payload), through ``scratch``."""
@@ -224,71 +232,100 @@ class Stream:
             self.sock.close()
 
 
-class SealedStream(Stream):
-    """A data connection whose bytes are AES-256-GCM records (see the module docstring)."""
+class Records:
+    """The AES-256-GCM records of a sealed connection, without the I/O: each direction
+    has its own key and counts its records (the nonce), the length is associated data, so
+    an altered, replayed, reordered or cut record fails. Used by :class:`SealedStream`
+    and by the client's :class:`~persisting.service.bulk.loop_stream.LoopSealedStream`."""
 
-    sealed = True
-
-    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
+    def __init__(self, send_key: bytes, recv_key: bytes):
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-        super().__init__(sock)
         self._sealer = AESGCM(send_key)
         self._opener = AESGCM(recv_key)
         self._sent = 0
         self._received = 0
-        self._out = bytearray(_LENGTH.size + RECORD + TAG_BYTES)
+        self._out = bytearray(LENGTH.size + RECORD + TAG_BYTES)
         self._in = bytearray(RECORD + TAG_BYTES)
         self._plain = bytearray(RECORD)
-        self._left = memoryview(self._plain)[:0]  # plaintext received but not yet read
+        #: Plaintext of the last record opened but not yet taken by a reader.
+        self.left = memoryview(self._plain)[:0]
 
     @staticmethod
     def _nonce(counter: int) -> bytes:
         return b"\0\0\0\0" + counter.to_bytes(8, "little")
 
-    def send(self, parts: Sequence[bytes | memoryview]) -> None:
-        out = memoryview(self._out)
+    def pieces(self, parts: Sequence[bytes | memoryview]) -> Iterator[memoryview]:
+        """The plaintext of ``parts`` cut into record-sized pieces."""
         for part in parts:
             view = memoryview(part).cast("B")
             for start in range(0, len(view), RECORD):
-                piece = view[start : start + RECORD]
-                header = _LENGTH.pack(len(piece))
-                out[: _LENGTH.size] = header
-                sealed = out[_LENGTH.size : _LENGTH.size + len(piece) + TAG_BYTES]
-                self._sealer.encrypt_into(self._nonce(self._sent), piece, header, sealed)
-                self._sent += 1
-                super().send([out[: _LENGTH.size + len(piece) + TAG_BYTES]])
+                yield view[start : start + RECORD]
+
+    def seal(self, piece: memoryview) -> memoryview:
+        """One record (length, ciphertext, tag) of ``piece``, in a buffer reused by the next."""
+        header = LENGTH.pack(len(piece))
+        out = memoryview(self._out)
+        out[: LENGTH.size] = header
+        sealed = out[LENGTH.size : LENGTH.size + len(piece) + TAG_BYTES]
+        self._sealer.encrypt_into(self._nonce(self._sent), piece, header, sealed)
+        self._sent += 1
+        return out[: LENGTH.size + len(piece) + TAG_BYTES]
+
+    def take_left(self, view: memoryview) -> int:
+        """Fill the start of ``view`` from plaintext already opened; bytes filled."""
+        n = min(len(self.left), len(view))
+        view[:n] = self.left[:n]
+        self.left = self.left[n:]
+        return n
+
+    def incoming(self, header: bytes | bytearray) -> memoryview:
+        """Where the record that ``header`` announces is to be received."""
+        (length,) = LENGTH.unpack(header)
+        if length > RECORD:
+            raise ConnectionLost(f"a {length}-byte sealed record exceeds the limit")
+        return memoryview(self._in)[: length + TAG_BYTES]
+
+    def open(self, header: bytes | bytearray, sealed: memoryview, room: memoryview) -> int:
+        """Decrypt a received record: straight into ``room`` when it fits there (returns
+        the bytes written), else into :attr:`left` for the next reads (returns 0)."""
+        length = len(sealed) - TAG_BYTES
+        direct = length <= len(room)
+        target = room[:length] if direct else memoryview(self._plain)[:length]
+        try:
+            self._opener.decrypt_into(self._nonce(self._received), sealed, bytes(header), target)
+        except Exception as exc:  # InvalidTag: altered, replayed or reordered bytes
+            raise ConnectionLost("a sealed record failed its authentication") from exc
+        self._received += 1
+        if direct:
+            return length
+        self.left = memoryview(self._plain)[:length]
+        return 0
+
+
+class SealedStream(Stream):
+    """A data connection whose bytes are AES-256-GCM :class:`Records`."""
+
+    sealed = True
+
+    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
+        super().__init__(sock)
+        self._records = Records(send_key, recv_key)
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        for piece in self._records.pieces(parts):
+            super().send([self._records.seal(piece)])
 
     def recv_into(self, view: memoryview) -> None:
-        filled = 0
+        records = self._records
+        filled = records.take_left(view)
         while filled < len(view):
-            if len(self._left):
-                n = min(len(self._left), len(view) - filled)
-                view[filled : filled + n] = self._left[:n]
-                self._left = self._left[n:]
-                filled += n
-                continue
-            header = bytearray(_LENGTH.size)
+            header = bytearray(LENGTH.size)
             super().recv_into(memoryview(header))
-            (length,) = _LENGTH.unpack(header)
-            if length > RECORD:
-                raise ConnectionLost(f"a {length}-byte sealed record exceeds the limit")
-            sealed = memoryview(self._in)[: length + TAG_BYTES]
+            sealed = records.incoming(header)
             super().recv_into(sealed)
-            # straight into the destination when the whole record belongs there
-            direct = length <= len(view) - filled
-            target = view[filled : filled + length] if direct else memoryview(self._plain)[:length]
-            try:
-                self._opener.decrypt_into(
-                    self._nonce(self._received), sealed, bytes(header), target
-                )
-            except Exception as exc:  # InvalidTag: altered, replayed or reordered bytes
-                raise ConnectionLost("a sealed record failed its authentication") from exc
-            self._received += 1
-            if direct:
-                filled += length
-            else:
-                self._left = memoryview(self._plain)[:length]
+            filled += records.open(header, sealed, view[filled:])
+            filled += records.take_left(view[filled:])
 
     def send_file(self, fd: int, offset: int, nbytes: int) -> None:
         scratch = bytearray(min(nbytes, RECORD))
@@ -306,9 +343,11 @@ class SealedStream(Stream):
 
 
 __all__ = [
+    "HASH_PIECE",
     "MAX_FRAME_BYTES",
     "RECORD",
     "ConnectionLost",
+    "Records",
     "SealedStream",
     "Stream",
     "pack",

@@ -2,9 +2,10 @@
 
 :class:`BulkLink` keeps up to ``streams`` connections to the member's data port (opened on
 first use, authenticated with the session's credential, see
-:mod:`persisting.service.bulk.auth`) and runs each get or put on one of them, on its own
-threads (blocking sockets with kernel timeouts; ``recv_into`` the destination itself).
-A batch is spread over several connections at once by the reader and the writer.
+:mod:`persisting.service.bulk.auth`) and runs each get or put on one of them, on the
+caller's event loop (:mod:`persisting.service.bulk.loop_stream`: non-blocking sockets,
+received straight into the destination). A batch is spread over several connections at
+once by the reader and the writer.
 
 What can go wrong, and what the caller makes of it:
 
@@ -17,38 +18,32 @@ What can go wrong, and what the caller makes of it:
   matched the checksum the server stored with it.
 * a :class:`~persisting.errors.PersistingError` -- the server answered with an error.
 
-A get or put cancelled by its caller shuts its connection down, so the thread stops
-writing into the destination before the cancellation goes on (:meth:`BulkLink.run`).
+A get or put cancelled by its caller stops writing into the destination at once; its
+connection, out of step, is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import socket
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from persisting.errors import CapacityError, InvalidValueError, error_class_for
+from persisting.errors import (
+    CapacityError,
+    InvalidValueError,
+    PersistingError,
+    error_class_for,
+)
 from persisting.kv import Layout
 from persisting.service.bulk.auth import OK, PLAIN, SEALED, WELCOME, check_welcome, client_hello
 from persisting.service.bulk.auth import stream_keys as derive_keys
-from persisting.service.bulk.stream import (
-    ConnectionLost,
-    SealedStream,
-    Stream,
-    set_timeouts,
-    tune,
-)
+from persisting.service.bulk.loop_stream import LoopSealedStream, LoopStream
+from persisting.service.bulk.stream import ConnectionLost, tune
 from persisting.service.client.destination import Destination
 from persisting.shm import RecycledBuffers
-
-T = TypeVar("T")
 
 
 class Unreachable(Exception):
@@ -72,19 +67,6 @@ class BulkRead:
 
 #: One put item: key, layout, payload bytes, parent key.
 PutItem = tuple[str, Layout, memoryview, "str | None"]
-
-
-class Call:
-    """A blocking get or put in progress: the event loop can abort it."""
-
-    def __init__(self) -> None:
-        self.stream: Stream | None = None
-        self.aborted = False
-
-    def abort(self) -> None:
-        self.aborted = True
-        if self.stream is not None:
-            self.stream.shutdown()  # the thread using it fails fast and closes it
 
 
 @dataclass(frozen=True)
@@ -125,9 +107,7 @@ class BulkLink:
         self.endpoint = endpoint
         self.streams = streams
         self.timeout_s = timeout_s
-        self.executor = ThreadPoolExecutor(streams, thread_name_prefix="kv-client-bulk")
-        self._idle: list[Stream] = []
-        self._lock = threading.Lock()
+        self._idle: list[LoopStream] = []
         self._counter = itertools.count(1)
         self._closed = False
         #: Connections opened, and lost mid-request (read by the client's counters).
@@ -136,23 +116,32 @@ class BulkLink:
 
     # -- connections ----------------------------------------------------------------------
 
-    def _connect(self) -> Stream:
+    async def _connect(self) -> LoopStream:
         e = self.endpoint
+        loop = asyncio.get_running_loop()
         try:
-            sock = socket.create_connection((e.host, e.port), timeout=self.timeout_s)
-        except OSError as exc:
+            async with asyncio.timeout(self.timeout_s):
+                infos = await loop.getaddrinfo(e.host, e.port, type=socket.SOCK_STREAM)
+                family, kind, proto, _name, address = infos[0]
+                sock = socket.socket(family, kind, proto)
+                try:
+                    sock.setblocking(False)
+                    await loop.sock_connect(sock, address)
+                except BaseException:
+                    sock.close()
+                    raise
+        except (OSError, TimeoutError) as exc:
             raise Unreachable(f"{e.host}:{e.port}: {exc}") from exc
         try:
             tune(sock)
-            set_timeouts(sock, self.timeout_s)
-            with self._lock:
-                counter = next(self._counter)
-            hello = client_hello(e.key_id, e.secret, counter, SEALED if e.sealed else PLAIN)
-            stream = Stream(sock)
-            stream.send([hello])
+            hello = client_hello(
+                e.key_id, e.secret, next(self._counter), SEALED if e.sealed else PLAIN
+            )
+            stream = LoopStream(sock, self.timeout_s)
+            await stream.send([hello])
             answer = bytearray(WELCOME.size)
             try:
-                stream.recv_into(memoryview(answer))
+                await stream.recv_into(memoryview(answer))
             except ConnectionLost as exc:
                 if exc.timed_out:  # no answer at all: a member that hangs
                     raise
@@ -166,67 +155,60 @@ class BulkLink:
         self.opened += 1
         if mode == SEALED:
             to_server, to_client = derive_keys(e.secret, hello[-32:], server_nonce)
-            return SealedStream(sock, send_key=to_server, recv_key=to_client)
+            return LoopSealedStream(sock, self.timeout_s, send_key=to_server, recv_key=to_client)
         return stream
 
-    def _take(self, call: Call) -> Stream:
-        with self._lock:
-            stream = self._idle.pop() if self._idle else None
-        if stream is None:
-            stream = self._connect()
-        call.stream = stream
-        if call.aborted:
+    async def _take(self) -> LoopStream:
+        if self._idle:
+            return self._idle.pop()
+        return await self._connect()
+
+    def _give_back(self, stream: LoopStream) -> None:
+        if self._closed:
             stream.close()
-            raise ConnectionLost("cancelled")
-        return stream
+        else:
+            self._idle.append(stream)
 
-    def _give_back(self, call: Call, stream: Stream) -> None:
-        call.stream = None
-        with self._lock:
-            if not self._closed and not call.aborted:
-                self._idle.append(stream)
-                return
+    def _lose(self, stream: LoopStream, counted: bool) -> None:
+        """Close a connection that stopped mid-request; after a failure (``counted``) the
+        idle ones too: whatever ended it (the session ended, the member restarted, the
+        link went) most likely ended them, and a fresh connection costs one round trip."""
         stream.close()
-
-    def _lose(self, call: Call, stream: Stream) -> None:
-        """Drop a connection that failed mid-request, and the idle ones with it: whatever
-        ended it (the session ended, the member restarted, the link went) most likely
-        ended them too, and a fresh connection costs one round trip."""
-        call.stream = None
+        if not counted:
+            return  # cancelled by the caller: the others are fine
         self.lost += 1
-        stream.close()
-        with self._lock:
-            idle, self._idle = self._idle, []
+        idle, self._idle = self._idle, []
         for other in idle:
             other.close()
 
-    async def run(self, fn: Callable[[Call], T]) -> T:
-        """``fn(call)`` on this link's threads; a cancelled caller aborts it and waits for
-        its thread to stop touching the destination before the cancellation goes on."""
-        call = Call()
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.executor, fn, call)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            call.abort()
-            with contextlib.suppress(BaseException):
-                await future
-            raise
-
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
+        self._closed = True
+        idle, self._idle = self._idle, []
         for stream in idle:
             stream.close()
-        self.executor.shutdown(wait=False)
 
-    # -- operations (blocking: run them with :meth:`run`) ---------------------------------
+    async def _request(self, work: Any) -> Any:
+        """Run ``work(stream)`` on one connection: given back when the request ended in
+        step (a value, or an error the server answered), else closed."""
+        stream = await self._take()
+        try:
+            result = await work(stream)
+        except ConnectionLost:
+            self._lose(stream, counted=True)
+            raise
+        except (PersistingError, InvalidValueError):
+            self._give_back(stream)  # the server's answer: the stream is in step
+            raise
+        except BaseException:  # cancelled, or a bug: the stream is out of step
+            self._lose(stream, counted=False)
+            raise
+        self._give_back(stream)
+        return result
 
-    def get(
+    # -- operations -----------------------------------------------------------------------
+
+    async def get(
         self,
-        call: Call,
         model: str,
         keys: list[str],
         expect: Layout | None,
@@ -234,21 +216,16 @@ class BulkLink:
         results: RecycledBuffers | None,
     ) -> list[BulkRead | None]:
         """Values of ``keys`` over one connection (None: a miss)."""
-        stream = self._take(call)
-        try:
-            reads = self._get(stream, model, keys, expect, outs, results)
-        except ConnectionLost:
-            self._lose(call, stream)
-            raise
-        except BaseException:
-            self._give_back(call, stream)  # a server's error leaves the stream in step
-            raise
-        self._give_back(call, stream)
+
+        async def work(stream: LoopStream) -> list[BulkRead | None]:
+            return await self._get(stream, model, keys, expect, outs, results)
+
+        reads: list[BulkRead | None] = await self._request(work)
         return reads
 
     @staticmethod
-    def _get(
-        stream: Stream,
+    async def _get(
+        stream: LoopStream,
         model: str,
         keys: list[str],
         expect: Layout | None,
@@ -258,12 +235,12 @@ class BulkLink:
         request: dict[str, Any] = {"op": "get", "model": model, "keys": keys}
         if expect is not None:
             request["expect"] = expect.to_dict()
-        stream.send_frame(request)
+        await stream.send_frame(request)
         reads: list[BulkRead | None] = []
         wrong_size: InvalidValueError | None = None
         start = time.perf_counter()
         for i in range(len(keys)):
-            frame = stream.recv_frame()
+            frame = await stream.recv_frame()
             raise_error(frame)
             if frame.get("miss"):
                 reads.append(None)
@@ -279,11 +256,11 @@ class BulkLink:
                 wrong_size = InvalidValueError(
                     f"get_into needs a buffer of {layout.nbytes} bytes, got {len(out)}"
                 )
-                stream.discard(layout.nbytes, memoryview(bytearray(1 << 20)))
+                await stream.discard(layout.nbytes)
                 reads.append(None)
                 continue
             dest = Destination(results, layout.nbytes, out)
-            whole = stream.recv_payload(dest.target) == expected
+            whole = await stream.recv_payload(dest.target) == expected
             now = time.perf_counter()
             if not whole:
                 dest.discard()
@@ -294,25 +271,23 @@ class BulkLink:
             raise wrong_size
         return reads
 
-    def put(self, call: Call, model: str, fmt: str, items: list[PutItem]) -> list[dict[str, Any]]:
+    async def put(self, model: str, fmt: str, items: list[PutItem]) -> list[dict[str, Any]]:
         """Store ``items`` over one connection; the server's results."""
-        stream = self._take(call)
-        try:
-            request = {
-                "op": "put",
-                "model": model,
-                "fmt": fmt,
-                "items": [
-                    {"key": key, "layout": layout.to_dict(), "parent": parent}
-                    for key, layout, _data, parent in items
-                ],
-            }
-            stream.send_payloads(request, [data for _key, _layout, data, _parent in items])
-            reply = stream.recv_frame()
-        except ConnectionLost:
-            self._lose(call, stream)
-            raise
-        self._give_back(call, stream)
+        request = {
+            "op": "put",
+            "model": model,
+            "fmt": fmt,
+            "items": [
+                {"key": key, "layout": layout.to_dict(), "parent": parent}
+                for key, layout, _data, parent in items
+            ],
+        }
+
+        async def work(stream: LoopStream) -> dict[str, Any]:
+            await stream.send_payloads(request, [data for _key, _layout, data, _parent in items])
+            return await stream.recv_frame()
+
+        reply: dict[str, Any] = await self._request(work)
         raise_error(reply)
         results = reply.get("results")
         if not isinstance(results, list) or len(results) != len(items):
@@ -346,7 +321,6 @@ def spread(count: int, ways: int) -> list[range]:
 __all__ = [
     "BulkLink",
     "BulkRead",
-    "Call",
     "ConnectionLost",
     "Endpoint",
     "PutItem",

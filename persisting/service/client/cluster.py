@@ -29,7 +29,6 @@ from persisting.errors import (
 )
 from persisting.service.client.bulk import (
     BulkLink,
-    Call,
     ConnectionLost,
     Endpoint,
     Refused,
@@ -234,9 +233,7 @@ class Cluster:
             link, member.bulk = member.bulk, None
             link.close()
 
-    async def over_data_path(
-        self, member: Member, op: Callable[[BulkLink], Callable[[Call], T]]
-    ) -> T:
+    async def over_data_path(self, member: Member, op: Callable[[BulkLink], Awaitable[T]]) -> T:
         """``op(link)`` run on one of ``member``'s data connections, with the data path's
         failure rules: a connection lost mid-request is tried once more on a fresh one
         (what it carried was never delivered, and gets and puts are idempotent); a refused
@@ -249,7 +246,7 @@ class Cluster:
                 raise MemberFailed(member.addr, ConnectionLost("no data connections"))
             sid = member.sid
             try:
-                return await link.run(op(link))
+                return await op(link)
             except Refused as exc:
                 if refused:
                     raise MemberFailed(member.addr, exc) from exc

@@ -21,10 +21,9 @@ Every read is timed into :attr:`Reader.bandwidth`, per path, for load-or-recompu
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,7 +32,7 @@ from persisting.kv import Layout, SharedLocation
 from persisting.kv.layout import writable_bytes
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.tiers import KeyLike
-from persisting.service.client.bulk import BulkLink, BulkRead, Call, spread
+from persisting.service.client.bulk import BulkLink, BulkRead, spread
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.member import Member
 from persisting.service.client.regions import ArenaLoans
@@ -458,15 +457,8 @@ class Reader:
         names = [keys[i] for i in indices]
         targets = [outs[i] for i in indices] if outs else None
 
-        def get(link: BulkLink) -> Callable[[Call], list[BulkRead | None]]:
-            return functools.partial(
-                link.get,
-                model=self.cluster.model,
-                keys=names,
-                expect=expect,
-                outs=targets,
-                results=self.results,
-            )
+        def get(link: BulkLink) -> Awaitable[list[BulkRead | None]]:
+            return link.get(self.cluster.model, names, expect, targets, self.results)
 
         reads = await self.cluster.over_data_path(member, get)
         self._take_bulk(indices, reads, results)

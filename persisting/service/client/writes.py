@@ -12,9 +12,8 @@ port, in messages: inline up to one message part, else uploaded in parts.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -23,7 +22,7 @@ from persisting.kv import Layout, PutResult, SharedLocation
 from persisting.kv.keys import key_string
 from persisting.kv.layout import checksum, encode_value
 from persisting.kv.tiers import KeyLike
-from persisting.service.client.bulk import BulkLink, Call
+from persisting.service.client.bulk import BulkLink
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.destination import copy_into
 from persisting.service.client.member import Member
@@ -163,8 +162,8 @@ class Writer:
         """One put request on one data connection (the failure rules:
         :meth:`Cluster.over_data_path`)."""
 
-        def put(link: BulkLink) -> Callable[[Call], list[dict[str, Any]]]:
-            return functools.partial(link.put, model=self.cluster.model, fmt=fmt, items=items)
+        def put(link: BulkLink) -> Awaitable[list[dict[str, Any]]]:
+            return link.put(self.cluster.model, fmt, items)
 
         reply = await self.cluster.over_data_path(member, put)
         self.counters["put_bytes_bulk"] += sum(layout.nbytes for _k, layout, _d, _p in items)

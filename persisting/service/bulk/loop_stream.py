@@ -1,0 +1,200 @@
+"""A client's data connection driven by its event loop: the same frames and payloads as
+:class:`~persisting.service.bulk.stream.Stream`, on a non-blocking socket.
+
+Why not a blocking socket on a helper thread, as the server does: a client's get or put
+then crosses two threads (the loop hands the request over, the helper hands the value
+back), and on a machine with few cores the scheduler often wakes the helper on the core
+where the peer is busy sending, so sender and receiver take turns on one core instead of
+copying side by side. Measured on the 2-core development machine, 8 MiB values over
+loopback, 200 round trips: a helper thread woken by the loop took 5.4-7.1 ms per value,
+the same loop reading the socket itself 2.9 ms, as fast as a plain blocking client
+(2.9-3.0 ms); with both processes pinned to separate cores the helper took 2.6 ms, so the
+difference was where the helper ran, not the hand-over.
+
+A request's bytes are received and sent here between the loop's other callbacks: a
+receive takes what the kernel has and waits (``add_reader``) only when there is nothing;
+a payload is hashed in :data:`~persisting.service.bulk.stream.HASH_PIECE` pieces as they
+complete, while the peer's next bytes arrive. No progress for ``timeout_s`` is a
+:class:`~persisting.service.bulk.stream.ConnectionLost` with ``timed_out``. A caller
+cancelled mid-request stops writing into the destination at once; the connection is then
+out of step and must be closed (the link does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import xxhash
+
+from persisting.service.bulk.stream import (
+    CHECKSUM,
+    HASH_PIECE,
+    LENGTH,
+    MAX_FRAME_BYTES,
+    ConnectionLost,
+    Records,
+    lost,
+    pack,
+    unpack,
+)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class LoopStream:
+    """One data connection of a client, plain (see the module docstring)."""
+
+    sealed = False
+
+    def __init__(self, sock: socket.socket, timeout_s: float):
+        sock.setblocking(False)
+        self.sock = sock
+        self.timeout_s = timeout_s
+
+    # -- waiting for the socket -------------------------------------------------------------
+
+    async def _ready(self, reading: bool) -> None:
+        loop = asyncio.get_running_loop()
+        add: Callable[..., Any] = loop.add_reader if reading else loop.add_writer
+        remove: Callable[[int], bool] = loop.remove_reader if reading else loop.remove_writer
+        fd = self.sock.fileno()
+        future: asyncio.Future[None] = loop.create_future()
+        add(fd, _wake, future)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await future
+        except TimeoutError as exc:
+            what = "receive" if reading else "send"
+            raise ConnectionLost(f"no {what} progress for {self.timeout_s} s", True) from exc
+        finally:
+            remove(fd)
+
+    # -- primitives (the sealed stream replaces these) ------------------------------------
+
+    async def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Send every byte of ``parts``, as much per system call as the kernel takes."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        while views:
+            try:
+                sent = self.sock.sendmsg(views)
+            except BlockingIOError:
+                await self._ready(reading=False)
+                continue
+            except OSError as exc:
+                raise lost("send failed", exc) from exc
+            while views and sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            if views and sent:
+                views[0] = views[0][sent:]
+
+    async def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` from the connection (all of it, or ConnectionLost)."""
+        got, size = 0, len(view)
+        while got < size:
+            try:
+                n = self.sock.recv_into(view[got:], size - got)
+            except BlockingIOError:
+                await self._ready(reading=True)
+                continue
+            except OSError as exc:
+                raise lost("receive failed", exc) from exc
+            if n == 0:
+                raise ConnectionLost("the peer closed the connection")
+            got += n
+
+    # -- frames and payloads (as Stream's) --------------------------------------------------
+
+    async def send_frame(self, message: dict[str, Any]) -> None:
+        await self.send([pack(message)])
+
+    async def recv_frame(self) -> dict[str, Any]:
+        head = bytearray(LENGTH.size)
+        await self.recv_into(memoryview(head))
+        (length,) = LENGTH.unpack(head)
+        if length > MAX_FRAME_BYTES:
+            raise ConnectionLost(f"a {length}-byte frame exceeds the data path's limit")
+        body = bytearray(length)
+        await self.recv_into(memoryview(body))
+        return unpack(body)
+
+    async def recv_payload(self, view: memoryview) -> int:
+        """Receive a payload into ``view`` (the destination itself), hashing each piece as
+        it completes; returns the checksum of the whole."""
+        hasher = xxhash.xxh3_64()
+        for start in range(0, len(view), HASH_PIECE):
+            piece = view[start : start + HASH_PIECE]
+            await self.recv_into(piece)
+            hasher.update(piece)
+        return int(hasher.intdigest())
+
+    async def send_payloads(
+        self, message: dict[str, Any], payloads: Sequence[memoryview]
+    ) -> None:
+        """A frame, then each payload followed by its checksum. A payload goes out in
+        :data:`~persisting.service.bulk.stream.HASH_PIECE` pieces, each hashed after it was
+        handed to the kernel (while the peer takes it in): the receiver hashes what landed
+        and compares, so bytes that changed between being sent and being hashed fail the
+        comparison and are never stored, and the checksum is ready as the last piece
+        leaves instead of one whole hash later."""
+        lead = pack(message)
+        for payload in payloads:
+            view = memoryview(payload).cast("B")
+            hasher = xxhash.xxh3_64()
+            for start in range(0, len(view), HASH_PIECE):
+                piece = view[start : start + HASH_PIECE]
+                await self.send([lead, piece])
+                hasher.update(piece)
+                lead = b""
+            lead += CHECKSUM.pack(hasher.intdigest())
+        await self.send([lead])
+
+    async def discard(self, nbytes: int) -> None:
+        """Read and drop ``nbytes`` (a payload the caller cannot take)."""
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes > 0:
+            piece = scratch[: min(len(scratch), nbytes)]
+            await self.recv_into(piece)
+            nbytes -= len(piece)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class LoopSealedStream(LoopStream):
+    """A client's data connection whose bytes are AES-256-GCM records
+    (:class:`~persisting.service.bulk.stream.Records`), sealed and opened on the loop."""
+
+    sealed = True
+
+    def __init__(self, sock: socket.socket, timeout_s: float, send_key: bytes, recv_key: bytes):
+        super().__init__(sock, timeout_s)
+        self._records = Records(send_key, recv_key)
+
+    async def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        for piece in self._records.pieces(parts):
+            await super().send([self._records.seal(piece)])
+
+    async def recv_into(self, view: memoryview) -> None:
+        records = self._records
+        filled = records.take_left(view)
+        while filled < len(view):
+            header = bytearray(LENGTH.size)
+            await super().recv_into(memoryview(header))
+            sealed = records.incoming(header)
+            await super().recv_into(sealed)
+            filled += records.open(header, sealed, view[filled:])
+            filled += records.take_left(view[filled:])
+
+
+__all__ = ["LoopSealedStream", "LoopStream"]
