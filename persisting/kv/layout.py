@@ -8,6 +8,7 @@ rebuilds the same kind of array over a page-aligned buffer without copying again
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -302,6 +303,36 @@ def decode_value(layout: Layout, buffer: np.ndarray) -> Any:
     return torch.from_numpy(buffer).view(torch_dtype(layout.dtype)).reshape(layout.shape)
 
 
+def check_layout(layout: Layout) -> None:
+    """Check ``layout`` as :func:`encode_value` checks a value's -- a known dtype of its
+    kind, a shape its format allows, ``nbytes`` the size of that shape and dtype -- without
+    building the value: for bytes that arrived with a layout (a remote put), where a round
+    trip through torch cost more than the rest of the put. InvalidValueError if not."""
+    if layout.kind == "bytes":
+        if (
+            layout.fmt not in ("binary", "BINARY")
+            or layout.dtype != "uint8"
+            or layout.shape != (layout.nbytes,)
+        ):
+            raise InvalidValueError(f"layout {layout} does not describe a bytes value")
+    elif layout.kind == "numpy" and layout.dtype in NAME_TO_NUMPY:
+        itemsize = NAME_TO_NUMPY[layout.dtype].itemsize
+    elif layout.kind == "torch":
+        itemsize = torch_dtype(layout.dtype).itemsize
+    else:
+        raise InvalidValueError(
+            f"layout {layout}: no {layout.kind} dtype is called {layout.dtype!r}"
+        )
+    if layout.kind != "bytes":
+        _check_format(layout.fmt, layout.shape)
+        if any(d < 0 for d in layout.shape) or layout.nbytes != itemsize * math.prod(layout.shape):
+            raise InvalidValueError(
+                f"layout {layout}: {layout.nbytes} bytes is not its shape's size"
+            )
+    if layout.nbytes <= 0:
+        raise InvalidValueError("zero-size values cannot be stored")
+
+
 def checksum(data: memoryview | np.ndarray | bytes) -> int:
     """64-bit xxh3 of the payload bytes (verified on every read from disk)."""
     return xxhash.xxh3_64_intdigest(data.data if isinstance(data, np.ndarray) else data)
@@ -312,6 +343,7 @@ __all__ = [
     "MEMORY_FORMATS",
     "NAME_TO_NUMPY",
     "Layout",
+    "check_layout",
     "checksum",
     "decode_value",
     "dtype_name",

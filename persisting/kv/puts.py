@@ -33,7 +33,7 @@ from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import (
     BYTE_FORMATS,
     Layout,
-    decode_value,
+    check_layout,
     encode_value,
     is_device_tensor,
     owned_copy,
@@ -486,13 +486,7 @@ def _owned_layout(layout: Layout, buffer: np.ndarray) -> Layout:
     value's (dtype, format, size); InvalidValueError if they do not agree."""
     if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.nbytes != layout.nbytes:
         raise InvalidValueError(f"a {buffer.nbytes}-byte buffer for a {layout.nbytes}-byte layout")
-    try:
-        value = buffer.data if layout.kind == "bytes" else decode_value(layout, buffer)
-        checked, _view = encode_value(value, layout.fmt)
-    except (TypeError, ValueError, RuntimeError, KeyError) as exc:
-        raise InvalidValueError(f"layout {layout} does not describe its bytes: {exc}") from exc
-    if checked != layout:
-        raise InvalidValueError(f"layout {layout} does not describe its bytes ({checked})")
+    check_layout(layout)
     return layout
 
 

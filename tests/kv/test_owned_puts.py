@@ -12,7 +12,7 @@ import torch
 
 from persisting.errors import InvalidValueError
 from persisting.kv import ChunkKey, Layout, open_kv_store
-from persisting.kv.layout import checksum, encode_value
+from persisting.kv.layout import check_layout, checksum, encode_value
 
 MODEL = "owned/model"
 
@@ -68,6 +68,38 @@ def test_a_layout_that_does_not_describe_its_buffer_is_refused(tmp_path: Path) -
             with pytest.raises(InvalidValueError):
                 store.batched_put_owned([key(1)], [buffer], [wrong], [checksum(data)])
         assert not store.contains(key(1))
+
+
+_VALUES = {
+    "torch bf16": lambda: value(2),
+    "torch float32 KV_T2D": lambda: torch.zeros(16, 2, 8, dtype=torch.float32),
+    "numpy half": lambda: np.zeros((2, 3, 4, 5), np.float16),
+    "bytes": lambda: b"\x01" * 96,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_VALUES))
+def test_check_layout_agrees_with_encoding_the_value(name: str) -> None:
+    """A layout checked without building its value (as a remote put's is) passes exactly
+    when it is the layout the value would be stored with, and each field that lies fails."""
+    made = _VALUES[name]()
+    fmt = {"bytes": "binary", "torch float32 KV_T2D": "KV_T2D"}.get(name, "KV_2LTD")
+    layout, _data = encode_value(made, fmt)
+    check_layout(layout)
+    liars = [
+        Layout(layout.shape, layout.dtype, layout.fmt, layout.nbytes + 2, layout.kind),
+        Layout(layout.shape, "no-such-dtype", layout.fmt, layout.nbytes, layout.kind),
+        Layout(layout.shape, layout.dtype, "no-such-format", layout.nbytes, layout.kind),
+        Layout(layout.shape, layout.dtype, layout.fmt, layout.nbytes, "pickle"),  # type: ignore[arg-type]
+    ]
+    if layout.kind != "bytes":
+        swapped = (layout.shape[1], layout.shape[0], *layout.shape[2:])  # the K/V axis moved
+        liars.append(Layout(swapped, layout.dtype, layout.fmt, layout.nbytes, layout.kind))
+    if layout.kind == "torch":  # a dtype numpy has no name for, claimed as numpy
+        liars.append(Layout(layout.shape, "bfloat16", layout.fmt, layout.nbytes, "numpy"))
+    for liar in liars:
+        with pytest.raises(InvalidValueError):
+            check_layout(liar)
 
 
 def test_a_held_memory_payload_outlives_its_eviction(tmp_path: Path) -> None:
