@@ -435,6 +435,9 @@ class Reader:
         """Read ``keys`` over data connections, spread over the member's streams at once."""
         assert member.bulk is not None
         runs = spread(len(keys), member.bulk.streams)
+        if len(runs) == 1:  # one connection: no task to spread over
+            await self._bulk_run(member, keys, list(runs[0]), expect, outs, results)
+            return
         outcomes = await asyncio.gather(
             *(self._bulk_run(member, keys, list(run), expect, outs, results) for run in runs),
             return_exceptions=True,

@@ -151,9 +151,12 @@ class Writer:
             [layout.nbytes for _k, layout, _d, _p in items],
             max(1, -(-sum(layout.nbytes for _k, layout, _d, _p in items) // member.bulk.streams)),
         )
-        replies = await asyncio.gather(
-            *(self._put_bulk_run(member, [items[i] for i in run], fmt) for run in runs)
-        )
+        if len(runs) == 1:  # one connection: no task to spread over
+            replies = [await self._put_bulk_run(member, items, fmt)]
+        else:
+            replies = await asyncio.gather(
+                *(self._put_bulk_run(member, [items[i] for i in run], fmt) for run in runs)
+            )
         return [PutResult(**entry) for reply in replies for entry in reply]
 
     async def _put_bulk_run(
