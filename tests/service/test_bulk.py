@@ -386,6 +386,44 @@ def test_a_member_that_stalls_mid_transfer_times_out(server: Server) -> None:
         relay.close()
 
 
+def test_a_get_cancelled_mid_transfer_closes_its_connection_and_writes_no_more(
+    server: Server,
+) -> None:
+    """The client reads on its event loop: a cancelled get stops writing into the caller's
+    buffer at once, and its connection (out of step) is closed, not reused."""
+    setup = server.link()
+    asyncio.run(setup.put(MODEL, "KV_2LTD", [item(0)]))
+    setup.close()
+    relay = Relay(server.bulk.port, "down", after=WELCOME.size + CHUNK // 2, action="stall")
+    link = server.link(port=relay.port, timeout_s=30.0)
+    out = np.zeros(CHUNK, np.uint8)
+
+    async def cancel_mid_transfer() -> None:
+        task = asyncio.ensure_future(link.get(MODEL, [str(key(0))], None, [out.data], None))
+        await asyncio.sleep(0.5)  # the relay holds the rest of the payload back
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(cancel_mid_transfer())
+        written = out.copy()
+        assert 0 < np.count_nonzero(written) < CHUNK  # it was mid-transfer
+        assert link._idle == [] and link.lost == 0  # closed, and not counted as a failure
+    finally:
+        link.close()
+        relay.close()
+    time.sleep(0.3)
+    assert np.array_equal(out, written)  # nothing wrote into the buffer after the cancel
+    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    fresh = server.link()
+    try:
+        assert torch.equal(_get(fresh, [str(key(0))])[0], value(0))  # type: ignore[arg-type]
+    finally:
+        fresh.close()
+    assert server.held() == (0, 0)
+
+
 def test_a_server_that_never_answers_the_hello_times_out_and_one_that_closes_refuses() -> None:
     quiet = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
