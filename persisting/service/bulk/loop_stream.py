@@ -135,9 +135,7 @@ class LoopStream:
             hasher.update(piece)
         return int(hasher.intdigest())
 
-    async def send_payloads(
-        self, message: dict[str, Any], payloads: Sequence[memoryview]
-    ) -> None:
+    async def send_payloads(self, message: dict[str, Any], payloads: Sequence[memoryview]) -> None:
         """A frame, then each payload followed by its checksum. A payload goes out in
         :data:`~persisting.service.bulk.stream.HASH_PIECE` pieces, each hashed after it was
         handed to the kernel (while the peer takes it in): the receiver hashes what landed
