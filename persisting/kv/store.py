@@ -238,11 +238,13 @@ class KVStore(KVApi):
         return self._tiers.memory_buffer(nbytes)
 
     @contextmanager
-    def foreground(self) -> Iterator[None]:
-        """Mark a transfer on a request's critical path (a remote client's put landing, a
-        value being sent) while the block runs: the write-behind gives way to it as to a
-        get (see :mod:`persisting.kv.read_activity`)."""
-        with self._tiers.reads.reading():
+    def foreground(self, *, landing: bool = False) -> Iterator[None]:
+        """Mark a transfer on a request's critical path while the block runs: a value being
+        sent (the write-behind gives way to it as to a get), or with ``landing`` a remote
+        client's put whose bytes land (given way to unless the write-behind is behind: see
+        :mod:`persisting.kv.read_activity`)."""
+        activity = self._tiers.reads
+        with activity.landing() if landing else activity.reading():
             yield
 
     def batched_put_owned(

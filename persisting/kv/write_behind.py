@@ -97,6 +97,10 @@ class WriteBehind:
             finally:
                 self._hurry -= 1
 
+    def _hurried(self) -> bool:
+        """Whether someone waits for the writes (a flush)."""
+        return self._hurry > 0
+
     def _batch_waiting(self) -> bool:
         """Whether a full batch has queued up, or someone waits for the writes (the writer
         then stops giving way)."""
@@ -128,7 +132,7 @@ class WriteBehind:
             if first is None:
                 return
             give_way = (
-                self._reads.give_way(YIELD_TO_READS_S, self._batch_waiting)
+                self._reads.give_way(YIELD_TO_READS_S, self._batch_waiting, self._hurried)
                 if self._reads is not None
                 else None
             )

@@ -160,9 +160,9 @@ def test_wait_quiet_counts_requests_that_follow_one_another_as_one_burst() -> No
 def test_the_write_behind_holds_back_for_a_remote_put_burst_not_past_a_full_batch(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A transfer marked with ``foreground()`` (a remote put landing) holds the writes
-    behind, but a full batch queued up, or a flush, writes at once: a store written
-    without pause still writes everything."""
+    """A remote put landing (``foreground(landing=True)``) holds the writes behind, but a
+    full batch queued up, or a flush, writes at once, beside the landing puts: a store
+    written without pause still writes everything."""
     monkeypatch.setattr(write_behind_module, "YIELD_TO_READS_S", 60.0)
     value = torch.full((2, 4, 16, 64), 5, dtype=torch.bfloat16)
     batch = write_behind_module.MAX_BATCH_ITEMS
@@ -170,7 +170,7 @@ def test_the_write_behind_holds_back_for_a_remote_put_burst_not_past_a_full_batc
         root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
     ) as s:
         disk = disk_tier(s)
-        with s.foreground():
+        with s.foreground(landing=True):
             s.put(key(100), value)
             time.sleep(0.3)
             assert disk.entry(s._key(key(100))) is None  # held back during the burst

@@ -152,3 +152,44 @@ def test_a_batch_read_beside_without_pause_is_still_written(
         finally:
             leave.set()
             thread.join()
+
+
+def _held(reads: ReadActivity, mark: str, seconds: float) -> threading.Thread:
+    """A thread holding a read (or a put landing) in flight for ``seconds``."""
+
+    def hold() -> None:
+        with reads.reading() if mark == "read" else reads.landing():
+            time.sleep(seconds)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    time.sleep(0.05)
+    return thread
+
+
+def test_a_job_that_started_behind_waits_for_reads_but_not_for_puts_landing() -> None:
+    """A batch that started with a full batch queued behind it stops for reads between its
+    pieces (a read is on a request's critical path), but writes beside puts landing (a
+    store written without pause must keep up); one that did not start behind waits for
+    both."""
+    reads = ReadActivity(linger_s=0.05)
+    landing = _held(reads, "landing", 0.6)
+    behind = reads.give_way(10.0, enough=lambda: True)
+    behind.before()  # a full batch queued while a put lands: it starts at once
+    start = time.monotonic()
+    behind()
+    assert time.monotonic() - start < 0.2  # not held by the landing put
+    landing.join()
+    read = _held(reads, "read", 0.5)
+    start = time.monotonic()
+    behind()
+    assert 0.3 <= time.monotonic() - start < 3.0  # held until the read ended
+    read.join()
+    time.sleep(0.1)
+    calm = reads.give_way(10.0, enough=lambda: False)
+    calm.before()  # started on a quiet store: not behind
+    landing = _held(reads, "landing", 0.5)
+    start = time.monotonic()
+    calm()
+    assert 0.3 <= time.monotonic() - start < 3.0  # waits for a landing put as for a read
+    landing.join()

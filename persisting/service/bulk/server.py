@@ -387,7 +387,7 @@ class BulkServer:
                 stream.discard(layout.nbytes + 8, scratch)
             raise
         try:
-            with store.foreground():  # the write-behind waits for the burst to pass
+            with store.foreground(landing=True):  # the write-behind waits for the burst
                 self._receive_and_store(stream, store, str(request["model"]), request, layouts)
         finally:
             with self.state.lock:
