@@ -308,6 +308,8 @@ def check_layout(layout: Layout) -> None:
     kind, a shape its format allows, ``nbytes`` the size of that shape and dtype -- without
     building the value: for bytes that arrived with a layout (a remote put), where a round
     trip through torch cost more than the rest of the put. InvalidValueError if not."""
+    if layout.nbytes <= 0:
+        raise InvalidValueError("zero-size values cannot be stored")
     if layout.kind == "bytes":
         if (
             layout.fmt not in ("binary", "BINARY")
@@ -315,7 +317,8 @@ def check_layout(layout: Layout) -> None:
             or layout.shape != (layout.nbytes,)
         ):
             raise InvalidValueError(f"layout {layout} does not describe a bytes value")
-    elif layout.kind == "numpy" and layout.dtype in NAME_TO_NUMPY:
+        return
+    if layout.kind == "numpy" and layout.dtype in NAME_TO_NUMPY:
         itemsize = NAME_TO_NUMPY[layout.dtype].itemsize
     elif layout.kind == "torch":
         itemsize = torch_dtype(layout.dtype).itemsize
@@ -323,14 +326,9 @@ def check_layout(layout: Layout) -> None:
         raise InvalidValueError(
             f"layout {layout}: no {layout.kind} dtype is called {layout.dtype!r}"
         )
-    if layout.kind != "bytes":
-        _check_format(layout.fmt, layout.shape)
-        if any(d < 0 for d in layout.shape) or layout.nbytes != itemsize * math.prod(layout.shape):
-            raise InvalidValueError(
-                f"layout {layout}: {layout.nbytes} bytes is not its shape's size"
-            )
-    if layout.nbytes <= 0:
-        raise InvalidValueError("zero-size values cannot be stored")
+    _check_format(layout.fmt, layout.shape)
+    if any(d < 0 for d in layout.shape) or layout.nbytes != itemsize * math.prod(layout.shape):
+        raise InvalidValueError(f"layout {layout}: {layout.nbytes} bytes is not its shape's size")
 
 
 def checksum(data: memoryview | np.ndarray | bytes) -> int:

@@ -77,7 +77,7 @@ class ReadActivity:
                 self._in_flight -= 1
                 self._landing -= landing
                 self._last_end = time.monotonic()
-                if not self._in_flight or not self.reads_in_flight:
+                if not self.reads_in_flight:  # none in flight at all among them
                     self._quiet.notify_all()
 
     @property

@@ -22,12 +22,15 @@ from tests.kv.kv_helpers import MODEL, disk_tier, key
 MiB = 1 << 20
 
 
-def hold_a_read(reads: ReadActivity) -> tuple[threading.Event, threading.Event, threading.Thread]:
-    """A read in flight on another thread until ``leave`` is set: (entered, leave, thread)."""
+def hold_a_read(
+    reads: ReadActivity, landing: bool = False
+) -> tuple[threading.Event, threading.Event, threading.Thread]:
+    """A read (``landing``: a put landing) in flight on another thread until ``leave`` is
+    set: (entered, leave, thread)."""
     entered, leave = threading.Event(), threading.Event()
 
     def reader() -> None:
-        with reads.reading():
+        with reads.landing() if landing else reads.reading():
             entered.set()
             leave.wait(10)
 
@@ -156,14 +159,8 @@ def test_a_batch_read_beside_without_pause_is_still_written(
 
 def _held(reads: ReadActivity, mark: str, seconds: float) -> threading.Thread:
     """A thread holding a read (or a put landing) in flight for ``seconds``."""
-
-    def hold() -> None:
-        with reads.reading() if mark == "read" else reads.landing():
-            time.sleep(seconds)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    time.sleep(0.05)
+    _entered, leave, thread = hold_a_read(reads, landing=mark == "landing")
+    threading.Timer(seconds, leave.set).start()
     return thread
 
 

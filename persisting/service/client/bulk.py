@@ -28,8 +28,9 @@ import asyncio
 import itertools
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from persisting.errors import (
     CapacityError,
@@ -44,6 +45,8 @@ from persisting.service.bulk.loop_stream import LoopSealedStream, LoopStream
 from persisting.service.bulk.stream import ConnectionLost, tune
 from persisting.service.client.destination import Destination
 from persisting.shm import RecycledBuffers
+
+T = TypeVar("T")
 
 
 class Unreachable(Exception):
@@ -187,7 +190,7 @@ class BulkLink:
         for stream in idle:
             stream.close()
 
-    async def _request(self, work: Any) -> Any:
+    async def _request(self, work: Callable[[LoopStream], Awaitable[T]]) -> T:
         """Run ``work(stream)`` on one connection: given back when the request ended in
         step (a value, or an error the server answered), else closed."""
         stream = await self._take()
@@ -196,7 +199,7 @@ class BulkLink:
         except ConnectionLost:
             self._lose(stream, counted=True)
             raise
-        except (PersistingError, InvalidValueError):
+        except PersistingError:
             self._give_back(stream)  # the server's answer: the stream is in step
             raise
         except BaseException:  # cancelled, or a bug: the stream is out of step
@@ -220,8 +223,7 @@ class BulkLink:
         async def work(stream: LoopStream) -> list[BulkRead | None]:
             return await self._get(stream, model, keys, expect, outs, results)
 
-        reads: list[BulkRead | None] = await self._request(work)
-        return reads
+        return await self._request(work)
 
     @staticmethod
     async def _get(
@@ -287,7 +289,7 @@ class BulkLink:
             await stream.send_payloads(request, [data for _key, _layout, data, _parent in items])
             return await stream.recv_frame()
 
-        reply: dict[str, Any] = await self._request(work)
+        reply = await self._request(work)
         raise_error(reply)
         results = reply.get("results")
         if not isinstance(results, list) or len(results) != len(items):
