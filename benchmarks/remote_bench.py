@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
 import struct
@@ -392,91 +393,94 @@ def _run_network(args: argparse.Namespace, network: str) -> dict[str, Any]:
         server_host, client_host = hosts.server_ip, hosts.client_ip
     procs: list[subprocess.Popen[str]] = []
     nbytes = args.chunk_mib * MiB
+    # Not a TemporaryDirectory: the servers must be stopped before their root is removed
+    # (a live server still writes its metadata there).
+    tmp = tempfile.mkdtemp(prefix="persisting-remote-bench-")
     try:
-        with tempfile.TemporaryDirectory(prefix="persisting-remote-bench-") as tmp:
-            # fresh namespaces have every port free; on loopback, ask for free ones
-            ports = [18610, 18611, 18612] if hosts else [_free_port(server_host) for _ in range(3)]
-            port, socket_port, master_port = ports
-            addr = f"{server_host}:{port}"
-            memory = (args.chunks + 8) * nbytes * 2
-            server = _spawn(
-                wrap_server([sys.executable, "-m", "actors.launch"]),
-                _server_env(Path(tmp) / "root", addr, args, memory),
+        # fresh namespaces have every port free; on loopback, ask for free ones
+        ports = [18610, 18611, 18612] if hosts else [_free_port(server_host) for _ in range(3)]
+        port, socket_port, master_port = ports
+        addr = f"{server_host}:{port}"
+        memory = (args.chunks + 8) * nbytes * 2
+        server = _spawn(
+            wrap_server([sys.executable, "-m", "actors.launch"]),
+            _server_env(Path(tmp) / "root", addr, args, memory),
+        )
+        procs.append(server)
+        _wait_for(server, "data path")
+        plain = _spawn(
+            wrap_server(
+                [
+                    sys.executable,
+                    __file__,
+                    "--role",
+                    "socket-server",
+                    "--bind",
+                    f"{server_host}:{socket_port}",
+                    "--chunks",
+                    str(args.chunks),
+                    "--chunk-mib",
+                    str(args.chunk_mib),
+                ]
             )
-            procs.append(server)
-            _wait_for(server, "data path")
-            plain = _spawn(
+        )
+        procs.append(plain)
+        _ready(plain, "socket server")
+        master = f"{server_host}:{master_port}"
+        if args.mooncake_python:
+            bin_dir = Path(args.mooncake_python).parent
+            procs.append(
+                _spawn(wrap_server([str(bin_dir / "mooncake_master"), f"--port={master_port}"]))
+            )
+            time.sleep(2.0)
+            storage = _spawn(
                 wrap_server(
                     [
-                        sys.executable,
-                        __file__,
-                        "--role",
-                        "socket-server",
-                        "--bind",
-                        f"{server_host}:{socket_port}",
-                        "--chunks",
-                        str(args.chunks),
-                        "--chunk-mib",
-                        str(args.chunk_mib),
+                        args.mooncake_python,
+                        str(REPO / "benchmarks" / "mooncake_side.py"),
+                        "storage",
+                        server_host,
+                        master,
+                        str(memory),
                     ]
                 )
             )
-            procs.append(plain)
-            _ready(plain, "socket server")
-            master = f"{server_host}:{master_port}"
-            if args.mooncake_python:
-                bin_dir = Path(args.mooncake_python).parent
-                procs.append(
-                    _spawn(wrap_server([str(bin_dir / "mooncake_master"), f"--port={master_port}"]))
-                )
-                time.sleep(2.0)
-                storage = _spawn(
-                    wrap_server(
-                        [
-                            args.mooncake_python,
-                            str(REPO / "benchmarks" / "mooncake_side.py"),
-                            "storage",
-                            server_host,
-                            master,
-                            str(memory),
-                        ]
-                    )
-                )
-                procs.append(storage)
-                _ready(storage, "mooncake storage")
-            config = {
-                "server": addr,
-                "socket": f"{server_host}:{socket_port}",
-                "client_host": client_host,
-                "mooncake_master": master,
-                "mooncake_python": args.mooncake_python,
-                "chunks": args.chunks,
-                "chunk_mib": args.chunk_mib,
-                "rounds": args.rounds,
-                "batch": args.batch,
-                "settle_s": args.settle_s,
-                "sealed": args.sealed,
-            }
-            env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
-            env["PYTHONPATH"] = str(REPO)
-            out = subprocess.run(
-                wrap_client([sys.executable, __file__, "--role", "client", json.dumps(config)]),
-                env=env,
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                timeout=3600,
-            )
-            for line in out.stdout.splitlines():
-                if line.startswith("RESULT "):
-                    return dict(json.loads(line[7:]))
-            raise SystemExit(f"the client side failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+            procs.append(storage)
+            _ready(storage, "mooncake storage")
+        config = {
+            "server": addr,
+            "socket": f"{server_host}:{socket_port}",
+            "client_host": client_host,
+            "mooncake_master": master,
+            "mooncake_python": args.mooncake_python,
+            "chunks": args.chunks,
+            "chunk_mib": args.chunk_mib,
+            "rounds": args.rounds,
+            "batch": args.batch,
+            "settle_s": args.settle_s,
+            "sealed": args.sealed,
+        }
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
+        env["PYTHONPATH"] = str(REPO)
+        out = subprocess.run(
+            wrap_client([sys.executable, __file__, "--role", "client", json.dumps(config)]),
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+        for line in out.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return dict(json.loads(line[7:]))
+        raise SystemExit(f"the client side failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     finally:
         for proc in procs:
             if proc.stdin is not None:
                 proc.stdin.close()
             proc.kill()
             proc.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
         if hosts is not None:
             hosts.remove()
 
