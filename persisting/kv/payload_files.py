@@ -266,7 +266,9 @@ class PayloadFiles:
         first, in pieces, each hashed right after it is written (while still in cache: one
         pass over the caller's memory instead of two), then the header with that checksum.
         The tmp file is only published once whole, so a torn one is never visible.
-        With ``pause`` the payload is written in pieces with ``pause()`` called before each."""
+        With ``pause`` the payload is written in pieces with ``pause()`` called before each,
+        and before the fsync (which pushes the file to the disk, as costly beside reads as
+        the writes themselves)."""
         try:
             if hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
@@ -278,6 +280,8 @@ class PayloadFiles:
             else:
                 _write_all(pending.fd, [header.encode(), payload])
             if durable:
+                if pause is not None:
+                    pause()  # the fsync pushes the file to the disk: not beside reads
                 fsync_fd(pending.fd)
         except OSError as exc:
             PayloadFiles.abort(pending)

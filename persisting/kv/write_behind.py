@@ -6,9 +6,9 @@ burst of async puts costs one batch, not one fsync round per chunk.
 
 Reads and remote puts come first: before each batch the thread waits until the store has
 been quiet for a moment (no get or data-path transfer in flight or just ended), and between
-the pieces of every file it writes it stops while gets are in flight (so a batch already
-under way when reads begin stops within one piece), for at most :data:`YIELD_TO_READS_S`
-in all, and not at all once a full batch (:data:`MAX_BATCH_ITEMS`,
+the pieces of every file it writes, and before each file's fsync, it stops while gets are
+in flight (so a batch already under way when reads begin stops within one piece), for at
+most :data:`YIELD_TO_READS_S` in all, and not at all once a full batch (:data:`MAX_BATCH_ITEMS`,
 :data:`MAX_BATCH_BYTES`) has queued up or someone waits for the writes (see
 :mod:`persisting.kv.read_activity`): a burst of puts is acknowledged from memory at
 network speed and written in one batch after it, and a store written without pause still

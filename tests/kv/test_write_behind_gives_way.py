@@ -190,3 +190,56 @@ def test_a_job_that_started_behind_waits_for_reads_but_not_for_puts_landing() ->
     calm()
     assert 0.3 <= time.monotonic() - start < 3.0  # waits for a landing put as for a read
     landing.join()
+
+
+def test_a_batch_under_way_holds_its_fsync_while_a_read_is_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file's fsync pushes its pages to the disk, which slows reads beside it as much as
+    writing them: a read that begins while the file's last piece is written holds the
+    fsync back until it ends, and the value is still durable afterwards."""
+    value = torch.arange(PAUSE_PIECE // 2, dtype=torch.int16).view(torch.bfloat16)
+    value = value.reshape(2, 1, -1, 1024)  # one piece
+    synced: list[float] = []
+    read_ended: list[float] = []
+    started: list[threading.Thread] = []
+    real_write_all = payload_files_module._write_all
+    real_fsync = payload_files_module.fsync_fd
+
+    with open_kv_store(
+        tmp_path / "root", MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
+    ) as s:
+        reads = s._tiers.reads
+        started_read = threading.Event()
+
+        def read_for_a_while() -> None:
+            with reads.reading():
+                started_read.set()
+                time.sleep(0.5)
+                read_ended.append(time.monotonic())
+
+        def traced(fd: int, buffers: list[Any], offset: int | None = None) -> None:
+            if offset is not None and offset >= HEADER_BYTES and not started:
+                reader = threading.Thread(target=read_for_a_while)
+                reader.start()
+                started.append(reader)
+                assert started_read.wait(5)
+            real_write_all(fd, buffers, offset)
+
+        def timed_fsync(fd: int) -> None:
+            synced.append(time.monotonic())
+            real_fsync(fd)
+
+        monkeypatch.setattr(payload_files_module, "_write_all", traced)
+        monkeypatch.setattr(payload_files_module, "fsync_fd", timed_fsync)
+        s.put(key(5), value)
+        deadline = time.monotonic() + 10
+        while s.stats().get("pending_puts") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for reader in started:
+            reader.join()
+        assert len(started) == 1 and len(read_ended) == 1
+        assert synced and all(at >= read_ended[0] for at in synced)
+        assert disk_tier(s).entry(s._key(key(5))) is not None
+    with open_kv_store(tmp_path / "root", MODEL, memory_bytes=0, disk_bytes=64 * MiB) as s:
+        assert torch.equal(s.get(key(5)).view(torch.int16), value.view(torch.int16))
