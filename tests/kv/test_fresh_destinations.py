@@ -86,6 +86,28 @@ def test_a_split_read_into_fresh_pages_populates_them_on_the_handing_thread(
         assert s._reads._results is not None and not s._reads._results.huge_pages
 
 
+def test_a_batch_read_side_by_side_into_fresh_pages_does_not_populate_them(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads of a batch that run beside one another leave their fresh pages to fault
+    inside the reads (populating whole values on several threads at once holds the
+    memory-map lock against the rest of the process); the values are still bit-exact."""
+    values = [
+        torch.arange(3 * MiB + 4096 * i, dtype=torch.int32).view(torch.uint8).reshape(1, -1)
+        for i in range(6)
+    ]
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=256 * MiB, read_threads=4) as s:
+        for i, value in enumerate(values):
+            s.put(key(10 + i), value, fmt="binary", check_shape=False)
+        calls = trace_populate(monkeypatch)
+        got = s.batched_get([key(10 + i) for i in range(6)])  # 6 * 2 > 4 threads: side by side
+        assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
+        assert calls == []
+        alone = s.get(key(10))  # one value: populated as before
+        assert alone is not None and torch.equal(alone, values[0])
+        assert calls
+
+
 def test_a_read_on_one_thread_populates_each_piece_before_reading_it(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
