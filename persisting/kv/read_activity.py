@@ -128,16 +128,11 @@ class ReadActivity:
                 now = time.monotonic()
                 if now >= deadline or (enough is not None and enough()):
                     break
-                if reads_only:
-                    idle = now - self._last_read_end
-                    if not self.reads_in_flight and idle >= self.linger_s:
-                        break
-                    step = self.linger_s if self.reads_in_flight else self.linger_s - idle
-                else:
-                    idle = now - self._last_end
-                    if not self._in_flight and idle >= self.linger_s:
-                        break
-                    step = self.linger_s if self._in_flight else self.linger_s - idle
+                busy = self.reads_in_flight if reads_only else self._in_flight
+                idle = now - (self._last_read_end if reads_only else self._last_end)
+                if not busy and idle >= self.linger_s:
+                    break
+                step = self.linger_s if busy else self.linger_s - idle
                 self._quiet.wait(min(max(step, 0.001), deadline - now))
         waited = time.monotonic() - start
         self.yielded_s += waited
