@@ -508,6 +508,11 @@ def _report(network: str, result: dict[str, Any], args: argparse.Namespace) -> N
             versus = statistics.median(b / m for m, b in zip(theirs, base, strict=True))
             row += f" {nbytes / statistics.median(theirs) / 1e9:>6.2f} GB/s {versus:>6.2f}x"
         print(row)
+    print("per round, persisting / socket:")
+    for phase in PHASES:
+        ours, base = times["persisting"][phase], times["socket"][phase]
+        ratios = " ".join(f"{b / o:.2f}x" for o, b in zip(ours, base, strict=True))
+        print(f"  {phase:<12} {ratios}")
 
 
 def main() -> None:

@@ -203,7 +203,8 @@ def _raise(frame: dict[str, object]) -> None:
 
 
 class Relay:
-    """A TCP relay to ``port``: ``cut`` or ``stall`` a direction after ``after`` bytes."""
+    """A TCP relay to ``port``: ``cut`` or ``stall`` a direction after ``after`` bytes, or
+    ``trickle`` it from there on (small pieces, a pause between them)."""
 
     def __init__(self, port: int, direction: str, after: int, action: str):
         self.target = port
@@ -232,6 +233,13 @@ class Relay:
                 data = src.recv(65536)
                 if not data:
                     break
+                if name == self.direction and self.action == "trickle":
+                    for start in range(0, len(data), 3000):
+                        dst.sendall(data[start : start + 3000])
+                        if moved + start >= self.after:
+                            time.sleep(0.0002)
+                    moved += len(data)
+                    continue
                 if name == self.direction and moved + len(data) > self.after:
                     dst.sendall(data[: max(0, self.after - moved)])
                     self.done.set()
@@ -381,6 +389,45 @@ def test_a_member_that_stalls_mid_transfer_times_out(server: Server) -> None:
         with pytest.raises(ConnectionLost) as lost:
             asyncio.run(link.get(MODEL, [str(key(0))], None, None, None))
         assert lost.value.timed_out and time.monotonic() - start < 5
+    finally:
+        link.close()
+        relay.close()
+
+
+def test_a_client_that_stalls_mid_put_is_timed_out_by_the_server_and_holds_nothing(
+    server: Server,
+) -> None:
+    """The server waits for a payload's bytes by polling with its receive timeout (it
+    sleeps until a whole piece is queued): a client that stops sending still ends there."""
+    items = [item(15)]
+    after = HELLO.size + _put_request_bytes(items) + CHUNK // 2
+    relay = Relay(server.bulk.port, "up", after=after, action="stall")
+    link = server.link(port=relay.port, timeout_s=60.0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ConnectionLost):
+            asyncio.run(link.put(MODEL, "KV_2LTD", items))
+        assert 4.0 < time.monotonic() - start < 30  # the server's io_timeout_s is 5 s
+    finally:
+        link.close()
+        relay.close()
+    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    assert server.held() == (0, 0)
+    assert not server.store.contains(key(15))
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_payloads_that_trickle_in_arrive_whole(server: Server, direction: str) -> None:
+    """A receiver asks to be woken only once the rest of a piece is queued; it never asks
+    for more than it still expects, so bytes that come a few at a time, with pauses, and
+    the frames and checksums after them, all arrive."""
+    items = [item(16), item(17)]
+    relay = Relay(server.bulk.port, direction, after=HELLO.size, action="trickle")
+    link = server.link(port=relay.port)
+    try:
+        assert [r["stored"] for r in asyncio.run(link.put(MODEL, "KV_2LTD", items))] == [True, True]
+        got = _get(link, [str(key(16)), str(key(17))])
+        assert torch.equal(got[0], value(16)) and torch.equal(got[1], value(17))  # type: ignore[arg-type]
     finally:
         link.close()
         relay.close()

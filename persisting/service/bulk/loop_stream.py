@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from persisting.service.bulk.stream import (
     LENGTH,
     MAX_FRAME_BYTES,
     ConnectionLost,
+    LowWater,
     Records,
     lost,
     pack,
@@ -129,11 +131,35 @@ class LoopStream:
         """Receive a payload into ``view`` (the destination itself), hashing each piece as
         it completes; returns the checksum of the whole."""
         hasher = xxhash.xxh3_64()
-        for start in range(0, len(view), HASH_PIECE):
-            piece = view[start : start + HASH_PIECE]
-            await self.recv_into(piece)
-            hasher.update(piece)
+        try:
+            for start in range(0, len(view), HASH_PIECE):
+                piece = view[start : start + HASH_PIECE]
+                await self._recv_piece(piece)
+                hasher.update(piece)
+        finally:
+            self._low_water.set(1)  # frames: wake on the first byte again
         return int(hasher.intdigest())
+
+    async def _recv_piece(self, view: memoryview) -> None:
+        """Fill ``view``; when it must wait, the loop is woken once all that is missing is
+        queued (:class:`~persisting.service.bulk.stream.LowWater`), not per segment."""
+        got, size = 0, len(view)
+        while got < size:
+            try:
+                n = self.sock.recv_into(view[got:], size - got)
+            except BlockingIOError:
+                self._low_water.set(size - got)
+                await self._ready(reading=True)
+                continue
+            except OSError as exc:
+                raise lost("receive failed", exc) from exc
+            if n == 0:
+                raise ConnectionLost("the peer closed the connection")
+            got += n
+
+    @functools.cached_property
+    def _low_water(self) -> LowWater:
+        return LowWater(self.sock)
 
     async def send_payloads(self, message: dict[str, Any], payloads: Sequence[memoryview]) -> None:
         """A frame, then each payload followed by its checksum. A payload goes out in
@@ -187,6 +213,9 @@ class LoopSealedStream(LoopStream):
     async def send(self, parts: Sequence[bytes | memoryview]) -> None:
         for piece in self._records.pieces(parts):
             await super().send([self._records.seal(piece)])
+
+    async def _recv_piece(self, view: memoryview) -> None:
+        await self.recv_into(view)  # records are read whole, each announced by its length
 
     async def recv_into(self, view: memoryview) -> None:
         records = self._records

@@ -29,7 +29,9 @@ counter as nonce, the length as associated data): a record that fails its tag is
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import select
 import socket
 import struct
 from collections.abc import Iterator, Sequence
@@ -52,6 +54,7 @@ TAG_BYTES = 16
 
 LENGTH = struct.Struct("<I")
 CHECKSUM = struct.Struct("<Q")
+TIMEVAL = struct.Struct("ll")
 
 
 class ConnectionLost(Exception):
@@ -75,7 +78,7 @@ def set_timeouts(sock: socket.socket, seconds: float | None) -> None:
     sock.settimeout(None)
     whole = int(seconds or 0)
     micros = int(((seconds or 0) - whole) * 1_000_000)
-    value = struct.pack("ll", whole, micros)
+    value = TIMEVAL.pack(whole, micros)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
@@ -106,6 +109,30 @@ def unpack(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     if not isinstance(message, dict) or not is_plain(message):
         raise ConnectionLost("a frame must be a map of plain values")
     return message
+
+
+class LowWater:
+    """How many queued bytes wake a reader of a TCP socket (``SO_RCVLOWAT``).
+
+    By default the kernel wakes a waiting reader for every segment that arrives: over
+    loopback one per 64 KiB, 128 per 8 MiB value, each a wake-up paid on the sender's core
+    (the receive path runs there) and a sleep and a return on the reader's. A reader that
+    expects ``n`` more bytes of a payload sets the mark to ``n`` and is woken once. The mark
+    is only ever the number of bytes the reader still expects, so a peer that sends them all
+    always wakes it, and it goes back to 1 before a frame or a checksum is read. Measured
+    on the 2-core machine (two processes, 8 MiB values sent and received in hashed 512 KiB
+    pieces, 10 rounds of 16 each, medians): 2.78-2.99 ms per value with a wake-up per
+    segment, 2.22-2.25 ms with the mark, on two cores; 4.43-4.64 against 2.66-3.10 ms with
+    both processes on one core."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.mark = 1
+
+    def set(self, nbytes: int) -> None:
+        if nbytes != self.mark:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self.mark = nbytes
 
 
 class Stream:
@@ -178,11 +205,52 @@ class Stream:
         :data:`HASH_PIECE`, hashing each piece as it lands while the peer's next bytes are
         on their way; returns the checksum of the whole."""
         hasher = xxhash.xxh3_64()
-        for start in range(0, len(view), HASH_PIECE):
-            piece = view[start : start + HASH_PIECE]
-            self.recv_into(piece)
-            hasher.update(piece)
+        try:
+            for start in range(0, len(view), HASH_PIECE):
+                piece = view[start : start + HASH_PIECE]
+                self.recv_piece(piece)
+                hasher.update(piece)
+        finally:
+            self._low_water.set(1)  # frames and checksums: wake on the first byte again
         return int(hasher.intdigest())
+
+    def recv_piece(self, view: memoryview) -> None:
+        """Fill ``view`` waking once, when all of it is queued (:class:`LowWater`), not
+        once per segment as a blocking receive does; the socket's receive timeout bounds
+        each wait."""
+        got, size = 0, len(view)
+        timeout_ms = self._timeout_ms()
+        try:
+            while got < size:
+                self._low_water.set(size - got)
+                if not self._poller.poll(timeout_ms):
+                    raise ConnectionLost("no receive progress within the timeout", True)
+                try:
+                    n = self.sock.recv_into(view[got:], size - got, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue  # woken for something else (an error is raised on the retry)
+                if n == 0:
+                    raise ConnectionLost("the peer closed the connection")
+                got += n
+        except OSError as exc:
+            raise lost("receive failed", exc) from exc
+
+    @functools.cached_property
+    def _low_water(self) -> LowWater:
+        return LowWater(self.sock)
+
+    @functools.cached_property
+    def _poller(self) -> select.poll:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return poller
+
+    def _timeout_ms(self) -> int | None:
+        """The socket's receive timeout (:func:`set_timeouts`) in ms; None: none."""
+        raw = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, TIMEVAL.size)
+        seconds, micros = TIMEVAL.unpack(raw)
+        total = seconds * 1000 + micros // 1000
+        return total or None
 
     def send_payload(self, view: memoryview) -> int:
         """Send a payload; returns its checksum (made after it was handed to the kernel)."""
@@ -326,6 +394,9 @@ class SealedStream(Stream):
             filled += records.open(header, sealed, view[filled:])
             filled += records.take_left(view[filled:])
 
+    def recv_piece(self, view: memoryview) -> None:
+        self.recv_into(view)  # records are read whole, each announced by its length
+
     def send_file(self, fd: int, offset: int, nbytes: int) -> None:
         scratch = bytearray(min(nbytes, RECORD))
         view = memoryview(scratch)
@@ -346,6 +417,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "RECORD",
     "ConnectionLost",
+    "LowWater",
     "Records",
     "SealedStream",
     "Stream",
