@@ -145,6 +145,8 @@ class KVCacheStorageActor(pulsing.Actor):
                 self.stores[name] = KVStore.from_settings(
                     self.settings, name, shared_memory=service.shared_memory_tier
                 )
+                if service.prefault_memory:
+                    self.stores[name].prefault_memory()
         except BaseException:
             self._close_stores()
             self.claims.release()

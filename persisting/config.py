@@ -228,6 +228,10 @@ class ServiceSettings(BaseModel):
     """A same-host client's shared-memory arena (0: off)."""
     shared_memory_tier: bool = True
     """Keep the memory tier in shared memory, so same-host clients copy hits out themselves."""
+    prefault_memory: bool = True
+    """Map each served store's memory tier in at start, in the background (resident memory
+    grows to ``kv.memory_bytes`` then), so the first values put after a start do not fault
+    every page they land in (false: pages are committed and mapped as values arrive)."""
     bulk: bool = True
     """Serve the bulk data path: values of clients on other hosts move on TCP connections
     made for bytes (false: in Pulsing messages, far slower)."""

@@ -504,6 +504,7 @@ class KVStore(KVApi):
             "model": self.model,
             "durability": self.durability,
             **memory,
+            "memory_prefaulted": self._tiers.prefaulted_bytes(),
             "pending_puts": self._writes.pending,
             "writer_errors": self._writes.writer_errors,
             **disk,
@@ -540,20 +541,22 @@ class KVStore(KVApi):
         return self._closed
 
     def prefault_memory(self) -> bool:
-        """Fault the memory tier's private pages in now, on a background thread, so puts
-        copy into mapped memory instead of paying a page fault per page (see
-        :meth:`~persisting.shm.RecycledBuffers.start_prefault`).
+        """Fault the memory tier's pages in now, on a background thread, so puts copy into
+        mapped memory instead of paying a page fault per page: the private arena's (see
+        :meth:`~persisting.shm.RecycledBuffers.start_prefault`) or, for a store that
+        serves same-host readers, the shared pool's (committed and mapped,
+        :meth:`~persisting.shm.SharedPool.start_prefault`).
 
         Resident memory grows to ``memory_bytes`` at once (the arena's headroom above it
-        is faulted only if used). False (nothing done) when the tier lives in the shared
-        pool or in pinned memory (committed their own way), or there is no memory tier.
+        is faulted only if used). False (nothing done) when the tier lives in pinned
+        memory (committed its own way), or there is no memory tier.
         """
         self._check_open()
         return self._tiers.prefault_memory()
 
     def prefaulted_bytes(self, *, wait: bool = False) -> int:
-        """Bytes of the memory tier's private pages :meth:`prefault_memory` faulted in so
-        far (0 when the tier has no private pages); with ``wait``, once it finished."""
+        """Bytes of the memory tier's pages :meth:`prefault_memory` faulted in so far (0
+        when there is nothing to fault); with ``wait``, once it finished."""
         return self._tiers.prefaulted_bytes(wait=wait)
 
     def close(self) -> None:

@@ -244,24 +244,35 @@ class Tiers:
         return aligned_buffer(nbytes)
 
     def prefault_memory(self) -> bool:
-        """Start faulting the private arena's pages in (see ``KVStore.prefault_memory``);
-        False when the tier lives in the shared pool or pinned memory, or there is none."""
-        if self.arena is None or self.pool is not None or self.host.pinned:
+        """Start faulting the memory tier's pages in: the shared pool's (committed and
+        mapped) or the private arena's (see ``KVStore.prefault_memory``); False when the
+        tier lives in pinned memory, or there is none."""
+        if self.host.pinned:
+            return False
+        if self.pool is not None:
+            return self.pool.start_prefault(self.memory.capacity) is not None
+        if self.arena is None:
             return False
         return self.arena.start_prefault(self.memory.capacity) is not None
 
+    def _prefaulting(self) -> SharedPool | RecycledBuffers | None:
+        """Where a prefault of the memory tier runs: the pool when there is one."""
+        return self.pool if self.pool is not None else self.arena
+
     def prefaulted_bytes(self, *, wait: bool = False) -> int:
-        """Bytes of the private arena faulted in so far (0 without one); with ``wait``,
-        once its prefault finished."""
-        if self.arena is None:
+        """Bytes of the memory tier's pages faulted in so far (0 without a pool or an
+        arena); with ``wait``, once its prefault finished."""
+        target = self._prefaulting()
+        if target is None:
             return 0
         if wait:
-            self.arena.wait_prefault()
-        return self.arena.prefaulted
+            target.wait_prefault()
+        return target.prefaulted
 
     def stop_prefault(self) -> None:
-        if self.arena is not None:
-            self.arena.stop_prefault()
+        target = self._prefaulting()
+        if target is not None:
+            target.stop_prefault()
 
     def close(self) -> None:
         """Close the tiers' memory and files and let go of the namespace (the caller has

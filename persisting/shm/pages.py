@@ -206,6 +206,12 @@ class PageAllocator:
                 return offset, want
         return None
 
+    def commit(self, end: int) -> bool:
+        """Commit the pages below ``end`` ahead of any allocation reaching them (a
+        prefault's step); False when that failed or the allocator is closed."""
+        with self._lock:
+            return not self._closed and self._commit(end)
+
     def _commit(self, end: int) -> bool:
         if end <= self._committed or self._fd is None:
             return True
@@ -286,6 +292,67 @@ def advise_huge_pages(mapping: mmap.mmap) -> bool:
 PREFAULT_STEP = 32 << 20
 
 
+class Prefault:
+    """Faults the first bytes of a mapping in ahead of use, lowest first (where first-fit
+    allocation looks first), on a background thread, :data:`PREFAULT_STEP` bytes per
+    ``MADV_POPULATE_WRITE`` call. Populating never changes a page's contents, so it is
+    safe beside buffers in use. Before Linux 5.14 (no such advice) nothing is faulted."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        #: Bytes faulted in so far (from the start).
+        self.done = 0
+
+    def start(
+        self, address: int, nbytes: int, before_step: Callable[[int], bool] | None = None
+    ) -> threading.Thread | None:
+        """Fault ``[address, address + nbytes)`` in; ``before_step(end)`` (given) runs
+        before each step and stops the prefault by returning False (a pool commits the
+        step's pages there). Returns the thread; None if one already ran or runs."""
+        with self._lock:
+            if self._thread is not None:
+                return None
+            self._thread = threading.Thread(
+                target=self._run,
+                args=(address, nbytes, before_step),
+                name="persisting-prefault",
+                daemon=True,
+            )
+        self._thread.start()
+        return self._thread
+
+    def _run(self, address: int, nbytes: int, before_step: Callable[[int], bool] | None) -> None:
+        if not sys.platform.startswith("linux"):
+            return  # the advice's number (and meaning) is Linux's
+        madvise = _libc_function("madvise", ctypes.c_int)
+        while self.done < nbytes and not self._stop.is_set():
+            step = min(PREFAULT_STEP, nbytes - self.done)
+            if before_step is not None and not before_step(self.done + step):
+                return
+            if madvise(address + self.done, step, MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                if err != errno.EINTR:
+                    log.info(
+                        "memory prefault stopped after %d bytes: %s", self.done, os.strerror(err)
+                    )
+                    return
+                continue
+            self.done += step
+
+    def wait(self) -> None:
+        """Wait until a prefault in progress has faulted every page (or given up)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def stop(self) -> None:
+        """Stop a prefault in progress (at its next step) and wait for it."""
+        self._stop.set()
+        self.wait()
+
+
 class RecycledBuffers:
     """Page-aligned buffers whose pages stay mapped from one use to the next.
 
@@ -318,10 +385,7 @@ class RecycledBuffers:
         self._lock = threading.Lock()
         #: Whether the kernel took the huge-page advice (known once mapped).
         self.huge_pages = False
-        self._prefault: threading.Thread | None = None
-        self._stop = threading.Event()
-        #: Bytes the prefault has faulted in so far (from the start of the ranges).
-        self.prefaulted = 0
+        self._prefault = Prefault()
 
     def _mapped(self) -> PageAllocator:
         """The allocator over the mapping, made on first use (a store never written or read
@@ -350,61 +414,36 @@ class RecycledBuffers:
         return owning_array(self._map, got[0], nbytes, pages.free, *got)
 
     def start_prefault(self, nbytes: int | None = None) -> threading.Thread | None:
-        """Fault the lowest ``nbytes`` of the mapping in (all of it by default), lowest
-        first (where :meth:`take` looks first), on a background thread; returns it (None
-        if one already ran or runs).
+        """Fault the lowest ``nbytes`` of the mapping in (all of it by default) on a
+        background thread (:class:`Prefault`); returns it (None if one already ran or runs).
 
         Costs those bytes of resident memory from now on instead of as values arrive, and
         the CPU time of the faults (about 1 s per GiB in this VM, a fraction of that on
-        bare metal), spent before the first put rather than inside it. Safe beside
-        concurrent :meth:`take` users: populating never changes a page's contents. Where
-        the kernel lacks ``MADV_POPULATE_WRITE`` (before Linux 5.14) nothing is prefaulted.
+        bare metal), spent before the first put rather than inside it.
         """
         self._mapped()
-        with self._lock:
-            if self._prefault is not None:
-                return None
-            end = self.capacity if nbytes is None else min(round_to_page(nbytes), self.capacity)
-            self._prefault = threading.Thread(
-                target=self._populate, args=(end,), name="persisting-prefault", daemon=True
-            )
-        self._prefault.start()
-        return self._prefault
+        end = self.capacity if nbytes is None else min(round_to_page(nbytes), self.capacity)
+        return self._prefault.start(self._address + self._start, end)
 
-    def _populate(self, end: int) -> None:
-        if not sys.platform.startswith("linux"):
-            return  # the advice's number (and meaning) is Linux's
-        madvise = _libc_function("madvise", ctypes.c_int)
-        done = 0
-        while done < end and not self._stop.is_set():
-            step = min(PREFAULT_STEP, end - done)
-            if madvise(self._address + self._start + done, step, MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                if err != errno.EINTR:
-                    log.info("memory prefault stopped after %d bytes: %s", done, os.strerror(err))
-                    return
-                continue
-            done += step
-            self.prefaulted = done
+    @property
+    def prefaulted(self) -> int:
+        """Bytes the prefault has faulted in so far (from the start of the ranges)."""
+        return self._prefault.done
 
     def wait_prefault(self) -> None:
         """Wait until a prefault in progress has faulted every page (or given up)."""
-        thread = self._prefault
-        if thread is not None:
-            thread.join()
+        self._prefault.wait()
 
     def stop_prefault(self) -> None:
         """Stop a prefault in progress (at its next step) and wait for it."""
-        self._stop.set()
-        thread = self._prefault
-        if thread is not None:
-            thread.join()
+        self._prefault.stop()
 
 
 __all__ = [
     "HUGE_PAGE",
     "PAGE",
     "PageAllocator",
+    "Prefault",
     "RecycledBuffers",
     "advise_huge_pages",
     "aligned_buffer",

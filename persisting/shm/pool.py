@@ -25,6 +25,7 @@ import mmap
 import os
 import platform
 import struct
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from persisting.shm.files import (
 from persisting.shm.pages import (
     PAGE,
     PageAllocator,
+    Prefault,
     copy_bytes,
     loaded_torch,
     owning_array,
@@ -88,6 +90,7 @@ class SharedPool:
         self._gens = np.frombuffer(self._map, _GENERATION, count=data_pages, offset=gen_offset)
         self._address = np.frombuffer(self._map, np.uint8, count=1).ctypes.data
         self._pages = PageAllocator(fd, data_offset, self.size)
+        self._prefault = Prefault()
         # Removes the file at interpreter exit too, should the owner never call close().
         self._unlinker = weakref.finalize(self, unlink_quietly, self.path)
 
@@ -98,6 +101,30 @@ class SharedPool:
             return None
         offset, capacity = got
         return owning_array(self._map, offset, nbytes, self._release, offset, capacity)
+
+    def start_prefault(self, nbytes: int) -> threading.Thread | None:
+        """Commit and map the lowest ``nbytes`` of the data area on a background thread
+        (:class:`~persisting.shm.pages.Prefault`), so the first values put there land in
+        mapped pages: committed but unmapped, each 4 KiB page of a fresh 8 MiB put faulted
+        on the way in (2,048 faults, 1-2 us each in this VM), where populating maps them
+        at about 1 us per page ahead of time. Returns the thread (None if one already ran)."""
+        end = min(round_to_page(nbytes), self.size - self.data_offset)
+        return self._prefault.start(
+            self._address + self.data_offset,
+            end,
+            lambda reached: self._pages.commit(self.data_offset + reached),
+        )
+
+    @property
+    def prefaulted(self) -> int:
+        """Bytes of the data area the prefault has committed and mapped so far."""
+        return self._prefault.done
+
+    def wait_prefault(self) -> None:
+        self._prefault.wait()
+
+    def stop_prefault(self) -> None:
+        self._prefault.stop()
 
     def _release(self, offset: int, capacity: int) -> None:
         first = (offset - self.data_offset) // PAGE
@@ -125,6 +152,7 @@ class SharedPool:
 
     def close(self) -> None:
         """Remove the file and stop allocating; the mapping lives on while buffers do."""
+        self._prefault.stop()
         self._pages.close()
         self._unlinker()
         with contextlib.suppress(OSError):

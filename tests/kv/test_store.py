@@ -376,3 +376,16 @@ def test_prefault_memory_faults_the_private_tier_in_and_keeps_values(root: Path)
         assert torch.equal(store.get(key(1)), tensor(1))
     with open_store(root, memory_bytes=0) as store:
         assert not store.prefault_memory()  # no memory tier, nothing to fault in
+
+
+def test_prefault_memory_maps_a_shared_pool_tier_in(root: Path) -> None:
+    """A store serving same-host readers keeps its memory tier in the shared pool: its
+    prefault commits and maps the pool's pages (the service does this at start)."""
+    with open_store(root, memory_bytes=8 * MiB, pinned_memory="off", shared_memory=True) as store:
+        assert store.shared_pool is not None
+        store.put(key(0), tensor(0))
+        assert store.prefault_memory()
+        assert store.prefaulted_bytes(wait=True) == 8 * MiB
+        store.put(key(1), tensor(1))
+        assert torch.equal(store.get(key(0)), tensor(0))
+        assert torch.equal(store.get(key(1)), tensor(1))

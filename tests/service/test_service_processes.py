@@ -55,6 +55,20 @@ def actor_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"127.0.0.1:{port}"
 
 
+def test_a_served_store_maps_its_memory_tier_in_at_start(actor_server: str) -> None:
+    """``service.prefault_memory`` (on by default): the first values put after a start land
+    in mapped pages, not in pages each faulted on the way in."""
+    deadline = time.monotonic() + 60
+    while True:
+        task = {"seeds": [actor_server], "start": 0, "stop": 0}
+        store = run_client("present_keys", task)["store"]
+        done = store["memory_prefaulted"] == store["memory_capacity"]
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert store["memory_prefaulted"] == store["memory_capacity"] > 0
+
+
 @pytest.mark.slow
 def test_a_client_process_round_trips_bit_exact_through_a_pulsing_actor_server(
     actor_server: str,

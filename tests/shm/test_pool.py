@@ -21,6 +21,7 @@ from persisting.shm import (
     SharedPool,
     SharedPoolReader,
     open_shm_file,
+    pages_resident,
     remove_orphaned_files,
 )
 
@@ -245,3 +246,32 @@ def test_store_gets_come_from_recycled_pages_and_fall_back_when_they_run_out(
         tmp_path, MODEL, memory_bytes=8 * nbytes, disk_bytes=64 * nbytes, result_buffer_bytes=0
     ) as store:
         assert torch.equal(store.get(_key(1)), _value(1))
+
+
+def test_a_pool_prefault_commits_and_maps_the_lowest_pages_and_keeps_values() -> None:
+    """The served memory tier's pages, mapped ahead: values already in the pool are
+    untouched, later ones land in the prefaulted range, and close stops the thread."""
+    pool = SharedPool(8 << 20)
+    try:
+        first = pool.allocate(1 << 20)
+        assert first is not None
+        first[:] = 7
+        thread = pool.start_prefault(6 << 20)
+        assert thread is not None and pool.start_prefault(6 << 20) is None  # once per pool
+        pool.wait_prefault()
+        assert pool.prefaulted == 6 << 20
+        later = pool.allocate(2 << 20)
+        assert later is not None and pages_resident(later)  # mapped before it was written
+        later[:] = 9
+        assert (first == 7).all() and (later == 9).all()
+    finally:
+        pool.close()
+    assert not thread.is_alive()
+
+
+def test_closing_a_pool_stops_its_prefault() -> None:
+    pool = SharedPool(256 << 20)
+    thread = pool.start_prefault(256 << 20)
+    assert thread is not None
+    pool.close()  # stops at the next step and waits for it
+    assert not thread.is_alive() and pool.prefaulted <= 256 << 20
