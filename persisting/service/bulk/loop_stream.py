@@ -31,7 +31,6 @@ from typing import Any
 
 import xxhash
 
-from persisting.service.bulk.hashing import BESIDE_MIN_BYTES, checksum_beside, result
 from persisting.service.bulk.stream import (
     CHECKSUM,
     HASH_PIECE,
@@ -163,42 +162,26 @@ class LoopStream:
         return LowWater(self.sock)
 
     async def send_payloads(self, message: dict[str, Any], payloads: Sequence[memoryview]) -> None:
-        """A frame, then each payload followed by its checksum, the last piece of a payload
-        and its checksum in one call (one wake-up of the peer fewer). A payload of at least
-        :data:`~persisting.service.bulk.hashing.BESIDE_MIN_BYTES` is hashed on a helper
-        thread while the loop sends it (:mod:`~persisting.service.bulk.hashing`); a
-        smaller one here, in :data:`~persisting.service.bulk.stream.HASH_PIECE` pieces,
-        each after it was handed to the kernel. Either way the receiver compares what
-        landed with what was hashed, so bytes that changed on the way fail the comparison
-        and are never stored."""
+        """A frame, then each payload followed by its checksum. A payload goes out in
+        :data:`~persisting.service.bulk.stream.HASH_PIECE` pieces, each hashed after it was
+        handed to the kernel (while the peer takes it in) but the last, which is hashed
+        first and leaves with the checksum in one call (one wake-up of the peer fewer).
+        Either way the receiver compares what landed with what was hashed, so bytes that
+        changed on the way fail the comparison and are never stored."""
         lead = pack(message)
-        views = [memoryview(payload).cast("B") for payload in payloads]
-        beside = [
-            checksum_beside(view) if len(view) >= BESIDE_MIN_BYTES else None for view in views
-        ]
-        try:
-            for view, made in zip(views, beside, strict=True):
-                hasher = xxhash.xxh3_64() if made is None else None
-                last = max(0, len(view) - 1) // HASH_PIECE * HASH_PIECE
-                for start in range(0, last, HASH_PIECE):
-                    piece = view[start : start + HASH_PIECE]
-                    await self.send([lead, piece])
-                    if hasher is not None:
-                        hasher.update(piece)
-                    lead = b""
-                tail = view[last:]
-                if hasher is not None:
-                    hasher.update(tail)
-                    digest = hasher.intdigest()
-                else:
-                    assert made is not None
-                    digest = await result(made)
-                await self.send([lead, tail, CHECKSUM.pack(digest)])
+        for payload in payloads:
+            view = memoryview(payload).cast("B")
+            hasher = xxhash.xxh3_64()
+            last = max(0, len(view) - 1) // HASH_PIECE * HASH_PIECE
+            for start in range(0, last, HASH_PIECE):
+                piece = view[start : start + HASH_PIECE]
+                await self.send([lead, piece])
+                hasher.update(piece)
                 lead = b""
-        finally:
-            for made in beside:  # a cancelled put: hashes not yet started are dropped
-                if made is not None:
-                    made.cancel()
+            tail = view[last:]
+            hasher.update(tail)
+            await self.send([lead, tail, CHECKSUM.pack(hasher.intdigest())])
+            lead = b""
         if lead:  # no payloads: the frame alone
             await self.send([lead])
 
