@@ -353,7 +353,26 @@ class Prefault:
         self.wait()
 
 
-class RecycledBuffers:
+class PrefaultedMemory:
+    """What a mapping with a :class:`Prefault` tells and offers about it."""
+
+    _prefault: Prefault
+
+    @property
+    def prefaulted(self) -> int:
+        """Bytes the prefault has faulted in so far (from the start of the ranges)."""
+        return self._prefault.done
+
+    def wait_prefault(self) -> None:
+        """Wait until a prefault in progress has faulted every page (or given up)."""
+        self._prefault.wait()
+
+    def stop_prefault(self) -> None:
+        """Stop a prefault in progress (at its next step) and wait for it."""
+        self._prefault.stop()
+
+
+class RecycledBuffers(PrefaultedMemory):
     """Page-aligned buffers whose pages stay mapped from one use to the next.
 
     A fresh multi-MiB array costs a page fault (and the kernel zeroing the page) per page
@@ -425,25 +444,13 @@ class RecycledBuffers:
         end = self.capacity if nbytes is None else min(round_to_page(nbytes), self.capacity)
         return self._prefault.start(self._address + self._start, end)
 
-    @property
-    def prefaulted(self) -> int:
-        """Bytes the prefault has faulted in so far (from the start of the ranges)."""
-        return self._prefault.done
-
-    def wait_prefault(self) -> None:
-        """Wait until a prefault in progress has faulted every page (or given up)."""
-        self._prefault.wait()
-
-    def stop_prefault(self) -> None:
-        """Stop a prefault in progress (at its next step) and wait for it."""
-        self._prefault.stop()
-
 
 __all__ = [
     "HUGE_PAGE",
     "PAGE",
     "PageAllocator",
     "Prefault",
+    "PrefaultedMemory",
     "RecycledBuffers",
     "advise_huge_pages",
     "aligned_buffer",

@@ -44,6 +44,7 @@ from persisting.shm.pages import (
     PAGE,
     PageAllocator,
     Prefault,
+    PrefaultedMemory,
     copy_bytes,
     loaded_torch,
     owning_array,
@@ -63,7 +64,7 @@ def seqlock_safe() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-class SharedPool:
+class SharedPool(PrefaultedMemory):
     """The serving side: memory-tier buffers carved out of one shared-memory file.
 
     :meth:`allocate` returns a uint8 array that owns its range: when the array and every
@@ -114,17 +115,6 @@ class SharedPool:
             end,
             lambda reached: self._pages.commit(self.data_offset + reached),
         )
-
-    @property
-    def prefaulted(self) -> int:
-        """Bytes of the data area the prefault has committed and mapped so far."""
-        return self._prefault.done
-
-    def wait_prefault(self) -> None:
-        self._prefault.wait()
-
-    def stop_prefault(self) -> None:
-        self._prefault.stop()
 
     def _release(self, offset: int, capacity: int) -> None:
         first = (offset - self.data_offset) // PAGE

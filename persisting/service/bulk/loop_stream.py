@@ -99,11 +99,18 @@ class LoopStream:
 
     async def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` from the connection (all of it, or ConnectionLost)."""
+        await self._fill(view, whole=False)
+
+    async def _fill(self, view: memoryview, *, whole: bool) -> None:
+        """Fill ``view``; with ``whole``, a wait ends once all that is missing is queued
+        (:class:`~persisting.service.bulk.stream.LowWater`), not at the next segment."""
         got, size = 0, len(view)
         while got < size:
             try:
                 n = self.sock.recv_into(view[got:], size - got)
             except BlockingIOError:
+                if whole:
+                    self._low_water.set(size - got)
                 await self._ready(reading=True)
                 continue
             except OSError as exc:
@@ -141,21 +148,7 @@ class LoopStream:
         return int(hasher.intdigest())
 
     async def _recv_piece(self, view: memoryview) -> None:
-        """Fill ``view``; when it must wait, the loop is woken once all that is missing is
-        queued (:class:`~persisting.service.bulk.stream.LowWater`), not per segment."""
-        got, size = 0, len(view)
-        while got < size:
-            try:
-                n = self.sock.recv_into(view[got:], size - got)
-            except BlockingIOError:
-                self._low_water.set(size - got)
-                await self._ready(reading=True)
-                continue
-            except OSError as exc:
-                raise lost("receive failed", exc) from exc
-            if n == 0:
-                raise ConnectionLost("the peer closed the connection")
-            got += n
+        await self._fill(view, whole=True)
 
     @functools.cached_property
     def _low_water(self) -> LowWater:
