@@ -15,7 +15,9 @@ piece as it lands while the peer's next bytes arrive (streaming xxh3: the same c
 as one hash of the whole). Measured per 8 MiB over loopback on the quiet 2-core machine,
 15 interleaved rounds of 16: one receive then one hash ran at 0.86-0.89x of a plain
 receive, 512 KiB pieces at 0.96-0.98x, 256 KiB 0.96x, 1 MiB 0.93x, 2 MiB 0.88x. (Under load,
-1 MiB pieces had measured slower than one receive; that was the load.) A server sends a
+1 MiB pieces had measured slower than one receive; that was the load.) A receiver
+waits for a piece with the socket's low-water mark at the bytes still missing, so it is
+woken once per piece rather than once per segment (:class:`LowWater`). A server sends a
 memory-tier value from the tier's own buffer (``sendmsg`` with the frame before it, one
 call) and a value on disk with ``os.sendfile`` from its payload file; a sender of
 payloads with checksums (:meth:`Stream.send_payloads`) hashes each after it went out.
