@@ -247,13 +247,8 @@ class Tiers:
         """Start faulting the memory tier's pages in: the shared pool's (committed and
         mapped) or the private arena's (see ``KVStore.prefault_memory``); False when the
         tier lives in pinned memory, or there is none."""
-        if self.host.pinned:
-            return False
-        if self.pool is not None:
-            return self.pool.start_prefault(self.memory.capacity) is not None
-        if self.arena is None:
-            return False
-        return self.arena.start_prefault(self.memory.capacity) is not None
+        target = None if self.host.pinned else self._prefaulting()
+        return target is not None and target.start_prefault(self.memory.capacity) is not None
 
     def _prefaulting(self) -> SharedPool | RecycledBuffers | None:
         """Where a prefault of the memory tier runs: the pool when there is one."""
