@@ -281,40 +281,34 @@ def test_a_lone_large_value_is_read_in_parts_at_once(
         assert not s.contains(key(0))
 
 
-def test_large_values_of_a_batch_are_each_read_in_parts_by_a_few_runners(
+def test_large_values_of_a_batch_are_each_read_whole_by_one_reader_thread(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch of several large values: each is read by one of two runner threads as
-    parts on the reader threads (bit-exact; a damaged one is still a counted miss)."""
+    """A batch of several large values: each is read by one reader thread in one
+    positioned read of the whole value, so several stream at once (bit-exact; a damaged
+    one is still a counted miss)."""
     from persisting.kv import range_reads
 
     real = range_reads._pread_exact
-    part_threads: list[str] = []
+    reads: list[tuple[str, int]] = []
+    together = threading.Barrier(2, timeout=30)  # the first two reads wait for each other
 
-    def traced(fd: int, path: object, out: memoryview, offset: int) -> None:
-        part_threads.append(threading.current_thread().name)
-        real(fd, path, out, offset)  # type: ignore[arg-type]
+    def traced(fd: int, path: object, out: memoryview, offset: int, *args: bool) -> object:
+        reads.append((threading.current_thread().name, len(out)))
+        if len(reads) <= 2:
+            together.wait()
+        return real(fd, path, out, offset, *args)  # type: ignore[arg-type]
 
     values = [torch.full((1, 2 * MiB + 4096 * i), i, dtype=torch.uint8) for i in range(5)]
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB, read_threads=4) as s:
         keys = [key(i) for i in range(5)]
         s.batched_put(keys, values, fmt="binary", check_shape=False)
         flip_payload_byte(payload_path(s, key(3)))
-        value_threads: set[str] = set()
-        s.op_stats.listeners.append(
-            lambda op, tier, *_a: (
-                value_threads.add(threading.current_thread().name)
-                if (op, tier) == ("get", "disk")
-                else None
-            )
-        )
         monkeypatch.setattr(range_reads, "_pread_exact", traced)
         got = s.batched_get(keys)
         assert got[3] is None
         assert all(torch.equal(got[i], values[i]) for i in (0, 1, 2, 4))
-        assert len(part_threads) == 2 * 5  # two parts per value (4 threads / 2 runners)
-        assert all(t.startswith("persisting-kv-read_") for t in part_threads)
-        assert value_threads and all(
-            t.startswith("persisting-kv-read-value") for t in value_threads
-        )
+        assert sorted(size for _t, size in reads) == sorted(v.numel() for v in values)
+        assert all(name.startswith("persisting-kv-read_") for name, _s in reads)
+        assert len({name for name, _s in reads}) > 1  # the barrier passed: two at once
         assert s.stats()["corruptions"] == 1
