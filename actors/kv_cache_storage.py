@@ -295,6 +295,7 @@ class KVCacheStorageActor(pulsing.Actor):
             sealed=service.bulk_sealed,
             io_timeout_s=service.request_timeout_s,
             max_connections=service.bulk_connections,
+            poll_s=service.bulk_poll_us / 1e6,
             record_placements=lambda store, model, items, replies: handler.puts.record_placements(
                 store, model, items, replies, False
             ),

@@ -32,7 +32,7 @@ the namespaces are made and removed by the run); ``both`` runs one after the oth
 
     .venv/bin/python benchmarks/remote_bench.py [--chunks 16] [--chunk-mib 8] [--rounds 5]
         [--batch 8] [--durability async] [--sealed] [--network loopback|veth|both]
-        [--mooncake-python /path/to/venv/bin/python] [--settle-s 1]
+        [--mooncake-python /path/to/venv/bin/python] [--settle-s 1] [--bulk-poll-us N]
 """
 
 from __future__ import annotations
@@ -365,6 +365,8 @@ def _server_env(root: Path, addr: str, args: argparse.Namespace, memory: int) ->
         PERSISTING_SERVICE__BULK_SEALED="true" if args.sealed else "false",
         PERSISTING_SERVICE__REQUEST_TIMEOUT_S="60",
     )
+    if args.bulk_poll_us is not None:
+        env["PERSISTING_SERVICE__BULK_POLL_US"] = str(args.bulk_poll_us)
     return env
 
 
@@ -491,7 +493,9 @@ def _report(network: str, result: dict[str, Any], args: argparse.Namespace) -> N
     print(
         f"\n{network}: {args.chunks} chunks of {args.chunk_mib} MiB per phase, {args.rounds} "
         f"rounds, batch {args.batch}, durability {args.durability}, "
-        f"{'sealed' if args.sealed else 'plain'} data path; wrong values: {result['wrong']}"
+        f"{'sealed' if args.sealed else 'plain'} data path, bulk_poll_us "
+        f"{'default' if args.bulk_poll_us is None else args.bulk_poll_us}; "
+        f"wrong values: {result['wrong']}"
     )
     print(
         f"{'phase':<12} {'persisting':>11} {'socket':>9} {'ratio':>7} {'mooncake':>9} {'ratio':>7}"
@@ -529,6 +533,11 @@ def main() -> None:
     parser.add_argument("--network", default="loopback", choices=["loopback", "veth", "both"])
     parser.add_argument("--mooncake-python", help="Python of a venv with Mooncake installed")
     parser.add_argument("--settle-s", type=float, default=1.0)
+    parser.add_argument(
+        "--bulk-poll-us",
+        type=int,
+        help="the server's service.bulk_poll_us (default: the setting's default)",
+    )
     args = parser.parse_args()
     if args.role == "socket-server":
         socket_server(args.bind, args.chunk_mib * MiB, args.chunks)

@@ -245,6 +245,13 @@ class ServiceSettings(BaseModel):
     secret). A server that seals refuses plain connections; a client that seals asks for it."""
     bulk_connections: int = Field(default=256, gt=0)
     """Data connections one server holds at most (every client's together)."""
+    bulk_poll_us: int = Field(default=500, ge=0, le=100_000)
+    """How long a server's data-connection thread polls for bytes before it sleeps, in
+    microseconds (0: sleep at once): for each piece of a value it receives, and for the
+    next request after one that moved at least 1 MiB. A thread still polling needs no
+    wake-up and stays on its core; one woken by the client's send is often run on the
+    client's core, and the two then take turns on it. Costs at most this much CPU per wait
+    (docs/service.md has the measurement)."""
     network_bytes_per_s: Bytes | None = Field(default=None, gt=0)
     """What a client assumes it reads from a server on another host (bytes/s) until it has
     measured it (a load-or-recompute plan prices remote hits with it; unset: a path never

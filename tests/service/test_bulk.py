@@ -80,10 +80,12 @@ class Server:
         return sessions.lease_count, sessions.staged_bytes
 
 
-def _server(root: Path, memory_bytes: int, sealed: bool = False) -> Iterator[Server]:
+def _server(
+    root: Path, memory_bytes: int, sealed: bool = False, poll_s: float = 0.0
+) -> Iterator[Server]:
     store = open_kv_store(root, MODEL, memory_bytes=memory_bytes, disk_bytes=256 << 20)
     handler = StorageHandler({MODEL: store}, lease_ttl_s=5.0)
-    bulk = BulkServer(handler.state, "127.0.0.1", 0, sealed=sealed, io_timeout_s=5.0)
+    bulk = BulkServer(handler.state, "127.0.0.1", 0, sealed=sealed, io_timeout_s=5.0, poll_s=poll_s)
     handler.bulk = bulk.start()
     try:
         yield Server(store, handler, bulk)
@@ -101,6 +103,12 @@ def server(tmp_path: Path) -> Iterator[Server]:
 @pytest.fixture
 def disk_server(tmp_path: Path) -> Iterator[Server]:
     yield from _server(tmp_path / "disk", 0)
+
+
+@pytest.fixture(params=[0.0, 0.05], ids=["sleeping", "polling"])
+def either_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """A server whose connection threads sleep at once, and one that polls first."""
+    yield from _server(tmp_path / "mem", 64 << 20, poll_s=request.param)
 
 
 def _get(link: BulkLink, keys: list[str], **kw: object) -> list[object]:
@@ -395,10 +403,12 @@ def test_a_member_that_stalls_mid_transfer_times_out(server: Server) -> None:
 
 
 def test_a_client_that_stalls_mid_put_is_timed_out_by_the_server_and_holds_nothing(
-    server: Server,
+    either_server: Server,
 ) -> None:
     """The server waits for a payload's bytes by polling with its receive timeout (it
-    sleeps until a whole piece is queued): a client that stops sending still ends there."""
+    sleeps until a whole piece is queued; a polling server polls for a while first): a
+    client that stops sending still ends there."""
+    server = either_server
     items = [item(15)]
     after = HELLO.size + _put_request_bytes(items) + CHUNK // 2
     relay = Relay(server.bulk.port, "up", after=after, action="stall")
@@ -417,10 +427,12 @@ def test_a_client_that_stalls_mid_put_is_timed_out_by_the_server_and_holds_nothi
 
 
 @pytest.mark.parametrize("direction", ["up", "down"])
-def test_payloads_that_trickle_in_arrive_whole(server: Server, direction: str) -> None:
+def test_payloads_that_trickle_in_arrive_whole(either_server: Server, direction: str) -> None:
     """A receiver asks to be woken only once the rest of a piece is queued; it never asks
     for more than it still expects, so bytes that come a few at a time, with pauses, and
-    the frames and checksums after them, all arrive."""
+    the frames and checksums after them, all arrive (a polling server's polls end before
+    the pauses do, and it sleeps for the rest)."""
+    server = either_server
     items = [item(16), item(17)]
     relay = Relay(server.bulk.port, direction, after=HELLO.size, action="trickle")
     link = server.link(port=relay.port)
@@ -431,6 +443,33 @@ def test_payloads_that_trickle_in_arrive_whole(server: Server, direction: str) -
     finally:
         link.close()
         relay.close()
+
+
+def test_a_polling_server_takes_back_to_back_transfers_without_sleeping(tmp_path: Path) -> None:
+    """With ``poll_s``, a connection's thread polls for a payload's pieces and, after a bulk
+    transfer, for the next request, before it sleeps: values stay bit-exact, and the
+    server counts which waits polling ended. After small requests it sleeps at once."""
+    for srv in _server(tmp_path / "poll", 64 << 20, poll_s=0.5):
+        link = srv.link()
+        try:
+            for i in range(40, 44):  # puts one after another, as an engine stores a prefix
+                asyncio.run(link.put(MODEL, "KV_2LTD", [item(i)]))
+            got = _get(link, [str(key(i)) for i in range(40, 44)])
+            assert all(torch.equal(g, value(i)) for g, i in zip(got, range(40, 44), strict=True))  # type: ignore[arg-type]
+            # (a request's waits are counted when the next request comes)
+            figures = srv.bulk.stats()
+            # the 512 KiB pieces of 4 values of 2 MiB came while the thread polled for them
+            # (a wait that outlasts the poll, as the client's asyncio.run between requests
+            # may, is counted as slept)
+            assert figures["waits_polled"] >= 4 * CHUNK // (512 << 10)
+            before = figures["waits_polled"] + figures["waits_slept"]
+            for _ in range(3):  # misses move no payload: no poll after them
+                assert _get(link, [str(key(99))]) == [None]
+            after = srv.bulk.stats()
+            # one more: the wait after the bulk get; none after the misses
+            assert after["waits_polled"] + after["waits_slept"] == before + 1
+        finally:
+            link.close()
 
 
 def test_a_get_cancelled_mid_transfer_closes_its_connection_and_writes_no_more(

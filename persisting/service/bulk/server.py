@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -73,6 +72,10 @@ MAX_PENDING = 64
 MAX_PER_SESSION = 16
 #: Items in one put request.
 MAX_PUT_ITEMS = 1024
+#: A connection's thread polls for the next request (``service.bulk_poll_us``) only after
+#: a request that moved at least this much: bulk transfers come back to back, and a poll
+#: after each small request would cost more CPU than it saves.
+POLL_AFTER_BYTES = 1 << 20
 
 #: Records where a put's values were placed (the placement feed of same-host readers).
 RecordPlacements = Callable[[KVStore, str, list[Mapping[str, Any]], list[dict[str, Any]]], None]
@@ -103,6 +106,7 @@ class BulkServer:
         sealed: bool = False,
         io_timeout_s: float = 30.0,
         max_connections: int = 256,
+        poll_s: float = 0.0,
         record_placements: RecordPlacements | None = None,
     ):
         self.state = state
@@ -111,6 +115,7 @@ class BulkServer:
         self.sealed = sealed
         self.io_timeout_s = io_timeout_s
         self.max_connections = max_connections
+        self.poll_s = poll_s
         self._record_placements = record_placements
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -189,6 +194,7 @@ class BulkServer:
         except Exception:  # a bug: log it, drop the connection, keep serving others
             logger.exception("bulk data connection failed")
         finally:
+            self._count_waits(stream)
             self._unregister(stream, session)
             stream.close()
 
@@ -209,7 +215,7 @@ class BulkServer:
         if session is None or proof is None or (self.sealed and mode != SEALED):
             self._count("refused_credential")
             return None
-        stream: Stream = Stream(conn)
+        stream: Stream = Stream(conn, self.poll_s)
         admitted = self._register(stream, session)
         answer, server_nonce = welcome(session.credential.secret, proof, OK if admitted else BUSY)
         if not admitted:
@@ -228,7 +234,7 @@ class BulkServer:
             to_server, to_client = stream_keys(
                 session.credential.secret, proof.client_mac, server_nonce
             )
-            sealed = SealedStream(conn, send_key=to_client, recv_key=to_server)
+            sealed = SealedStream(conn, send_key=to_client, recv_key=to_server, poll_s=self.poll_s)
             self._unregister(stream, session)
             if not self._register(sealed, session):
                 return None
@@ -263,20 +269,23 @@ class BulkServer:
     # -- requests -----------------------------------------------------------------------
 
     def _serve(self, stream: Stream, session: Session) -> None:
-        poller = select.poll()
-        poller.register(stream.sock, select.POLLIN)
         scratch = memoryview(bytearray(1 << 20))
+        moved = 0  # payload bytes of the last request
         while not self._closed:
-            poller.poll()  # idle between requests: until one comes or the session ends
+            # idle between requests, until one comes or the end; polling first only after
+            # a bulk transfer, where the next request most likely follows at once
+            stream.wait_request(poll=moved >= POLL_AFTER_BYTES)
+            moved = 0
             request = stream.recv_frame()
+            self._count_waits(stream)  # those of the last request, and of the wait for this
             op = request.get("op")
             try:
                 with self.state.lock:
                     self.state.sessions.touch(session.sid)
                 if op == "get":
-                    self._get(stream, session, request)
+                    moved = self._get(stream, session, request)
                 elif op == "put":
-                    self._put(stream, session, request, scratch)
+                    moved = self._put(stream, session, request, scratch)
                 else:
                     raise ProtocolError(f"unknown data-path operation {op!r}")
             except PersistingError as exc:
@@ -285,7 +294,15 @@ class BulkServer:
                 if isinstance(exc, ProtocolError) and op not in ("get", "put"):
                     return
 
-    def _get(self, stream: Stream, session: Session, request: dict[str, Any]) -> None:
+    def _count_waits(self, stream: Stream) -> None:
+        """Add the connection's waits for bytes since the last call to the server's figures."""
+        polled, slept, stream.polled, stream.slept = stream.polled, stream.slept, 0, 0
+        with self._lock:
+            self.figures["waits_polled"] = self.figures.get("waits_polled", 0) + polled
+            self.figures["waits_slept"] = self.figures.get("waits_slept", 0) + slept
+
+    def _get(self, stream: Stream, session: Session, request: dict[str, Any]) -> int:
+        """Answer a get; the payload bytes sent."""
         store = self.state.store(request.get("model"))
         keys = request.get("keys")
         if not isinstance(keys, list) or not 0 < len(keys) <= MAX_KEYS_PER_REQUEST:
@@ -294,11 +311,14 @@ class BulkServer:
             raise ProtocolError("keys must be strings")
         expect = optional_layout(request.get("expect"))
         counters = self.state.counters
+        total = 0
         with store.foreground():
             for key in keys:
                 sent = self._send_value(stream, session, store, str(request["model"]), key, expect)
                 counters["get_hits" if sent else "get_misses"] += 1
                 counters["get_bytes_bulk"] += sent
+                total += sent
+        return total
 
     def _send_value(
         self,
@@ -364,7 +384,8 @@ class BulkServer:
 
     def _put(
         self, stream: Stream, session: Session, request: dict[str, Any], scratch: memoryview
-    ) -> None:
+    ) -> int:
+        """Receive and store a put; the payload bytes received."""
         items = request.get("items")
         if not isinstance(items, list) or not 0 < len(items) <= MAX_PUT_ITEMS:
             raise ConnectionLost(f"a put needs 1 to {MAX_PUT_ITEMS} items")  # out of step
@@ -392,6 +413,7 @@ class BulkServer:
         finally:
             with self.state.lock:
                 self.state.sessions.unstage(session, staged_id)
+        return total
 
     def _receive_and_store(
         self,

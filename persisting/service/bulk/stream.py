@@ -17,7 +17,9 @@ as one hash of the whole). Measured per 8 MiB over loopback on the quiet 2-core 
 receive, 512 KiB pieces at 0.96-0.98x, 256 KiB 0.96x, 1 MiB 0.93x, 2 MiB 0.88x. (Under load,
 1 MiB pieces had measured slower than one receive; that was the load.) A receiver
 waits for a piece with the socket's low-water mark at the bytes still missing, so it is
-woken once per piece rather than once per segment (:class:`LowWater`). A server sends a
+woken once per piece rather than once per segment (:class:`LowWater`); a server's thread
+first polls for the piece for up to ``poll_s`` (``service.bulk_poll_us``), and sleeps only
+if it has not come by then (:class:`Stream`). A server sends a
 memory-tier value from the tier's own buffer (``sendmsg`` with the frame before it, one
 call) and a value on disk with ``os.sendfile`` from its payload file; a sender of
 payloads with checksums (:meth:`Stream.send_payloads`) hashes each after it went out.
@@ -36,6 +38,7 @@ import os
 import select
 import socket
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -138,12 +141,23 @@ class LowWater:
 
 
 class Stream:
-    """One data connection, plain: see the module docstring."""
+    """One data connection, plain: see the module docstring.
+
+    ``poll_s``: how long the thread that owns the connection polls it for the next bytes
+    (of a payload, or of the next request) before it sleeps. A thread that sleeps is woken
+    by the sender's system call, and the kernel tends to run the woken thread on the
+    sender's core; on a machine with few cores the two sides then take turns on one core
+    for dozens of values. A thread that is still polling needs no wake-up and stays where
+    it runs. The cost is at most ``poll_s`` of CPU per wait."""
 
     sealed = False
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, poll_s: float = 0.0):
         self.sock = sock
+        self.poll_s = poll_s
+        #: Waits for bytes that polling ended, and those that still slept after it.
+        self.polled = 0
+        self.slept = 0
 
     # -- primitives (the sealed stream replaces these) ------------------------------------
 
@@ -217,10 +231,15 @@ class Stream:
         return int(hasher.intdigest())
 
     def recv_piece(self, view: memoryview) -> None:
-        """Fill ``view`` waking once, when all of it is queued (:class:`LowWater`), not
-        once per segment as a blocking receive does; the socket's receive timeout bounds
-        each wait."""
-        got, size = 0, len(view)
+        """Fill ``view``: polling for up to ``poll_s``, then waking once, when all that is
+        missing is queued (:class:`LowWater`), not once per segment as a blocking receive
+        does; the socket's receive timeout bounds each wait."""
+        got, size = self._recv_polling(view), len(view)
+        if self.poll_s:
+            if got == size:
+                self.polled += 1
+                return
+            self.slept += 1
         timeout_ms = self._timeout_ms()
         try:
             while got < size:
@@ -236,6 +255,41 @@ class Stream:
                 got += n
         except OSError as exc:
             raise lost("receive failed", exc) from exc
+
+    def _recv_polling(self, view: memoryview) -> int:
+        """Receive what arrives into ``view`` within ``poll_s`` without sleeping; bytes
+        received."""
+        got, size = 0, len(view)
+        if not self.poll_s:
+            return 0
+        deadline = time.perf_counter() + self.poll_s
+        try:
+            while got < size:
+                try:
+                    n = self.sock.recv_into(view[got:], size - got, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    if time.perf_counter() >= deadline:
+                        break
+                    continue
+                if n == 0:
+                    raise ConnectionLost("the peer closed the connection")
+                got += n
+        except OSError as exc:
+            raise lost("receive failed", exc) from exc
+        return got
+
+    def wait_request(self, poll: bool) -> None:
+        """Wait until the next request's bytes (or the end of the connection) arrive: with
+        ``poll``, polling for up to ``poll_s`` first, then sleeping for as long as it takes."""
+        poller = self._poller
+        if poll and self.poll_s:
+            deadline = time.perf_counter() + self.poll_s
+            while time.perf_counter() < deadline:
+                if poller.poll(0):
+                    self.polled += 1
+                    return
+            self.slept += 1
+        poller.poll()
 
     @functools.cached_property
     def _low_water(self) -> LowWater:
@@ -377,8 +431,8 @@ class SealedStream(Stream):
 
     sealed = True
 
-    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
-        super().__init__(sock)
+    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes, poll_s: float = 0.0):
+        super().__init__(sock, poll_s)
         self._records = Records(send_key, recv_key)
 
     def send(self, parts: Sequence[bytes | memoryview]) -> None:
