@@ -246,11 +246,12 @@ class ServiceSettings(BaseModel):
     bulk_connections: int = Field(default=256, gt=0)
     """Data connections one server holds at most (every client's together)."""
     bulk_poll_us: int = Field(default=500, ge=0, le=100_000)
-    """How long a server's data-connection thread polls for bytes before it sleeps, in
-    microseconds (0: sleep at once): for each piece of a value it receives, and for the
-    next request after one that moved at least 1 MiB. A thread still polling needs no
-    wake-up and stays on its core; one woken by the client's send is often run on the
-    client's core, and the two then take turns on it. Costs at most this much CPU per wait
+    """How long either end of a data connection polls for bytes before it sleeps, in
+    microseconds (0: sleep at once): a server's thread for each piece of a value it
+    receives and for the next request after one that moved at least 1 MiB, a client for
+    any answer (yielding to its event loop between tries). A side still polling needs no
+    wake-up and stays on its core; one woken by the other's send is often run on the
+    sender's core, and the two then take turns on it. Costs at most this much CPU per wait
     (docs/service.md has the measurement)."""
     network_bytes_per_s: Bytes | None = Field(default=None, gt=0)
     """What a client assumes it reads from a server on another host (bytes/s) until it has

@@ -54,6 +54,8 @@ class Server:
     store: KVStore
     handler: StorageHandler
     bulk: BulkServer
+    #: How long the links it makes poll for bytes (a polling server's clients poll too).
+    poll_s: float = 0.0
 
     def session(self) -> dict[str, object]:
         """A fresh session's hello reply (as a client gets it over the control path)."""
@@ -72,7 +74,9 @@ class Server:
     def link(
         self, sealed: bool = False, port: int | None = None, timeout_s: float = 5.0
     ) -> BulkLink:
-        return BulkLink(self.endpoint(sealed, port), streams=2, timeout_s=timeout_s)
+        return BulkLink(
+            self.endpoint(sealed, port), streams=2, timeout_s=timeout_s, poll_s=self.poll_s
+        )
 
     def held(self) -> tuple[int, int]:
         """Leases and staged bytes the server holds for its sessions."""
@@ -88,7 +92,7 @@ def _server(
     bulk = BulkServer(handler.state, "127.0.0.1", 0, sealed=sealed, io_timeout_s=5.0, poll_s=poll_s)
     handler.bulk = bulk.start()
     try:
-        yield Server(store, handler, bulk)
+        yield Server(store, handler, bulk, poll_s)
     finally:
         bulk.close()
         handler.close()
@@ -103,6 +107,12 @@ def server(tmp_path: Path) -> Iterator[Server]:
 @pytest.fixture
 def disk_server(tmp_path: Path) -> Iterator[Server]:
     yield from _server(tmp_path / "disk", 0)
+
+
+@pytest.fixture
+def polling_server(tmp_path: Path) -> Iterator[Server]:
+    """A server (and links) that poll for bytes for up to 50 ms before sleeping."""
+    yield from _server(tmp_path / "poll", 64 << 20, poll_s=0.05)
 
 
 @pytest.fixture(params=[0.0, 0.05], ids=["sleeping", "polling"])
@@ -386,7 +396,9 @@ def test_a_get_cut_in_a_payloads_tail_is_lost_never_a_partial_value(server: Serv
     assert server.held() == (0, 0)
 
 
-def test_a_member_that_stalls_mid_transfer_times_out(server: Server) -> None:
+def test_a_member_that_stalls_mid_transfer_times_out(either_server: Server) -> None:
+    """A client polls for a while, then waits with its timeout: a stall still ends there."""
+    server = either_server
     setup = server.link()
     asyncio.run(setup.put(MODEL, "KV_2LTD", [item(0)]))
     setup.close()
@@ -445,38 +457,79 @@ def test_payloads_that_trickle_in_arrive_whole(either_server: Server, direction:
         relay.close()
 
 
-def test_a_polling_server_takes_back_to_back_transfers_without_sleeping(tmp_path: Path) -> None:
+def test_a_polling_server_takes_back_to_back_transfers_without_sleeping(
+    polling_server: Server,
+) -> None:
     """With ``poll_s``, a connection's thread polls for a payload's pieces and, after a bulk
     transfer, for the next request, before it sleeps: values stay bit-exact, and the
     server counts which waits polling ended. After small requests it sleeps at once."""
-    for srv in _server(tmp_path / "poll", 64 << 20, poll_s=0.5):
-        link = srv.link()
+    srv = polling_server
+    link = srv.link()
+    try:
+        for i in range(40, 44):  # puts one after another, as an engine stores a prefix
+            asyncio.run(link.put(MODEL, "KV_2LTD", [item(i)]))
+        got = _get(link, [str(key(i)) for i in range(40, 44)])
+        assert all(torch.equal(g, value(i)) for g, i in zip(got, range(40, 44), strict=True))  # type: ignore[arg-type]
+        # (a request's waits are counted when the next request comes)
+        figures = srv.bulk.stats()
+        # the 512 KiB pieces of 4 values of 2 MiB came while the thread polled for them
+        # (a wait that outlasts the poll, as the client's asyncio.run between requests
+        # may, is counted as slept)
+        assert figures["waits_polled"] >= 4 * CHUNK // (512 << 10)
+        before = figures["waits_polled"] + figures["waits_slept"]
+        for _ in range(3):  # misses move no payload: no poll after them
+            assert _get(link, [str(key(99))]) == [None]
+        after = srv.bulk.stats()
+        # one more: the wait after the bulk get; none after the misses
+        assert after["waits_polled"] + after["waits_slept"] == before + 1
+    finally:
+        link.close()
+
+
+def test_a_client_that_polls_lets_its_other_requests_go_on(polling_server: Server) -> None:
+    """A client polls for bytes on its event loop, yielding between tries: while one get
+    polls a member that stalls mid-value, a get on another connection completes, and the
+    stalled one still ends with its timeout."""
+    srv = polling_server
+    setup = srv.link()
+    asyncio.run(setup.put(MODEL, "KV_2LTD", [item(0)]))
+    relay = Relay(srv.bulk.port, "down", after=WELCOME.size + CHUNK // 2, action="stall")
+    stalled = BulkLink(srv.endpoint(port=relay.port), streams=1, timeout_s=1.0, poll_s=2.0)
+    direct = BulkLink(srv.endpoint(), streams=1, timeout_s=5.0, poll_s=2.0)
+    ended: dict[str, float] = {}
+
+    async def timed(name: str, link: BulkLink) -> None:
         try:
-            for i in range(40, 44):  # puts one after another, as an engine stores a prefix
-                asyncio.run(link.put(MODEL, "KV_2LTD", [item(i)]))
-            got = _get(link, [str(key(i)) for i in range(40, 44)])
-            assert all(torch.equal(g, value(i)) for g, i in zip(got, range(40, 44), strict=True))  # type: ignore[arg-type]
-            # (a request's waits are counted when the next request comes)
-            figures = srv.bulk.stats()
-            # the 512 KiB pieces of 4 values of 2 MiB came while the thread polled for them
-            # (a wait that outlasts the poll, as the client's asyncio.run between requests
-            # may, is counted as slept)
-            assert figures["waits_polled"] >= 4 * CHUNK // (512 << 10)
-            before = figures["waits_polled"] + figures["waits_slept"]
-            for _ in range(3):  # misses move no payload: no poll after them
-                assert _get(link, [str(key(99))]) == [None]
-            after = srv.bulk.stats()
-            # one more: the wait after the bulk get; none after the misses
-            assert after["waits_polled"] + after["waits_slept"] == before + 1
+            reads = await link.get(MODEL, [str(key(0))], None, None, None)
+            assert reads[0] is not None and torch.equal(reads[0].value, value(0))
         finally:
+            ended[name] = time.monotonic()
+
+    async def both() -> None:
+        start = time.monotonic()
+        results = await asyncio.gather(
+            timed("stalled", stalled), timed("direct", direct), return_exceptions=True
+        )
+        assert isinstance(results[0], ConnectionLost) and results[0].timed_out
+        assert results[1] is None
+        assert ended["direct"] - start < 1.0  # not held up by the other's polling
+        assert ended["stalled"] - start >= 2.0  # polled 2 s, then waited out 1 s
+
+    try:
+        asyncio.run(both())
+    finally:
+        for link in (setup, stalled, direct):
             link.close()
+        relay.close()
 
 
 def test_a_get_cancelled_mid_transfer_closes_its_connection_and_writes_no_more(
-    server: Server,
+    either_server: Server,
 ) -> None:
-    """The client reads on its event loop: a cancelled get stops writing into the caller's
-    buffer at once, and its connection (out of step) is closed, not reused."""
+    """The client reads on its event loop (polling on it first, for a polling server's
+    links): a cancelled get stops writing into the caller's buffer at once, and its
+    connection (out of step) is closed, not reused."""
+    server = either_server
     setup = server.link()
     asyncio.run(setup.put(MODEL, "KV_2LTD", [item(0)]))
     setup.close()

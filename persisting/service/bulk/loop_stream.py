@@ -12,7 +12,10 @@ the same loop reading the socket itself 2.9 ms, as fast as a plain blocking clie
 difference was where the helper ran, not the hand-over.
 
 A request's bytes are received and sent here between the loop's other callbacks: a
-receive takes what the kernel has and waits (``add_reader``) only when there is nothing;
+receive takes what the kernel has and, when there is nothing, polls for up to ``poll_s``
+(``service.bulk_poll_us``; yielding to the loop between tries, so other requests go on)
+before it waits (``add_reader``): a loop that waits sleeps, the server's send wakes it,
+and on a machine with few cores the kernel often runs it on the server's core then;
 a payload is hashed in :data:`~persisting.service.bulk.stream.HASH_PIECE` pieces as they
 complete, while the peer's next bytes arrive. No progress for ``timeout_s`` is a
 :class:`~persisting.service.bulk.stream.ConnectionLost` with ``timed_out``. A caller
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,10 +59,11 @@ class LoopStream:
 
     sealed = False
 
-    def __init__(self, sock: socket.socket, timeout_s: float):
+    def __init__(self, sock: socket.socket, timeout_s: float, poll_s: float = 0.0):
         sock.setblocking(False)
         self.sock = sock
         self.timeout_s = timeout_s
+        self.poll_s = poll_s
 
     # -- waiting for the socket -------------------------------------------------------------
 
@@ -102,13 +107,24 @@ class LoopStream:
         await self._fill(view, whole=False)
 
     async def _fill(self, view: memoryview, *, whole: bool) -> None:
-        """Fill ``view``; with ``whole``, a wait ends once all that is missing is queued
+        """Fill ``view``. When nothing is queued it polls for up to ``poll_s``, letting the
+        loop's other callbacks run between tries, before it waits on the loop; with
+        ``whole``, such a wait ends once all that is missing is queued
         (:class:`~persisting.service.bulk.stream.LowWater`), not at the next segment."""
         got, size = 0, len(view)
+        polling_until: float | None = None
         while got < size:
             try:
                 n = self.sock.recv_into(view[got:], size - got)
             except BlockingIOError:
+                if self.poll_s:
+                    now = time.perf_counter()
+                    if polling_until is None:
+                        polling_until = now + self.poll_s
+                    if now < polling_until:
+                        await asyncio.sleep(0)  # the loop runs what is ready, then we retry
+                        continue
+                    polling_until = None  # polled long enough: wait, and poll again after
                 if whole:
                     self._low_water.set(size - got)
                 await self._ready(reading=True)
@@ -199,8 +215,15 @@ class LoopSealedStream(LoopStream):
 
     sealed = True
 
-    def __init__(self, sock: socket.socket, timeout_s: float, send_key: bytes, recv_key: bytes):
-        super().__init__(sock, timeout_s)
+    def __init__(
+        self,
+        sock: socket.socket,
+        timeout_s: float,
+        send_key: bytes,
+        recv_key: bytes,
+        poll_s: float = 0.0,
+    ):
+        super().__init__(sock, timeout_s, poll_s)
         self._records = Records(send_key, recv_key)
 
     async def send(self, parts: Sequence[bytes | memoryview]) -> None:

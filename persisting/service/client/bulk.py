@@ -106,10 +106,12 @@ class Endpoint:
 class BulkLink:
     """Data connections of one client to one member (see the module docstring)."""
 
-    def __init__(self, endpoint: Endpoint, *, streams: int, timeout_s: float):
+    def __init__(self, endpoint: Endpoint, *, streams: int, timeout_s: float, poll_s: float = 0.0):
         self.endpoint = endpoint
         self.streams = streams
         self.timeout_s = timeout_s
+        #: How long a connection polls for bytes before it waits on the loop (see LoopStream).
+        self.poll_s = poll_s
         self._idle: list[LoopStream] = []
         self._counter = itertools.count(1)
         self._closed = False
@@ -140,7 +142,7 @@ class BulkLink:
             hello = client_hello(
                 e.key_id, e.secret, next(self._counter), SEALED if e.sealed else PLAIN
             )
-            stream = LoopStream(sock, self.timeout_s)
+            stream = LoopStream(sock, self.timeout_s, self.poll_s)
             await stream.send([hello])
             answer = bytearray(WELCOME.size)
             try:
@@ -158,7 +160,9 @@ class BulkLink:
         self.opened += 1
         if mode == SEALED:
             to_server, to_client = derive_keys(e.secret, hello[-32:], server_nonce)
-            return LoopSealedStream(sock, self.timeout_s, send_key=to_server, recv_key=to_client)
+            return LoopSealedStream(
+                sock, self.timeout_s, send_key=to_server, recv_key=to_client, poll_s=self.poll_s
+            )
         return stream
 
     async def _take(self) -> LoopStream:

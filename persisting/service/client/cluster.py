@@ -67,6 +67,7 @@ class Cluster:
         self.max_inflight = service.max_inflight
         self.bulk_streams = service.bulk_streams
         self.bulk_sealed = service.bulk_sealed
+        self.bulk_poll_s = service.bulk_poll_us / 1e6
         self.timeout_s = service.request_timeout_s
         #: Largest payload part in one message (the smaller of ours and the servers').
         self.message_part_bytes = service.message_part_bytes
@@ -225,7 +226,12 @@ class Cluster:
             return
         endpoint = Endpoint.from_hello(member.info.get("bulk"), member.addr, self.bulk_sealed)
         if endpoint is not None:
-            member.bulk = BulkLink(endpoint, streams=self.bulk_streams, timeout_s=self.timeout_s)
+            member.bulk = BulkLink(
+                endpoint,
+                streams=self.bulk_streams,
+                timeout_s=self.timeout_s,
+                poll_s=self.bulk_poll_s,
+            )
 
     @staticmethod
     def drop_bulk(member: Member) -> None:
