@@ -223,10 +223,10 @@ async def _client(config: dict[str, Any]) -> dict[str, Any]:
     """Every phase of every round, each side in turn; per side and phase, seconds per round."""
     values = _values(config["chunks"], config["chunk_mib"])
     nbytes = values[0].numel() * values[0].element_size()
-    settings = PersistingSettings(
-        models=[MODEL],
-        service={"request_timeout_s": 60.0, "bulk_sealed": config["sealed"]},
-    )
+    service: dict[str, Any] = {"request_timeout_s": 60.0, "bulk_sealed": config["sealed"]}
+    if config["bulk_poll_us"] is not None:
+        service["bulk_poll_us"] = config["bulk_poll_us"]
+    settings = PersistingSettings(models=[MODEL], service=service)
     client = await KVCacheClient.connect(
         seeds=[config["server"]],
         model=MODEL,
@@ -461,6 +461,7 @@ def _run_network(args: argparse.Namespace, network: str) -> dict[str, Any]:
             "batch": args.batch,
             "settle_s": args.settle_s,
             "sealed": args.sealed,
+            "bulk_poll_us": args.bulk_poll_us,
         }
         env = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
         env["PYTHONPATH"] = str(REPO)
@@ -536,7 +537,7 @@ def main() -> None:
     parser.add_argument(
         "--bulk-poll-us",
         type=int,
-        help="the server's service.bulk_poll_us (default: the setting's default)",
+        help="service.bulk_poll_us of the server and the client (default: the setting's)",
     )
     args = parser.parse_args()
     if args.role == "socket-server":

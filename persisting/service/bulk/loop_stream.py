@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import select
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -112,28 +113,40 @@ class LoopStream:
         ``whole``, such a wait ends once all that is missing is queued
         (:class:`~persisting.service.bulk.stream.LowWater`), not at the next segment."""
         got, size = 0, len(view)
-        polling_until: float | None = None
         while got < size:
             try:
                 n = self.sock.recv_into(view[got:], size - got)
             except BlockingIOError:
-                if self.poll_s:
-                    now = time.perf_counter()
-                    if polling_until is None:
-                        polling_until = now + self.poll_s
-                    if now < polling_until:
-                        await asyncio.sleep(0)  # the loop runs what is ready, then we retry
-                        continue
-                    polling_until = None  # polled long enough: wait, and poll again after
                 if whole:
                     self._low_water.set(size - got)
-                await self._ready(reading=True)
+                if not await self._polled():
+                    await self._ready(reading=True)
                 continue
             except OSError as exc:
                 raise lost("receive failed", exc) from exc
             if n == 0:
                 raise ConnectionLost("the peer closed the connection")
             got += n
+
+    async def _polled(self) -> bool:
+        """Whether the socket became readable (at its low-water mark) within ``poll_s``,
+        checked without taking the socket's lock and with the loop's other callbacks run
+        between checks."""
+        if not self.poll_s:
+            return False
+        poller = self._poller
+        deadline = time.perf_counter() + self.poll_s
+        while not poller.poll(0):
+            if time.perf_counter() >= deadline:
+                return False
+            await asyncio.sleep(0)
+        return True
+
+    @functools.cached_property
+    def _poller(self) -> select.poll:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return poller
 
     # -- frames and payloads (as Stream's) --------------------------------------------------
 

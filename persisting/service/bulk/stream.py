@@ -257,19 +257,26 @@ class Stream:
             raise lost("receive failed", exc) from exc
 
     def _recv_polling(self, view: memoryview) -> int:
-        """Receive what arrives into ``view`` within ``poll_s`` without sleeping; bytes
-        received."""
+        """Receive into ``view`` what arrives within ``poll_s`` without sleeping; bytes
+        received. It polls readiness with the low-water mark at the bytes still missing
+        (a check that takes no lock on the socket, unlike a receive, so it does not hold up
+        the kernel's delivery of the bytes it waits for) and receives once they are all
+        queued."""
         got, size = 0, len(view)
         if not self.poll_s:
             return 0
+        poller = self._poller
         deadline = time.perf_counter() + self.poll_s
         try:
             while got < size:
+                self._low_water.set(size - got)
+                if not poller.poll(0):
+                    if time.perf_counter() >= deadline:
+                        break
+                    continue
                 try:
                     n = self.sock.recv_into(view[got:], size - got, socket.MSG_DONTWAIT)
                 except BlockingIOError:
-                    if time.perf_counter() >= deadline:
-                        break
                     continue
                 if n == 0:
                     raise ConnectionLost("the peer closed the connection")
