@@ -28,7 +28,7 @@ from persisting.kv.layout import encode_value
 from persisting.service.bulk import server as bulk_server
 from persisting.service.bulk.auth import HELLO, PLAIN, WELCOME, client_hello
 from persisting.service.bulk.server import BulkServer
-from persisting.service.bulk.stream import ConnectionLost, Stream, pack, set_timeouts
+from persisting.service.bulk.stream import ConnectionLost, PollGate, Stream, pack, set_timeouts
 from persisting.service.client.bulk import BulkLink, Endpoint, PutItem, Refused
 from persisting.service.handler import StorageHandler
 from persisting.service.protocol import make_request, unwrap_reply
@@ -484,6 +484,26 @@ def test_a_polling_server_takes_back_to_back_transfers_without_sleeping(
         assert after["waits_polled"] + after["waits_slept"] == before + 1
     finally:
         link.close()
+
+
+def test_a_server_polls_only_while_its_connection_is_the_only_one_busy() -> None:
+    """Several transfers at once keep the cores busy: a thread polls only when its own
+    request is the only one in flight (or, between requests, when none is), and one at a
+    time."""
+    gate = PollGate()
+    assert gate.enter(in_request=False)  # idle server: the first may poll...
+    assert not gate.enter(in_request=False)  # ...and nobody else meanwhile
+    gate.leave()
+    gate.request(+1)
+    assert not gate.enter(in_request=False)  # another connection's request is in flight
+    assert gate.enter(in_request=True)  # the one in flight is the caller's own
+    gate.leave()
+    gate.request(+1)
+    assert not gate.enter(in_request=True)  # two transfers at once: nobody polls
+    gate.request(-1)
+    gate.request(-1)
+    assert gate.enter(in_request=False)
+    gate.leave()
 
 
 def test_a_client_that_polls_lets_its_other_requests_go_on(polling_server: Server) -> None:

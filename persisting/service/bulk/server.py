@@ -55,6 +55,7 @@ from persisting.service.bulk.auth import (
 )
 from persisting.service.bulk.stream import (
     ConnectionLost,
+    PollGate,
     SealedStream,
     Stream,
     set_timeouts,
@@ -116,6 +117,7 @@ class BulkServer:
         self.io_timeout_s = io_timeout_s
         self.max_connections = max_connections
         self.poll_s = poll_s
+        self._poll_gate = PollGate()
         self._record_placements = record_placements
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
@@ -215,7 +217,7 @@ class BulkServer:
         if session is None or proof is None or (self.sealed and mode != SEALED):
             self._count("refused_credential")
             return None
-        stream: Stream = Stream(conn, self.poll_s)
+        stream: Stream = Stream(conn, self.poll_s, self._poll_gate)
         admitted = self._register(stream, session)
         answer, server_nonce = welcome(session.credential.secret, proof, OK if admitted else BUSY)
         if not admitted:
@@ -234,7 +236,13 @@ class BulkServer:
             to_server, to_client = stream_keys(
                 session.credential.secret, proof.client_mac, server_nonce
             )
-            sealed = SealedStream(conn, send_key=to_client, recv_key=to_server, poll_s=self.poll_s)
+            sealed = SealedStream(
+                conn,
+                send_key=to_client,
+                recv_key=to_server,
+                poll_s=self.poll_s,
+                gate=self._poll_gate,
+            )
             self._unregister(stream, session)
             if not self._register(sealed, session):
                 return None
@@ -279,6 +287,7 @@ class BulkServer:
             request = stream.recv_frame()
             self._count_waits(stream)  # those of the last request, and of the wait for this
             op = request.get("op")
+            self._poll_gate.request(+1)
             try:
                 with self.state.lock:
                     self.state.sessions.touch(session.sid)
@@ -293,6 +302,8 @@ class BulkServer:
                 stream.send_frame({"error": error_reply(exc)["error"]})
                 if isinstance(exc, ProtocolError) and op not in ("get", "put"):
                     return
+            finally:
+                self._poll_gate.request(-1)
 
     def _count_waits(self, stream: Stream) -> None:
         """Add the connection's waits for bytes since the last call to the server's figures."""

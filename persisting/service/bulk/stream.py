@@ -38,6 +38,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -140,6 +141,38 @@ class LowWater:
             self.mark = nbytes
 
 
+class PollGate:
+    """Whether a server's connection thread may poll now (``Stream.poll_s``): only while no
+    other connection of the server is in the middle of a request and no other thread
+    polls. With several transfers at once the cores are busy anyway, and a polling thread
+    takes CPU (and the GIL) from the transfers it waits for: a batch of 16 values of 8 MiB
+    spread over 4 connections took 2.72-2.78 ms a value with every thread polling, against
+    2.41-2.45 ms with none."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._polling = False
+
+    def request(self, delta: int) -> None:
+        """A request began (+1) or ended (-1) on one of the server's connections."""
+        with self._lock:
+            self._requests += delta
+
+    def enter(self, in_request: bool) -> bool:
+        """Start polling, if allowed: the caller's own request (``in_request``) aside,
+        none in flight, and nobody polling. True: call :meth:`leave` when done."""
+        with self._lock:
+            if self._polling or self._requests > int(in_request):
+                return False
+            self._polling = True
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._polling = False
+
+
 class Stream:
     """One data connection, plain: see the module docstring.
 
@@ -152,9 +185,11 @@ class Stream:
 
     sealed = False
 
-    def __init__(self, sock: socket.socket, poll_s: float = 0.0):
+    def __init__(self, sock: socket.socket, poll_s: float = 0.0, gate: PollGate | None = None):
         self.sock = sock
         self.poll_s = poll_s
+        #: Shared by the streams of one server: when they may poll.
+        self.gate = gate if gate is not None else PollGate()
         #: Waits for bytes that polling ended, and those that still slept after it.
         self.polled = 0
         self.slept = 0
@@ -263,7 +298,7 @@ class Stream:
         the kernel's delivery of the bytes it waits for) and receives once they are all
         queued."""
         got, size = 0, len(view)
-        if not self.poll_s:
+        if not self.poll_s or not self.gate.enter(in_request=True):
             return 0
         poller = self._poller
         deadline = time.perf_counter() + self.poll_s
@@ -283,18 +318,23 @@ class Stream:
                 got += n
         except OSError as exc:
             raise lost("receive failed", exc) from exc
+        finally:
+            self.gate.leave()
         return got
 
     def wait_request(self, poll: bool) -> None:
         """Wait until the next request's bytes (or the end of the connection) arrive: with
         ``poll``, polling for up to ``poll_s`` first, then sleeping for as long as it takes."""
         poller = self._poller
-        if poll and self.poll_s:
-            deadline = time.perf_counter() + self.poll_s
-            while time.perf_counter() < deadline:
-                if poller.poll(0):
-                    self.polled += 1
-                    return
+        if poll and self.poll_s and self.gate.enter(in_request=False):
+            try:
+                deadline = time.perf_counter() + self.poll_s
+                while time.perf_counter() < deadline:
+                    if poller.poll(0):
+                        self.polled += 1
+                        return
+            finally:
+                self.gate.leave()
             self.slept += 1
         poller.poll()
 
@@ -438,8 +478,15 @@ class SealedStream(Stream):
 
     sealed = True
 
-    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes, poll_s: float = 0.0):
-        super().__init__(sock, poll_s)
+    def __init__(
+        self,
+        sock: socket.socket,
+        send_key: bytes,
+        recv_key: bytes,
+        poll_s: float = 0.0,
+        gate: PollGate | None = None,
+    ):
+        super().__init__(sock, poll_s, gate)
         self._records = Records(send_key, recv_key)
 
     def send(self, parts: Sequence[bytes | memoryview]) -> None:
@@ -481,6 +528,7 @@ __all__ = [
     "RECORD",
     "ConnectionLost",
     "LowWater",
+    "PollGate",
     "Records",
     "SealedStream",
     "Stream",
