@@ -308,9 +308,8 @@ class BulkServer:
     def _count_waits(self, stream: Stream) -> None:
         """Add the connection's waits for bytes since the last call to the server's figures."""
         polled, slept, stream.polled, stream.slept = stream.polled, stream.slept, 0, 0
-        with self._lock:
-            self.figures["waits_polled"] = self.figures.get("waits_polled", 0) + polled
-            self.figures["waits_slept"] = self.figures.get("waits_slept", 0) + slept
+        self._count("waits_polled", polled)
+        self._count("waits_slept", slept)
 
     def _get(self, stream: Stream, session: Session, request: dict[str, Any]) -> int:
         """Answer a get; the payload bytes sent."""
