@@ -148,8 +148,10 @@ class KVSettings(BaseModel):
     nothing."""
     max_value_bytes: Bytes = Field(default=1 * GiB, gt=0)
     """Largest value a put accepts."""
-    eviction: Literal["lru", "prefix"] = "lru"
-    """Eviction order: "lru", or "prefix" (suffix chunks go before the prefixes they need)."""
+    eviction: Literal["lru", "prefix", "value"] = "lru"
+    """Eviction order: "lru", "prefix" (suffix chunks go before the prefixes they need), or
+    "value" (keeps what will be reused: frequency, recency, chain position, miss cost per
+    byte; docs/operating.md#eviction)."""
     admission: Literal["always", "second_sighting"] = "always"
     """Which puts are stored: "always", or "second_sighting" (a key's second put)."""
     result_buffer_bytes: Bytes = Field(default=256 * MiB, ge=0)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
-from persisting.kv import recency
+from persisting.kv import recency, reuse
 from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout
@@ -134,6 +134,7 @@ class DiskTier:
                 self._restore_order()
                 self.usage.recount(self.files)
                 self._budget.account_overhead()
+                self._open_reuse()
         except BaseException as exc:
             self.meta.close()
             if self._alive is not None:
@@ -189,10 +190,29 @@ class DiskTier:
             if existing is not None or (key_hash(row.key), row.tag) not in on_disk:
                 stale.append((row.key, row.tag))  # evicted/removed before its row was
                 continue
-            self.index.add(row.key, DiskEntry(row.layout, row.checksum, row.parent, row.tag))
+            self.index.add(
+                row.key, DiskEntry(row.layout, row.checksum, row.parent, row.tag), sighting=False
+            )
         if stale:
             self.meta.delete(stale)
         self._adopt_unknown_files(on_disk, record=True)
+
+    def _open_reuse(self) -> None:
+        """Attach the namespace's shared reuse stats when the policy ranks by them: the
+        file is made (its bytes reserved first) the first time; a budget too small for it
+        keeps them in this process only."""
+        if not self.policy.uses_reuse_stats:
+            return
+        slots = reuse.slots_for(self.capacity)
+        new = not (self.directory / reuse.FILE_NAME).exists()
+        bound = reuse.file_bytes(slots) if new else 0
+        try:
+            with self._budget.metadata_growth(lambda: bound):
+                stats = reuse.ReuseStats.open_file(self.directory, slots)
+        except CapacityError as exc:
+            log.warning("reuse stats of %s kept in memory only: %s", self.directory, exc)
+            stats = reuse.ReuseStats.in_memory(slots)
+        self.index.attach(stats)
 
     def _restore_order(self) -> None:
         """Put the index back in the eviction order saved by the last close or flush."""
@@ -240,7 +260,9 @@ class DiskTier:
                 self._drop_file(path)  # a misnamed file, or a second copy of a stored key
                 continue
             self.index.add(
-                header.key, DiskEntry(header.layout, header.checksum, header.parent, tag)
+                header.key,
+                DiskEntry(header.layout, header.checksum, header.parent, tag),
+                sighting=False,
             )
             adopted.append(
                 MetaRow(header.key, tag, header.layout, header.checksum, header.parent, path)
@@ -273,6 +295,8 @@ class DiskTier:
         if self._closed:
             return
         self.save_order()
+        if self.index.reuse is not None:
+            self.index.reuse.flush()
         for _ in range(FLUSH_ROUNDS):
             if not self.meta.flush():
                 break
@@ -440,7 +464,7 @@ class DiskTier:
             with self._lock:
                 victims: list[tuple[str, DiskEntry]] = []
                 planned = 0
-                for key in self.policy.candidates(self.index):
+                for key in self.policy.candidates(self.index, _unleased(now)):
                     entry = self.index.get(key)
                     if entry is None or entry.busy or entry.lease_until > now:
                         continue
@@ -575,12 +599,19 @@ class DiskTier:
 
     def close(self) -> None:
         self.save_order()
+        if self.index.reuse is not None:
+            self.index.reuse.close()
         self.meta.close()
         self._closed = True
         if self._alive is not None:
             self.files.release_file(self._alive)
         self.usage.close()
         self.files.close()
+
+
+def _unleased(now: float) -> Callable[[str, DiskEntry], bool]:
+    """Whether an entry may be evicted at ``now``: not busy, no read lease running."""
+    return lambda _key, entry: not entry.busy and entry.lease_until <= now
 
 
 def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:

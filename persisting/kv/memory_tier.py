@@ -12,6 +12,11 @@ import numpy as np
 from persisting.kv.index import LruIndex, MemoryEntry
 from persisting.kv.layout import Layout
 from persisting.kv.policy import EvictionPolicy
+from persisting.kv.reuse import ReuseStats, slots_for
+
+#: The memory tier's reuse stats remember at least this many keys (1 MiB): reuse in real
+#: traces comes back after far more chunks than a small tier holds.
+MIN_MEMORY_SLOTS = 1 << 17
 
 
 class MemoryTier:
@@ -20,7 +25,12 @@ class MemoryTier:
     def __init__(self, capacity: int, policy: EvictionPolicy):
         self.capacity = capacity
         self.policy = policy
-        self.index: LruIndex[MemoryEntry] = LruIndex()
+        reuse = (
+            ReuseStats.in_memory(slots_for(capacity, MIN_MEMORY_SLOTS))
+            if policy.uses_reuse_stats
+            else None
+        )
+        self.index: LruIndex[MemoryEntry] = LruIndex(reuse)
         self.evictions = 0
 
     @property
@@ -78,7 +88,7 @@ class MemoryTier:
             return []
         victims: list[str] = []
         freed = 0
-        for key in self.policy.candidates(self.index):
+        for key in self.policy.candidates(self.index, _evictable):
             entry = self.index.get(key)
             if entry is None or entry.busy:
                 continue
@@ -121,6 +131,10 @@ class MemoryTier:
 
     def remove(self, key: str) -> MemoryEntry | None:
         return self.index.pop(key)
+
+
+def _evictable(_key: str, entry: MemoryEntry) -> bool:
+    return not entry.busy
 
 
 __all__ = ["MemoryTier"]

@@ -66,7 +66,8 @@ class KVStore(KVApi):
     - ``durability``: when a put completes: ``"sync"`` (on disk), ``"async"`` (in memory,
       written behind) or ``"write_back"`` (written when evicted); see
       :mod:`persisting.kv.puts`. The last two need a memory tier.
-    - ``eviction``: ``"lru"``, ``"prefix"`` (chain suffixes first) or an
+    - ``eviction``: ``"lru"``, ``"prefix"`` (chain suffixes first), ``"value"`` (what
+      will be reused: see :class:`~persisting.kv.policy.ValueEviction`) or an
       :class:`~persisting.kv.policy.EvictionPolicy`; both tiers use it.
     - ``admission``: which puts go to disk: ``"always"``, ``"second_sighting"`` or an
       :class:`~persisting.kv.policy.AdmissionPolicy`.
@@ -143,6 +144,8 @@ class KVStore(KVApi):
             pinned_memory=pinned_memory,
             pinned_staging_bytes=staging_bytes,
         )
+        disk_tier = self._tiers.disk
+        self.admission.attach(disk_tier.index.reuse if disk_tier is not None else None)
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync
         )

@@ -158,8 +158,8 @@ class L2Params:
     memory_bytes: int = 0
     #: The Persisting model namespace (directory) that holds every key of this adapter.
     namespace: str = "lmcache"
-    #: Eviction order when the capacity is reached: ``lru`` or ``prefix``.
-    eviction: Literal["lru", "prefix"] = "lru"
+    #: Eviction order when the capacity is reached: ``lru``, ``prefix`` or ``value``.
+    eviction: Literal["lru", "prefix", "value"] = "lru"
     #: Threads running store and load tasks.
     io_threads: int = 4
     #: Seconds a lookup's lock holds a chunk when LMCache never unlocks it.
@@ -205,8 +205,10 @@ def l2_params(raw: Mapping[str, Any]) -> L2Params:
     if durability != "sync" and values.get("memory_bytes", 0) <= 0:
         raise ConfigError(f"adapter_params.durability={durability!r} needs memory_bytes > 0")
     eviction = raw.get("eviction", L2Params.eviction)
-    if eviction not in ("lru", "prefix"):
-        raise ConfigError(f"adapter_params.eviction must be lru or prefix, not {eviction!r}")
+    if eviction not in ("lru", "prefix", "value"):
+        raise ConfigError(
+            f"adapter_params.eviction must be lru, prefix or value, not {eviction!r}"
+        )
     values["eviction"] = eviction
     fsync = raw.get("fsync", True)
     if not isinstance(fsync, bool):

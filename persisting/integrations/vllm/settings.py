@@ -50,8 +50,9 @@ class ConnectorSettings:
     durability: Literal["sync", "async", "write_back"] = "sync"
     #: Whether sync stores are fsynced (False: whole and renamed into place, not flushed).
     fsync: bool = True
-    #: Eviction order: "lru", or "prefix" (a prompt's later blocks go before earlier ones).
-    eviction: Literal["lru", "prefix"] = "lru"
+    #: Eviction order: "lru", "prefix" (a prompt's later blocks go before earlier ones) or
+    #: "value" (keeps what will be reused; its counts are shared by the namespace's engines).
+    eviction: Literal["lru", "prefix", "value"] = "lru"
     #: A readable prefix of the namespace directory (default: the model's last path part);
     #: a digest of the KV layout is always appended.
     namespace: str | None = None
@@ -73,7 +74,7 @@ _FIELDS = tuple(ConnectorSettings.__dataclass_fields__)
 _SIZES = {"disk_bytes", "memory_bytes"}
 _CHOICES: dict[str, tuple[str, ...]] = {
     "durability": ("sync", "async", "write_back"),
-    "eviction": ("lru", "prefix"),
+    "eviction": ("lru", "prefix", "value"),
 }
 
 

@@ -1,0 +1,235 @@
+"""How often, and how lately, each key was used: the state the ``value`` eviction policy ranks by.
+
+A *sighting* is a put that stores a key or a read that finds it (a tier's index reports
+both). Per key this remembers, by its 64-bit hash, how many times it was sighted and when
+last, on a logical clock that counts sightings; it remembers keys no tier holds any more
+(ghosts), so a chunk evicted and put again comes back with its history. Per frequency class
+(sighted once, twice, ... eight times or more) it learns how likely a key of that class is
+to be sighted again within a horizon (four times the tier's entries): the workload's own
+answer to "is a chunk used twice worth more than one used once", so frequency counts for as
+much as it predicts, on this trace, and no more.
+
+Everything lives in one flat array of 64-bit words: a header (magic, clock, the class
+counts) and a table of slots in buckets of four, one word each: a 12-bit tag from the
+hash, the sighting count (8 bits, saturating) and the clock at the last sighting (44
+bits). A key new to a full bucket takes the slot sighted longest ago: the table forgets
+the coldest keys first. For a disk tier the array
+is a file, ``reuse.bin`` beside the metadata, mapped shared: every process writing the
+namespace counts into it and sees the others' counts at once, and it survives a restart.
+Updates take no lock: two processes counting at the same instant may lose a count, which
+can change an eviction choice and never data. A file that is damaged or of another version
+is replaced by an empty one (only history is lost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import xxhash
+
+from persisting.lance_store.access import CONTROL_FILE_MODE, open_private, storage_error
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "reuse.bin"
+_MAGIC = int.from_bytes(b"PKVREUS1", "little")
+#: Frequency classes: sighted 1, 2, ..., ``CLASSES`` times or more.
+CLASSES = 8
+#: Header words: magic, slot count, clock, then (sightings entering, re-sightings within
+#: the horizon) per class 1..CLASSES as doubles.
+_HEAD_WORDS = 3 + 2 * CLASSES
+_CLOCK = 2
+_TAG_BITS, _REFS_BITS, _TICK_BITS = 12, 8, 44
+TICK_MASK = (1 << _TICK_BITS) - 1
+_REFS_MAX = (1 << _REFS_BITS) - 1
+_TAG_MASK = (1 << _TAG_BITS) - 1
+_TAG_SHIFT = _REFS_BITS + _TICK_BITS
+#: Slots per bucket: a key may sit in any slot of its bucket, and a new key takes the
+#: slot sighted longest ago, so a hot key is not pushed out by a cold one that collides.
+WAYS = 4
+#: Class counts are multiplied by ``DECAY`` every ``DECAY_EVERY`` sightings, so they follow
+#: a workload that changes (a count's weight halves in about 100k sightings).
+DECAY, DECAY_EVERY = 0.9, 1 << 14
+#: Re-sightings within ``HORIZON`` x the tier's entries count as reuse for the classes.
+HORIZON = 4
+MIN_SLOTS, MAX_SLOTS = 1 << 12, 1 << 23
+
+
+def key_hash(key: str) -> int:
+    """The 64-bit hash a key is remembered by."""
+    return xxhash.xxh3_64_intdigest(key.encode())
+
+
+def slots_for(capacity_bytes: int, minimum: int = MIN_SLOTS) -> int:
+    """Table slots for a tier of ``capacity_bytes``: one per 2 KiB of budget (a table of 8
+    bytes per slot is 1/256 of the budget), a power of two in [``minimum``, ``MAX_SLOTS``]."""
+    want = max(minimum, capacity_bytes // 2048)
+    slots = 1 << max(0, want - 1).bit_length()
+    return max(minimum, min(MAX_SLOTS, slots))
+
+
+def file_bytes(slots: int) -> int:
+    return 8 * (_HEAD_WORDS + slots)
+
+
+class ReuseStats:
+    """Sighting counts and last sightings per key hash, and reuse odds per frequency class."""
+
+    def __init__(self, owner: mmap.mmap | bytearray, path: Path | None):
+        self._owner = owner
+        self._words = words = memoryview(owner).cast("Q")
+        #: The same header words seen as doubles (the class counts).
+        self._doubles = memoryview(owner).cast("d")
+        self.path = path
+        self.slots = int(words[1])
+        self._mask = self.slots - 1
+        self._shift = self.slots.bit_length() - 1
+        #: Reuse odds per class (index 1..CLASSES), recomputed when the counts decay.
+        self._odds = [0.5] * (CLASSES + 1)
+        self._odds_at = -1
+        self._entries = 1
+
+    # -- making one -------------------------------------------------------------------
+
+    @classmethod
+    def in_memory(cls, slots: int) -> ReuseStats:
+        """Private state (a memory tier: its contents die with the process too)."""
+        buffer = bytearray(file_bytes(slots))
+        struct.pack_into("<QQ", buffer, 0, _MAGIC, slots)
+        return cls(buffer, None)
+
+    @classmethod
+    def open_file(cls, directory: Path, slots: int) -> ReuseStats:
+        """The shared state in ``directory``: the existing file if it is whole (of whatever
+        size it was made with), else a new one of ``slots`` slots, fully allocated."""
+        path = directory / FILE_NAME
+        fd = open_private(path, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
+        try:
+            size = os.fstat(fd).st_size
+            existing = _valid_slots(fd, size)
+            if existing is None:
+                if size:
+                    log.warning("%s is damaged or of another version: starting it afresh", path)
+                    os.ftruncate(fd, 0)
+                size = file_bytes(slots)
+                os.ftruncate(fd, size)
+                with contextlib.suppress(OSError):  # allocated now, so its size is measured
+                    os.posix_fallocate(fd, 0, size)
+                os.pwrite(fd, struct.pack("<QQ", _MAGIC, slots), 0)
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise storage_error(f"cannot open {path}", exc) from exc
+        finally:
+            os.close(fd)
+        return cls(mapped, path)
+
+    # -- counting ---------------------------------------------------------------------
+
+    @property
+    def now(self) -> int:
+        """The clock: sightings counted so far (all processes, modulo 2**44)."""
+        return int(self._words[_CLOCK]) & TICK_MASK
+
+    def _find(self, khash: int) -> tuple[int, int]:
+        """``(word index, word)`` of ``khash``'s slot in its bucket, or of the slot it would
+        take (an empty one, else the one sighted longest ago) with word 0."""
+        words = self._words
+        base = _HEAD_WORDS + (khash & self._mask & ~(WAYS - 1))
+        tag = (khash >> self._shift) & _TAG_MASK
+        for at in range(base, base + WAYS):
+            word = words[at]
+            if word and word >> _TAG_SHIFT == tag:
+                return at, word
+        now = int(words[_CLOCK])
+        victim, oldest = base, -1
+        for at in range(base, base + WAYS):
+            word = words[at]
+            age = (now - word) & TICK_MASK if word else TICK_MASK + 1
+            if age > oldest:
+                victim, oldest = at, age
+        return victim, 0
+
+    def state(self, khash: int) -> tuple[int, int]:
+        """``(sightings, clock at the last one)`` of a key hash; ``(0, 0)`` if forgotten."""
+        words = self._words
+        base = _HEAD_WORDS + (khash & self._mask & ~(WAYS - 1))
+        tag = (khash >> self._shift) & _TAG_MASK
+        for at in range(base, base + WAYS):
+            word = words[at]
+            if word and word >> _TAG_SHIFT == tag:
+                return (word >> _TICK_BITS) & _REFS_MAX, word & TICK_MASK
+        return 0, 0
+
+    def sighted(self, khash: int, entries: int | None = None) -> int:
+        """Count a sighting of ``khash`` in a tier of ``entries`` chunks (default: as many
+        as at the last sighting counted with a size); returns the clock."""
+        if entries is None:
+            entries = self._entries
+        else:
+            self._entries = entries
+        words = self._words
+        now = (int(words[_CLOCK]) + 1) & TICK_MASK
+        words[_CLOCK] = now
+        at, word = self._find(khash)
+        refs, last = (word >> _TICK_BITS) & _REFS_MAX, word & TICK_MASK
+        if refs and (now - last) & TICK_MASK <= HORIZON * max(1, entries):
+            self._add(2 * min(refs, CLASSES) + 1, 1.0)  # class ``refs`` was reused
+        self._add(2 * min(refs + 1, CLASSES), 1.0)  # one more key reached ``refs + 1``
+        tag = (khash >> self._shift) & _TAG_MASK
+        words[at] = (tag << _TAG_SHIFT) | (min(refs + 1, _REFS_MAX) << _TICK_BITS) | now
+        if now % DECAY_EVERY == 0:
+            for i in range(2, 2 * CLASSES + 2):
+                self._add(i, 0.0, DECAY)
+        return now
+
+    def reuse_odds(self, refs: int) -> float:
+        """How likely a key sighted ``refs`` times is to be sighted again within the
+        horizon, as learned so far (Laplace-smoothed: 0.5 before any evidence)."""
+        now = self.now
+        if now != self._odds_at:
+            self._odds_at = now
+            for c in range(1, CLASSES + 1):
+                entered, reused = self._get(2 * c), self._get(2 * c + 1)
+                self._odds[c] = (reused + 1.0) / (entered + 2.0)
+        return self._odds[max(1, min(refs, CLASSES))]
+
+    # Class counts are doubles in the header's words 3.. (class c: 2c+1 entered, 2c+2 reused).
+    def _get(self, i: int) -> float:
+        return float(self._doubles[i + 1])
+
+    def _add(self, i: int, delta: float, scale: float = 1.0) -> None:
+        self._doubles[i + 1] = self._doubles[i + 1] * scale + delta
+
+    # -- upkeep -----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Ask the kernel to write a shared file's pages now (they reach the file anyway)."""
+        if isinstance(self._owner, mmap.mmap):
+            with contextlib.suppress(OSError, ValueError):
+                self._owner.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._words.release()
+        self._doubles.release()
+        if isinstance(self._owner, mmap.mmap):
+            with contextlib.suppress(BufferError):
+                self._owner.close()
+
+
+def _valid_slots(fd: int, size: int) -> int | None:
+    """The slot count of a whole table file, or None (absent, torn or another version)."""
+    if size < file_bytes(MIN_SLOTS):
+        return None
+    magic, slots = struct.unpack("<QQ", os.pread(fd, 16, 0))
+    if magic != _MAGIC or slots & (slots - 1) or size != file_bytes(slots):
+        return None
+    return int(slots)
+
+
+__all__ = ["CLASSES", "FILE_NAME", "TICK_MASK", "ReuseStats", "file_bytes", "key_hash", "slots_for"]
