@@ -118,6 +118,9 @@ class DiskTier:
         self._writing: set[str] = set()
         self._closed = False
         self.evictions = 0
+        #: Payload files this process wrote, and their bytes on disk (header, block-rounded).
+        self.files_written = 0
+        self.bytes_written = 0
         self.corruptions = 0
         self.recovered_files = 0
         try:
@@ -343,6 +346,8 @@ class DiskTier:
             "disk_overhead_bytes": self.overhead_bytes(),
             "disk_capacity": self.capacity,
             "disk_evictions": self.evictions,
+            "disk_files_written": self.files_written,
+            "disk_written_bytes": self.bytes_written,
             "corruptions": self.corruptions,
             "recovered_files": self.recovered_files,
             "reclaimed_bytes": self.reclaimed_bytes,
@@ -422,6 +427,8 @@ class DiskTier:
                 it.checksum = header.checksum
             for p in pending:
                 done.append(self.files.publish(p))
+            self.files_written += len(done)
+            self.bytes_written += sum(sizes)
             self._budget.account_renames(subdir_bytes)
             if durable:
                 self.files.sync_dirs(done)

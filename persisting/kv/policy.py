@@ -136,17 +136,39 @@ class ValueEviction(EvictionPolicy):
                     best, best_entry, best_density = key, entry, density
             if best is None or best_entry is None:
                 break
-            taken.add(best)
-            yield best
-            parent = best_entry.parent
-            if parent is not None and parent in index and parent not in taken:
-                gone = gone_children.get(parent, 0) + 1
-                gone_children[parent] = gone
-                if gone == index.children(parent):
-                    became_leaves.append(parent)
+            # The chunk's other ranks go with it: a block is a hit only with all of them.
+            victims = [(best, best_entry), *_siblings(index, best, taken, evictable)]
+            for key, entry in victims:
+                if key != best and index.children(key) > gone_children.get(key, 0):
+                    continue  # that rank's chain goes on: not a leaf there
+                taken.add(key)
+                yield key
+                parent = entry.parent
+                if parent is not None and parent in index and parent not in taken:
+                    gone = gone_children.get(parent, 0) + 1
+                    gone_children[parent] = gone
+                    if gone == index.children(parent):
+                        became_leaves.append(parent)
         # Every draw met a busy or taken key: walk the rest, oldest leaves first.
         rest = PrefixAwareEviction().candidates(index, evictable)
         yield from (key for key in rest if key not in taken)
+
+
+def _siblings(
+    index: LruIndex[Any], key: str, taken: set[str], evictable: Evictable | None
+) -> Iterator[tuple[str, Entry]]:
+    """The stored, evictable keys of ``key``'s chunk on the other tensor-parallel ranks
+    (``model@world@worker@hash@dtype...``: the same key with another worker)."""
+    parts = key.split("@", 3)
+    if len(parts) < 4 or not parts[1].isdigit() or int(parts[1]) < 2:
+        return
+    for worker in range(int(parts[1])):
+        other = f"{parts[0]}@{parts[1]}@{worker}@{parts[3]}"
+        if other == key or other in taken:
+            continue
+        entry = index.get(other)
+        if entry is not None and (evictable is None or evictable(other, entry)):
+            yield other, entry
 
 
 @functools.lru_cache(maxsize=1024)
