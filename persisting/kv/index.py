@@ -8,9 +8,10 @@ The leaves are kept two ways, each O(1) to maintain: in least-recently-used orde
 ``prefix`` policy takes the oldest) and in a list the ``value`` policy samples at random.
 
 With :class:`~persisting.kv.reuse.ReuseStats` attached, the index reports every sighting
-of a key -- an entry added by a put or a read that finds it (``get(touch=True)``) -- so the
-stats count uses, not copies: loading what is already stored (on open, or files another
-process wrote) passes ``sighting=False``.
+of a key -- an entry added by a put or a read that finds it (``get(touch=True)``) -- to
+them and to its :class:`~persisting.kv.reuse.RecencyDuel`, so they count uses, not copies:
+loading what is already stored (on open, or files another process wrote) passes
+``sighting=False``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from persisting.kv.layout import Layout
-from persisting.kv.reuse import ReuseStats, key_hash
+from persisting.kv.reuse import RecencyDuel, ReuseStats, key_hash
 
 
 class Entry:
@@ -87,6 +88,7 @@ class LruIndex(Generic[E]):
         self._leaf_list: list[str] = []
         self._leaf_at: dict[str, int] = {}
         self.reuse = reuse
+        self.duel = RecencyDuel()
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -111,7 +113,8 @@ class LruIndex(Generic[E]):
             if key in self._leaf_order:
                 self._leaf_order.move_to_end(key)
             if self.reuse is not None:
-                entry.tick = self.reuse.sighted(entry.khash, len(self._entries))
+                entry.tick = self.reuse.sighted(entry.khash)
+                self.duel.sighted(key, True, len(self._entries))
         return entry
 
     def add(self, key: str, entry: E, *, sighting: bool = True) -> None:
@@ -123,7 +126,8 @@ class LruIndex(Generic[E]):
         if self.reuse is not None:
             entry.khash = key_hash(key)
             if sighting:
-                entry.tick = self.reuse.sighted(entry.khash, len(self._entries))
+                entry.tick = self.reuse.sighted(entry.khash)
+                self.duel.sighted(key, False, len(self._entries))
             else:
                 entry.tick = self.reuse.state(entry.khash)[1]
         if key not in self._children:

@@ -70,23 +70,26 @@ class PrefixAwareEviction(EvictionPolicy):
 
 class ValueEviction(EvictionPolicy):
     """Keep the chunks worth the most per byte: evict the leaf of least *value density*,
-    ``odds(sightings) x tokens per byte / (age + 2 x entries)``, among ``SAMPLES`` leaves
+    ``sightings ** w x tokens per byte / (age + 2 x entries)``, among ``SAMPLES`` leaves
     drawn at random.
 
-    - ``odds``: how likely a key sighted that many times is to be sighted again soon,
-      learned from the workload (:meth:`~persisting.kv.reuse.ReuseStats.reuse_odds`):
-      frequency, weighted by what it predicts here.
+    - ``sightings``: puts and hits of the key, remembered after it is evicted (ghosts:
+      :class:`~persisting.kv.reuse.ReuseStats`), so a chunk used often stays longer and
+      one that comes back is known again: frequency.
+    - ``w``: how much frequency may count, in [0, 1], set by the tier's
+      :class:`~persisting.kv.reuse.RecencyDuel`: it falls while LRU would have hit more,
+      so the policy does not fall behind LRU where frequency predicts nothing.
     - ``age``: sightings of any key since this one's last, against the tier's size in
-      chunks: recency (a chunk untouched for two tier-fulls of traffic has lost half its
-      value).
+      chunks: recency (untouched for two tier-fulls of traffic, a chunk is worth half).
     - ``tokens per byte``: what a miss costs to recompute per byte the chunk holds.
     - Only leaves (chunks without a stored child) are candidates: a chain is eaten from its
       tip, so what stays is always a usable prefix, and a prefix many chains share stays
-      while any of them lives.
+      while any of them lives. A chunk's other tensor-parallel ranks go with it.
 
-    Each eviction costs ``SAMPLES`` table lookups, whatever the tier's size; the state is
-    the tier's :class:`~persisting.kv.reuse.ReuseStats` (shared and persistent for a disk
-    tier). The draws are seeded, so a replay evicts the same chunks every run.
+    Each eviction costs ``SAMPLES`` table lookups, whatever the tier's size. The counts are
+    the tier's :class:`~persisting.kv.reuse.ReuseStats`: shared by the processes writing a
+    namespace and kept across restarts for a disk tier. The draws are seeded, so a replay
+    evicts the same chunks every run.
     """
 
     name = "value"
@@ -107,7 +110,8 @@ class ValueEviction(EvictionPolicy):
             refs, last = 1, entry.tick
         age = (reuse.now - last) & TICK_MASK
         horizon = self.HALF_LIFE * max(1, len(index))
-        return reuse.reuse_odds(refs) * miss_cost_per_byte(entry.layout) / (age + horizon)
+        frequency = float(refs) ** index.duel.weight
+        return frequency * miss_cost_per_byte(entry.layout) / (age + horizon)
 
     def candidates(self, index: LruIndex[Any], evictable: Evictable | None = None) -> Iterator[str]:
         if index.reuse is None:  # stats not kept: the oldest leaves first

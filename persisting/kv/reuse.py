@@ -1,24 +1,22 @@
 """How often, and how lately, each key was used: the state the ``value`` eviction policy ranks by.
 
 A *sighting* is a put that stores a key or a read that finds it (a tier's index reports
-both). Per key this remembers, by its 64-bit hash, how many times it was sighted and when
-last, on a logical clock that counts sightings; it remembers keys no tier holds any more
-(ghosts), so a chunk evicted and put again comes back with its history. Per frequency class
-(sighted once, twice, ... eight times or more) it learns how likely a key of that class is
-to be sighted again within a horizon (four times the tier's entries): the workload's own
-answer to "is a chunk used twice worth more than one used once", so frequency counts for as
-much as it predicts, on this trace, and no more.
+both). Per key :class:`ReuseStats` remembers, by its 64-bit hash, how many times it was
+sighted and when last, on a logical clock that counts sightings; it remembers keys no tier
+holds any more (ghosts), so a chunk evicted and put again comes back with its history.
 
-Everything lives in one flat array of 64-bit words: a header (magic, clock, the class
-counts) and a table of slots in buckets of four, one word each: a 12-bit tag from the
-hash, the sighting count (8 bits, saturating) and the clock at the last sighting (44
-bits). A key new to a full bucket takes the slot sighted longest ago: the table forgets
-the coldest keys first. For a disk tier the array
-is a file, ``reuse.bin`` beside the metadata, mapped shared: every process writing the
-namespace counts into it and sees the others' counts at once, and it survives a restart.
-Updates take no lock: two processes counting at the same instant may lose a count, which
-can change an eviction choice and never data. A file that is damaged or of another version
-is replaced by an empty one (only history is lost).
+Everything lives in one flat array of 64-bit words: a header (magic, slot count, clock)
+and a table of slots in buckets of four, one word each: a 12-bit tag from the hash, the
+sighting count (8 bits, saturating) and the clock at the last sighting (44 bits). A key new
+to a full bucket takes the slot sighted longest ago: the table forgets the coldest keys
+first. For a disk tier the array is a file, ``reuse.bin`` beside the metadata, mapped
+shared: every process writing the namespace counts into it and sees the others' counts at
+once, and it survives a restart. Updates take no lock: two processes counting at the same
+instant may lose a count, which can change an eviction choice and never data. A file that
+is damaged or of another version is replaced by an empty one (only history is lost).
+
+:class:`RecencyDuel` decides, per tier and process, how much frequency may count: it runs
+LRU beside the tier on keys alone and weighs frequency down while LRU would have hit more.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import logging
 import mmap
 import os
 import struct
+from collections import OrderedDict
 from pathlib import Path
 
 import xxhash
@@ -38,11 +37,8 @@ log = logging.getLogger(__name__)
 
 FILE_NAME = "reuse.bin"
 _MAGIC = int.from_bytes(b"PKVREUS1", "little")
-#: Frequency classes: sighted 1, 2, ..., ``CLASSES`` times or more.
-CLASSES = 8
-#: Header words: magic, slot count, clock, then (sightings entering, re-sightings within
-#: the horizon) per class 1..CLASSES as doubles.
-_HEAD_WORDS = 3 + 2 * CLASSES
+#: Header words: magic, slot count, clock.
+_HEAD_WORDS = 3
 _CLOCK = 2
 _TAG_BITS, _REFS_BITS, _TICK_BITS = 12, 8, 44
 TICK_MASK = (1 << _TICK_BITS) - 1
@@ -52,11 +48,6 @@ _TAG_SHIFT = _REFS_BITS + _TICK_BITS
 #: Slots per bucket: a key may sit in any slot of its bucket, and a new key takes the
 #: slot sighted longest ago, so a hot key is not pushed out by a cold one that collides.
 WAYS = 4
-#: Class counts are multiplied by ``DECAY`` every ``DECAY_EVERY`` sightings, so they follow
-#: a workload that changes (a count's weight halves in about 100k sightings).
-DECAY, DECAY_EVERY = 0.9, 1 << 14
-#: Re-sightings within ``HORIZON`` x the tier's entries count as reuse for the classes.
-HORIZON = 4
 MIN_SLOTS, MAX_SLOTS = 1 << 12, 1 << 23
 
 
@@ -78,21 +69,15 @@ def file_bytes(slots: int) -> int:
 
 
 class ReuseStats:
-    """Sighting counts and last sightings per key hash, and reuse odds per frequency class."""
+    """Sighting counts and last sightings per key hash, on a clock of sightings."""
 
     def __init__(self, owner: mmap.mmap | bytearray, path: Path | None):
         self._owner = owner
         self._words = words = memoryview(owner).cast("Q")
-        #: The same header words seen as doubles (the class counts).
-        self._doubles = memoryview(owner).cast("d")
         self.path = path
         self.slots = int(words[1])
         self._mask = self.slots - 1
         self._shift = self.slots.bit_length() - 1
-        #: Reuse odds per class (index 1..CLASSES), recomputed when the counts decay.
-        self._odds = [0.5] * (CLASSES + 1)
-        self._odds_at = -1
-        self._entries = 1
 
     # -- making one -------------------------------------------------------------------
 
@@ -165,45 +150,16 @@ class ReuseStats:
                 return (word >> _TICK_BITS) & _REFS_MAX, word & TICK_MASK
         return 0, 0
 
-    def sighted(self, khash: int, entries: int | None = None) -> int:
-        """Count a sighting of ``khash`` in a tier of ``entries`` chunks (default: as many
-        as at the last sighting counted with a size); returns the clock."""
-        if entries is None:
-            entries = self._entries
-        else:
-            self._entries = entries
+    def sighted(self, khash: int) -> int:
+        """Count a sighting of ``khash``; returns the clock."""
         words = self._words
         now = (int(words[_CLOCK]) + 1) & TICK_MASK
         words[_CLOCK] = now
         at, word = self._find(khash)
-        refs, last = (word >> _TICK_BITS) & _REFS_MAX, word & TICK_MASK
-        if refs and (now - last) & TICK_MASK <= HORIZON * max(1, entries):
-            self._add(2 * min(refs, CLASSES) + 1, 1.0)  # class ``refs`` was reused
-        self._add(2 * min(refs + 1, CLASSES), 1.0)  # one more key reached ``refs + 1``
+        refs = min(((word >> _TICK_BITS) & _REFS_MAX) + 1, _REFS_MAX)
         tag = (khash >> self._shift) & _TAG_MASK
-        words[at] = (tag << _TAG_SHIFT) | (min(refs + 1, _REFS_MAX) << _TICK_BITS) | now
-        if now % DECAY_EVERY == 0:
-            for i in range(2, 2 * CLASSES + 2):
-                self._add(i, 0.0, DECAY)
+        words[at] = (tag << _TAG_SHIFT) | (refs << _TICK_BITS) | now
         return now
-
-    def reuse_odds(self, refs: int) -> float:
-        """How likely a key sighted ``refs`` times is to be sighted again within the
-        horizon, as learned so far (Laplace-smoothed: 0.5 before any evidence)."""
-        now = self.now
-        if now != self._odds_at:
-            self._odds_at = now
-            for c in range(1, CLASSES + 1):
-                entered, reused = self._get(2 * c), self._get(2 * c + 1)
-                self._odds[c] = (reused + 1.0) / (entered + 2.0)
-        return self._odds[max(1, min(refs, CLASSES))]
-
-    # Class counts are doubles in the header's words 3.. (class c: 2c+1 entered, 2c+2 reused).
-    def _get(self, i: int) -> float:
-        return float(self._doubles[i + 1])
-
-    def _add(self, i: int, delta: float, scale: float = 1.0) -> None:
-        self._doubles[i + 1] = self._doubles[i + 1] * scale + delta
 
     # -- upkeep -----------------------------------------------------------------------
 
@@ -216,10 +172,50 @@ class ReuseStats:
     def close(self) -> None:
         self.flush()
         self._words.release()
-        self._doubles.release()
         if isinstance(self._owner, mmap.mmap):
             with contextlib.suppress(BufferError):
                 self._owner.close()
+
+
+class RecencyDuel:
+    """How much frequency may count in a tier: ``weight`` in [0, 1], the exponent of the
+    sighting count in the ``value`` policy's density (0: recency alone, LRU's order).
+
+    Beside the tier it runs LRU on keys alone (a shadow holding as many keys as the tier
+    holds chunks, every sighting admitted) and counts, per window of as many sightings,
+    the hits each had. A window the tier lost halves the weight; one it did not lose adds a
+    tenth, up to 1. So where recency alone does better -- a tier large for the workload, a
+    workload whose frequencies do not predict its next uses -- frequency fades until the
+    tier keeps up with LRU, and comes back where it wins. Per process and tier, in memory
+    (it costs a key reference and a dictionary entry per chunk).
+    """
+
+    DOWN, UP = 0.5, 0.1
+
+    def __init__(self) -> None:
+        self.weight = 1.0
+        self._shadow: OrderedDict[str, None] = OrderedDict()
+        self._hits = self._shadow_hits = self._seen = 0
+
+    def sighted(self, key: str, hit: bool, entries: int) -> None:
+        """A sighting of ``key``: a hit of the tier (``hit``) or a put; ``entries`` is the
+        tier's size in chunks."""
+        shadow = self._shadow
+        if key in shadow:
+            shadow.move_to_end(key)
+            self._shadow_hits += 1
+        else:
+            shadow[key] = None
+            while len(shadow) > max(1, entries):
+                shadow.popitem(last=False)
+        self._hits += hit
+        self._seen += 1
+        if self._seen >= max(1, entries):
+            if self._hits < self._shadow_hits:
+                self.weight *= self.DOWN
+            else:
+                self.weight = min(1.0, self.weight + self.UP)
+            self._hits = self._shadow_hits = self._seen = 0
 
 
 def _valid_slots(fd: int, size: int) -> int | None:
@@ -232,4 +228,12 @@ def _valid_slots(fd: int, size: int) -> int | None:
     return int(slots)
 
 
-__all__ = ["CLASSES", "FILE_NAME", "TICK_MASK", "ReuseStats", "file_bytes", "key_hash", "slots_for"]
+__all__ = [
+    "FILE_NAME",
+    "TICK_MASK",
+    "RecencyDuel",
+    "ReuseStats",
+    "file_bytes",
+    "key_hash",
+    "slots_for",
+]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from persisting.planner.budget import plan_capacity
+from persisting.planner.budget import CapacityPlan, plan_capacity
 from persisting.planner.inputs import PlanInputs
 
 
@@ -63,9 +63,13 @@ def ttft_model(prompt_tokens: int, **inputs: Any) -> TtftModel | None:
     :class:`PlanInputs` fields (``model`` or ``bytes_per_token``, ``tp``,
     ``prefill_tokens_per_s`` or ``gpu``, ``mfu``, ``disk_read``). None when no prefill
     rate can be had (neither given nor a GPU with a model preset)."""
-    plan = plan_capacity(
-        PlanInputs(prefix_tokens=max(1, prompt_tokens), prefixes=1, rps=1, **inputs)
+    return ttft_of(
+        plan_capacity(PlanInputs(prefix_tokens=max(1, prompt_tokens), prefixes=1, rps=1, **inputs))
     )
+
+
+def ttft_of(plan: CapacityPlan) -> TtftModel | None:
+    """The TTFT prices of a plan made with a prefill rate (None without one)."""
     recompute = plan.recompute
     if recompute is None:
         return None
@@ -77,4 +81,4 @@ def ttft_model(prompt_tokens: int, **inputs: Any) -> TtftModel | None:
     )
 
 
-__all__ = ["TtftModel", "ttft_model"]
+__all__ = ["TtftModel", "ttft_model", "ttft_of"]

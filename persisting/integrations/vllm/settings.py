@@ -12,10 +12,11 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from persisting.config import DEFAULT_EVICTION, Eviction
 from persisting.errors import ConfigError
 
 #: Keys vLLM's OffloadingConnector itself reads from the same dict (vLLM 0.32).
@@ -50,9 +51,10 @@ class ConnectorSettings:
     durability: Literal["sync", "async", "write_back"] = "sync"
     #: Whether sync stores are fsynced (False: whole and renamed into place, not flushed).
     fsync: bool = True
-    #: Eviction order: "lru", "prefix" (a prompt's later blocks go before earlier ones) or
-    #: "value" (keeps what will be reused; its counts are shared by the namespace's engines).
-    eviction: Literal["lru", "prefix", "value"] = "lru"
+    #: Eviction order: "value" (keeps what will be reused; its counts are shared by the
+    #: namespace's engines), "lru", or "prefix" (a prompt's later blocks go before earlier
+    #: ones).
+    eviction: Eviction = DEFAULT_EVICTION
     #: A readable prefix of the namespace directory (default: the model's last path part);
     #: a digest of the KV layout is always appended.
     namespace: str | None = None
@@ -74,7 +76,7 @@ _FIELDS = tuple(ConnectorSettings.__dataclass_fields__)
 _SIZES = {"disk_bytes", "memory_bytes"}
 _CHOICES: dict[str, tuple[str, ...]] = {
     "durability": ("sync", "async", "write_back"),
-    "eviction": ("lru", "prefix", "value"),
+    "eviction": get_args(Eviction),
 }
 
 
