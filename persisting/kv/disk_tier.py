@@ -398,7 +398,17 @@ class DiskTier:
             subdirs = {
                 self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)
             }
-            self._budget.reserve(sum(sizes), headroom=self._budget.growth_of(subdirs))
+            headroom = self._budget.growth_of(subdirs)
+            keep = self._leading_fit(sizes, headroom)
+            if keep < len(todo):  # the batch alone is over the budget: its head is kept
+                log.info(
+                    "a %d-value batch is over the %d-byte disk budget: storing its first %d",
+                    len(todo),
+                    self.capacity,
+                    keep,
+                )
+                del todo[keep:], sizes[keep:], tags[keep:]
+            self._budget.reserve(sum(sizes), headroom=headroom)
             pending: list[PendingFile] = []
             try:
                 for it, tag, size in zip(todo, tags, sizes, strict=True):
@@ -456,6 +466,20 @@ class DiskTier:
             self.usage.add(-released)
         self.meta.add(rows)
         return {row.key for row in rows}
+
+    def _leading_fit(self, sizes: list[int], headroom: int) -> int:
+        """How many leading items of a batch of files of ``sizes`` the budget can hold,
+        with everything else evicted (all of them, usually). A prompt longer than the
+        budget keeps its first chunks -- a prefix still hits -- rather than none; at least
+        one is tried, so a batch that cannot start fails as it always did."""
+        room = self.capacity - self.usage.overhead() - self.usage.reserved() - headroom
+        total = keep = 0
+        for size in sizes:
+            if total + size > room:
+                break
+            total += size
+            keep += 1
+        return max(1, keep)
 
     def _evict(self, need: int) -> int:
         """Unlink victims until ``need`` bytes are freed (caller holds the usage lock).

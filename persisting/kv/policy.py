@@ -84,7 +84,9 @@ class ValueEviction(EvictionPolicy):
     - ``tokens per byte``: what a miss costs to recompute per byte the chunk holds.
     - Only leaves (chunks without a stored child) are candidates: a chain is eaten from its
       tip, so what stays is always a usable prefix, and a prefix many chains share stays
-      while any of them lives. A chunk's other tensor-parallel ranks go with it.
+      while any of them lives. A chunk whose parent is not stored is worth nothing (a
+      lookup never reaches it) and goes first. A chunk's other tensor-parallel ranks go
+      with it.
 
     Each eviction costs ``SAMPLES`` table lookups, whatever the tier's size. The counts are
     the tier's :class:`~persisting.kv.reuse.ReuseStats`: shared by the processes writing a
@@ -105,6 +107,8 @@ class ValueEviction(EvictionPolicy):
         """The value per byte of keeping ``entry`` (higher: keep longer)."""
         reuse = index.reuse
         assert reuse is not None
+        if entry.parent is not None and entry.parent not in index:
+            return 0.0  # its prefix is gone: a lookup never reaches it
         refs, last = reuse.state(entry.khash)
         if refs == 0:  # forgotten (its slot was taken): what this process saw of it
             refs, last = 1, entry.tick
