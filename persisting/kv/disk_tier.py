@@ -493,16 +493,9 @@ class DiskTier:
         while released < need:
             now = time.monotonic()
             with self._lock:
-                victims: list[tuple[str, DiskEntry]] = []
-                planned = 0
-                for key in self.policy.candidates(self.index, _unleased(now)):
-                    entry = self.index.get(key)
-                    if entry is None or entry.busy or entry.lease_until > now:
-                        continue
-                    victims.append((key, entry))
-                    planned += file_size(entry.layout.nbytes)
-                    if released + planned >= need:
-                        break
+                victims: list[tuple[str, DiskEntry]] = self.policy.victims(
+                    self.index, need - released, _file_bytes, _unleased(now)
+                )
                 for key, _entry in victims:
                     self.index.pop(key)
             if not victims:
@@ -638,6 +631,10 @@ class DiskTier:
             self.files.release_file(self._alive)
         self.usage.close()
         self.files.close()
+
+
+def _file_bytes(entry: DiskEntry) -> int:
+    return file_size(entry.layout.nbytes)
 
 
 def _unleased(now: float) -> Callable[[str, DiskEntry], bool]:

@@ -86,20 +86,11 @@ class MemoryTier:
         need = self.index.bytes + nbytes - self.capacity
         if need <= 0:
             return []
-        victims: list[str] = []
-        freed = 0
-        for key in self.policy.candidates(self.index, _evictable):
-            entry = self.index.get(key)
-            if entry is None or entry.busy:
-                continue
-            victims.append(key)
-            freed += entry.layout.nbytes
-            if freed >= need:
-                break
-        if freed < need:
+        victims = self.policy.victims(self.index, need, _nbytes, _evictable)
+        if sum(entry.layout.nbytes for _key, entry in victims) < need:
             return []
         evicted = []
-        for key in victims:
+        for key, _entry in victims:
             entry = self.index.pop(key)
             if entry is not None:
                 evicted.append((key, entry))
@@ -135,6 +126,10 @@ class MemoryTier:
 
 def _evictable(_key: str, entry: MemoryEntry) -> bool:
     return not entry.busy
+
+
+def _nbytes(entry: MemoryEntry) -> int:
+    return entry.layout.nbytes
 
 
 __all__ = ["MemoryTier"]

@@ -33,6 +33,35 @@ class EvictionPolicy(ABC):
         """Distinct keys, best victim first, each ``evictable`` (when given). Lazy: the
         caller takes what it needs, then removes them (not while iterating)."""
 
+    def groups(
+        self, index: LruIndex[Any], evictable: Evictable | None = None
+    ) -> Iterator[list[str]]:
+        """The candidates in groups that go together (one key each, unless the policy
+        keeps a chunk's tensor-parallel ranks together)."""
+        return ([key] for key in self.candidates(index, evictable))
+
+    def victims(
+        self,
+        index: LruIndex[Any],
+        need: int,
+        size_of: Callable[[Any], int],
+        evictable: Evictable | None = None,
+    ) -> list[tuple[str, Any]]:
+        """Whole groups of victims, best first, until they free ``need`` bytes (an entry
+        frees ``size_of(entry)``); fewer when nothing more may go. Chosen before any is
+        removed: the caller removes them."""
+        chosen: list[tuple[str, Any]] = []
+        freed = 0
+        for group in self.groups(index, evictable):
+            for key in group:
+                entry = index.get(key)
+                if entry is not None:
+                    chosen.append((key, entry))
+                    freed += size_of(entry)
+            if freed >= need:
+                break
+        return chosen
+
 
 def _usable(
     index: LruIndex[Any], keys: Iterable[str], evictable: Evictable | None
@@ -118,8 +147,14 @@ class ValueEviction(EvictionPolicy):
         return frequency * miss_cost_per_byte(entry.layout) / (age + horizon)
 
     def candidates(self, index: LruIndex[Any], evictable: Evictable | None = None) -> Iterator[str]:
+        for group in self.groups(index, evictable):
+            yield from group
+
+    def groups(
+        self, index: LruIndex[Any], evictable: Evictable | None = None
+    ) -> Iterator[list[str]]:
         if index.reuse is None:  # stats not kept: the oldest leaves first
-            yield from PrefixAwareEviction().candidates(index, evictable)
+            yield from PrefixAwareEviction().groups(index, evictable)
             return
         taken: set[str] = set()
         # Parents whose every stored child was taken: leaves once those go.
@@ -145,21 +180,22 @@ class ValueEviction(EvictionPolicy):
             if best is None or best_entry is None:
                 break
             # The chunk's other ranks go with it: a block is a hit only with all of them.
-            victims = [(best, best_entry), *_siblings(index, best, taken, evictable)]
-            for key, entry in victims:
-                if key != best and index.children(key) > gone_children.get(key, 0):
-                    continue  # that rank's chain goes on: not a leaf there
+            group = [(best, best_entry)]
+            for other, entry in _siblings(index, best, taken, evictable):
+                if index.children(other) <= gone_children.get(other, 0):  # a leaf there too
+                    group.append((other, entry))
+            for key, entry in group:
                 taken.add(key)
-                yield key
                 parent = entry.parent
                 if parent is not None and parent in index and parent not in taken:
                     gone = gone_children.get(parent, 0) + 1
                     gone_children[parent] = gone
                     if gone == index.children(parent):
                         became_leaves.append(parent)
+            yield [key for key, _entry in group]
         # Every draw met a busy or taken key: walk the rest, oldest leaves first.
         rest = PrefixAwareEviction().candidates(index, evictable)
-        yield from (key for key in rest if key not in taken)
+        yield from ([key] for key in rest if key not in taken)
 
 
 def _siblings(

@@ -1,0 +1,48 @@
+"""A prompt longer than the disk budget keeps its first chunks, across a restart, when its
+chunks come with their parents (issue 40: ``eviction = "prefix"`` kept nothing reusable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from persisting.kv import open_kv_store
+from persisting.kv.payload_files import file_size
+from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key
+
+PROMPT = [key(i) for i in range(15)]
+PARENTS = [None, *PROMPT[:-1]]
+#: Room for eleven of the fifteen 1 MiB chunks.
+BUDGET = 11 * file_size(big(0).numel() * 2) + OVERHEAD_ROOM
+
+
+def reused_after_restart(root: Path, eviction: str, batch: bool) -> int:
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=BUDGET, eviction=eviction) as s:
+        if batch:
+            s.batched_put(PROMPT, [big(i) for i in range(15)], parents=PARENTS)
+        else:  # one store call per block, as an engine saving blocks as they fill
+            for i, k in enumerate(PROMPT):
+                s.put(k, big(i), parent=PARENTS[i])
+        assert s.stats()["disk_evictions"] > 0 or batch
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=BUDGET, eviction=eviction) as s:
+        return s.lookup_prefix(PROMPT)
+
+
+@pytest.mark.parametrize("eviction", ["prefix", "value"])
+def test_block_by_block_the_first_chunks_stay(root: Path, eviction: str) -> None:
+    kept = reused_after_restart(root, eviction, batch=False)
+    assert kept >= 7, kept  # later chunks went first; the head of the prompt hits
+    if eviction == "value":  # a chunk whose parent is gone is worth nothing: it goes first
+        assert kept == 10
+
+
+@pytest.mark.parametrize("eviction", ["prefix", "value", "lru"])
+def test_one_batch_over_the_budget_keeps_its_head(root: Path, eviction: str) -> None:
+    # the whole batch cannot fit: the budget takes its leading chunks (it stored none)
+    assert reused_after_restart(root, eviction, batch=True) == 11
+
+
+def test_lru_without_chains_loses_the_head(root: Path) -> None:
+    # what the connector did without parents: the first chunks are the oldest, and go
+    assert reused_after_restart(root, "lru", batch=False) == 0
