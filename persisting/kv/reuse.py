@@ -6,14 +6,15 @@ sighted and when last, on a logical clock that counts sightings; it remembers ke
 holds any more (ghosts), so a chunk evicted and put again comes back with its history.
 
 Everything lives in one flat array of 64-bit words: a header (magic, slot count, clock)
-and a table of slots in buckets of four, one word each: a 12-bit tag from the hash, the
-sighting count (8 bits, saturating) and the clock at the last sighting (44 bits). A key new
-to a full bucket takes the slot sighted longest ago: the table forgets the coldest keys
-first. For a disk tier the array is a file, ``reuse.bin`` beside the metadata, mapped
-shared: every process writing the namespace counts into it and sees the others' counts at
-once, and it survives a restart. Updates take no lock: two processes counting at the same
-instant may lose a count, which can change an eviction choice and never data. A file that
-is damaged or of another version is replaced by an empty one (only history is lost).
+and a table of slots in buckets of four, two words each: the key's hash (a slot never
+mistakes one key for another) and the sighting count (8 bits, saturating) with the clock
+at the last sighting (44 bits). A key new to a full bucket takes the slot sighted longest
+ago: the table forgets the coldest keys first. For a disk tier the array is a file,
+``reuse.bin`` beside the metadata, mapped shared: every process writing the namespace
+counts into it and sees the others' counts at once, and it survives a restart. Updates
+take no lock: two processes counting at the same instant may lose a count, which can
+change an eviction choice and never data. A file that is damaged or of another version is
+replaced by an empty one (only history is lost).
 
 :class:`RecencyDuel` decides, per tier and process, how much frequency may count: it runs
 LRU beside the tier on keys alone and weighs frequency down while LRU would have hit more.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import struct
@@ -36,36 +38,36 @@ from persisting.lance_store.access import CONTROL_FILE_MODE, open_private, stora
 log = logging.getLogger(__name__)
 
 FILE_NAME = "reuse.bin"
-_MAGIC = int.from_bytes(b"PKVREUS1", "little")
+_MAGIC = int.from_bytes(b"PKVREUS2", "little")
 #: Header words: magic, slot count, clock.
 _HEAD_WORDS = 3
 _CLOCK = 2
-_TAG_BITS, _REFS_BITS, _TICK_BITS = 12, 8, 44
+_REFS_BITS, _TICK_BITS = 8, 44
 TICK_MASK = (1 << _TICK_BITS) - 1
 _REFS_MAX = (1 << _REFS_BITS) - 1
-_TAG_MASK = (1 << _TAG_BITS) - 1
-_TAG_SHIFT = _REFS_BITS + _TICK_BITS
 #: Slots per bucket: a key may sit in any slot of its bucket, and a new key takes the
 #: slot sighted longest ago, so a hot key is not pushed out by a cold one that collides.
 WAYS = 4
+#: Words per slot: the key's hash, then its count and last sighting.
+_SLOT_WORDS = 2
 MIN_SLOTS, MAX_SLOTS = 1 << 12, 1 << 23
 
 
 def key_hash(key: str) -> int:
-    """The 64-bit hash a key is remembered by."""
-    return xxhash.xxh3_64_intdigest(key.encode())
+    """The 64-bit hash a key is remembered by (never 0: an empty slot's)."""
+    return xxhash.xxh3_64_intdigest(key.encode()) or 1
 
 
 def slots_for(capacity_bytes: int, minimum: int = MIN_SLOTS) -> int:
-    """Table slots for a tier of ``capacity_bytes``: one per 2 KiB of budget (a table of 8
+    """Table slots for a tier of ``capacity_bytes``: one per 4 KiB of budget (a table of 16
     bytes per slot is 1/256 of the budget), a power of two in [``minimum``, ``MAX_SLOTS``]."""
-    want = max(minimum, capacity_bytes // 2048)
+    want = max(minimum, capacity_bytes // 4096)
     slots = 1 << max(0, want - 1).bit_length()
     return max(minimum, min(MAX_SLOTS, slots))
 
 
 def file_bytes(slots: int) -> int:
-    return 8 * (_HEAD_WORDS + slots)
+    return 8 * (_HEAD_WORDS + _SLOT_WORDS * slots)
 
 
 class ReuseStats:
@@ -77,7 +79,6 @@ class ReuseStats:
         self.path = path
         self.slots = int(words[1])
         self._mask = self.slots - 1
-        self._shift = self.slots.bit_length() - 1
 
     # -- making one -------------------------------------------------------------------
 
@@ -120,34 +121,18 @@ class ReuseStats:
         """The clock: sightings counted so far (all processes, modulo 2**44)."""
         return int(self._words[_CLOCK]) & TICK_MASK
 
-    def _find(self, khash: int) -> tuple[int, int]:
-        """``(word index, word)`` of ``khash``'s slot in its bucket, or of the slot it would
-        take (an empty one, else the one sighted longest ago) with word 0."""
-        words = self._words
-        base = _HEAD_WORDS + (khash & self._mask & ~(WAYS - 1))
-        tag = (khash >> self._shift) & _TAG_MASK
-        for at in range(base, base + WAYS):
-            word = words[at]
-            if word and word >> _TAG_SHIFT == tag:
-                return at, word
-        now = int(words[_CLOCK])
-        victim, oldest = base, -1
-        for at in range(base, base + WAYS):
-            word = words[at]
-            age = (now - word) & TICK_MASK if word else TICK_MASK + 1
-            if age > oldest:
-                victim, oldest = at, age
-        return victim, 0
+    def _bucket(self, khash: int) -> int:
+        """The word index of ``khash``'s bucket (``WAYS`` slots of two words)."""
+        return _HEAD_WORDS + _SLOT_WORDS * (khash & self._mask & ~(WAYS - 1))
 
     def state(self, khash: int) -> tuple[int, int]:
         """``(sightings, clock at the last one)`` of a key hash; ``(0, 0)`` if forgotten."""
         words = self._words
-        base = _HEAD_WORDS + (khash & self._mask & ~(WAYS - 1))
-        tag = (khash >> self._shift) & _TAG_MASK
-        for at in range(base, base + WAYS):
-            word = words[at]
-            if word and word >> _TAG_SHIFT == tag:
-                return (word >> _TICK_BITS) & _REFS_MAX, word & TICK_MASK
+        base = self._bucket(khash)
+        for at in range(base, base + _SLOT_WORDS * WAYS, _SLOT_WORDS):
+            if words[at] == khash:
+                value = words[at + 1]
+                return (value >> _TICK_BITS) & _REFS_MAX, value & TICK_MASK
         return 0, 0
 
     def sighted(self, khash: int) -> int:
@@ -155,10 +140,18 @@ class ReuseStats:
         words = self._words
         now = (int(words[_CLOCK]) + 1) & TICK_MASK
         words[_CLOCK] = now
-        at, word = self._find(khash)
-        refs = min(((word >> _TICK_BITS) & _REFS_MAX) + 1, _REFS_MAX)
-        tag = (khash >> self._shift) & _TAG_MASK
-        words[at] = (tag << _TAG_SHIFT) | (refs << _TICK_BITS) | now
+        base = self._bucket(khash)
+        slot, refs, oldest = base, 0, -1
+        for at in range(base, base + _SLOT_WORDS * WAYS, _SLOT_WORDS):
+            if words[at] == khash:
+                slot, refs = at, (words[at + 1] >> _TICK_BITS) & _REFS_MAX
+                break
+            # else take the empty slot, or the one sighted longest ago
+            age = (now - words[at + 1]) & TICK_MASK if words[at] else TICK_MASK + 1
+            if age > oldest:
+                slot, oldest = at, age
+        words[slot] = khash
+        words[slot + 1] = (min(refs + 1, _REFS_MAX) << _TICK_BITS) | now
         return now
 
     # -- upkeep -----------------------------------------------------------------------
@@ -183,14 +176,15 @@ class RecencyDuel:
 
     Beside the tier it runs LRU on keys alone (a shadow holding as many keys as the tier
     holds chunks, every sighting admitted) and counts, per window of as many sightings,
-    the hits each had. A window the tier lost halves the weight; one it did not lose adds a
-    tenth, up to 1. So where recency alone does better -- a tier large for the workload, a
-    workload whose frequencies do not predict its next uses -- frequency fades until the
-    tier keeps up with LRU, and comes back where it wins. Per process and tier, in memory
-    (it costs a key reference and a dictionary entry per chunk).
+    the hits each had. A window the tier lost by more than chance would (``Z`` standard
+    deviations of the hit counts) halves the weight; one it did not lose adds a tenth, up
+    to 1. So where recency alone does better -- a tier large for the workload, a workload
+    whose frequencies do not predict its next uses -- frequency fades until the tier keeps
+    up with LRU, and comes back where it wins. Per process and tier, in memory (it costs a
+    key reference and a dictionary entry per chunk).
     """
 
-    DOWN, UP = 0.5, 0.1
+    DOWN, UP, Z = 0.5, 0.1, 2.0
 
     def __init__(self) -> None:
         self.weight = 1.0
@@ -211,9 +205,10 @@ class RecencyDuel:
         self._hits += hit
         self._seen += 1
         if self._seen >= max(1, entries):
-            if self._hits < self._shadow_hits:
+            behind = self._shadow_hits - self._hits
+            if behind > self.Z * math.sqrt(self._shadow_hits + self._hits + 1):
                 self.weight *= self.DOWN
-            else:
+            elif behind <= 0:
                 self.weight = min(1.0, self.weight + self.UP)
             self._hits = self._shadow_hits = self._seen = 0
 

@@ -44,7 +44,7 @@ def test_records_become_blocks_in_file_order(tmp_path: Path) -> None:
         ('{"timestamp": 1, "hash_ids": [1, 2', "not JSON"),
         ('{"timestamp": 1, "input_length": 3}', "not a Mooncake record"),
         ('{"id": "r1", "t": 0.5, "tokens": [1, 2]}', "persisting-trace line"),
-        ('[1, 2, 3]', "must be a JSON object"),
+        ("[1, 2, 3]", "must be a JSON object"),
         ('{"timestamp": 1, "hash_ids": [1, -2]}', "'hash_ids' must be a list of integers >= 0"),
         ('{"timestamp": 1, "hash_ids": [1, true]}', "'hash_ids' must be a list of integers"),
         ('{"timestamp": -5, "hash_ids": [1]}', "'timestamp' must be a number"),

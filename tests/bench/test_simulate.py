@@ -50,14 +50,12 @@ def plain_min(requests: Sequence[Sequence[int]], capacity: int) -> tuple[int, in
             if block in cache or capacity <= 0:
                 continue
             if len(cache) >= capacity:
-
-                def next_use(b: int) -> float:
-                    later = flat[position:]
-                    return later.index(b) if b in later else float("inf")
-
+                later = flat[position:]
                 # farthest next use first; among blocks never used again, any (the hit
                 # count cannot depend on which)
-                cache.remove(max(sorted(cache), key=next_use))
+                cache.remove(
+                    max(sorted(cache), key=lambda b: later.index(b) if b in later else 1e18)
+                )
             cache.add(block)
     return hits, total
 
@@ -130,4 +128,5 @@ def test_the_stores_lru_tier_is_the_reference_lru() -> None:
     for seed in range(3):
         trace = chains(seed, 120)
         for capacity in (3, 10, 25):
-            assert policy_run(trace, capacity, "lru").hit_blocks == lru_run(trace, capacity).hit_blocks
+            store = policy_run(trace, capacity, "lru").hit_blocks
+            assert store == lru_run(trace, capacity).hit_blocks

@@ -93,7 +93,7 @@ def test_eviction_never_leaves_a_suffix_without_its_prefix() -> None:
     rng = random.Random(1)
     t = tier(40, ValueEviction())
     parent_of: dict[str, str] = {}
-    for r in range(400):
+    for _ in range(400):
         root = f"r{rng.randrange(12)}"
         names = [root] + [f"{root}-{rng.randrange(3)}-{d}" for d in range(rng.randrange(1, 8))]
         names = [n if i < 2 else f"{names[1]}/{i}" for i, n in enumerate(names)]
@@ -152,11 +152,15 @@ def test_the_duel_weighs_frequency_down_while_lru_hits_more_and_back_up() -> Non
     duel = RecencyDuel()
     # the tier missed keys LRU would have kept: each window halves the weight
     for _ in range(3):
-        for i in range(10):
-            duel.sighted(f"k{i % 5}", False, 10)
+        for i in range(40):
+            duel.sighted(f"k{i % 5}", False, 40)
+    assert duel.weight == pytest.approx(1 / 8)
+    # behind by no more than chance: left as it is
+    for i in range(40):
+        duel.sighted(f"k{i % 5}", i % 4 != 0, 40)
     assert duel.weight == pytest.approx(1 / 8)
     # the tier hits at least as often as LRU: back up a tenth a window
-    for _ in range(20):
-        for i in range(10):
-            duel.sighted(f"new{i}-{_}", True, 10)
+    for r in range(20):
+        for i in range(40):
+            duel.sighted(f"new{i}-{r}", True, 40)
     assert duel.weight == pytest.approx(1.0)
