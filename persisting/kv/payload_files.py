@@ -435,32 +435,11 @@ class PayloadFiles:
 
     def scan(self) -> Iterator[tuple[Path, int, int]]:
         """Every payload file as ``(path, key hash, tag)`` (names we did not make are skipped)."""
-        try:
-            subdirs = list(os.scandir(self.payload_dir))
-        except FileNotFoundError:
-            return
-        for sub in subdirs:
-            if not sub.is_dir():
-                continue
-            for entry in os.scandir(sub.path):
-                name = entry.name
-                if not name.endswith(".kv") or len(name) != 28:
-                    continue
-                try:
-                    h, tag = int(name[:16], 16), int(name[17:25], 16)
-                except ValueError:
-                    continue
-                yield Path(entry.path), h, tag
+        return scan_payload(self.directory)
 
     def subdirs(self) -> Iterator[Path]:
         """The ``payload/<hh>`` directories that exist now."""
-        try:
-            entries = list(os.scandir(self.payload_dir))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                yield Path(entry.path)
+        return payload_subdirs(self.directory)
 
     def reservation_files(self) -> Iterator[tuple[Path, int]]:
         """Metadata reservations as ``(path, reserved bytes)``, live or abandoned."""
@@ -514,6 +493,36 @@ class PayloadFiles:
             return same
         finally:
             os.close(fd)
+
+
+def payload_subdirs(directory: Path) -> Iterator[Path]:
+    """The ``payload/<hh>`` directories of namespace ``directory`` that exist now."""
+    try:
+        entries = list(os.scandir(directory / "payload"))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield Path(entry.path)
+
+
+def scan_payload(directory: Path) -> Iterator[tuple[Path, int, int]]:
+    """Every payload file of namespace ``directory`` as ``(path, key hash, tag)``, names we
+    did not make skipped; reads the directories only (creates nothing)."""
+    for sub in payload_subdirs(directory):
+        try:
+            entries = list(os.scandir(sub))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            name = entry.name
+            if not name.endswith(".kv") or len(name) != 28:
+                continue
+            try:
+                h, tag = int(name[:16], 16), int(name[17:25], 16)
+            except ValueError:
+                continue
+            yield Path(entry.path), h, tag
 
 
 def _inline(fn: Callable[..., FileHeader], *args: Any, **kwargs: Any) -> Future[FileHeader]:
