@@ -117,7 +117,14 @@ class Tiers:
             if disk_bytes > 0:
                 namespace = root.hold_model(model)
                 write_record(root.kv_path(model), model, disk_bytes, describe, root.modes)
-                disk = DiskTier(root.kv_path(model), disk_bytes, policy, on_disk_evict, root.modes)
+                disk = DiskTier(
+                    root.kv_path(model),
+                    disk_bytes,
+                    policy,
+                    on_disk_evict,
+                    root.modes,
+                    secret=root.kv_secret(),
+                )
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(
                 mode=pinned_memory,
