@@ -28,6 +28,7 @@ from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.namespace_record import write_record
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.read_activity import ReadActivity
+from persisting.kv.root_budget import RootUsage
 from persisting.kv.stats import StoreStats
 from persisting.lance_store import StorageRoot
 from persisting.lance_store.namespace_lock import NamespaceHold
@@ -128,6 +129,7 @@ class Tiers:
                     on_disk_evict,
                     root.modes,
                     secret=root.kv_secret(),
+                    root_usage=RootUsage(root, directory),
                 )
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(
