@@ -53,9 +53,7 @@ class Neighbour:
 class RootUsage:
     """What the root's namespaces other than ``own`` hold, and dropping idle ones."""
 
-    def __init__(
-        self, root: StorageRoot, own: str, clock: Callable[[], float] = time.monotonic
-    ):
+    def __init__(self, root: StorageRoot, own: str, clock: Callable[[], float] = time.monotonic):
         self.root = root
         self.own = own
         self._clock = clock
