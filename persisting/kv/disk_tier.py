@@ -228,6 +228,9 @@ class DiskTier:
         except CapacityError as exc:
             log.warning("reuse stats of %s kept in memory only: %s", self.directory, exc)
             stats = reuse.ReuseStats.in_memory(slots)
+        finally:
+            if self._budget.root_usage is not None:
+                self._budget.root_usage.forget()
         self.index.attach(stats)
 
     def _restore_order(self) -> None:

@@ -50,7 +50,7 @@ _REFS_MAX = (1 << _REFS_BITS) - 1
 WAYS = 4
 #: Words per slot: the key's hash, then its count and last sighting.
 _SLOT_WORDS = 2
-MIN_SLOTS, MAX_SLOTS = 1 << 12, 1 << 23
+MIN_SLOTS, MAX_SLOTS = 1 << 10, 1 << 23
 
 
 def key_hash(key: str) -> int:
