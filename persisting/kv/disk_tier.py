@@ -421,15 +421,20 @@ class DiskTier:
                 self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)
             }
             headroom = self._budget.growth_of(subdirs)
-            keep = self._leading_fit(sizes, headroom)
+            order = _prefix_first(todo)
+            keep = self._leading_fit([sizes[i] for i in order], headroom)
             if keep < len(todo):  # the batch alone is over the budget: its head is kept
                 log.info(
-                    "a %d-value batch is over the %d-byte disk budget: storing its first %d",
+                    "a %d-value batch is over the %d-byte disk budget: storing %d, "
+                    "prefixes first",
                     len(todo),
                     self.capacity,
                     keep,
                 )
-                del todo[keep:], sizes[keep:], tags[keep:]
+                kept = sorted(order[:keep])
+                todo[:] = [todo[i] for i in kept]
+                sizes[:] = [sizes[i] for i in kept]
+                tags[:] = [tags[i] for i in kept]
             self._budget.reserve(sum(sizes), headroom=headroom)
             pending: list[PendingFile] = []
             try:
@@ -653,6 +658,25 @@ class DiskTier:
             self.files.release_file(self._alive)
         self.usage.close()
         self.files.close()
+
+
+def _prefix_first(items: list[WriteItem]) -> list[int]:
+    """The items' indexes, each chain's prefix before its suffix (by the parents given
+    within the batch, whatever order the batch is in), else in batch order."""
+    at = {it.key: i for i, it in enumerate(items)}
+    depth: dict[int, int] = {}
+    for i in range(len(items)):
+        path = []
+        j: int | None = i
+        while j is not None and j not in depth and j not in path:
+            path.append(j)
+            parent = items[j].parent
+            j = at.get(parent) if parent is not None else None
+        base = depth.get(j, -1) if j is not None else -1
+        for k in reversed(path):
+            base += 1
+            depth[k] = base
+    return sorted(range(len(items)), key=lambda i: (depth[i], i))
 
 
 def _file_bytes(entry: DiskEntry) -> int:

@@ -17,10 +17,15 @@ PARENTS = [None, *PROMPT[:-1]]
 BUDGET = 11 * file_size(big(0).numel() * 2) + OVERHEAD_ROOM
 
 
-def reused_after_restart(root: Path, eviction: str, batch: bool) -> int:
+def reused_after_restart(root: Path, eviction: str, batch: bool, reversed_: bool = False) -> int:
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=BUDGET, eviction=eviction) as s:
         if batch:
-            s.batched_put(PROMPT, [big(i) for i in range(15)], parents=PARENTS)
+            order = list(range(15))[:: -1 if reversed_ else 1]  # LMCache's adapter: last first
+            s.batched_put(
+                [PROMPT[i] for i in order],
+                [big(i) for i in order],
+                parents=[PARENTS[i] for i in order],
+            )
         else:  # one store call per block, as an engine saving blocks as they fill
             for i, k in enumerate(PROMPT):
                 s.put(k, big(i), parent=PARENTS[i])
@@ -37,10 +42,14 @@ def test_block_by_block_the_first_chunks_stay(root: Path, eviction: str) -> None
         assert kept == 10
 
 
+@pytest.mark.parametrize("reversed_", [False, True])
 @pytest.mark.parametrize("eviction", ["prefix", "value", "lru"])
-def test_one_batch_over_the_budget_keeps_its_head(root: Path, eviction: str) -> None:
-    # the whole batch cannot fit: the budget takes its leading chunks (it stored none)
-    assert reused_after_restart(root, eviction, batch=True) == 11
+def test_one_batch_over_the_budget_keeps_its_head(
+    root: Path, eviction: str, reversed_: bool
+) -> None:
+    # the whole batch cannot fit: the budget takes its first chunks by their parents,
+    # whatever order the batch lists them in (it used to store none)
+    assert reused_after_restart(root, eviction, batch=True, reversed_=reversed_) == 11
 
 
 def test_lru_without_chains_loses_the_head(root: Path) -> None:
