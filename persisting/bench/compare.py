@@ -161,9 +161,10 @@ def simulated_replay(
 
 
 def machine_shortfall(memory_bytes: int, disk_bytes: int, root: Path | None) -> str | None:
-    """Why budgets cannot be replayed through a real store here (None when they can): a
-    memory tier over half this machine's memory, or a disk tier over the free space where
-    its root would be."""
+    """Why a replay cannot run through a real store here (None when it can): a memory tier
+    over half this machine's memory (its budget is mapped whole), or more bytes to write to
+    disk (``disk_bytes``: what the replay would write at most) than are free where its root
+    would be."""
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -175,7 +176,7 @@ def machine_shortfall(memory_bytes: int, disk_bytes: int, root: Path | None) -> 
         where = where.parent
     free = shutil.disk_usage(where).free
     if disk_bytes > free:
-        return f"a {disk_bytes:,}-byte disk tier is over the {free:,} bytes free at {where}"
+        return f"{disk_bytes:,} bytes to write to disk are over the {free:,} free at {where}"
     return None
 
 

@@ -27,6 +27,7 @@ from typing import NoReturn
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
 from persisting.kv import recency, reuse
+from persisting.kv.batch_fit import heads_that_fit
 from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout
@@ -214,24 +215,12 @@ class DiskTier:
         self._adopt_unknown_files(on_disk, record=True)
 
     def _open_reuse(self) -> None:
-        """Attach the namespace's shared reuse stats when the policy ranks by them: the
-        file is made (its bytes reserved first) the first time; a budget too small for it
-        keeps them in this process only."""
-        if not self.policy.uses_reuse_stats:
-            return
-        slots = reuse.slots_for(self.capacity)
-        new = not (self.directory / reuse.FILE_NAME).exists()
-        bound = reuse.file_bytes(slots) if new else 0
-        try:
-            with self._budget.metadata_growth(lambda: bound):
-                stats = reuse.ReuseStats.open_file(self.directory, slots)
-        except CapacityError as exc:
-            log.warning("reuse stats of %s kept in memory only: %s", self.directory, exc)
-            stats = reuse.ReuseStats.in_memory(slots)
-        finally:
-            if self._budget.root_usage is not None:
+        """Attach the namespace's shared reuse stats when the policy ranks by them."""
+        if self.policy.uses_reuse_stats:
+            growth = self._budget.metadata_growth
+            self.index.attach(reuse.open_shared(self.directory, self.capacity, growth))
+            if self._budget.root_usage is not None:  # not the root as it was while opening
                 self._budget.root_usage.forget()
-        self.index.attach(stats)
 
     def _restore_order(self) -> None:
         """Put the index back in the eviction order saved by the last close or flush."""
@@ -421,17 +410,10 @@ class DiskTier:
                 self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)
             }
             headroom = self._budget.growth_of(subdirs)
-            order = _prefix_first(todo)
-            keep = self._leading_fit([sizes[i] for i in order], headroom)
-            if keep < len(todo):  # the batch alone is over the budget: its head is kept
-                log.info(
-                    "a %d-value batch is over the %d-byte disk budget: storing %d, "
-                    "prefixes first",
-                    len(todo),
-                    self.capacity,
-                    keep,
-                )
-                kept = sorted(order[:keep])
+            room = self.capacity - self.usage.overhead() - self.usage.reserved() - headroom
+            kept = heads_that_fit([i.key for i in todo], [i.parent for i in todo], sizes, room)
+            if len(kept) < len(todo):  # over the whole budget: its prefixes are kept
+                log.info("a batch over the disk budget: %d of %d stored", len(kept), len(todo))
                 todo[:] = [todo[i] for i in kept]
                 sizes[:] = [sizes[i] for i in kept]
                 tags[:] = [tags[i] for i in kept]
@@ -493,20 +475,6 @@ class DiskTier:
             self.usage.add(-released)
         self.meta.add(rows)
         return {row.key for row in rows}
-
-    def _leading_fit(self, sizes: list[int], headroom: int) -> int:
-        """How many leading items of a batch of files of ``sizes`` the budget can hold,
-        with everything else evicted (all of them, usually). A prompt longer than the
-        budget keeps its first chunks -- a prefix still hits -- rather than none; at least
-        one is tried, so a batch that cannot start fails as it always did."""
-        room = self.capacity - self.usage.overhead() - self.usage.reserved() - headroom
-        total = keep = 0
-        for size in sizes:
-            if total + size > room:
-                break
-            total += size
-            keep += 1
-        return max(1, keep)
 
     def _evict(self, need: int) -> int:
         """Unlink victims until ``need`` bytes are freed (caller holds the usage lock).
@@ -658,25 +626,6 @@ class DiskTier:
             self.files.release_file(self._alive)
         self.usage.close()
         self.files.close()
-
-
-def _prefix_first(items: list[WriteItem]) -> list[int]:
-    """The items' indexes, each chain's prefix before its suffix (by the parents given
-    within the batch, whatever order the batch is in), else in batch order."""
-    at = {it.key: i for i, it in enumerate(items)}
-    depth: dict[int, int] = {}
-    for i in range(len(items)):
-        path = []
-        j: int | None = i
-        while j is not None and j not in depth and j not in path:
-            path.append(j)
-            parent = items[j].parent
-            j = at.get(parent) if parent is not None else None
-        base = depth.get(j, -1) if j is not None else -1
-        for k in reversed(path):
-            base += 1
-            depth[k] = base
-    return sorted(range(len(items)), key=lambda i: (depth[i], i))
 
 
 def _file_bytes(entry: DiskEntry) -> int:

@@ -29,10 +29,13 @@ import mmap
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import xxhash
 
+from persisting.errors import CapacityError
 from persisting.lance_store.access import CONTROL_FILE_MODE, open_private, storage_error
 
 log = logging.getLogger(__name__)
@@ -213,6 +216,24 @@ class RecencyDuel:
             self._hits = self._shadow_hits = self._seen = 0
 
 
+def open_shared(
+    directory: Path,
+    capacity: int,
+    growth: Callable[[Callable[[], int]], AbstractContextManager[None]],
+) -> ReuseStats:
+    """A disk tier's stats: the namespace's file, made the first time inside ``growth``
+    (the disk budget's reservation of a metadata change, given its bound); in this process
+    only when the budget has no room for it."""
+    slots = slots_for(capacity)
+    bound = 0 if (directory / FILE_NAME).exists() else file_bytes(slots)
+    try:
+        with growth(lambda: bound):
+            return ReuseStats.open_file(directory, slots)
+    except CapacityError as exc:
+        log.warning("reuse stats of %s kept in memory only: %s", directory, exc)
+        return ReuseStats.in_memory(slots)
+
+
 def _valid_slots(fd: int, size: int) -> int | None:
     """The slot count of a whole table file, or None (absent, torn or another version)."""
     if size < file_bytes(MIN_SLOTS):
@@ -230,5 +251,6 @@ __all__ = [
     "ReuseStats",
     "file_bytes",
     "key_hash",
+    "open_shared",
     "slots_for",
 ]
