@@ -618,9 +618,9 @@ class DiskTier:
 
     def close(self) -> None:
         self.save_order()
+        self.meta.close()  # its last commit may evict, which reads the reuse stats
         if self.index.reuse is not None:
             self.index.reuse.close()
-        self.meta.close()
         self._closed = True
         if self._alive is not None:
             self.files.release_file(self._alive)
