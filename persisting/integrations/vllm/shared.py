@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from persisting.integrations.vllm.settings import ConnectorSettings
 from persisting.kv import KVStore, open_kv_store
@@ -66,8 +67,11 @@ _OPEN: dict[tuple[str, str], Namespace] = {}
 on_open: list[Callable[[Namespace], None]] = []
 
 
-def acquire(settings: ConnectorSettings, namespace: str) -> Namespace:
-    """The open namespace ``namespace`` under ``settings.storage_path`` (opened if need be)."""
+def acquire(
+    settings: ConnectorSettings, namespace: str, describe: Mapping[str, Any] | None = None
+) -> Namespace:
+    """The open namespace ``namespace`` under ``settings.storage_path`` (opened if need be;
+    ``describe``: what it holds, in words, for ``persisting inspect``)."""
     key = (str(Path(settings.storage_path).resolve()), namespace)
     with _LOCK:
         state = _OPEN.get(key)
