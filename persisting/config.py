@@ -148,6 +148,12 @@ class KVSettings(BaseModel):
     nothing."""
     max_value_bytes: Bytes = Field(default=1 * GiB, gt=0)
     """Largest value a put accepts."""
+    model_version: str | None = None
+    """The version of the weights the served models' KV comes from (persisting serve, the
+    LMCache plugin). KV of other weights is wrong KV, so each version gets a namespace of
+    its own: left unset, the weights are fingerprinted from the model's files when they are
+    on this host (a local directory or the Hugging Face cache), else only the name is
+    known and a warning asks for this setting. Change it whenever the weights change."""
     eviction: Literal["lru", "prefix"] = "lru"
     """Eviction order: "lru", or "prefix" (suffix chunks go before the prefixes they need)."""
     admission: Literal["always", "second_sighting"] = "always"
