@@ -30,8 +30,8 @@ it saw in the output, written after every step):
 - ``{"action": "lookup", "seed": 1, "count": 16}``: one lookup per chunk, a fresh request
   (no promotion waited for): ``MISS``/``HIT``/``HIT_PENDING``/``RETRY`` each;
 - ``{"action": "events"}``: stored and removed keys vLLM's KV events would publish;
-- ``{"action": "damage", "dir": D, "files": 1}``: flip bytes in the middle of that many
-  payload files under D (largest first);
+- ``{"action": "damage", "dir": D, "files": 1}``: flip bytes in the payload of that many
+  chunk files under D, the most recently written first;
 - ``{"action": "signal", "file": F}`` / ``{"action": "wait", "file": F}``: write / wait for
   a marker (two processes on one root);
 - ``{"action": "settle", "seconds": 2}``: ``os.sync()`` and a pause;
@@ -268,9 +268,9 @@ def uncache(directory: str) -> str:
 
 
 def damage(directory: str, files: int) -> list[str]:
-    """Flip 64 bytes in the middle of the payload of ``files`` files (largest first)."""
+    """Flip 64 bytes in the payload of ``files`` chunk files (the most recent first)."""
     done = []
-    for path in sorted(_payload_files(directory), key=lambda p: -p.stat().st_size)[:files]:
+    for path in sorted(_payload_files(directory), key=lambda p: -p.stat().st_mtime_ns)[:files]:
         size = path.stat().st_size
         with open(path, "r+b") as f:
             f.seek(size - size // 3)

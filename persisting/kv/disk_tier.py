@@ -102,6 +102,7 @@ class DiskTier:
         modes: FileModes = OWNER_ONLY,
         *,
         secret: bytes,
+        direct_io: bool = False,
     ):
         self.directory = directory
         self.capacity = capacity
@@ -109,7 +110,7 @@ class DiskTier:
         self.on_evict = on_evict
         self.modes = modes
         makedirs_durable(directory, modes)
-        self.files = PayloadFiles(directory, secret, modes)
+        self.files = PayloadFiles(directory, secret, modes, direct=direct_io)
         self.usage = SharedUsage(directory)
         self._budget = DiskBudget(
             directory, capacity, self.files, self.usage, evict=self._evict, refresh=self.refresh

@@ -53,7 +53,8 @@ from typing import Any
 import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
-from persisting.kv.layout import HASH_PIECE, Layout
+from persisting.kv import direct_io
+from persisting.kv.layout import HASH_PIECE, Layout, checksum
 from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
     CONTROL_FILE_MODE,
@@ -179,9 +180,14 @@ class Reservation:
 class PayloadFiles:
     """The payload directory of one model namespace."""
 
-    def __init__(self, directory: Path, secret: bytes, modes: FileModes = OWNER_ONLY):
+    def __init__(
+        self, directory: Path, secret: bytes, modes: FileModes = OWNER_ONLY, direct: bool = False
+    ):
         self.directory = directory
         self.modes = modes
+        #: Move aligned payloads with O_DIRECT (see :mod:`persisting.kv.direct_io`); cleared
+        #: once the filesystem refuses it.
+        self.direct = direct
         #: The storage root's key: headers are sealed with it (see :class:`FileHeader`).
         self.secret = secret
         self.payload_dir = directory / "payload"
@@ -296,9 +302,15 @@ class PayloadFiles:
         The tmp file is only published once whole, so a torn one is never visible.
         With ``pause`` the payload is written in pieces with ``pause()`` called before each,
         and before the fsync (which pushes the file to the disk, as costly beside reads as
-        the writes themselves)."""
+        the writes themselves). With :attr:`direct`, a hashed payload whose memory and size
+        O_DIRECT takes is hashed first and written with O_DIRECT in one piece."""
         try:
-            if hashed:
+            direct = None
+            if hashed and self.direct and direct_io.aligned(payload, HEADER_BYTES):
+                direct = self._write_direct(pending, header, payload, pause)
+            if direct is not None:
+                header = direct
+            elif hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
                 _write_all(pending.fd, [header.encode(self.secret)], offset=0)
@@ -314,6 +326,21 @@ class PayloadFiles:
         except OSError as exc:
             self.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
+        return header
+
+    def _write_direct(
+        self, pending: PendingFile, header: FileHeader, payload: memoryview, pause: Pause | None
+    ) -> FileHeader | None:
+        """Hash the payload, then write it with O_DIRECT and the header after it; None,
+        having written nothing, if the filesystem refuses O_DIRECT (not tried again)."""
+        digest = checksum(payload)
+        if pause is not None:
+            pause()
+        if not direct_io.write(pending.tmp, payload, HEADER_BYTES):
+            self.direct = False
+            return None
+        header = dataclasses.replace(header, checksum=digest)
+        _write_all(pending.fd, [header.encode(self.secret)], offset=0)
         return header
 
     def write_batch(
@@ -415,8 +442,8 @@ class PayloadFiles:
             fsync_dir(self.payload_dir)
             self._new_subdirs.difference_update(created)
 
-    @staticmethod
     def read_into(
+        self,
         path: str | os.PathLike[str],
         out: memoryview,
         *,
@@ -430,7 +457,12 @@ class PayloadFiles:
         (:func:`persisting.kv.layout.checksum`), made as it is read.
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
+        With :attr:`direct`, an aligned ``out`` is read with O_DIRECT, then hashed.
         """
+        if self.direct and direct_io.aligned(out, HEADER_BYTES):
+            if direct_io.read(path, out, HEADER_BYTES):
+                return checksum(out)
+            self.direct = False
         digest = read_file_range(
             path,
             HEADER_BYTES,

@@ -94,6 +94,10 @@ class KVStore(KVApi):
     - ``describe``: what this namespace holds, in words an operator reads in ``persisting
       inspect`` (engine, model, dtype, block size, layout, the weights' identity; JSON),
       recorded with the configured disk capacity (:mod:`~persisting.kv.namespace_record`).
+    - ``direct_io``: payload files are written and read with O_DIRECT where a value's
+      memory and size allow (4 KiB-aligned) and the filesystem does, bypassing the page
+      cache: for values another cache already holds, such as vLLM's CPU tier's rows
+      (:mod:`~persisting.kv.direct_io`).
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class KVStore(KVApi):
         pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
         describe: Mapping[str, Any] | None = None,
         namespace: str | None = None,
+        direct_io: bool = False,
     ):
         memory = size_bytes(memory_bytes, "memory_bytes")
         disk = size_bytes(disk_bytes, "disk_bytes")
@@ -154,6 +159,7 @@ class KVStore(KVApi):
             pinned_staging_bytes=staging_bytes,
             describe=describe,
             namespace=namespace,
+            direct_io=direct_io,
         )
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync

@@ -106,13 +106,16 @@ class Tiers:
         pinned_staging_bytes: int = 0,
         describe: Mapping[str, Any] | None = None,
         namespace: str | None = None,
+        direct_io: bool = False,
     ) -> Tiers:
         """The tiers of ``model`` under ``root``: a memory tier of ``memory_bytes`` (in a
         shared pool with ``shared_memory``, else pinned memory or a private arena) and, with
         ``disk_bytes``, a disk tier, whose namespace is held until :meth:`close` and whose
         record (:mod:`~persisting.kv.namespace_record`) says ``describe``. The namespace
         is ``model``'s own unless ``namespace`` names another directory (one per weights
-        version of a model, see :func:`~persisting.kv.model_identity.weights_namespace`)."""
+        version of a model, see :func:`~persisting.kv.model_identity.weights_namespace`).
+        ``direct_io``: payloads move with O_DIRECT where they can
+        (:mod:`~persisting.kv.direct_io`)."""
         directory = namespace or model
         held: NamespaceHold | None = None
         disk: DiskTier | None = None
@@ -128,6 +131,7 @@ class Tiers:
                     on_disk_evict,
                     root.modes,
                     secret=root.kv_secret(),
+                    direct_io=direct_io,
                 )
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(

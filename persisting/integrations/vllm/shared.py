@@ -68,10 +68,15 @@ on_open: list[Callable[[Namespace], None]] = []
 
 
 def acquire(
-    settings: ConnectorSettings, namespace: str, describe: Mapping[str, Any] | None = None
+    settings: ConnectorSettings,
+    namespace: str,
+    describe: Mapping[str, Any] | None = None,
+    *,
+    direct_io: bool = False,
 ) -> Namespace:
     """The open namespace ``namespace`` under ``settings.storage_path`` (opened if need be;
-    ``describe``: what it holds, in words, for ``persisting inspect``)."""
+    ``describe``: what it holds, in words, for ``persisting inspect``; ``direct_io``: its
+    payloads bypass the page cache, for values vLLM's CPU tier already holds)."""
     key = (str(Path(settings.storage_path).resolve()), namespace)
     with _LOCK:
         state = _OPEN.get(key)
@@ -96,6 +101,8 @@ def acquire(
                 result_buffer_bytes=0,
                 pinned_memory="off",
                 pinned_staging_bytes=0,
+                describe=describe,
+                direct_io=direct_io,
             )
             state = _OPEN[key] = Namespace(key, store, counters, evicted)
             for hook in on_open:

@@ -93,7 +93,11 @@ class PersistingTier(SecondaryTierManager):
         }
         self._events_on = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         self._events: deque[OffloadingEvent] = deque(maxlen=_MAX_EVENTS)
-        self.namespace = acquire(self.settings, self.namespace_name, describe=describe)
+        # O_DIRECT: the rows live in vLLM's CPU tier already; the page cache would hold them
+        # twice, and copying through it costs more CPU than the copy (persisting.kv.direct_io).
+        self.namespace = acquire(
+            self.settings, self.namespace_name, describe=describe, direct_io=True
+        )
         self.store = self.namespace.store
         self.counters = self.namespace.counters
         self.catalog = BlockCatalog(
@@ -322,8 +326,9 @@ class PersistingTier(SecondaryTierManager):
             return False
         try:
             layout = self.store.get_into(text, row)
-        except Exception as exc:
+        except Exception as exc:  # unreadable: removed, so it is stored afresh later
             log.warning("Persisting: chunk %s not promoted: %s", text, exc)
+            self._remove(text)
             return False
         finally:
             row.release()
@@ -331,6 +336,12 @@ class PersistingTier(SecondaryTierManager):
             log.warning("Persisting: chunk %s not promoted (gone or damaged)", text)
             return False
         return True
+
+    def _remove(self, text: str) -> None:
+        try:
+            self.store.remove(text)
+        except Exception as exc:
+            log.warning("Persisting: cannot remove chunk %s: %s", text, exc)
 
     def _forget_evicted(self) -> None:
         """Chunks this process's store evicted: misses from now on, reported to vLLM."""

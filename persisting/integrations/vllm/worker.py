@@ -12,9 +12,10 @@ cannot be loaded -- gone, damaged, laid out differently, an I/O error -- is neve
 if loaded: the worker reports it to vLLM, which recomputes it
 (``kv_load_failure_policy="recompute"``: by block id for a model with one KV-cache group,
 by request for several, see the connector), and reports its key to the scheduler, whose
-catalog stops offering it until it is stored afresh. A damaged block is removed from the
-store. The job itself reports success either way: vLLM's offloading worker asserts that
-every job succeeded.
+catalog stops offering it until it is stored afresh. A block found on disk but not
+loadable is removed from the store, so it is written afresh once recomputed. The job
+itself reports success either way: vLLM's offloading worker asserts that every job
+succeeded.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from persisting.errors import CapacityError, CorruptValueError, PersistingError
+from persisting.errors import CapacityError, CorruptValueError
 from persisting.integrations.vllm.blocks import BlockPages, read_rows
 from persisting.integrations.vllm.manager import PersistingBlocks
 from persisting.integrations.vllm.namespace import block_hash_of
@@ -234,11 +235,13 @@ class PersistingWorker(OffloadingWorker):
             self._failed_blocks.add(block_id)
             self._failed_keys.append(key)
             self._failed_jobs.add(job_id)
-        if isinstance(exc, CorruptValueError):
+        if not isinstance(exc, LookupError | FileNotFoundError):
+            # Damaged, laid out differently, unreadable: removed, so that the block is
+            # stored afresh (and offered again) once vLLM has recomputed it.
             try:
-                self.store.remove(key)  # damaged: the next engine stores it afresh
-            except PersistingError as remove_error:
-                log.warning("Persisting: cannot remove damaged block %s: %s", key, remove_error)
+                self.store.remove(key)
+            except Exception as remove_error:
+                log.warning("Persisting: cannot remove block %s: %s", key, remove_error)
 
     def _store(self, job_id: int, blocks: PersistingBlocks, spec: GPULoadStoreSpec) -> int:
         try:
