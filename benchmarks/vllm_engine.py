@@ -30,7 +30,9 @@ groups) and a word-level tokenizer trained here with ``tokenizers``.
 Connectors: ``persisting`` (PersistingConnector with the plan's extra config), ``lmcache``
 (vLLM's LMCacheMPConnector to a running ``lmcache server``), ``naive``
 (``benchmarks/naive_file_spec.py``: one file per block, the baseline of the TTFT
-benchmark), or none.
+benchmark), ``tiering-fs`` (vLLM's OffloadingConnector with its TieringOffloadingSpec and
+``fs`` tier: GPU engines only), or none. The plan's ``gpu_memory_utilization`` is passed on
+(GPU engines).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -145,6 +148,16 @@ def _transfer_config(connector: dict[str, Any] | None) -> Any:
                 "lmcache.mp.port": int(connector["port"]),
             },
         )
+    if kind == "tiering-fs":  # vLLM's own tiered offloading with its fs tier (GPU engines)
+        return KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": int(connector.get("cpu_bytes", 4 << 30)),
+                "secondary_tiers": [{"type": "fs", "root_dir": connector["dir"]}],
+            },
+        )
     if kind == "naive":
         return KVTransferConfig(
             kv_connector="OffloadingConnector",
@@ -192,8 +205,7 @@ def _action(step: dict[str, Any]) -> dict[str, Any]:
         return {"damaged": damaged}
     if action == "unreadable":  # opening works, reading fails (EISDIR): an I/O error
         files = _payload_files(step["dir"])
-        target = Path(step["dir"]) / "unreadable"
-        target.mkdir(exist_ok=True)
+        target = Path(tempfile.mkdtemp(prefix="unreadable-"))  # outside the storage root
         for path in files:
             path.unlink()
             path.symlink_to(target)
@@ -235,7 +247,7 @@ def run(plan: dict[str, Any], out_file: Path) -> dict[str, Any]:
 
     start = time.perf_counter()
     options: dict[str, Any] = {}
-    for name in ("block_size", "max_num_batched_tokens"):
+    for name in ("block_size", "max_num_batched_tokens", "gpu_memory_utilization"):
         if plan.get(name):
             options[name] = plan[name]
     llm = LLM(
