@@ -114,6 +114,13 @@ class Tiering:
             raise AssertionError(f"{self.name} exited {code}:\n{self._tail()}")
         return json.loads(self.out_file.read_text())
 
+    def failure(self, timeout: float = 600) -> str:
+        """The log of a process expected to fail (AssertionError if it succeeded)."""
+        code = self.proc.wait(timeout=timeout)
+        if code == 0:
+            raise AssertionError(f"{self.name} succeeded; it was expected to fail")
+        return self.log_file.read_text(errors="replace")
+
     def _tail(self) -> str:
         return self.log_file.read_text(errors="replace")[-4000:]
 

@@ -10,25 +10,29 @@ processes. Rows hold two tensor-parallel ranks' slots, each with bytes of its ow
 
 The module fixture runs, on one root:
 
-1. ``a`` and ``c`` at once (two engines sharing the root): ``a`` stores chunks ``1:*`` and
-   ``2:*``; ``c``, started before they existed, promotes ``1:*`` once ``a`` says they are
-   stored, then stores ``3:*``, which ``a`` promotes in turn;
+1. ``a`` and ``c`` at once (two engines sharing the root): once ``c`` has looked chunks
+   ``1:*`` up (misses), ``a`` stores chunks ``1:*`` and ``2:*``; ``c`` promotes ``1:*`` once
+   ``a`` says they are stored (its rescan found them), then stores ``3:*``, which ``a``
+   promotes in turn;
 2. ``b``, a new process: promotes ``1:*`` (bytes identical), then, with one payload file
    damaged, every chunk: the damaged one is a failed key, a miss on the lookup after, and
    the only one; the others are promoted with identical bytes;
 3. beside ``b``, on roots of their own: ``budget`` streams chunks through a tier with room
    for a few (and a second tier too small for any chunk); ``chain`` stores one request's
-   chunks over several steps.
+   chunks over several steps; ``held`` configures the tier with a metrics port another
+   process holds.
 """
 
 from __future__ import annotations
 
 import hashlib
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from persisting.integrations.vllm.settings import tiering_config
 from tests.engines.engine_helpers import Tiering, stored_parents
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -39,14 +43,16 @@ ROW = 2 * SLOT_KIB << 10
 
 
 def tier(root: Path, **options: Any) -> dict[str, Any]:
-    return {
-        "type": "PersistingTier",
-        "module_path": "persisting.integrations.vllm",
+    """The ``secondary_tiers`` entry PersistingConnector makes of these keys on a GPU."""
+    extra = {
         "storage_path": str(root),
         "model_version": "test-weights",
         "refresh_interval_s": 0.2,
         **options,
     }
+    (entry,) = tiering_config(extra)["secondary_tiers"]
+    assert entry["type"] == "PersistingTier"
+    return dict(entry)
 
 
 def plan(tiers: list[dict[str, Any]], steps: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -69,11 +75,12 @@ def steps_of(result: dict[str, Any], action: str) -> list[dict[str, Any]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("vllm-tier")
     root = work / "root"
-    a_ready, c_ready = work / "a.ready", work / "c.ready"
+    a_ready, c_up, c_ready = work / "a.ready", work / "c.up", work / "c.ready"
     a = Tiering(
         plan(
             [tier(root)],
             [
+                {"action": "wait", "file": str(c_up)},
                 {"action": "store", "seed": 1, "count": 12, "jobs": 3},
                 {"action": "store", "seed": 2, "count": 6, "jobs": 1},
                 {"action": "signal", "file": str(a_ready)},
@@ -89,6 +96,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             [tier(root)],
             [
                 {"action": "lookup", "seed": 1, "count": 12},
+                {"action": "signal", "file": str(c_up)},
                 {"action": "wait", "file": str(a_ready), "linger": 1.0},
                 {"action": "promote", "seed": 1, "count": 12, "jobs": 2},
                 {"action": "store", "seed": 3, "count": 6, "jobs": 1},
@@ -142,7 +150,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         work,
         "chain",
     )
-    later = {"b": b.result(), "budget": budget.result(), "chain": chain.result()}
+    with socket.socket() as taken:  # a metrics port another process holds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = Tiering(
+            plan(
+                [tier(work / "held", metrics_port=taken.getsockname()[1])],
+                [{"action": "lookup", "seed": 1, "count": 1}],
+            ),
+            work,
+            "held",
+        ).failure()
+    later = {"b": b.result(), "budget": budget.result(), "chain": chain.result(), "held": held}
     return {**shared, **later, "chain_root": chain_root, "budget_bytes": budget_bytes}
 
 
@@ -193,3 +212,9 @@ def test_each_chunk_is_stored_with_its_requests_previous_chunk_across_steps(
     chunk = [hashlib.sha256(f"6:{i}".encode()).hexdigest() for i in range(24)]
     parents = stored_parents(runs["chain_root"])
     assert parents == {chunk[i]: chunk[i - 1] if i else None for i in range(24)}
+
+
+def test_a_metrics_port_another_process_holds_stops_the_engine_at_start(
+    runs: dict[str, Any],
+) -> None:
+    assert "cannot serve metrics on 127.0.0.1:" in runs["held"]

@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -48,9 +49,10 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from persisting.integrations.vllm.catalog import BlockCatalog
-from persisting.integrations.vllm.identity import engine_namespace
-from persisting.integrations.vllm.metrics import serve_metrics
+from persisting.integrations.vllm.identity import current_engine, engine_namespace
+from persisting.integrations.vllm.metrics import serve_metrics, stop_metrics
 from persisting.integrations.vllm.namespace import block_hash_of, block_key, key_dtype
+from persisting.integrations.vllm.orphan import watch_parent
 from persisting.integrations.vllm.prefix import chain_parents
 from persisting.integrations.vllm.settings import tier_settings
 from persisting.integrations.vllm.shared import acquire, release
@@ -84,8 +86,15 @@ class PersistingTier(SecondaryTierManager):
         config = offloading_spec.config
         self.row_bytes = self.block_size_bytes
         self.num_rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
+        # Built by PersistingConnector, the engine's config is known; configured directly in
+        # secondary_tiers, it is vLLM's current config if it set one (else only the
+        # offloading config's model name: set model_version then).
         self.namespace_name, describe = engine_namespace(
-            config, self.settings, stored="tier-row", row_bytes=self.row_bytes
+            config,
+            self.settings,
+            stored="tier-row",
+            vllm_config=current_engine() or get_current_vllm_config_or_none(),
+            row_bytes=self.row_bytes,
         )
         self._dtype = key_dtype(config.model.dtype)
         self._spans = {
@@ -93,6 +102,9 @@ class PersistingTier(SecondaryTierManager):
         }
         self._events_on = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         self._events: deque[OffloadingEvent] = deque(maxlen=_MAX_EVENTS)
+        if self.settings.metrics_port is not None:
+            serve_metrics(self.settings.metrics_addr, self.settings.metrics_port)
+            watch_parent(stop_metrics)  # an engine core whose server died stops
         # O_DIRECT: the rows live in vLLM's CPU tier already; the page cache would hold them
         # twice, and copying through it costs more CPU than the copy (persisting.kv.direct_io).
         self.namespace = acquire(
@@ -113,8 +125,6 @@ class PersistingTier(SecondaryTierManager):
         self._finished: deque[JobResult] = deque()
         self._running: set[Future[None]] = set()
         self._closed = False
-        if self.settings.metrics_port is not None:
-            serve_metrics(self.settings.metrics_addr, self.settings.metrics_port)
 
     # -- vLLM's questions (scheduler thread, memory only) ---------------------------------
 
