@@ -156,7 +156,10 @@ def wait_until(test: Any, timeout: float, what: str) -> float:
 
 
 def port_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` (as the metrics server does: connections
+    of the old one may linger in TIME_WAIT)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

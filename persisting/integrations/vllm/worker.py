@@ -76,20 +76,19 @@ def pair_blocks(
 
 
 class _Refresh:
-    """Rescans a store at most once per load job, when a block is not found."""
+    """Rescans a store at most once per load job, when a block is not found: the first
+    caller rescans, the others (the job's other blocks, read at once) wait for it."""
 
     def __init__(self, namespace: Namespace):
         self._namespace = namespace
         self._lock = threading.Lock()
         self._done = False
 
-    def __call__(self) -> bool:
+    def __call__(self) -> None:
         with self._lock:
-            if self._done:
-                return False
-            self._done = True
-            self._namespace.store.refresh()
-            return True
+            if not self._done:
+                self._done = True
+                self._namespace.store.refresh()
 
 
 class PersistingWorker(OffloadingWorker):
@@ -207,12 +206,13 @@ class PersistingWorker(OffloadingWorker):
             if value is not None:
                 pages.scatter(block_id, value)
                 return pages.block_bytes
-        while True:
+        for last_try in (False, True):
             location = self.store.lease(key, LEASE_S)
             if location is None:
-                if refresh():  # stored by another engine since this store last looked?
-                    continue
-                raise LookupError("not in the store (evicted or removed since the lookup)")
+                if last_try:
+                    raise LookupError("not in the store (evicted or removed since the lookup)")
+                refresh()  # stored by another engine since this store last looked?
+                continue
             try:
                 shape = tuple(location.layout.shape)
                 if location.nbytes != pages.block_bytes or shape != pages.shape:
@@ -222,11 +222,12 @@ class PersistingWorker(OffloadingWorker):
                     )
                 return read_rows(location.path, location.offset, rows, location.checksum)
             except FileNotFoundError:  # replaced or evicted by another engine meanwhile
-                if refresh():
-                    continue
-                raise
+                if last_try:
+                    raise
+                refresh()
             finally:
                 self.store.release(key)
+        raise AssertionError("unreachable")
 
     def _failed(self, job_id: int, key: str, block_id: int, exc: Exception) -> None:
         log.warning("Persisting: block %s not loaded (%s); vLLM recomputes it", key, exc)
