@@ -131,7 +131,9 @@ class KVSettings(BaseModel):
     memory_bytes: Bytes = Field(default=2 * GiB, ge=0)
     """Memory tier budget per model (0: no memory tier)."""
     disk_bytes: Bytes = Field(default=64 * GiB, ge=0)
-    """Disk tier budget per model: payload files beyond it are evicted (0: no disk tier)."""
+    """Disk budget of the storage root (0: no disk tier): a model's namespace holds at most
+    this, less what the root's other namespaces hold; idle namespaces (an old layout or
+    weights version no live store holds) are dropped, oldest first, when in the way."""
     durability: KVDurability = "sync"
     """When a put returns: "sync" (fsynced on disk), "async" (in memory, disk write
     behind), "write_back" (in memory, written when evicted or on close)."""

@@ -28,6 +28,7 @@ from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.namespace_record import write_record
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.read_activity import ReadActivity
+from persisting.kv.root_budget import RootUsage
 from persisting.kv.stats import StoreStats
 from persisting.lance_store import StorageRoot
 from persisting.lance_store.namespace_lock import NamespaceHold
@@ -131,6 +132,7 @@ class Tiers:
                     on_disk_evict,
                     root.modes,
                     secret=root.kv_secret(),
+                    root_usage=RootUsage(root, directory),
                     direct_io=direct_io,
                 )
             pool = _open_pool(memory_bytes) if shared_memory else None
