@@ -55,6 +55,10 @@ def test_bad_settings_are_refused_by_name(extra: dict[str, object], message: str
 def test_a_tier_entry_takes_persistings_keys_and_says_why_not_the_connectors() -> None:
     settings = tier_settings({"storage_path": "/r", "disk_bytes": "1GiB", "locality": "LOCAL"})
     assert settings.disk_bytes == 1 << 30
+    assert (settings.io_threads, settings.fsync) == (16, False)  # a tier's own defaults
+    assert tier_settings({"storage_path": "/r", "fsync": True}).fsync
+    connector = connector_settings({"storage_path": "/r"})
+    assert (connector.io_threads, connector.fsync) == (4, True)
     with pytest.raises(ConfigError, match="did you mean 'disk_bytes'"):
         tier_settings({"storage_path": "/r", "disk_byts": 1})
     with pytest.raises(ConfigError, match="vLLM's CPU tier is the memory in front of this"):
