@@ -257,8 +257,13 @@ class PersistingTier(SecondaryTierManager):
             job.left -= done
             last = job.left <= 0 and not job.reported
             job.reported |= last
-        if last:
+        if not last:
+            return
+        try:
             (self._finish_load if job.loaded is not None else self._finish_store)(job)
+        except Exception as exc:  # whatever happened, vLLM hears of the job
+            log.warning("Persisting: tier job %d failed: %s", job.job_id, exc)
+            self._finished.append(JobResult(job.job_id, False))
 
     def _row(self, chunk: int) -> memoryview:
         if not 0 <= chunk < self.num_rows:
