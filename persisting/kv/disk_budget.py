@@ -93,7 +93,7 @@ class DiskBudget:
         return BLOCK * (2 * new_dirs + len(dirs) + 1)
 
     def measure_overhead(self) -> int:
-        return self.usage.measure_overhead(self.directory, self.files)
+        return self.usage.measure_overhead(self.directory)
 
     def account_overhead(self) -> None:
         """Measure the overhead and record it, evicting payload first where the whole would

@@ -37,6 +37,8 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -94,22 +96,34 @@ def file_size(nbytes: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class FileHeader:
-    """What a payload file says about itself."""
+    """What a payload file says about itself.
+
+    Its fields are sealed with the storage root's key (an HMAC-SHA256 over them, in the
+    header as ``mac``): a file whose seal does not verify was not written by a store of
+    this root -- planted, or copied in from elsewhere -- and is never indexed or served.
+    The payload's checksum is among the sealed fields, so its bytes are covered too.
+    """
 
     key: str
     layout: Layout
     checksum: int
     parent: str | None
 
-    def encode(self) -> bytes:
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "layout": self.layout.to_dict(),
+            "checksum": self.checksum,
+            "parent": self.parent,
+        }
+
+    def seal(self, secret: bytes) -> str:
+        text = json.dumps(self._fields(), sort_keys=True, separators=(",", ":"))
+        return hmac.new(secret, b"persisting-chunk\0" + text.encode(), hashlib.sha256).hexdigest()
+
+    def encode(self, secret: bytes) -> bytes:
         body = json.dumps(
-            {
-                "key": self.key,
-                "layout": self.layout.to_dict(),
-                "checksum": self.checksum,
-                "parent": self.parent,
-            },
-            separators=(",", ":"),
+            {**self._fields(), "mac": self.seal(secret)}, separators=(",", ":")
         ).encode("utf-8")
         if _PREFIX.size + len(body) > HEADER_BYTES:
             raise StorageIOError(f"header of {self.key!r} does not fit in {HEADER_BYTES} bytes")
@@ -117,7 +131,9 @@ class FileHeader:
         return head + b"\0" * (HEADER_BYTES - len(head))
 
     @classmethod
-    def decode(cls, raw: bytes) -> FileHeader:
+    def decode(cls, raw: bytes, secret: bytes | None) -> FileHeader:
+        """The header in ``raw``; with ``secret``, only if sealed with it (else
+        :class:`UnsealedFileError`)."""
         if len(raw) < _PREFIX.size:
             raise CorruptValueError("payload header is truncated")
         magic, length, digest = _PREFIX.unpack_from(raw)
@@ -125,7 +141,17 @@ class FileHeader:
         if magic != MAGIC or len(body) != length or xxhash.xxh64_intdigest(body) != digest:
             raise CorruptValueError("payload header is damaged")
         d = json.loads(body)
-        return cls(d["key"], Layout.from_dict(d["layout"]), int(d["checksum"]), d["parent"])
+        header = cls(d["key"], Layout.from_dict(d["layout"]), int(d["checksum"]), d["parent"])
+        mac = d.get("mac")
+        if secret is not None and not (
+            isinstance(mac, str) and hmac.compare_digest(mac, header.seal(secret))
+        ):
+            raise UnsealedFileError("payload file is not sealed with this storage root's key")
+        return header
+
+
+class UnsealedFileError(CorruptValueError):
+    """A payload file that a store of this root did not write (its seal does not verify)."""
 
 
 @dataclass(slots=True)
@@ -153,9 +179,11 @@ class Reservation:
 class PayloadFiles:
     """The payload directory of one model namespace."""
 
-    def __init__(self, directory: Path, modes: FileModes = OWNER_ONLY):
+    def __init__(self, directory: Path, secret: bytes, modes: FileModes = OWNER_ONLY):
         self.directory = directory
         self.modes = modes
+        #: The storage root's key: headers are sealed with it (see :class:`FileHeader`).
+        self.secret = secret
         self.payload_dir = directory / "payload"
         self._payload_text = str(self.payload_dir)
         self.tmp_dir = directory / "tmp"
@@ -247,8 +275,8 @@ class PayloadFiles:
         self.write(pending, header, payload, durable=durable)
         return self.publish(pending)
 
-    @staticmethod
     def write(
+        self,
         pending: PendingFile,
         header: FileHeader,
         payload: Payload,
@@ -274,18 +302,18 @@ class PayloadFiles:
             if hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
-                _write_all(pending.fd, [header.encode()], offset=0)
+                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
             elif pause is not None:
-                _write_all(pending.fd, [header.encode()], offset=0)
+                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
                 _write_paused(pending.fd, payload, HEADER_BYTES, pause)
             else:
-                _write_all(pending.fd, [header.encode(), *payload_parts(payload)])
+                _write_all(pending.fd, [header.encode(self.secret), *payload_parts(payload)])
             if durable:
                 if pause is not None:
                     pause()  # the fsync pushes the file to the disk: not beside reads
                 fsync_fd(pending.fd)
         except OSError as exc:
-            PayloadFiles.abort(pending)
+            self.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
         return header
 
@@ -345,7 +373,7 @@ class PayloadFiles:
         try:
             os.rename(pending.tmp, pending.final)
         except OSError as exc:
-            PayloadFiles.abort(pending)
+            self.abort(pending)
             raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
@@ -416,10 +444,11 @@ class PayloadFiles:
         assert digest is not None
         return digest
 
-    @staticmethod
-    def read_header(path: Path) -> FileHeader:
+    def read_header(self, path: Path) -> FileHeader:
+        """The header of ``path``, if sealed with this root's key (else
+        :class:`UnsealedFileError`), and whole (else :class:`CorruptValueError`)."""
         with open(path, "rb") as f:
-            header = FileHeader.decode(f.read(HEADER_BYTES))
+            header = FileHeader.decode(f.read(HEADER_BYTES), self.secret)
             f.seek(0, os.SEEK_END)
             if f.tell() < HEADER_BYTES + header.layout.nbytes:
                 raise CorruptValueError(f"{path.name} is truncated")
@@ -436,32 +465,11 @@ class PayloadFiles:
 
     def scan(self) -> Iterator[tuple[Path, int, int]]:
         """Every payload file as ``(path, key hash, tag)`` (names we did not make are skipped)."""
-        try:
-            subdirs = list(os.scandir(self.payload_dir))
-        except FileNotFoundError:
-            return
-        for sub in subdirs:
-            if not sub.is_dir():
-                continue
-            for entry in os.scandir(sub.path):
-                name = entry.name
-                if not name.endswith(".kv") or len(name) != 28:
-                    continue
-                try:
-                    h, tag = int(name[:16], 16), int(name[17:25], 16)
-                except ValueError:
-                    continue
-                yield Path(entry.path), h, tag
+        return scan_payload(self.directory)
 
     def subdirs(self) -> Iterator[Path]:
         """The ``payload/<hh>`` directories that exist now."""
-        try:
-            entries = list(os.scandir(self.payload_dir))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                yield Path(entry.path)
+        return payload_subdirs(self.directory)
 
     def reservation_files(self) -> Iterator[tuple[Path, int]]:
         """Metadata reservations as ``(path, reserved bytes)``, live or abandoned."""
@@ -515,6 +523,36 @@ class PayloadFiles:
             return same
         finally:
             os.close(fd)
+
+
+def payload_subdirs(directory: Path) -> Iterator[Path]:
+    """The ``payload/<hh>`` directories of namespace ``directory`` that exist now."""
+    try:
+        entries = list(os.scandir(directory / "payload"))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield Path(entry.path)
+
+
+def scan_payload(directory: Path) -> Iterator[tuple[Path, int, int]]:
+    """Every payload file of namespace ``directory`` as ``(path, key hash, tag)``, names we
+    did not make skipped; reads the directories only (creates nothing)."""
+    for sub in payload_subdirs(directory):
+        try:
+            entries = list(os.scandir(sub))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            name = entry.name
+            if not name.endswith(".kv") or len(name) != 28:
+                continue
+            try:
+                h, tag = int(name[:16], 16), int(name[17:25], 16)
+            except ValueError:
+                continue
+            yield Path(entry.path), h, tag
 
 
 def _inline(fn: Callable[..., FileHeader], *args: Any, **kwargs: Any) -> Future[FileHeader]:
@@ -636,7 +674,10 @@ __all__ = [
     "PayloadFiles",
     "PendingFile",
     "Reservation",
+    "UnsealedFileError",
     "file_size",
     "key_hash",
+    "payload_subdirs",
     "round_to_block",
+    "scan_payload",
 ]

@@ -15,7 +15,7 @@ user reads); each body is a few lines delegating to the modules above.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,9 @@ class KVStore(KVApi):
     - ``pinned_memory``: ``"auto"``, ``"on"`` or ``"off"``: the memory tier and staging
       ring in page-locked memory where CUDA is (see :mod:`persisting.cuda`).
     - ``pinned_staging_bytes``: the pinned staging ring for device reads and writes.
+    - ``describe``: what this namespace holds, in words an operator reads in ``persisting
+      inspect`` (engine, model, dtype, block size, layout, the weights' identity; JSON),
+      recorded with the configured disk capacity (:mod:`~persisting.kv.namespace_record`).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class KVStore(KVApi):
         read_threads: int = 8,
         pinned_memory: str = "auto",
         pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
+        describe: Mapping[str, Any] | None = None,
     ):
         memory = size_bytes(memory_bytes, "memory_bytes")
         disk = size_bytes(disk_bytes, "disk_bytes")
@@ -142,6 +146,7 @@ class KVStore(KVApi):
             shared_memory=shared_memory,
             pinned_memory=pinned_memory,
             pinned_staging_bytes=staging_bytes,
+            describe=describe,
         )
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync

@@ -11,7 +11,7 @@ that composes them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.memory_tier import MemoryTier
+from persisting.kv.namespace_record import write_record
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.read_activity import ReadActivity
 from persisting.kv.stats import StoreStats
@@ -103,17 +104,27 @@ class Tiers:
         shared_memory: bool = False,
         pinned_memory: str = "auto",
         pinned_staging_bytes: int = 0,
+        describe: Mapping[str, Any] | None = None,
     ) -> Tiers:
         """The tiers of ``model`` under ``root``: a memory tier of ``memory_bytes`` (in a
         shared pool with ``shared_memory``, else pinned memory or a private arena) and, with
-        ``disk_bytes``, a disk tier, whose namespace is held until :meth:`close`."""
+        ``disk_bytes``, a disk tier, whose namespace is held until :meth:`close` and whose
+        record (:mod:`~persisting.kv.namespace_record`) says ``describe``."""
         namespace: NamespaceHold | None = None
         disk: DiskTier | None = None
         pool: SharedPool | None = None
         try:
             if disk_bytes > 0:
                 namespace = root.hold_model(model)
-                disk = DiskTier(root.kv_path(model), disk_bytes, policy, on_disk_evict, root.modes)
+                write_record(root.kv_path(model), model, disk_bytes, describe, root.modes)
+                disk = DiskTier(
+                    root.kv_path(model),
+                    disk_bytes,
+                    policy,
+                    on_disk_evict,
+                    root.modes,
+                    secret=root.kv_secret(),
+                )
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(
                 mode=pinned_memory,
