@@ -33,6 +33,11 @@ output in order (a step that raises is answered ``{"error": ...}``):
 - ``{"do": "damage", "key": k}``: flip a byte in the middle of the page's payload file;
 - ``{"do": "disk"}``: bytes under the storage root (``du``) and the backend's stats;
 - ``{"do": "clear"}``: ``clear()``;
+- ``{"do": "settle", "seconds": s}``: ``os.sync()`` and a pause (the disk keeps flushing
+  after writes; benchmarks settle it before each timed phase);
+- ``{"do": "uncache", "dir": D}``: drop the page cache (``/proc/sys/vm/drop_caches`` as
+  root, else ``posix_fadvise(DONTNEED)`` over every file under D), for cold reads;
+- ``{"do": "timed", "step": {...}}``: run one step; its result and the seconds it took;
 - ``{"do": "kill"}``: SIGKILL this process (nothing closed, nothing flushed).
 """
 
@@ -45,6 +50,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +65,7 @@ def stub_kernels() -> None:
     torch's own triton-aware modules are imported first, while ``triton`` is absent: torch
     then knows it has no triton, and only SGLang sees the stub (whose kernels, decorated
     at import, are never launched here)."""
-    import torch._inductor.compile_fx  # noqa: F401
+    import torch._inductor.compile_fx
     import torch.utils.flop_counter  # noqa: F401
 
     class Loader(importlib.abc.Loader):
@@ -192,7 +198,9 @@ def page_bytes(pool: Any, slot: int) -> list[np.ndarray]:
     """The byte views of one host page's parts (through the pool's own metadata)."""
     from persisting.integrations.sglang.pages import HostPages
 
-    return [np.frombuffer(v, np.uint8) for v in HostPages(pool).page_parts(indices(pool, [slot]))[0]]
+    return [
+        np.frombuffer(v, np.uint8) for v in HostPages(pool).page_parts(indices(pool, [slot]))[0]
+    ]
 
 
 def page_keys(count: int, seed: int = 0) -> list[str]:
@@ -224,6 +232,16 @@ class Kit:
         do = step["do"]
         if do == "kill":
             os.killpg(os.getpgrp(), signal.SIGKILL)
+        if do == "timed":
+            start = time.perf_counter()
+            result = self.step(step["step"])
+            return {"seconds": time.perf_counter() - start, "result": result}
+        if do == "settle":
+            os.sync()
+            time.sleep(step.get("seconds", 3.0))
+            return True
+        if do == "uncache":
+            return uncache(Path(step["dir"]))
         if do == "fill":
             for slot in step["slots"]:
                 rng = np.random.default_rng([step.get("seed", 0), slot])
@@ -296,6 +314,28 @@ class Kit:
         stats = self.backend.get_stats()
         figures = getattr(stats, "persisting", None)
         return {"du_bytes": used, "stats": _jsonable(figures) if figures is not None else None}
+
+
+def uncache(directory: Path) -> str:
+    """Drop cached pages of the files under ``directory``; how it was done."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for d, _dirs, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "fadvise"
 
 
 def _jsonable(value: Any) -> Any:
