@@ -47,9 +47,11 @@ def test_a_gathered_value_is_stored_end_to_end(root, memory_bytes) -> None:
 
 def test_gathered_values_need_the_binary_format(root) -> None:
     part = np.ones(16, np.uint8)
-    with open_kv_store(root, "m", memory_bytes=0, disk_bytes=1 << 20) as store:
-        with pytest.raises(InvalidValueError, match="binary"):
-            store.put(KEY.format(2), Gathered((part.data,)), fmt="KV_2LTD")
+    with (
+        open_kv_store(root, "m", memory_bytes=0, disk_bytes=1 << 20) as store,
+        pytest.raises(InvalidValueError, match="binary"),
+    ):
+        store.put(KEY.format(2), Gathered((part.data,)), fmt="KV_2LTD")
     with pytest.raises(InvalidValueError, match="zero-size"):
         Gathered(())
 
