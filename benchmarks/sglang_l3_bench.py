@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -220,7 +221,8 @@ def flip(side: str, storage: Path, key: str) -> None:
 def _persisting_file(storage: Path, key: str) -> tuple[Path, int]:
     for path in (storage / "kv").glob("sglang.*/payload/*/*.kv"):
         head = path.read_bytes()[:4096]
-        if key.encode() in head:
+        (length,) = struct.unpack_from("<I", head, 8)  # magic, body length, body hash, body
+        if json.loads(head[20 : 20 + length])["key"].split("@")[3] == key:
             return path, 4096 + (path.stat().st_size - 4096) // 2
     raise SystemExit(f"no payload file holds {key}")
 
