@@ -95,8 +95,9 @@ def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
             f"metadata lists {rows} chunk(s) for {chunks} payload file(s); "
             "the next open reconciles them (a live writer commits metadata in batches)"
         )
-    owner = store.model_owner(model)
     record = read_record(path)
+    # A served model's claim is under its name, its chunks in a namespace per weights.
+    owner = store.model_owner(record.model if record is not None else model)
     return ModelInfo(
         model,
         path,

@@ -99,15 +99,16 @@ def model_stats(store: StorageRoot, model: str) -> ModelFigures:
     from persisting.kv.namespace_record import read_record
     from persisting.kv.survey import namespace_figures
 
-    owner = store.model_owner(model)
-    record = owner.to_dict() if owner is not None else None
     directory = store.kv_path(model)
+    described = read_record(directory)
+    # A served model's claim is under its name, its chunks in a namespace per weights.
+    owner = store.model_owner(described.model if described is not None else model)
+    record = owner.to_dict() if owner is not None else None
     try:
         figures = figures_from_stats(model, namespace_figures(directory))
     except OSError as exc:
         return ModelFigures(model, {}, error=f"cannot read {directory}: {exc}", owner=record)
     figures.owner = record
-    described = read_record(directory)
     if described is not None:
         figures.describe = described.describe
     return figures

@@ -45,6 +45,7 @@ from persisting.kv.payload_files import (
     round_to_block,
 )
 from persisting.kv.policy import EvictionPolicy
+from persisting.kv.root_budget import RootUsage
 from persisting.kv.shared_usage import SharedUsage
 from persisting.lance_store.access import OWNER_ONLY, FileModes, storage_error
 from persisting.lance_store.durable import makedirs_durable
@@ -102,6 +103,7 @@ class DiskTier:
         modes: FileModes = OWNER_ONLY,
         *,
         secret: bytes,
+        root_usage: RootUsage | None = None,
     ):
         self.directory = directory
         self.capacity = capacity
@@ -112,7 +114,13 @@ class DiskTier:
         self.files = PayloadFiles(directory, secret, modes)
         self.usage = SharedUsage(directory)
         self._budget = DiskBudget(
-            directory, capacity, self.files, self.usage, evict=self._evict, refresh=self.refresh
+            directory,
+            capacity,
+            self.files,
+            self.usage,
+            evict=self._evict,
+            refresh=self.refresh,
+            root_usage=root_usage,
         )
         self.index: LruIndex[DiskEntry] = LruIndex()
         # The index and the keys being written. Lock order (persisting.kv.lock_order): taken

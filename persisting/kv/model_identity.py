@@ -68,6 +68,18 @@ def model_identity(
     return fields
 
 
+def weights_namespace(model: str, version: str | None = None) -> tuple[str, dict[str, str]]:
+    """The namespace ``model``'s KV goes to, and the fields naming its weights: the model's
+    own name while its weights cannot be identified (no pinned ``version``, no files
+    found: as before weights were named), else ``<model>#<12 hex digits>`` of their
+    identity, so new weights under the same name open a new, empty namespace."""
+    fields = model_identity(model, version=version)
+    if fields["weights"] == "unverified":
+        return model, fields
+    text = json.dumps(fields, sort_keys=True)
+    return f"{model}#{hashlib.sha256(text.encode()).hexdigest()[:12]}", fields
+
+
 def _local_directory(model: str, revision: str | None) -> Path | None:
     path = Path(model).expanduser()
     if path.is_dir():
@@ -182,4 +194,4 @@ class _FingerprintCache:
             os.replace(tmp, self.path)
 
 
-__all__ = ["fingerprint_directory", "model_identity"]
+__all__ = ["fingerprint_directory", "model_identity", "weights_namespace"]

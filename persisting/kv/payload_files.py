@@ -1,9 +1,10 @@
 """Payload files: one self-describing file per stored chunk.
 
 Each chunk's bytes live in their own file, ``payload/<hh>/<keyhash>-<tag>.kv``: a 4 KiB
-header (magic, key, layout, payload checksum, parent, header checksum) followed by the
-payload at a page-aligned offset. Files are written under a ``.tmp`` name, fsynced when the
-put must be durable, then renamed into place, so a ``.kv`` file is always whole.
+header (key, layout, payload checksum, parent, sealed with the root's key: see
+:mod:`~persisting.kv.file_header`) followed by the payload at a page-aligned offset. Files
+are written under a ``.tmp`` name, fsynced when the put must be durable, then renamed into
+place, so a ``.kv`` file is always whole.
 Eviction unlinks the file, which gives its space back at once; a reader that already
 opened it still reads the whole, correct file.
 
@@ -37,12 +38,8 @@ import dataclasses
 import errno
 import fcntl
 import functools
-import hashlib
-import hmac
-import json
 import os
 import secrets
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -53,7 +50,8 @@ from typing import Any
 import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
-from persisting.kv.layout import HASH_PIECE, Layout, Payload, payload_parts
+from persisting.kv.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
+from persisting.kv.layout import HASH_PIECE, Payload, payload_parts
 from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
     CONTROL_FILE_MODE,
@@ -64,13 +62,6 @@ from persisting.lance_store.access import (
 )
 from persisting.lance_store.durable import fsync_dir, fsync_fd
 
-MAGIC = b"PKVCHNK1"
-#: The payload format's block: header size and payload alignment, and the unit disk use is
-#: counted in. Part of the file format, so it does not follow the host's memory page size
-#: (files move between hosts); 4 KiB is also what O_DIRECT and most filesystems want.
-BLOCK = 4096
-HEADER_BYTES = BLOCK
-_PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
 #: Files of one durable batch written (and fsynced) at once.
 WRITE_THREADS = 8
 #: Piece a payload is written in when its writer may be asked to pause between pieces.
@@ -92,66 +83,6 @@ def round_to_block(n: int) -> int:
 def file_size(nbytes: int) -> int:
     """Bytes a payload file of ``nbytes`` occupies on disk (header + payload, block-rounded)."""
     return HEADER_BYTES + round_to_block(nbytes)
-
-
-@dataclass(frozen=True, slots=True)
-class FileHeader:
-    """What a payload file says about itself.
-
-    Its fields are sealed with the storage root's key (an HMAC-SHA256 over them, in the
-    header as ``mac``): a file whose seal does not verify was not written by a store of
-    this root -- planted, or copied in from elsewhere -- and is never indexed or served.
-    The payload's checksum is among the sealed fields, so its bytes are covered too.
-    """
-
-    key: str
-    layout: Layout
-    checksum: int
-    parent: str | None
-
-    def _fields(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "layout": self.layout.to_dict(),
-            "checksum": self.checksum,
-            "parent": self.parent,
-        }
-
-    def seal(self, secret: bytes) -> str:
-        text = json.dumps(self._fields(), sort_keys=True, separators=(",", ":"))
-        return hmac.new(secret, b"persisting-chunk\0" + text.encode(), hashlib.sha256).hexdigest()
-
-    def encode(self, secret: bytes) -> bytes:
-        body = json.dumps(
-            {**self._fields(), "mac": self.seal(secret)}, separators=(",", ":")
-        ).encode("utf-8")
-        if _PREFIX.size + len(body) > HEADER_BYTES:
-            raise StorageIOError(f"header of {self.key!r} does not fit in {HEADER_BYTES} bytes")
-        head = _PREFIX.pack(MAGIC, len(body), xxhash.xxh64_intdigest(body)) + body
-        return head + b"\0" * (HEADER_BYTES - len(head))
-
-    @classmethod
-    def decode(cls, raw: bytes, secret: bytes | None) -> FileHeader:
-        """The header in ``raw``; with ``secret``, only if sealed with it (else
-        :class:`UnsealedFileError`)."""
-        if len(raw) < _PREFIX.size:
-            raise CorruptValueError("payload header is truncated")
-        magic, length, digest = _PREFIX.unpack_from(raw)
-        body = raw[_PREFIX.size : _PREFIX.size + length]
-        if magic != MAGIC or len(body) != length or xxhash.xxh64_intdigest(body) != digest:
-            raise CorruptValueError("payload header is damaged")
-        d = json.loads(body)
-        header = cls(d["key"], Layout.from_dict(d["layout"]), int(d["checksum"]), d["parent"])
-        mac = d.get("mac")
-        if secret is not None and not (
-            isinstance(mac, str) and hmac.compare_digest(mac, header.seal(secret))
-        ):
-            raise UnsealedFileError("payload file is not sealed with this storage root's key")
-        return header
-
-
-class UnsealedFileError(CorruptValueError):
-    """A payload file that a store of this root did not write (its seal does not verify)."""
 
 
 @dataclass(slots=True)

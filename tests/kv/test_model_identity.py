@@ -117,3 +117,19 @@ def test_fingerprints_cache_is_private(tmp_path):
     cache = tmp_path / "cache" / "persisting" / "model-fingerprints.json"
     assert cache.stat().st_mode & 0o077 == 0
     assert identity.fingerprint_directory(tmp_path / "m")
+
+
+def test_weights_namespace_follows_the_weights(tmp_path, monkeypatch):
+    """Where a served model's KV goes: its own name while the weights are unknown, a name
+    per weights version once they are known (files found, or a pinned version)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    from persisting.kv.model_identity import weights_namespace
+
+    assert weights_namespace("org/unknown") == ("org/unknown", {"weights": "unverified"})
+    pinned, fields = weights_namespace("org/unknown", version="2026-12")
+    assert pinned.startswith("org/unknown#") and fields == {"weights": "version:2026-12"}
+    assert weights_namespace("org/unknown", version="2027-01")[0] != pinned
+    model = write_model(tmp_path / "m", b"\x01" * 64)
+    first, _ = weights_namespace(str(model))
+    write_model(model, b"\x02" * 64)
+    assert weights_namespace(str(model))[0] not in (first, str(model))
