@@ -9,8 +9,8 @@ import pytest
 
 from persisting.errors import CorruptValueError, InvalidValueError
 from persisting.kv import Gathered, open_kv_store
+from persisting.kv.file_header import MAGIC
 from persisting.kv.layout import checksum
-from persisting.kv.payload_files import MAGIC
 from persisting.kv.range_reads import READ_PIECE, read_file_range
 
 KEY = "m@1@0@{:x}@uint8"
