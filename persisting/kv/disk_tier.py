@@ -29,7 +29,7 @@ from persisting.errors import CapacityError, CorruptValueError, PersistingError,
 from persisting.kv import recency
 from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.index import DiskEntry, LruIndex
-from persisting.kv.layout import Layout
+from persisting.kv.layout import Layout, Payload
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
@@ -76,11 +76,11 @@ class WriteItem:
     """One value to write. ``cancelled`` (set by a remove) makes the write lose: an item
     cancelled before its batch starts is skipped, one cancelled while being written is
     unlinked instead of published. ``checksum`` None: hash ``data`` while writing it (the
-    tier fills it in)."""
+    tier fills it in). ``data`` is one buffer, or a value's parts written end to end."""
 
     key: str
     layout: Layout
-    data: memoryview
+    data: Payload
     checksum: int | None
     parent: str | None
     cancelled: bool = False

@@ -32,7 +32,9 @@ from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import (
     BYTE_FORMATS,
+    Gathered,
     Layout,
+    Payload,
     check_layout,
     encode_value,
     is_device_tensor,
@@ -224,7 +226,7 @@ class Writes:
 
     def _encode_all(
         self, values: Sequence[Any], fmt: str, check_shape: bool
-    ) -> list[tuple[Layout, memoryview]]:
+    ) -> list[tuple[Layout, Payload]]:
         """Every value's layout and host bytes, all validated before any byte moves.
 
         Tensors on a device are copied down here, on a side stream into the pinned staging
@@ -233,9 +235,12 @@ class Writes:
         """
         on_device: dict[str, list[int]] = {}
         layouts: list[Layout | None] = []
-        views: list[memoryview | None] = []
+        views: list[Payload | None] = []
         for i, value in enumerate(values):
-            if is_device_tensor(value):
+            if isinstance(value, Gathered):  # written from its parts, never joined first
+                layouts.append(self._check_size(value.layout(fmt)))
+                views.append(value)
+            elif is_device_tensor(value):
                 layouts.append(self._check_size(tensor_layout(value, fmt, check_shape=check_shape)))
                 views.append(None)
                 on_device.setdefault(str(value.device), []).append(i)

@@ -230,7 +230,10 @@ class KVStore(KVApi):
         is the key before it), which the prefix-aware eviction policy uses. Every item is
         validated before anything is stored: its format's shape rule, and its dtype against
         its key's (a float32 tensor under a ``...@bfloat16`` key is an InvalidValueError;
-        ``binary`` values are exempt). ``check_shape=False`` skips both (for layouts
+        ``binary`` values are exempt). A :class:`~persisting.kv.layout.Gathered` value
+        (``fmt="binary"``) is stored from its parts, end to end, without joining them first
+        (read back as one ``bytes`` value, or into one buffer or several by place through
+        :meth:`lease`). ``check_shape=False`` skips both (for layouts
         another system defines, such as LMCache's MemoryObjs and the L2 adapter's opaque
         object keys).
         ``on_complete`` gets each key's final result once; one that raises is logged and
