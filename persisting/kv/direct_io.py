@@ -18,6 +18,7 @@ import errno
 import os
 
 import numpy as np
+import xxhash
 
 from persisting.errors import CorruptValueError
 
@@ -90,4 +91,16 @@ def read(path: str | os.PathLike[str], out: memoryview, offset: int) -> bool:
     return True
 
 
-__all__ = ["ALIGN", "aligned", "read", "write"]
+def write_hashed(path: str | os.PathLike[str], view: memoryview, offset: int) -> int | None:
+    """:func:`write`, after hashing ``view`` (its xxh3-64, as every payload's checksum, is
+    returned); None, nothing written, if the filesystem refuses O_DIRECT."""
+    digest = xxhash.xxh3_64_intdigest(view)
+    return digest if write(path, view, offset) else None
+
+
+def read_hashed(path: str | os.PathLike[str], out: memoryview, offset: int) -> int | None:
+    """:func:`read`, then the xxh3-64 of what was read; None if O_DIRECT is refused."""
+    return xxhash.xxh3_64_intdigest(out) if read(path, out, offset) else None
+
+
+__all__ = ["ALIGN", "aligned", "read", "read_hashed", "write", "write_hashed"]

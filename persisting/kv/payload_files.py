@@ -52,7 +52,7 @@ import xxhash
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv import direct_io
 from persisting.kv.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
-from persisting.kv.layout import HASH_PIECE, Payload, checksum, payload_parts
+from persisting.kv.layout import HASH_PIECE, Payload, payload_parts
 from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
     CONTROL_FILE_MODE,
@@ -237,16 +237,20 @@ class PayloadFiles:
         the writes themselves). With :attr:`direct`, a hashed payload whose memory and size
         O_DIRECT takes is hashed first and written with O_DIRECT in one piece."""
         try:
-            direct = None
+            digest = None
             if (
                 hashed
                 and self.direct
                 and isinstance(payload, memoryview)
                 and direct_io.aligned(payload, HEADER_BYTES)
             ):
-                direct = self._write_direct(pending, header, payload, pause)
-            if direct is not None:
-                header = direct
+                if pause is not None:
+                    pause()
+                digest = direct_io.write_hashed(pending.tmp, payload, HEADER_BYTES)
+                self.direct = digest is not None  # refused: not tried again
+            if digest is not None:
+                header = dataclasses.replace(header, checksum=digest)
+                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
             elif hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
@@ -263,21 +267,6 @@ class PayloadFiles:
         except OSError as exc:
             self.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
-        return header
-
-    def _write_direct(
-        self, pending: PendingFile, header: FileHeader, payload: memoryview, pause: Pause | None
-    ) -> FileHeader | None:
-        """Hash the payload, then write it with O_DIRECT and the header after it; None,
-        having written nothing, if the filesystem refuses O_DIRECT (not tried again)."""
-        digest = checksum(payload)
-        if pause is not None:
-            pause()
-        if not direct_io.write(pending.tmp, payload, HEADER_BYTES):
-            self.direct = False
-            return None
-        header = dataclasses.replace(header, checksum=digest)
-        _write_all(pending.fd, [header.encode(self.secret)], offset=0)
         return header
 
     def write_batch(
@@ -397,8 +386,9 @@ class PayloadFiles:
         With :attr:`direct`, an aligned ``out`` is read with O_DIRECT, then hashed.
         """
         if self.direct and direct_io.aligned(out, HEADER_BYTES):
-            if direct_io.read(path, out, HEADER_BYTES):
-                return checksum(out)
+            found = direct_io.read_hashed(path, out, HEADER_BYTES)
+            if found is not None:
+                return found
             self.direct = False
         digest = read_file_range(
             path,

@@ -94,10 +94,8 @@ class KVStore(KVApi):
     - ``describe``: what this namespace holds, in words an operator reads in ``persisting
       inspect`` (engine, model, dtype, block size, layout, the weights' identity; JSON),
       recorded with the configured disk capacity (:mod:`~persisting.kv.namespace_record`).
-    - ``direct_io``: payload files are written and read with O_DIRECT where a value's
-      memory and size allow (4 KiB-aligned) and the filesystem does, bypassing the page
-      cache: for values another cache already holds, such as vLLM's CPU tier's rows
-      (:mod:`~persisting.kv.direct_io`).
+    - ``direct_io``: payloads move with O_DIRECT where they can, for values another cache
+      holds already (vLLM's CPU tier's rows: :mod:`~persisting.kv.direct_io`).
     """
 
     def __init__(
