@@ -71,10 +71,13 @@ HEADER_BYTES = BLOCK
 _PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
 #: Files of one durable batch written (and fsynced) at once.
 WRITE_THREADS = 8
-#: Piece a payload is written in when its writer may be asked to pause between pieces.
-PAUSE_PIECE = 4 << 20
-#: Called between the pieces of a file being written; may block (a background write
-#: giving way to reads, see :mod:`persisting.kv.read_activity`).
+#: Piece a payload is written in when its writer has a checkpoint between pieces: a whole
+#: number of :data:`~persisting.kv.layout.HASH_PIECE` s (a hashed write checks at the start
+#: of every hash piece that starts a pause piece).
+PAUSE_PIECE = 16 * HASH_PIECE
+#: Called between the pieces of a file being written and before its fsync; it may raise
+#: to abandon the write (a low-priority write-behind handing its batch over, see
+#: :mod:`persisting.kv.write_behind`): the file is then removed, never published.
 Pause = Callable[[], None]
 
 
