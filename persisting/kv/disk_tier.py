@@ -15,6 +15,7 @@ budget change together under one lock, and that invariant reads best in one clas
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -53,13 +54,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Location:
-    """Where a chunk's payload bytes are on disk (for same-host readers under a lease)."""
+    """Where a chunk's payload bytes are on disk (for same-host readers under a lease), and
+    the ``token`` of the lease that keeps them there: :meth:`DiskTier.release` of that
+    token ends this lease only, never another holder's."""
 
     path: str
     offset: int
     nbytes: int
     layout: Layout
     checksum: int
+    token: int = 0
+
+
+#: A monotonic clock in seconds (``time.monotonic``; tests pass one they advance).
+Clock = Callable[[], float]
 
 
 #: Metadata commits a flush runs at most (see :meth:`DiskTier.flush`).
@@ -87,9 +95,12 @@ class WriteItem:
 class DiskTier:
     """Thread-safe; several processes may share one directory.
 
+    ``_lock`` guards the index (every read and change of it, and of its entries' pins,
+    readers and leases); see :mod:`persisting.kv.lock_order` for where it comes.
+
     ``on_evict`` is called after each eviction with the chunks it removed, on the writing
     thread and with the directory's usage lock held: it must be quick and must not call
-    back into the tier.
+    back into the tier. ``clock`` times leases.
     """
 
     def __init__(
@@ -99,6 +110,7 @@ class DiskTier:
         policy: EvictionPolicy,
         on_evict: EvictionListener | None = None,
         modes: FileModes = OWNER_ONLY,
+        clock: Clock = time.monotonic,
     ):
         self.directory = directory
         self.capacity = capacity
@@ -112,10 +124,16 @@ class DiskTier:
             directory, capacity, self.files, self.usage, evict=self._evict, refresh=self.refresh
         )
         self.index: LruIndex[DiskEntry] = LruIndex()
-        # The index and the keys being written. Lock order (persisting.kv.lock_order): taken
-        # under the usage lock (eviction) or Tiers.lock (pins), never the other way round.
+        # The index, its entries, their leases and the keys being written: every reader and
+        # writer of them holds it. Lock order (persisting.kv.lock_order): taken under the
+        # usage lock (eviction) or Tiers.lock (lookups, pins), never the other way round.
         self._lock = ordered(Rank.DISK_INDEX, threading.RLock())
         self._writing: set[str] = set()
+        #: Read leases: key -> {token: deadline on ``clock``}; a key leased by anyone whose
+        #: deadline has not passed is not evicted.
+        self._leases: dict[str, dict[int, float]] = {}
+        self._tokens = itertools.count(1)
+        self._clock = clock
         self._closed = False
         self.evictions = 0
         self.corruptions = 0
@@ -128,7 +146,7 @@ class DiskTier:
         #: Held while open: this store's proof of life (see PayloadFiles).
         self._alive: Reservation | None = None
         try:
-            with self.usage.metadata_locked(), self.usage.locked():
+            with self.usage.metadata_locked(), self.usage.locked(), self._lock:
                 self._alive = self.files.register_writer()
                 self._load_index()
                 self._restore_order()
@@ -288,16 +306,18 @@ class DiskTier:
                 if (key_hash(k), e.tag) not in on_disk and not e.busy
             ]
             for key in gone:
-                self.index.pop(key)
+                self._drop_entry(key)
             return self._adopt_unknown_files(on_disk, record=False) + len(gone)
 
     # -- queries ------------------------------------------------------------------------
 
     def __contains__(self, key: str) -> bool:
-        return key in self.index
+        with self._lock:
+            return key in self.index
 
     def entry(self, key: str) -> DiskEntry | None:
-        return self.index.get(key)
+        with self._lock:
+            return self.index.get(key)
 
     def used_bytes(self) -> int:
         """Bytes the directory holds: payload files (reserved) plus the measured overhead."""
@@ -308,13 +328,16 @@ class DiskTier:
 
     def sizes(self) -> list[tuple[str, int]]:
         """Every key with its payload size, from the first eviction candidate to the last."""
-        return [(key, entry.layout.nbytes) for key, entry in self.index.items()]
+        with self._lock:
+            return [(key, entry.layout.nbytes) for key, entry in self.index.items()]
 
     def figures(self) -> dict[str, int]:
         """The tier's part of a store's ``stats()``: ``disk_bytes`` is everything the
         directory holds (payload files plus ``disk_overhead_bytes``)."""
+        with self._lock:
+            items = len(self.index)
         return {
-            "disk_items": len(self.index),
+            "disk_items": items,
             "disk_bytes": self.used_bytes(),
             "disk_overhead_bytes": self.overhead_bytes(),
             "disk_capacity": self.capacity,
@@ -436,20 +459,20 @@ class DiskTier:
         released = 0
         evicted: list[tuple[str, DiskEntry]] = []
         while released < need:
-            now = time.monotonic()
+            now = self._clock()
             with self._lock:
                 victims: list[tuple[str, DiskEntry]] = []
                 planned = 0
                 for key in self.policy.candidates(self.index):
                     entry = self.index.get(key)
-                    if entry is None or entry.busy or entry.lease_until > now:
+                    if entry is None or entry.busy or self._leased(key, now):
                         continue
                     victims.append((key, entry))
                     planned += file_size(entry.layout.nbytes)
                     if released + planned >= need:
                         break
                 for key, _entry in victims:
-                    self.index.pop(key)
+                    self._drop_entry(key)
             if not victims:
                 break
             for key, entry in victims:
@@ -518,7 +541,12 @@ class DiskTier:
     def _forget(self, key: str, entry: DiskEntry) -> None:
         with self._lock:
             if self.index.get(key) is entry:
-                self.index.pop(key)
+                self._drop_entry(key)
+
+    def _drop_entry(self, key: str) -> DiskEntry | None:
+        """Take ``key`` out of the index, with its leases (caller holds ``_lock``)."""
+        self._leases.pop(key, None)
+        return self.index.pop(key)
 
     # -- removal, pins and leases -------------------------------------------------------
 
@@ -526,10 +554,10 @@ class DiskTier:
         with self._lock:
             entry = self.index.get(key)
             if entry is None or (
-                not force and (entry.pins > 0 or entry.lease_until > time.monotonic())
+                not force and (entry.pins > 0 or self._leased(key, self._clock()))
             ):
                 return False
-            self.index.pop(key)
+            self._drop_entry(key)
         path = self.files.path(key, entry.tag)
         if self.files.unlink(path):
             self.usage.add(-file_size(entry.layout.nbytes))
@@ -553,25 +581,63 @@ class DiskTier:
             return True
 
     def lease(self, key: str, ttl_s: float) -> Location | None:
-        """Protect ``key`` from eviction for ``ttl_s`` seconds and say where its bytes are."""
+        """Protect ``key`` from eviction for ``ttl_s`` seconds (none: ``ttl_s <= 0``) and say
+        where its bytes are; the location's ``token`` names this lease alone."""
         with self._lock:
             entry = self.index.get(key, touch=True)
             if entry is None:
                 return None
-            entry.lease_until = max(entry.lease_until, time.monotonic() + ttl_s)
+            token = next(self._tokens)
+            if ttl_s > 0:
+                self._leases.setdefault(key, {})[token] = self._clock() + ttl_s
             return Location(
                 str(self.files.path(key, entry.tag)),
                 HEADER_BYTES,
                 entry.layout.nbytes,
                 entry.layout,
                 entry.checksum,
+                token,
             )
 
-    def release(self, key: str) -> None:
+    def renew(self, key: str, token: int, ttl_s: float) -> bool:
+        """Push lease ``token`` of ``key`` out to ``ttl_s`` seconds from now; False if that
+        lease is not held (released, or the key is gone)."""
         with self._lock:
-            entry = self.index.get(key)
-            if entry is not None:
-                entry.lease_until = 0.0
+            held = self._leases.get(key)
+            if held is None or token not in held:
+                return False
+            held[token] = max(held[token], self._clock() + ttl_s)
+            return True
+
+    def release(self, key: str, token: int) -> bool:
+        """End lease ``token`` of ``key`` (other holders' leases stay); False if it was not
+        held."""
+        with self._lock:
+            held = self._leases.get(key)
+            if held is None or held.pop(token, None) is None:
+                return False
+            if not held:
+                del self._leases[key]
+            return True
+
+    def leases(self, key: str) -> int:
+        """Leases of ``key`` held now (their deadlines not passed)."""
+        now = self._clock()
+        with self._lock:
+            return sum(deadline > now for deadline in self._leases.get(key, {}).values())
+
+    def _leased(self, key: str, now: float) -> bool:
+        """Whether a lease of ``key`` holds at ``now``; forgets the expired ones (caller
+        holds ``_lock``)."""
+        held = self._leases.get(key)
+        if not held:
+            return False
+        for token in [t for t, deadline in held.items() if deadline <= now]:
+            del held[token]
+        if not held:
+            del self._leases[key]
+            return False
+        return True
 
     def close(self) -> None:
         self.save_order()

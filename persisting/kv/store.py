@@ -15,6 +15,7 @@ user reads); each body is a few lines delegating to the modules above.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from persisting.cuda import DEFAULT_STAGING_BYTES
 from persisting.errors import StoreClosedError
 from persisting.kv import at_exit
 from persisting.kv.api import KVApi, in_thread
-from persisting.kv.disk_tier import EvictionListener, Location
+from persisting.kv.disk_tier import Clock, EvictionListener, Location
 from persisting.kv.keys import HashScheme, TokenHasher
 from persisting.kv.keys import key_dtype as key_dtype_name
 from persisting.kv.layout import Layout
@@ -88,6 +89,8 @@ class KVStore(KVApi):
     - ``pinned_memory``: ``"auto"``, ``"on"`` or ``"off"``: the memory tier and staging
       ring in page-locked memory where CUDA is (see :mod:`persisting.cuda`).
     - ``pinned_staging_bytes``: the pinned staging ring for device reads and writes.
+    - ``clock``: the monotonic clock leases are timed by (``time.monotonic``; a test
+      passes one it moves by hand).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class KVStore(KVApi):
         read_threads: int = 8,
         pinned_memory: str = "auto",
         pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
+        clock: Clock = time.monotonic,
     ):
         memory = size_bytes(memory_bytes, "memory_bytes")
         disk = size_bytes(disk_bytes, "disk_bytes")
@@ -142,6 +146,7 @@ class KVStore(KVApi):
             shared_memory=shared_memory,
             pinned_memory=pinned_memory,
             pinned_staging_bytes=staging_bytes,
+            clock=clock,
         )
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync
@@ -469,12 +474,29 @@ class KVStore(KVApi):
         return self._tiers.unpin(self._key(key))
 
     def lease(self, key: KeyLike, ttl_s: float) -> Location | None:
-        """A read lease: ``key``'s file is not evicted for ``ttl_s`` s; where its bytes are."""
+        """A read lease: ``key``'s file is not evicted for ``ttl_s`` s (none taken for
+        ``ttl_s <= 0``); where its bytes are, and the lease's ``token``. Leases are
+        counted: the file stays while any holder's lease runs."""
         self._check_open()
         return self._tiers.lease(self._key(key), ttl_s)
 
-    def release(self, key: KeyLike) -> None:
-        self._tiers.release(self._key(key))
+    def renew(self, key: KeyLike, token: int, ttl_s: float) -> bool:
+        """Extend lease ``token`` of ``key`` to ``ttl_s`` s from now; False if it is not
+        held any more."""
+        self._check_open()
+        return self._tiers.renew(self._key(key), token, ttl_s)
+
+    def release(self, key: KeyLike, token: int) -> bool:
+        """End the lease ``token`` (from :meth:`lease`) of ``key``; another holder's lease
+        of the same key stays. False if it was not held (a no-op once closed)."""
+        if self._closed:
+            return False
+        return self._tiers.release(self._key(key), token)
+
+    def leases(self, key: KeyLike) -> int:
+        """How many read leases of ``key`` hold now."""
+        self._check_open()
+        return self._tiers.leases(self._key(key))
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ that composes them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 
 from persisting.cuda.host import StoreHostMemory
 from persisting.errors import InvalidKeyError
-from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
+from persisting.kv.disk_tier import Clock, DiskTier, EvictionListener, Location
 from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.lock_order import Rank, ordered
@@ -82,9 +83,12 @@ class Tiers:
         self._namespace = namespace
         #: Read bandwidth each tier achieved (load-or-recompute plans use it).
         self.bandwidth = TierBandwidth()
-        #: Orders index changes of both tiers (never held across disk I/O or big copies).
-        #: Lock order (persisting.kv.lock_order): after the directory's file locks, before
-        #: the disk tier's own lock.
+        #: Guards the memory tier's index and entries, and makes a step over both tiers
+        #: one (a put's presence check and insert, a lookup of both); never held across
+        #: disk I/O or big copies. The disk tier's index has its own lock, which its every
+        #: reader and writer takes: under this one when both are held (lock order,
+        #: persisting.kv.lock_order: after the directory's file locks, before the disk
+        #: tier's lock).
         self.lock = ordered(Rank.TIERS, threading.RLock())
         #: Gets in flight: the write-behind waits for them before each batch it writes.
         self.reads = ReadActivity()
@@ -103,6 +107,7 @@ class Tiers:
         shared_memory: bool = False,
         pinned_memory: str = "auto",
         pinned_staging_bytes: int = 0,
+        clock: Clock = time.monotonic,
     ) -> Tiers:
         """The tiers of ``model`` under ``root``: a memory tier of ``memory_bytes`` (in a
         shared pool with ``shared_memory``, else pinned memory or a private arena) and, with
@@ -113,7 +118,9 @@ class Tiers:
         try:
             if disk_bytes > 0:
                 namespace = root.hold_model(model)
-                disk = DiskTier(root.kv_path(model), disk_bytes, policy, on_disk_evict, root.modes)
+                disk = DiskTier(
+                    root.kv_path(model), disk_bytes, policy, on_disk_evict, root.modes, clock
+                )
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(
                 mode=pinned_memory,
@@ -198,9 +205,14 @@ class Tiers:
     def lease(self, key: str, ttl_s: float) -> Location | None:
         return self.disk.lease(key, ttl_s) if self.disk is not None else None
 
-    def release(self, key: str) -> None:
-        if self.disk is not None:
-            self.disk.release(key)
+    def renew(self, key: str, token: int, ttl_s: float) -> bool:
+        return self.disk.renew(key, token, ttl_s) if self.disk is not None else False
+
+    def release(self, key: str, token: int) -> bool:
+        return self.disk.release(key, token) if self.disk is not None else False
+
+    def leases(self, key: str) -> int:
+        return self.disk.leases(key) if self.disk is not None else 0
 
     # -- the disk tier's upkeep ---------------------------------------------------------
 

@@ -374,9 +374,6 @@ class BulkServer:
         location = store.lease(key, state.lease_ttl_s)
         if location is None:
             return None, None
-        holding = (model, key)
-        with state.lock:
-            state.sessions.add_lease(session, holding)
         try:
             if expect is not None and not location.layout.matches(expect):
                 state.counters["layout_misses"] += 1
@@ -386,11 +383,8 @@ class BulkServer:
             except OSError:
                 return None, None
         finally:
-            with state.lock:
-                last = state.sessions.drop_lease(session, holding)
-            if last:
-                with contextlib.suppress(PersistingError):
-                    store.release(key)
+            with contextlib.suppress(PersistingError):
+                store.release(key, location.token)
 
     def _put(
         self, stream: Stream, session: Session, request: dict[str, Any], scratch: memoryview
