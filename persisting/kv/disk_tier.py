@@ -350,10 +350,17 @@ class DiskTier:
     # -- writing ------------------------------------------------------------------------
 
     def write(
-        self, items: list[WriteItem], *, durable: bool, pause: Pause | None = None
+        self,
+        items: list[WriteItem],
+        *,
+        durable: bool,
+        pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> list[bool]:
         """Store a batch; per item True if newly stored, False if already present.
-        ``pause()`` runs between the pieces of each file written (see ``PayloadFiles.write``).
+        ``pause()`` runs between the pieces of each file written and may raise to abandon
+        the batch (see ``PayloadFiles.write``); ``writers`` write the files of a durable
+        batch (default: the files' own threads).
 
         Capacity is reserved for the whole batch first (evicting as needed), so the batch
         either fits or fails with CapacityError before any file is written. A cancelled item
@@ -377,14 +384,18 @@ class DiskTier:
         stored: set[str] = set()
         try:
             if todo:
-                stored = self._write_reserved(todo, durable, pause)
+                stored = self._write_reserved(todo, durable, pause, writers)
         finally:
             with self._lock:
                 self._writing.difference_update(writing)
         return [it.key in stored for it in items]
 
     def _write_reserved(
-        self, todo: list[WriteItem], durable: bool, pause: Pause | None = None
+        self,
+        todo: list[WriteItem],
+        durable: bool,
+        pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> set[str]:
         sizes = [file_size(it.layout.nbytes) for it in todo]
         tags = [self.files.new_tag() for _ in todo]
@@ -416,6 +427,7 @@ class DiskTier:
                 durable=durable,
                 hashed=hashed,
                 pause=pause,
+                writers=writers,
             )
             for it, header in zip(todo, written, strict=True):
                 it.checksum = header.checksum

@@ -300,25 +300,29 @@ class PayloadFiles:
         durable: bool,
         hashed: list[bool] | None = None,
         pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> list[FileHeader]:
         """:meth:`write` each file of a batch. Several at once when the batch must be
         durable: concurrent fsyncs share the filesystem's journal commits, where one after
         another each waits for a commit of its own. On failure every tmp file of the batch
         is removed and the first error raised (once no writer runs any more). ``hashed``
         says per file whether its checksum is made as it is written, ``pause`` is called
-        between the pieces of every file (see :meth:`write`); returns the headers written."""
+        between the pieces of every file (see :meth:`write`), ``writers`` (default: this
+        object's own threads) write the files of a durable batch; returns the headers
+        written."""
         hashes = hashed if hashed is not None else [False] * len(pending)
         if not durable or len(pending) == 1:
             return [
                 self.write(p, header, payload, durable=durable, hashed=h, pause=pause)
                 for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True)
             ]
-        with self._writers_lock:
-            if self._writers is None:
-                self._writers = ThreadPoolExecutor(
-                    WRITE_THREADS, thread_name_prefix="persisting-kv-write"
-                )
-            writers = self._writers
+        if writers is None:
+            with self._writers_lock:
+                if self._writers is None:
+                    self._writers = ThreadPoolExecutor(
+                        WRITE_THREADS, thread_name_prefix="persisting-kv-write"
+                    )
+                writers = self._writers
         futures: list[Future[FileHeader]] = []
         for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True):
             write = functools.partial(self.write, p, header, payload, durable=True, hashed=h)

@@ -185,12 +185,11 @@ class Reads:
         view = writable_bytes(out)
         if self._wanted(text, expect, len(view)) is None:
             return None
-        with self._t.reads.reading():
-            memory, _disk = self._claim_memory((text,), (len(view),))
-            if memory:
-                return self._copy_memory_hit(view, memory[0][1])
-            start = time.perf_counter()
-            layout = self._read_now(text, view, self._split(1))
+        memory, _disk = self._claim_memory((text,), (len(view),))
+        if memory:
+            return self._copy_memory_hit(view, memory[0][1])
+        start = time.perf_counter()
+        layout = self._read_now(text, view, self._split(1))
         if layout is not None:
             self._t.bandwidth.record("disk", layout.nbytes, time.perf_counter() - start)
         return layout
@@ -336,12 +335,6 @@ class Reads:
     def _fill_host(
         self, texts: list[str], views: Sequence[memoryview | None]
     ) -> list[Layout | None]:
-        with self._t.reads.reading():
-            return self._fill_host_now(texts, views)
-
-    def _fill_host_now(
-        self, texts: list[str], views: Sequence[memoryview | None]
-    ) -> list[Layout | None]:
         t = self._t
         got: list[Layout | None] = [None] * len(texts)
         memory, disk = self._claim_memory(texts, [len(v) if v is not None else None for v in views])
@@ -378,12 +371,6 @@ class Reads:
         succeeded. Returns once the copies are issued; work the caller queues on its
         current stream afterwards sees the data. (With a ``cpu`` copier the same pipeline
         runs into CPU tensors: that is how it is tested without a GPU.)"""
-        with self._t.reads.reading():
-            return self._fill_staged_now(copier, texts, outs)
-
-    def _fill_staged_now(
-        self, copier: DeviceCopier, texts: Sequence[str], outs: Sequence[Any]
-    ) -> list[Layout | None]:
         t = self._t
         got: list[Layout | None] = [None] * len(texts)
         memory, disk = self._claim_memory(texts, [_tensor_nbytes(out) for out in outs])

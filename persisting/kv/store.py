@@ -16,8 +16,7 @@ user reads); each body is a few lines delegating to the modules above.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from persisting.kv.puts import Durability, OnComplete, PutResult, Tier, Writes
 from persisting.kv.reads import MemoryPayload, Reads, SharedLocation
 from persisting.kv.stats import StoreStats
 from persisting.kv.tiers import KeyLike, PoolFile, Tiers
+from persisting.kv.write_behind import LAG_S, MAX_BYTES
 from persisting.lance_store import StorageRoot
 from persisting.shm import RecycledBuffers
 
@@ -89,8 +89,12 @@ class KVStore(KVApi):
     - ``pinned_memory``: ``"auto"``, ``"on"`` or ``"off"``: the memory tier and staging
       ring in page-locked memory where CUDA is (see :mod:`persisting.cuda`).
     - ``pinned_staging_bytes``: the pinned staging ring for device reads and writes.
-    - ``clock``: the monotonic clock leases are timed by (``time.monotonic``; a test
-      passes one it moves by hand).
+    - ``write_behind_lag_s``, ``write_behind_bytes``: the write-behind's two bounds (``async``
+      and ``write_back``): how long a value waits for the low-priority writer, and how many
+      acknowledged bytes may wait, before the writes go on at normal priority (and puts
+      wait); see :mod:`persisting.kv.write_behind`.
+    - ``clock``: the monotonic clock leases and the write-behind's lag are timed by
+      (``time.monotonic``; a test passes one it moves by hand).
     """
 
     def __init__(
@@ -115,12 +119,15 @@ class KVStore(KVApi):
         read_threads: int = 8,
         pinned_memory: str = "auto",
         pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
+        write_behind_lag_s: float = LAG_S,
+        write_behind_bytes: int | str = MAX_BYTES,
         clock: Clock = time.monotonic,
     ):
         memory = size_bytes(memory_bytes, "memory_bytes")
         disk = size_bytes(disk_bytes, "disk_bytes")
         results_bytes = size_bytes(result_buffer_bytes, "result_buffer_bytes")
         staging_bytes = size_bytes(pinned_staging_bytes, "pinned_staging_bytes")
+        behind_bytes = size_bytes(write_behind_bytes, "write_behind_bytes")
         largest = size_bytes(max_value_bytes, "max_value_bytes") if max_value_bytes else 0
         check_options(model, durability, memory, disk, read_threads, hash_scheme)
         self.model = model
@@ -149,7 +156,14 @@ class KVStore(KVApi):
             clock=clock,
         )
         self._writes = Writes(
-            self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync
+            self._tiers,
+            durability,
+            self.admission,
+            self.max_value_bytes,
+            fsync=fsync,
+            write_behind_lag_s=write_behind_lag_s,
+            write_behind_bytes=behind_bytes,
+            clock=clock,
         )
         # Result pages without huge pages: a kept result's range is touched once, on the
         # get's path, where fresh huge pages cost more than 4 KiB ones in VMs that give free
@@ -241,16 +255,6 @@ class KVStore(KVApi):
         room), for a value's bytes to land in before :meth:`batched_put_owned` keeps it."""
         self._check_open()
         return self._tiers.memory_buffer(nbytes)
-
-    @contextmanager
-    def foreground(self, *, landing: bool = False) -> Iterator[None]:
-        """Mark a transfer on a request's critical path while the block runs: a value being
-        sent (the write-behind gives way to it as to a get), or with ``landing`` a remote
-        client's put whose bytes land (given way to unless the write-behind is behind: see
-        :mod:`persisting.kv.read_activity`)."""
-        activity = self._tiers.reads
-        with activity.landing() if landing else activity.reading():
-            yield
 
     def batched_put_owned(
         self,
@@ -528,6 +532,7 @@ class KVStore(KVApi):
             **memory,
             "memory_prefaulted": self._tiers.prefaulted_bytes(),
             "pending_puts": self._writes.pending,
+            **self._writes.write_behind_figures(),
             "writer_errors": self._writes.writer_errors,
             **disk,
             "read_threads": self._reads.read_threads,

@@ -27,7 +27,6 @@ from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.policy import EvictionPolicy
-from persisting.kv.read_activity import ReadActivity
 from persisting.kv.stats import StoreStats
 from persisting.lance_store import StorageRoot
 from persisting.lance_store.namespace_lock import NamespaceHold
@@ -90,8 +89,6 @@ class Tiers:
         #: persisting.kv.lock_order: after the directory's file locks, before the disk
         #: tier's lock).
         self.lock = ordered(Rank.TIERS, threading.RLock())
-        #: Gets in flight: the write-behind waits for them before each batch it writes.
-        self.reads = ReadActivity()
 
     @classmethod
     def open(

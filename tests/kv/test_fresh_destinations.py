@@ -1,13 +1,12 @@
 """Reads into memory nobody touched yet (issue 27): fresh destination pages are populated
 in one call per part by the thread that hands the parts out (never faulted in by several
 reader threads at once), resident ones are left alone, results kept by the caller land in
-small-page result memory, and the write-behind gives way to reads in flight."""
+small-page result memory."""
 
 from __future__ import annotations
 
 import mmap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +14,8 @@ import pytest
 import torch
 
 from persisting.kv import open_kv_store, range_reads
-from persisting.kv import write_behind as write_behind_module
-from persisting.kv.read_activity import ReadActivity
 from persisting.shm import PAGE, copy_into, pages_resident, populate
-from tests.kv.kv_helpers import MODEL, disk_tier, key
+from tests.kv.kv_helpers import MODEL, key
 
 MiB = 1 << 20
 
@@ -130,81 +127,3 @@ def test_a_memory_hit_into_a_fresh_destination_is_bit_exact(root: Path) -> None:
         # Compared as bits (NaN patterns are among them).
         assert torch.equal(out.view(torch.int16), value.reshape(-1).view(torch.int16))
         assert s.stats()["get_hit_memory"] == 1
-
-
-def test_wait_quiet_waits_for_reads_in_flight_and_no_longer_than_its_limit() -> None:
-    reads = ReadActivity()
-    assert reads.wait_quiet(5.0) < 0.5  # nothing in flight
-    entered, leave = threading.Event(), threading.Event()
-
-    def reader() -> None:
-        with reads.reading():
-            entered.set()
-            leave.wait(5)
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    entered.wait(5)
-    assert reads.in_flight == 1
-    assert 0.2 <= reads.wait_quiet(0.2) < 2.0  # gives up at its limit
-    threading.Timer(0.3, leave.set).start()
-    assert 0.2 <= reads.wait_quiet(10.0) < 5.0  # returns once the read is done
-    thread.join()
-    assert reads.in_flight == 0 and reads.yielded_s > 0.4
-
-
-def test_the_write_behind_holds_back_while_a_get_is_in_flight(root: Path) -> None:
-    value = torch.full((2, 4, 16, 64), 3, dtype=torch.bfloat16)
-    with open_kv_store(
-        root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
-    ) as s:
-        text = s._key(key(3))
-        with s._tiers.reads.reading():  # a get in flight (as its read path marks it)
-            s.put(key(3), value)
-            time.sleep(0.5)
-            assert disk_tier(s).entry(text) is None  # not written while the read runs
-            assert torch.equal(s.get(key(3)), value)  # readable from memory meanwhile
-        s.flush()
-        assert disk_tier(s).entry(text) is not None
-        assert s._tiers.reads.yielded_s >= 0.4
-
-
-def test_wait_quiet_counts_requests_that_follow_one_another_as_one_burst() -> None:
-    reads = ReadActivity(linger_s=0.3)
-    with reads.reading():
-        pass  # one just ended: the store counts as busy a moment longer
-    assert 0.2 <= reads.wait_quiet(10.0) < 5.0
-    assert reads.wait_quiet(10.0) < 0.2  # quiet since
-    with reads.reading():  # in flight, but the writer has had enough of waiting
-        assert reads.wait_quiet(10.0, enough=lambda: True) < 0.2
-
-
-def test_the_write_behind_holds_back_for_a_remote_put_burst_not_past_a_full_batch(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A remote put landing (``foreground(landing=True)``) holds the writes behind, but a
-    full batch queued up, or a flush, writes at once, beside the landing puts: a store
-    written without pause still writes everything."""
-    monkeypatch.setattr(write_behind_module, "YIELD_TO_READS_S", 60.0)
-    value = torch.full((2, 4, 16, 64), 5, dtype=torch.bfloat16)
-    batch = write_behind_module.MAX_BATCH_ITEMS
-    with open_kv_store(
-        root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
-    ) as s:
-        disk = disk_tier(s)
-        with s.foreground(landing=True):
-            s.put(key(100), value)
-            time.sleep(0.3)
-            assert disk.entry(s._key(key(100))) is None  # held back during the burst
-            for i in range(batch):
-                s.put(key(101 + i), value)
-            deadline = time.monotonic() + 30
-            written = 0
-            while written < batch and time.monotonic() < deadline:
-                time.sleep(0.05)
-                written = sum(
-                    disk.entry(s._key(key(100 + i))) is not None for i in range(batch + 1)
-                )
-            assert written >= batch  # a full batch does not wait for the burst to end
-            s.flush()  # nor does a flush
-            assert all(disk.entry(s._key(key(100 + i))) is not None for i in range(batch + 1))

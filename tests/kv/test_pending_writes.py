@@ -207,6 +207,7 @@ def test_write_back_mode_reports_values_not_yet_on_disk(root: Path) -> None:
             assert store.exists_in_put_tasks(key(i))
         assert told == []  # nothing is on disk yet
         store.put(key(3), tensor(3), on_complete=told.append)  # evicts key 1: written back
+        store.flush()  # by the write-behind, not on the putting thread
         assert told == [PutResult(str(key(1)), "disk", True, True)]
         assert not store.exists_in_put_tasks(key(1))
         assert store.exists_in_put_tasks(key(2)) and store.exists_in_put_tasks(key(3))

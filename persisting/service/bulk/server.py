@@ -322,12 +322,11 @@ class BulkServer:
         expect = optional_layout(request.get("expect"))
         counters = self.state.counters
         total = 0
-        with store.foreground():
-            for key in keys:
-                sent = self._send_value(stream, session, store, str(request["model"]), key, expect)
-                counters["get_hits" if sent else "get_misses"] += 1
-                counters["get_bytes_bulk"] += sent
-                total += sent
+        for key in keys:
+            sent = self._send_value(stream, session, store, str(request["model"]), key, expect)
+            counters["get_hits" if sent else "get_misses"] += 1
+            counters["get_bytes_bulk"] += sent
+            total += sent
         return total
 
     def _send_value(
@@ -412,8 +411,7 @@ class BulkServer:
                 stream.discard(layout.nbytes + 8, scratch)
             raise
         try:
-            with store.foreground(landing=True):  # the write-behind waits for the burst
-                self._receive_and_store(stream, store, str(request["model"]), request, layouts)
+            self._receive_and_store(stream, store, str(request["model"]), request, layouts)
         finally:
             with self.state.lock:
                 self.state.sessions.unstage(session, staged_id)
