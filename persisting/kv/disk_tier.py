@@ -509,11 +509,9 @@ class DiskTier:
         *,
         executor: Executor | None = None,
         parts: int = 1,
-        populate: bool = False,
     ) -> Layout | None:
         """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum; in
-        ``parts`` positioned reads at once on ``executor`` when given; ``populate`` when
-        ``out``'s pages are fresh (see :func:`~persisting.kv.range_reads.read_file_range`).
+        ``parts`` positioned reads at once on ``executor`` when given.
 
         Returns None on a miss, including a file evicted by another process mid-way and a
         checksum failure (the damaged chunk is then dropped and counted).
@@ -529,9 +527,7 @@ class DiskTier:
             entry.readers += 1
         path = self.files.path_text(key, entry.tag)
         try:
-            digest = self.files.read_into(
-                path, out, executor=executor, parts=parts, populate=populate
-            )
+            digest = self.files.read_into(path, out, executor=executor, parts=parts)
             ok = digest == entry.checksum
         except FileNotFoundError:
             self._forget(key, entry)

@@ -401,11 +401,9 @@ class PayloadFiles:
         *,
         executor: Executor | None = None,
         parts: int = 1,
-        populate: bool = False,
     ) -> int:
         """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes), in
-        ``parts`` reads at once on ``executor`` when given, populating ``out``'s fresh pages
-        on the way with ``populate`` (see :func:`read_file_range`), and return its checksum
+        ``parts`` reads at once on ``executor`` when given, and return its checksum
         (:func:`persisting.kv.layout.checksum`), made as it is read.
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
@@ -417,7 +415,6 @@ class PayloadFiles:
             executor=executor,
             parts=parts,
             hashed=True,
-            populate=populate,
         )
         assert digest is not None
         return digest

@@ -1,10 +1,10 @@
 """Positioned reads of a file range straight into a caller's buffer.
 
 One open, then ``preadv`` calls into the destination (no intermediate buffer), optionally
-hashed piece by piece as the bytes land (while still in cache) and populating fresh
-destination pages just ahead of the reads; a large range may be read as several parts at
-once on an executor. Payload files (:mod:`persisting.kv.payload_files`), leased payloads
-read by same-host clients and Lance blob files are all read this way.
+hashed piece by piece as the bytes land (while still in cache); a large range may be read
+as several parts at once on an executor. A destination's pages not yet touched fault in
+as the bytes land, inside the reads. Payload files (:mod:`persisting.kv.payload_files`),
+leased payloads read by same-host clients and Lance blob files are all read this way.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from __future__ import annotations
 import os
 from concurrent.futures import Executor
 
-import numpy as np
 import xxhash
 
 from persisting.errors import CorruptValueError, StorageIOError
-from persisting.shm import populate as populate_pages
 
 #: Parts of a range read at once start at multiples of this (the payload format's block,
 #: what O_DIRECT and most filesystems want).
@@ -38,7 +36,6 @@ def read_file_range(
     executor: Executor | None = None,
     parts: int = 1,
     hashed: bool = False,
-    populate: bool = False,
 ) -> int | None:
     """Fill ``out`` with exactly ``len(out)`` bytes of ``path`` from ``offset``; with
     ``hashed``, return the xxh3-64 of those bytes (:func:`persisting.kv.layout.checksum`):
@@ -48,13 +45,6 @@ def read_file_range(
     With an ``executor`` and ``parts > 1`` the range is read as that many block-aligned
     parts at once (a disk that serves several requests in flight reads one large value
     faster so; the calling thread must not be one of the executor's).
-
-    ``populate`` is for a destination whose pages were never touched (memory just
-    allocated, results a caller keeps): each part's pages are populated in one call
-    (:func:`persisting.shm.populate`) by the calling thread just before that part's read
-    is handed out (so the reader threads never fault pages in at once, and the next part
-    is populated while the earlier ones are read); read in one part, each piece is
-    populated just before it is read (while the kernel's readahead fetches the next).
 
     FileNotFoundError propagates (the file was removed, e.g. evicted: a miss to the caller);
     a file shorter than the range is a CorruptValueError; any other failure a StorageIOError.
@@ -67,15 +57,13 @@ def read_file_range(
         raise StorageIOError(f"cannot open {path}: {exc}") from exc
     try:
         if executor is None or parts <= 1:
-            return _pread_exact(fd, path, out, offset, hashed, populate)
+            return _pread_exact(fd, path, out, offset, hashed)
         per_part = -(-len(out) // parts)
         step = -(-per_part // PART_ALIGN) * PART_ALIGN  # parts start block-aligned
         futures = []
         try:
             for start in range(0, len(out), step):
                 part = out[start : start + step]
-                if populate:
-                    populate_pages(np.frombuffer(part, np.uint8))
                 futures.append(executor.submit(_pread_exact, fd, path, part, offset + start))
         finally:
             first: BaseException | None = None
@@ -96,18 +84,13 @@ def _pread_exact(
     out: memoryview,
     offset: int,
     hashed: bool = False,
-    populate: bool = False,
 ) -> int | None:
     """Read exactly ``len(out)`` bytes at ``offset``; with ``hashed``, in
-    :data:`READ_PIECE` pieces, each hashed right after it lands (returns the xxh3-64); with
-    ``populate``, in such pieces, each populated just before it is read."""
+    :data:`READ_PIECE` pieces, each hashed right after it lands (returns the xxh3-64)."""
     digest = xxhash.xxh3_64() if hashed else None
-    pieces = hashed or populate
     done, size = 0, len(out)
     while done < size:
-        piece = out[done : done + READ_PIECE] if pieces else out[done:]
-        if populate:
-            populate_pages(np.frombuffer(piece, np.uint8))
+        piece = out[done : done + READ_PIECE] if hashed else out[done:]
         n = os.preadv(fd, [piece], offset + done)
         if n == 0:
             raise CorruptValueError(
