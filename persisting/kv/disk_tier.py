@@ -319,6 +319,11 @@ class DiskTier:
         with self._lock:
             return self.index.get(key)
 
+    def is_writing(self, key: str) -> bool:
+        """Whether a write of ``key`` is under way in this process."""
+        with self._lock:
+            return key in self._writing
+
     def used_bytes(self) -> int:
         """Bytes the directory holds: payload files (reserved) plus the measured overhead."""
         return self.usage.total()
