@@ -16,7 +16,7 @@ user reads); each body is a few lines delegating to the modules above.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,12 @@ class KVStore(KVApi):
       wait); see :mod:`persisting.kv.write_behind`.
     - ``clock``: the monotonic clock leases and the write-behind's lag are timed by
       (``time.monotonic``; a test passes one it moves by hand).
+    - ``namespace``: the directory under ``<root>/kv/`` to keep the chunks in, when it is
+      not the model's own (one per weights version of a model: see
+      :func:`~persisting.kv.model_identity.weights_namespace`); keys still name ``model``.
+    - ``describe``: what this namespace holds, in words an operator reads in ``persisting
+      inspect`` (engine, model, dtype, block size, layout, the weights' identity; JSON),
+      recorded with the configured disk capacity (:mod:`~persisting.kv.namespace_record`).
     """
 
     def __init__(
@@ -119,6 +125,8 @@ class KVStore(KVApi):
         read_threads: int = 8,
         pinned_memory: str = "auto",
         pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
+        describe: Mapping[str, Any] | None = None,
+        namespace: str | None = None,
         write_behind_lag_s: float = LAG_S,
         write_behind_bytes: int | str = MAX_BYTES,
         clock: Clock = time.monotonic,
@@ -137,7 +145,9 @@ class KVStore(KVApi):
         self.hash_scheme: HashScheme = hash_scheme
         self.max_value_bytes = largest or max(memory, disk)
         self.root = StorageRoot(storage_path, storage_access)
-        self.directory = self.root.kv_path(model)
+        #: The directory under ``<root>/kv/`` holding this store's chunks.
+        self.namespace = namespace or model
+        self.directory = self.root.kv_path(self.namespace)
         policy = eviction_policy(eviction)
         self.admission = admission_policy(admission)
         #: Counters and per-operation timings; metrics exporters add listeners here.
@@ -153,6 +163,8 @@ class KVStore(KVApi):
             shared_memory=shared_memory,
             pinned_memory=pinned_memory,
             pinned_staging_bytes=staging_bytes,
+            describe=describe,
+            namespace=namespace,
             clock=clock,
         )
         self._writes = Writes(

@@ -23,6 +23,7 @@ from persisting.kv.disk_tier import DiskTier, WriteItem
 from persisting.kv.layout import encode_value
 from persisting.kv.policy import eviction_policy
 from persisting.kv.write_behind import BACKGROUND_NICE, WriteBehind
+from persisting.lance_store import StorageRoot
 from tests.kv.kv_helpers import MODEL, in_flight, key, tensor
 from tests.timing import ManualClock, finishes, wait_until
 
@@ -50,7 +51,9 @@ class Held:
 
 @pytest.fixture
 def disk(root: Path) -> Iterator[DiskTier]:
-    tier = DiskTier(root / "kv", 64 * MiB, eviction_policy("lru"))
+    storage = StorageRoot(root)
+    directory = storage.make_kv_dir(MODEL)
+    tier = DiskTier(directory, 64 * MiB, eviction_policy("lru"), secret=storage.kv_secret())
     yield tier
     tier.close()
 
