@@ -123,6 +123,7 @@ class WriteBehind:
         self._seq = itertools.count()
         self._bytes = 0  # of the pending jobs
         self._waiting = 0  # callers in drain() or close(): the writes are urgent
+        self._low_busy = False  # the low-priority writer has a batch: the other waits
         self._stopping = False
         #: Writes that failed with an unexpected error, and completion hooks that raised.
         self.errors = 0
@@ -244,26 +245,32 @@ class WriteBehind:
                 if self._stopping:
                     return
                 batch = self._take()
+                self._low_busy = True
             try:
                 outcomes = self._write(batch, self._checkpoint, self._low_writers)
             except _HandOver:
                 with self._cond:
                     self._queue.extendleft(reversed(batch))
                     self.handovers += 1
+                    self._low_busy = False
                     self._cond.notify_all()
                 continue
             self._complete(batch, outcomes)
+            with self._cond:
+                self._low_busy = False
+                self._cond.notify_all()
 
     def _run_urgent(self) -> None:
         """The normal-priority writer: batches while the writes are urgent (a value waited
-        ``lag_s``, ``max_bytes`` pending, someone waiting)."""
+        ``lag_s``, ``max_bytes`` pending, someone waiting), never beside a low-priority
+        batch (one batch at a time: two writes of one key must not race)."""
         while True:
             with self._cond:
-                while not (self._queue and self._urgent()):
+                while not (self._queue and self._urgent() and not self._low_busy):
                     if self._stopping and not self._pending:
                         return
-                    # Urgent with nothing queued: the low-priority batch is being handed
-                    # over (or finished), which is notified; else until the oldest is due.
+                    # Urgent: the low-priority batch under way is handed over (or ends) at
+                    # its next checkpoint, which is notified; else until the oldest is due.
                     self._cond.wait(None if self._urgent() else self._due_in())
                 batch = self._take()
             self._complete(batch, self._write(batch, None, None))
