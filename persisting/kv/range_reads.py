@@ -22,9 +22,8 @@ PART_ALIGN = 4096
 
 #: Bytes per positioned read where a read is also hashed. Larger than the
 #: :data:`~persisting.kv.layout.HASH_PIECE` of writes and copies: each read is a system
-#: call that lets go of the GIL, and the loading threads then queue to get it back. Reading
-#: 64 chunks of 4 MiB on 4 threads (2 cores), 1 MiB pieces loaded ~15% faster than 256 KiB
-#: ones, on ~8% less CPU (the piece is still hashed while in cache: L3 here).
+#: call that lets go of the GIL, and the loading threads then queue to get it back; the
+#: piece is still hashed while in cache (``docs/benchmarks.md``, cold reads).
 READ_PIECE = 1 << 20
 
 

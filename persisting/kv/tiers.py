@@ -247,9 +247,9 @@ class Tiers:
         pinned region (where CUDA is), else in the private arena, else fresh pageable
         memory.
 
-        The arena matters most: a fresh 28 MiB array faults 7,168 zeroed 4 KiB pages on
-        first touch (37 ms here, ten times the copy), the arena's pages are faulted 2 MiB
-        at a time once and then reused by later values.
+        The arena matters most: a fresh array faults a zeroed page per 4 KiB on first
+        touch (costing more than the copy itself), the arena's pages are faulted 2 MiB at
+        a time once and then reused by later values (``docs/benchmarks.md``).
         """
         if self.pool is not None:
             buffer = self.pool.allocate(nbytes)
