@@ -20,8 +20,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -336,6 +337,14 @@ class DiskTier:
     def entry(self, key: str) -> DiskEntry | None:
         with self._lock:
             return self.index.get(key)
+
+    @contextmanager
+    def holding(self) -> Iterator[LruIndex[DiskEntry]]:
+        """Hold the index lock across several lookups (one acquisition, not one per key;
+        after ``Tiers.lock`` in the lock order): yields the index, to read inside the block
+        only."""
+        with self._lock:
+            yield self.index
 
     def is_writing(self, key: str) -> bool:
         """Whether a write of ``key`` is under way in this process."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from persisting.cuda.host import StoreHostMemory
 from persisting.errors import InvalidKeyError
 from persisting.kv.disk_tier import Clock, DiskTier, EvictionListener, Location
+from persisting.kv.index import DiskEntry, LruIndex, MemoryEntry
 from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.lock_order import Rank, ordered
@@ -35,6 +37,17 @@ from persisting.lance_store.namespace_lock import NamespaceHold
 from persisting.shm import RecycledBuffers, SharedPool, aligned_buffer, seqlock_safe
 
 KeyLike = ChunkKey | str
+
+
+@dataclass(frozen=True, slots=True)
+class Indexes:
+    """Both tiers' indexes, read while :meth:`Tiers.indexes` holds their locks."""
+
+    memory: LruIndex[MemoryEntry]
+    disk: LruIndex[DiskEntry] | None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.memory or (self.disk is not None and key in self.disk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,12 +176,23 @@ class Tiers:
     def on_disk(self, key: str) -> bool:
         return self.disk is not None and key in self.disk
 
+    @contextmanager
+    def indexes(self) -> Iterator[Indexes]:
+        """Both tiers' indexes under one hold of each lock (``lock``, then the disk tier's),
+        for a lookup of many keys; to read inside the block only."""
+        with self.lock:
+            if self.disk is None:
+                yield Indexes(self.memory.index, None)
+                return
+            with self.disk.holding() as disk:
+                yield Indexes(self.memory.index, disk)
+
     # -- queries over both tiers ------------------------------------------------------
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored in either tier, under one hold of the lock."""
-        with self.lock:
-            return [key in self.memory or self.on_disk(key) for key in keys]
+        """Whether each key is stored in either tier, under one hold of the locks."""
+        with self.indexes() as held:
+            return [key in held for key in keys]
 
     def in_memory(self, key: str) -> bool:
         with self.lock:
@@ -312,4 +336,4 @@ def _release(
         pool.close()
 
 
-__all__ = ["KeyLike", "PoolFile", "Tiers"]
+__all__ = ["Indexes", "KeyLike", "PoolFile", "Tiers"]
