@@ -6,10 +6,9 @@ The rule, all of it:
   :data:`MAX_BATCH_BYTES` -- and writes it as one disk batch (one capacity reservation, one
   pass of directory fsyncs, one metadata commit), then the next. It and the threads that
   write its files run at the lowest CPU priority (:func:`lower_priority`): the kernel gives
-  them a core only when nothing else wants it, and their disk I/O (the fsyncs) is in the
-  idle class, served after other I/O where the disk's scheduler has classes. Where cores
-  and the disk are free they write at full speed; where they are not, gets, puts and the
-  engine go first. The write-behind knows nothing else about reads.
+  them a core only when nothing else wants it. Where cores are free they write at full
+  speed; where they are not, gets, puts and the engine go first. The write-behind knows
+  nothing else about reads.
 - Two bounds stop that from falling behind without limit (``kv`` settings, see
   :class:`persisting.config.KVSettings`): once the oldest value not yet on disk has waited
   ``write_behind_lag_s`` (default :data:`LAG_S`), or more than ``write_behind_bytes``
@@ -21,10 +20,7 @@ The rule, all of it:
   hands over at its next checkpoint (every piece of a file, and before each file's fsync;
   see :meth:`~persisting.kv.payload_files.PayloadFiles.write`) and the normal-priority writer
   writes it. What the low-priority writer had written of it is discarded (its files were
-  not published). A file's fsync cannot be interrupted: a flush waits for those the
-  low-priority writer has under way (one per file-writing thread), which a busy disk
-  serves after its other I/O (mq-deadline ages idle requests in ``prio_aging_expire``,
-  10 s by default).
+  not published).
 
 Write-back evictions (``durability = "write_back"``) queue here too: a put that evicts a
 dirty value does not write it on the caller's thread.
@@ -38,11 +34,9 @@ logged), and a failing completion hook is logged and counted too. :meth:`drain` 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
-import platform
 import sys
 import threading
 import time
@@ -70,27 +64,17 @@ LAG_S: float = KVSettings.model_fields["write_behind_lag_s"].default
 MAX_BYTES: int = KVSettings.model_fields["write_behind_bytes"].default
 #: The nice value of the low-priority writer threads (19: the lowest there is).
 BACKGROUND_NICE = 19
-#: Their I/O class: idle, served when no other I/O is queued (where the disk's I/O
-#: scheduler has classes: mq-deadline, bfq; with none, the class changes nothing).
-IOPRIO_CLASS_IDLE = 3
-#: ``ioprio_set``'s system call number by machine (the os module has no wrapper).
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 
 #: on_done(item, stored, error): ``error`` is the exception that stopped the write, if any.
 DoneHook = Callable[[WriteItem, bool, BaseException | None], None]
 
 
 def lower_priority() -> None:
-    """Run the calling thread at nice :data:`BACKGROUND_NICE` and in the idle I/O class
-    (Linux sets both per thread; elsewhere, or where refused, nothing changes)."""
-    if not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
-    number = _IOPRIO_SET.get(platform.machine())
-    if number is not None:  # IOPRIO_WHO_PROCESS (1) of this thread; a failure is ignored
-        ctypes.CDLL(None, use_errno=True).syscall(number, 1, tid, IOPRIO_CLASS_IDLE << 13)
+    """Run the calling thread at nice :data:`BACKGROUND_NICE` (Linux sets nice per thread;
+    elsewhere, or where it is refused, nothing changes)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 class _HandOver(Exception):
