@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -460,6 +461,11 @@ class Writes:
             entry = self._t.memory.index.get(key)
             return entry is not None and entry.dirty
 
+    def disk_reading(self) -> AbstractContextManager[None]:
+        """Mark a get reading from the disk while the block runs (the write-behind's
+        low-priority writer stays off the disk meanwhile)."""
+        return self._writer.reading() if self._writer is not None else nullcontext()
+
     @property
     def pending(self) -> int:
         """Writes to disk in progress."""
@@ -467,14 +473,21 @@ class Writes:
 
     def write_behind_figures(self) -> dict[str, float]:
         """The write-behind's figures for ``stats()``: bytes acknowledged and not yet on
-        disk, how long the oldest has waited, low-priority batches handed over."""
+        disk, how long the oldest has waited, low-priority batches handed over, and times
+        the low-priority writer waited for reads from the disk."""
         writer = self._writer
         if writer is None:
-            return {"pending_bytes": 0, "pending_age_s": 0.0, "writer_handovers": 0}
+            return {
+                "pending_bytes": 0,
+                "pending_age_s": 0.0,
+                "writer_handovers": 0,
+                "writer_deferrals": 0,
+            }
         return {
             "pending_bytes": writer.pending_bytes,
             "pending_age_s": round(writer.pending_age_s(), 3),
             "writer_handovers": writer.handovers,
+            "writer_deferrals": writer.deferrals,
         }
 
     @property

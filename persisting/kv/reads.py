@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +92,8 @@ SPLIT_BYTES = 1 << 20
 
 
 class Reads:
-    """Gets over the tiers; ``write_back`` takes the dirty entries a prefetch evicts."""
+    """Gets over the tiers; ``write_back`` takes the dirty entries a prefetch evicts, and
+    ``disk_reading`` marks each read from the disk."""
 
     def __init__(
         self,
@@ -99,10 +101,13 @@ class Reads:
         results: RecycledBuffers | None,
         write_back: Callable[[list[tuple[str, MemoryEntry]]], None],
         read_threads: int = 8,
+        disk_reading: Callable[[], AbstractContextManager[None]] = nullcontext,
     ):
         self._t = tiers
         self._results = results
         self._write_back = write_back
+        #: Marks a read from the disk (the write-behind stays off the disk meanwhile).
+        self._disk_reading = disk_reading
         if read_threads < 1:
             raise InvalidValueError(f"read_threads must be at least 1, not {read_threads}")
         self.read_threads = read_threads
@@ -279,7 +284,8 @@ class Reads:
             return None
         start = time.perf_counter()
         executor = self._readers() if parts > 1 else None
-        layout = t.disk.read_into(text, view, executor=executor, parts=parts)
+        with self._disk_reading():
+            layout = t.disk.read_into(text, view, executor=executor, parts=parts)
         seconds = time.perf_counter() - start
         t.op_stats.record(
             "get", "disk", seconds, len(view) if layout else 0, "hit" if layout else "miss"
@@ -484,7 +490,8 @@ class Reads:
                 continue
             buffer = t.memory_buffer(entry.layout.nbytes)
             assert t.disk is not None
-            layout = t.disk.read_into(text, buffer.data)
+            with self._disk_reading():
+                layout = t.disk.read_into(text, buffer.data)
             if layout is None:
                 continue
             with t.lock:

@@ -181,7 +181,9 @@ class KVStore(KVApi):
         # get's path, where fresh huge pages cost more than 4 KiB ones in VMs that give free
         # memory back to their host (docs/benchmarks.md); recycled ranges cost nothing.
         results = RecycledBuffers(results_bytes, huge_pages=False) if results_bytes > 0 else None
-        self._reads = Reads(self._tiers, results, self._writes.write_back, read_threads)
+        self._reads = Reads(
+            self._tiers, results, self._writes.write_back, read_threads, self._writes.disk_reading
+        )
         self._lookups = Lookups(self._tiers, chunk_size, hash_scheme, key_dtype_name(key_dtype))
         self._closed = False
         at_exit.track(self, at_exit.STORE)  # closed at interpreter exit if still open

@@ -7,8 +7,11 @@ The rule, all of it:
   pass of directory fsyncs, one metadata commit), then the next. It and the threads that
   write its files run at the lowest CPU priority (:func:`lower_priority`): the kernel gives
   them a core only when nothing else wants it. Where cores are free they write at full
-  speed; where they are not, gets, puts and the engine go first. The write-behind knows
-  nothing else about reads.
+  speed; where they are not, gets, puts and the engine go first.
+- It stays off the disk while a get is reading from it (:meth:`WriteBehind.reading`): it
+  starts no batch then, and a batch under way waits between its pieces. A disk is shared
+  however many cores the host has, and reads are on a request's critical path; the
+  lag bound below caps the wait.
 - Two bounds stop that from falling behind without limit (``kv`` settings, see
   :class:`persisting.config.KVSettings`): once the oldest value not yet on disk has waited
   ``write_behind_lag_s`` (default :data:`LAG_S`), or more than ``write_behind_bytes``
@@ -41,8 +44,9 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from persisting.config import KVSettings
@@ -124,12 +128,15 @@ class WriteBehind:
         self._bytes = 0  # of the pending jobs
         self._waiting = 0  # callers in drain() or close(): the writes are urgent
         self._low_busy = False  # the low-priority writer has a batch: the other waits
+        self._disk_reads = 0  # gets reading from the disk now: the low writer waits
         self._stopping = False
         #: Writes that failed with an unexpected error, and completion hooks that raised.
         self.errors = 0
         self.hook_errors = 0
-        #: Low-priority batches handed over to the normal-priority writer.
+        #: Low-priority batches handed over to the normal-priority writer, and times the
+        #: low-priority writer waited for disk reads.
         self.handovers = 0
+        self.deferrals = 0
         self._low_writers = ThreadPoolExecutor(
             WRITE_THREADS, thread_name_prefix="persisting-kv-write-behind-file", initializer=lower
         )
@@ -153,6 +160,20 @@ class WriteBehind:
             self._queue.append(job)
             self._cond.notify_all()
         return job.future
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Mark a get reading from the disk while the block runs: the low-priority writer
+        starts nothing and pauses between pieces until none is."""
+        with self._cond:
+            self._disk_reads += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._disk_reads -= 1
+                if not self._disk_reads:
+                    self._cond.notify_all()
 
     def throttle(self) -> None:
         """Wait while more than ``max_bytes`` are pending (a put calls this first, holding
@@ -224,11 +245,18 @@ class WriteBehind:
         return max(0.0, oldest.since + self.lag_s - self._clock())  # 0: due
 
     def _checkpoint(self) -> None:
-        """Between the pieces of a low-priority batch: hand it over once the writes are
-        urgent."""
+        """Between the pieces of a low-priority batch: wait while a get reads from the disk;
+        hand the batch over once the writes are urgent."""
         with self._cond:
-            if self._urgent():
-                raise _HandOver
+            waited = False
+            while not self._urgent():
+                if not self._disk_reads:
+                    return
+                if not waited:
+                    self.deferrals += 1
+                    waited = True
+                self._cond.wait(self._due_in())  # a read ending, urgency, or the lag due
+            raise _HandOver
 
     def _alive(self) -> bool:
         return any(thread.is_alive() for thread in self._threads)
@@ -240,8 +268,14 @@ class WriteBehind:
         self._lower()
         while True:
             with self._cond:
-                while not self._stopping and (not self._queue or self._urgent()):
-                    self._cond.wait()  # what ends either is notified
+                deferred = False
+                while not self._stopping and (
+                    not self._queue or self._urgent() or self._disk_reads
+                ):
+                    if self._queue and self._disk_reads and not deferred:
+                        self.deferrals += 1
+                        deferred = True
+                    self._cond.wait()  # what ends each of them is notified
                 if self._stopping:
                     return
                 batch = self._take()

@@ -138,6 +138,54 @@ def test_a_low_priority_batch_is_handed_over_to_a_flush(disk: DiskTier) -> None:
         writer.close()
 
 
+def test_a_disk_read_keeps_the_low_priority_writer_off_the_disk(disk: DiskTier) -> None:
+    clock = ManualClock()  # never moved: the lag is never reached
+    writer = WriteBehind(disk, done, clock=clock)
+    try:
+        with writer.reading():  # a get reading from the disk
+            future = writer.submit(item(1))
+            wait_until(lambda: writer.deferrals == 1, "the low writer waiting for the read")
+            assert not future.done()
+        wait_until(future.done, "the value written once the read ended")
+        assert future.result() and writer.handovers == 0
+    finally:
+        writer.close()
+
+
+def test_a_batch_under_way_waits_between_pieces_for_a_disk_read(disk: DiskTier) -> None:
+    held, clock = Held(files_only=True), ManualClock()
+    writer = WriteBehind(disk, done, clock=clock, lower=held)
+    try:
+        with writer.reading():  # nothing taken meanwhile: the three make one batch
+            futures = [writer.submit(item(i)) for i in range(3)]
+        wait_until(held.entered.is_set, "the low writer inside its batch")
+        before = writer.deferrals
+        with writer.reading():
+            held.release()  # its files reach their first piece while the read runs
+            wait_until(lambda: writer.deferrals > before, "the batch waiting between pieces")
+            assert not any(f.done() for f in futures)
+        for future in futures:
+            wait_until(future.done, "the batch written once the read ended")
+        assert all(f.result() for f in futures) and writer.handovers == 0
+    finally:
+        held.release()
+        writer.close()
+
+
+def test_a_disk_read_keeps_the_writes_back_at_most_the_lag(disk: DiskTier) -> None:
+    clock = ManualClock()
+    writer = WriteBehind(disk, done, lag_s=0.05, clock=clock)
+    try:
+        with writer.reading():  # reads that never end
+            future = writer.submit(item(1))
+            wait_until(lambda: writer.deferrals == 1, "the low writer waiting for the read")
+            clock.advance(0.1)  # past the lag: written at normal priority, read or not
+            wait_until(future.done, "the value written once it waited the lag")
+        assert future.result()
+    finally:
+        writer.close()
+
+
 def nice_of(name: str) -> int:
     thread = next(t for t in threading.enumerate() if t.name == name)
     assert thread.native_id is not None
