@@ -15,7 +15,6 @@ budget change together under one lock, and that invariant reads best in one clas
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -32,6 +31,7 @@ from persisting.kv import recency
 from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout
+from persisting.kv.leases import Clock, Leases
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
@@ -67,10 +67,6 @@ class Location:
     layout: Layout
     checksum: int
     token: int = 0
-
-
-#: A monotonic clock in seconds (``time.monotonic``; tests pass one they advance).
-Clock = Callable[[], float]
 
 
 #: Metadata commits a flush runs at most (see :meth:`DiskTier.flush`).
@@ -141,11 +137,8 @@ class DiskTier:
         # usage lock (eviction) or Tiers.lock (lookups, pins), never the other way round.
         self._lock = ordered(Rank.DISK_INDEX, threading.RLock())
         self._writing: set[str] = set()
-        #: Read leases: key -> {token: deadline on ``clock``}; a key leased by anyone whose
-        #: deadline has not passed is not evicted.
-        self._leases: dict[str, dict[int, float]] = {}
-        self._tokens = itertools.count(1)
-        self._clock = clock
+        #: Read leases by token (under the index lock): a leased key is not evicted.
+        self.leases = Leases(clock)
         self._closed = False
         self.evictions = 0
         self.corruptions = 0
@@ -504,13 +497,13 @@ class DiskTier:
         released = 0
         evicted: list[tuple[str, DiskEntry]] = []
         while released < need:
-            now = self._clock()
+            now = self.leases.clock()
             with self._lock:
                 victims: list[tuple[str, DiskEntry]] = []
                 planned = 0
                 for key in self.policy.candidates(self.index):
                     entry = self.index.get(key)
-                    if entry is None or entry.busy or self._leased(key, now):
+                    if entry is None or entry.busy or self.leases.held(key, now):
                         continue
                     victims.append((key, entry))
                     planned += file_size(entry.layout.nbytes)
@@ -586,7 +579,7 @@ class DiskTier:
 
     def _drop_entry(self, key: str) -> DiskEntry | None:
         """Take ``key`` out of the index, with its leases (caller holds ``_lock``)."""
-        self._leases.pop(key, None)
+        self.leases.drop(key)
         return self.index.pop(key)
 
     # -- removal, pins and leases -------------------------------------------------------
@@ -594,9 +587,7 @@ class DiskTier:
     def remove(self, key: str, *, force: bool = True) -> bool:
         with self._lock:
             entry = self.index.get(key)
-            if entry is None or (
-                not force and (entry.pins > 0 or self._leased(key, self._clock()))
-            ):
+            if entry is None or (not force and (entry.pins > 0 or self.leases.held(key))):
                 return False
             self._drop_entry(key)
         path = self.files.path(key, entry.tag)
@@ -628,57 +619,14 @@ class DiskTier:
             entry = self.index.get(key, touch=True)
             if entry is None:
                 return None
-            token = next(self._tokens)
-            if ttl_s > 0:
-                self._leases.setdefault(key, {})[token] = self._clock() + ttl_s
             return Location(
                 str(self.files.path(key, entry.tag)),
                 HEADER_BYTES,
                 entry.layout.nbytes,
                 entry.layout,
                 entry.checksum,
-                token,
+                self.leases.take(key, ttl_s),
             )
-
-    def renew(self, key: str, token: int, ttl_s: float) -> bool:
-        """Push lease ``token`` of ``key`` out to ``ttl_s`` seconds from now; False if that
-        lease is not held (released, or the key is gone)."""
-        with self._lock:
-            held = self._leases.get(key)
-            if held is None or token not in held:
-                return False
-            held[token] = max(held[token], self._clock() + ttl_s)
-            return True
-
-    def release(self, key: str, token: int) -> bool:
-        """End lease ``token`` of ``key`` (other holders' leases stay); False if it was not
-        held."""
-        with self._lock:
-            held = self._leases.get(key)
-            if held is None or held.pop(token, None) is None:
-                return False
-            if not held:
-                del self._leases[key]
-            return True
-
-    def leases(self, key: str) -> int:
-        """Leases of ``key`` held now (their deadlines not passed)."""
-        now = self._clock()
-        with self._lock:
-            return sum(deadline > now for deadline in self._leases.get(key, {}).values())
-
-    def _leased(self, key: str, now: float) -> bool:
-        """Whether a lease of ``key`` holds at ``now``; forgets the expired ones (caller
-        holds ``_lock``)."""
-        held = self._leases.get(key)
-        if not held:
-            return False
-        for token in [t for t, deadline in held.items() if deadline <= now]:
-            del held[token]
-        if not held:
-            del self._leases[key]
-            return False
-        return True
 
     def close(self) -> None:
         self.save_order()

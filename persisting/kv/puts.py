@@ -35,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 
 from persisting.errors import CapacityError, InvalidValueError
-from persisting.kv.disk_tier import Clock, WriteItem
+from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import (
     BYTE_FORMATS,
@@ -47,6 +47,7 @@ from persisting.kv.layout import (
     owned_copy_hashed,
     tensor_layout,
 )
+from persisting.kv.leases import Clock
 from persisting.kv.policy import AdmissionPolicy
 from persisting.kv.tiers import KeyLike, Tiers
 from persisting.kv.write_behind import LAG_S, MAX_BYTES, WriteBehind

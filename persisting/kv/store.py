@@ -27,10 +27,11 @@ from persisting.cuda import DEFAULT_STAGING_BYTES
 from persisting.errors import StoreClosedError
 from persisting.kv import at_exit
 from persisting.kv.api import KVApi, in_thread
-from persisting.kv.disk_tier import Clock, EvictionListener, Location
+from persisting.kv.disk_tier import EvictionListener, Location
 from persisting.kv.keys import HashScheme, TokenHasher
 from persisting.kv.keys import key_dtype as key_dtype_name
 from persisting.kv.layout import Layout
+from persisting.kv.leases import Clock
 from persisting.kv.load_plan import LoadPlan, TierBandwidth
 from persisting.kv.lookups import Lookups
 from persisting.kv.options import SETTINGS_OPTIONS, check_options

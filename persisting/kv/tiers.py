@@ -22,9 +22,10 @@ import numpy as np
 
 from persisting.cuda.host import StoreHostMemory
 from persisting.errors import InvalidKeyError
-from persisting.kv.disk_tier import Clock, DiskTier, EvictionListener, Location
+from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
 from persisting.kv.index import DiskEntry, LruIndex, MemoryEntry
 from persisting.kv.keys import ChunkKey, key_string
+from persisting.kv.leases import Clock
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.memory_tier import MemoryTier
@@ -243,13 +244,22 @@ class Tiers:
         return self.disk.lease(key, ttl_s) if self.disk is not None else None
 
     def renew(self, key: str, token: int, ttl_s: float) -> bool:
-        return self.disk.renew(key, token, ttl_s) if self.disk is not None else False
+        if self.disk is None:
+            return False
+        with self.disk.holding():
+            return self.disk.leases.renew(key, token, ttl_s)
 
     def release(self, key: str, token: int) -> bool:
-        return self.disk.release(key, token) if self.disk is not None else False
+        if self.disk is None:
+            return False
+        with self.disk.holding():
+            return self.disk.leases.release(key, token)
 
     def leases(self, key: str) -> int:
-        return self.disk.leases(key) if self.disk is not None else 0
+        if self.disk is None:
+            return 0
+        with self.disk.holding():
+            return self.disk.leases.count(key)
 
     # -- the disk tier's upkeep ---------------------------------------------------------
 

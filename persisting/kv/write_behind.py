@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 from persisting.config import KVSettings
 from persisting.errors import PersistingError, StorageIOError
 from persisting.kv import at_exit
-from persisting.kv.disk_tier import Clock, DiskTier, WriteItem
+from persisting.kv.disk_tier import DiskTier, WriteItem
+from persisting.kv.leases import Clock
 from persisting.kv.payload_files import WRITE_THREADS
 
 log = logging.getLogger(__name__)
