@@ -30,7 +30,7 @@ from persisting.errors import CapacityError, CorruptValueError, PersistingError,
 from persisting.kv import recency
 from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.index import DiskEntry, LruIndex
-from persisting.kv.layout import Layout
+from persisting.kv.layout import Layout, Payload
 from persisting.kv.leases import Clock, Leases
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
@@ -81,11 +81,11 @@ class WriteItem:
     """One value to write. ``cancelled`` (set by a remove) makes the write lose: an item
     cancelled before its batch starts is skipped, one cancelled while being written is
     unlinked instead of published. ``checksum`` None: hash ``data`` while writing it (the
-    tier fills it in)."""
+    tier fills it in). ``data`` is one buffer, or a value's parts written end to end."""
 
     key: str
     layout: Layout
-    data: memoryview
+    data: Payload
     checksum: int | None
     parent: str | None
     cancelled: bool = False
@@ -360,9 +360,10 @@ class DiskTier:
         """The tier's part of a store's ``stats()``: ``disk_bytes`` is everything the
         directory holds (payload files plus ``disk_overhead_bytes``)."""
         with self._lock:
-            items = len(self.index)
+            items, leases = len(self.index), self.leases.total()
         return {
             "disk_items": items,
+            "disk_leases": leases,
             "disk_bytes": self.used_bytes(),
             "disk_overhead_bytes": self.overhead_bytes(),
             "disk_capacity": self.capacity,

@@ -48,10 +48,10 @@ class Leases:
             del self._held[key]
         return True
 
-    def count(self, key: str) -> int:
-        """Leases of ``key`` whose deadline lies ahead."""
+    def total(self) -> int:
+        """Leases of every key whose deadline lies ahead."""
         now = self.clock()
-        return sum(deadline > now for deadline in self._held.get(key, {}).values())
+        return sum(d > now for held in self._held.values() for d in held.values())
 
     def held(self, key: str, now: float | None = None) -> bool:
         """Whether a lease of ``key`` holds at ``now`` (default: the clock's now); the

@@ -51,7 +51,7 @@ import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
-from persisting.kv.layout import HASH_PIECE
+from persisting.kv.layout import HASH_PIECE, Payload, payload_parts
 from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
     CONTROL_FILE_MODE,
@@ -199,7 +199,7 @@ class PayloadFiles:
             os.close(reservation.fd)
 
     def finish(
-        self, pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
+        self, pending: PendingFile, header: FileHeader, payload: Payload, *, durable: bool
     ) -> Path:
         """Write header and payload, fsync if ``durable``, and rename the file into place.
 
@@ -213,7 +213,7 @@ class PayloadFiles:
         self,
         pending: PendingFile,
         header: FileHeader,
-        payload: memoryview,
+        payload: Payload,
         *,
         durable: bool,
         hashed: bool = False,
@@ -222,7 +222,8 @@ class PayloadFiles:
         """Write header and payload into the tmp file, fsync it if ``durable`` (thread-safe
         per file: a batch writes its files on several threads, so their syncs can share
         the filesystem's journal commits). On failure the tmp file is removed. Returns the
-        header written.
+        header written. A :class:`~persisting.kv.layout.Gathered` payload is written from
+        its parts, end to end.
 
         With ``hashed`` the header's checksum is not known yet: the payload is written
         first, in pieces, each hashed right after it is written (while still in cache: one
@@ -240,7 +241,7 @@ class PayloadFiles:
                 _write_all(pending.fd, [header.encode(self.secret)], offset=0)
                 _write_paused(pending.fd, payload, HEADER_BYTES, pause)
             else:
-                _write_all(pending.fd, [header.encode(self.secret), payload])
+                _write_all(pending.fd, [header.encode(self.secret), *payload_parts(payload)])
             if durable:
                 if pause is not None:
                     pause()  # the fsync pushes the file to the disk: not beside reads
@@ -254,7 +255,7 @@ class PayloadFiles:
         self,
         pending: list[PendingFile],
         headers: list[FileHeader],
-        payloads: list[memoryview],
+        payloads: list[Payload],
         *,
         durable: bool,
         hashed: list[bool] | None = None,
@@ -551,27 +552,32 @@ def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:
     return StorageIOError(f"{what}: {exc}")
 
 
-def _write_hashed(fd: int, payload: memoryview, offset: int, pause: Pause | None = None) -> int:
+def _write_hashed(fd: int, payload: Payload, offset: int, pause: Pause | None = None) -> int:
     """Write ``payload`` at ``offset`` in :data:`HASH_PIECE` pieces, hashing each piece
     right after it is written (``pause()`` before every :data:`PAUSE_PIECE`); returns the
-    xxh3-64 of the whole payload."""
-    view = memoryview(payload).cast("B")
+    xxh3-64 of the whole payload (of its parts end to end)."""
     digest = xxhash.xxh3_64()
-    for start in range(0, len(view), HASH_PIECE):
-        if pause is not None and start % PAUSE_PIECE == 0:
-            pause()
-        piece = view[start : start + HASH_PIECE]
-        _write_all(fd, [piece], offset=offset + start)
-        digest.update(piece)
+    done = 0
+    for part in payload_parts(payload):
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), HASH_PIECE):
+            if pause is not None and (done + start) % PAUSE_PIECE < HASH_PIECE:
+                pause()
+            piece = view[start : start + HASH_PIECE]
+            _write_all(fd, [piece], offset=offset + done + start)
+            digest.update(piece)
+        done += len(view)
     return digest.intdigest()
 
 
-def _write_paused(fd: int, payload: memoryview, offset: int, pause: Pause) -> None:
+def _write_paused(fd: int, payload: Payload, offset: int, pause: Pause) -> None:
     """Write ``payload`` at ``offset`` in :data:`PAUSE_PIECE` pieces, ``pause()`` before each."""
-    view = memoryview(payload).cast("B")
-    for start in range(0, len(view), PAUSE_PIECE):
-        pause()
-        _write_all(fd, [view[start : start + PAUSE_PIECE]], offset=offset + start)
+    for part in payload_parts(payload):
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), PAUSE_PIECE):
+            pause()
+            _write_all(fd, [view[start : start + PAUSE_PIECE]], offset=offset + start)
+        offset += len(view)
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int | None = None) -> None:

@@ -39,7 +39,9 @@ from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import (
     BYTE_FORMATS,
+    Gathered,
     Layout,
+    Payload,
     check_layout,
     encode_value,
     is_device_tensor,
@@ -47,10 +49,9 @@ from persisting.kv.layout import (
     owned_copy_hashed,
     tensor_layout,
 )
-from persisting.kv.leases import Clock
 from persisting.kv.policy import AdmissionPolicy
 from persisting.kv.tiers import KeyLike, Tiers
-from persisting.kv.write_behind import LAG_S, MAX_BYTES, WriteBehind
+from persisting.kv.write_behind import Bounds, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +127,7 @@ class Writes:
         admission: AdmissionPolicy,
         max_value_bytes: int,
         fsync: bool = True,
-        *,
-        write_behind_lag_s: float = LAG_S,
-        write_behind_bytes: int = MAX_BYTES,
-        clock: Clock = time.monotonic,
+        bounds: Bounds = Bounds(),
     ):
         self._t = tiers
         #: Whether write-through puts fsync before they complete. False leaves them in the
@@ -145,13 +143,7 @@ class Writes:
         self._dirty_callbacks: dict[str, OnComplete] = {}
         disk = tiers.disk
         self._writer = (
-            WriteBehind(
-                disk,
-                self._written,
-                lag_s=write_behind_lag_s,
-                max_bytes=write_behind_bytes,
-                clock=clock,
-            )
+            WriteBehind(disk, self._written, bounds, clock=tiers.clock)
             if disk is not None
             else None
         )
@@ -248,7 +240,7 @@ class Writes:
 
     def _encode_all(
         self, values: Sequence[Any], fmt: str, check_shape: bool
-    ) -> list[tuple[Layout, memoryview]]:
+    ) -> list[tuple[Layout, Payload]]:
         """Every value's layout and host bytes, all validated before any byte moves.
 
         Tensors on a device are copied down here, on a side stream into the pinned staging
@@ -257,9 +249,12 @@ class Writes:
         """
         on_device: dict[str, list[int]] = {}
         layouts: list[Layout | None] = []
-        views: list[memoryview | None] = []
+        views: list[Payload | None] = []
         for i, value in enumerate(values):
-            if is_device_tensor(value):
+            if isinstance(value, Gathered):  # written from its parts, never joined first
+                layouts.append(self._check_size(value.layout(fmt)))
+                views.append(value)
+            elif is_device_tensor(value):
                 layouts.append(self._check_size(tensor_layout(value, fmt, check_shape=check_shape)))
                 views.append(None)
                 on_device.setdefault(str(value.device), []).append(i)
@@ -472,28 +467,19 @@ class Writes:
         """Writes to disk in progress."""
         return len(self._inflight)
 
-    def write_behind_figures(self) -> dict[str, float]:
-        """The write-behind's figures for ``stats()``: bytes acknowledged and not yet on
-        disk, how long the oldest has waited, low-priority batches handed over, and times
-        the low-priority writer waited for reads from the disk."""
+    def figures(self) -> dict[str, float]:
+        """The writes' figures for ``stats()``: writes in progress, bytes acknowledged and
+        not yet on disk, how long the oldest has waited, the writer's errors, low-priority
+        batches handed over, and times the low-priority writer waited for disk reads."""
         writer = self._writer
-        if writer is None:
-            return {
-                "pending_bytes": 0,
-                "pending_age_s": 0.0,
-                "writer_handovers": 0,
-                "writer_deferrals": 0,
-            }
         return {
-            "pending_bytes": writer.pending_bytes,
-            "pending_age_s": round(writer.pending_age_s(), 3),
-            "writer_handovers": writer.handovers,
-            "writer_deferrals": writer.deferrals,
+            "pending_puts": self.pending,
+            "pending_bytes": writer.pending_bytes if writer else 0,
+            "pending_age_s": round(writer.pending_age_s(), 3) if writer else 0.0,
+            "writer_errors": writer.errors + writer.hook_errors if writer else 0,
+            "writer_handovers": writer.handovers if writer else 0,
+            "writer_deferrals": writer.deferrals if writer else 0,
         }
-
-    @property
-    def writer_errors(self) -> int:
-        return self._writer.errors + self._writer.hook_errors if self._writer else 0
 
     def drain(self) -> None:
         """Wait for every write-behind (each completes, stored or not; none hangs)."""

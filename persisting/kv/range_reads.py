@@ -10,6 +10,7 @@ leased payloads read by same-host clients and Lance blob files are all read this
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import Executor
 
 import xxhash
@@ -25,12 +26,14 @@ PART_ALIGN = 4096
 #: call that lets go of the GIL, and the loading threads then queue to get it back; the
 #: piece is still hashed while in cache (``docs/benchmarks.md``, cold reads).
 READ_PIECE = 1 << 20
+#: Buffers one vectored read takes at most (Linux's IOV_MAX is 1024).
+MAX_IOV = 512
 
 
 def read_file_range(
     path: str | os.PathLike[str],
     offset: int,
-    out: memoryview,
+    out: memoryview | Sequence[memoryview],
     *,
     executor: Executor | None = None,
     parts: int = 1,
@@ -38,7 +41,10 @@ def read_file_range(
 ) -> int | None:
     """Fill ``out`` with exactly ``len(out)`` bytes of ``path`` from ``offset``; with
     ``hashed``, return the xxh3-64 of those bytes (:func:`persisting.kv.layout.checksum`):
-    read in one part, each piece is hashed as it lands, while still in cache.
+    read in one part, each piece is hashed as it lands, while still in cache. ``out`` may
+    be several buffers, filled in order from consecutive bytes (a value stored from a
+    :class:`~persisting.kv.layout.Gathered` value's parts, read back into them): read in
+    one part, with vectored reads of up to :data:`READ_PIECE` bytes.
 
     One open and positioned reads straight into the destination: no intermediate buffer.
     With an ``executor`` and ``parts > 1`` the range is read as that many block-aligned
@@ -55,6 +61,8 @@ def read_file_range(
     except OSError as exc:
         raise StorageIOError(f"cannot open {path}: {exc}") from exc
     try:
+        if not isinstance(out, memoryview):
+            return _pread_views(fd, path, list(out), offset, hashed)
         if executor is None or parts <= 1:
             return _pread_exact(fd, path, out, offset, hashed)
         per_part = -(-len(out) // parts)
@@ -75,6 +83,54 @@ def read_file_range(
     finally:
         os.close(fd)
     return xxhash.xxh3_64_intdigest(out) if hashed else None  # parts: hashed once all landed
+
+
+def _pread_views(
+    fd: int,
+    path: str | os.PathLike[str],
+    views: list[memoryview],
+    offset: int,
+    hashed: bool,
+) -> int | None:
+    """Fill ``views`` from consecutive bytes at ``offset``, in vectored reads of at most
+    :data:`READ_PIECE` bytes (and :data:`MAX_IOV` buffers), each batch hashed right after
+    it lands (returns the xxh3-64 of all of it with ``hashed``)."""
+    digest = xxhash.xxh3_64() if hashed else None
+    batch: list[memoryview] = []
+    size = 0
+    pieces = [v[i : i + READ_PIECE] for v in views for i in range(0, len(v), READ_PIECE)]
+    for piece in [*pieces, None]:
+        if batch and (piece is None or size + len(piece) > READ_PIECE or len(batch) == MAX_IOV):
+            _preadv_all(fd, path, batch, offset)
+            if digest is not None:
+                for view in batch:
+                    digest.update(view)
+            offset += size
+            batch, size = [], 0
+        if piece is not None:
+            batch.append(piece)
+            size += len(piece)
+    return digest.intdigest() if digest is not None else None
+
+
+def _preadv_all(
+    fd: int, path: str | os.PathLike[str], views: list[memoryview], offset: int
+) -> None:
+    """Read exactly the bytes ``views`` hold at ``offset`` (more calls only if short)."""
+    pending = [v.cast("B") if v.format != "B" else v for v in views]
+    want, done = sum(len(v) for v in pending), 0
+    while pending:
+        n = os.preadv(fd, pending, offset + done)
+        if n == 0:
+            raise CorruptValueError(
+                f"{path} is shorter than expected ({offset + done} < {offset + want})"
+            )
+        done += n
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if pending and n:
+            pending[0] = pending[0][n:]
 
 
 def _pread_exact(

@@ -19,11 +19,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -87,27 +87,34 @@ def _gather(futures: list[tuple[int, Future[Layout | None]]], got: list[Layout |
     return nbytes
 
 
+class WriteHooks(Protocol):
+    """What the reads need of the put paths (:class:`~persisting.kv.puts.Writes`)."""
+
+    def write_back(self, evicted: list[tuple[str, MemoryEntry]]) -> None: ...
+
+    def disk_reading(self) -> AbstractContextManager[None]: ...
+
+
 #: The smallest part a value is split into when its reads run at once (see ``_split``).
 SPLIT_BYTES = 1 << 20
 
 
 class Reads:
-    """Gets over the tiers; ``write_back`` takes the dirty entries a prefetch evicts, and
-    ``disk_reading`` marks each read from the disk."""
+    """Gets over the tiers; ``writes`` takes the dirty entries a prefetch evicts, and marks
+    each read from the disk."""
 
     def __init__(
         self,
         tiers: Tiers,
         results: RecycledBuffers | None,
-        write_back: Callable[[list[tuple[str, MemoryEntry]]], None],
+        writes: WriteHooks,
         read_threads: int = 8,
-        disk_reading: Callable[[], AbstractContextManager[None]] = nullcontext,
     ):
         self._t = tiers
         self._results = results
-        self._write_back = write_back
+        self._write_back = writes.write_back
         #: Marks a read from the disk (the write-behind stays off the disk meanwhile).
-        self._disk_reading = disk_reading
+        self._disk_reading = writes.disk_reading
         if read_threads < 1:
             raise InvalidValueError(f"read_threads must be at least 1, not {read_threads}")
         self.read_threads = read_threads

@@ -45,7 +45,7 @@ from persisting.kv.puts import Durability, OnComplete, PutResult, Tier, Writes
 from persisting.kv.reads import MemoryPayload, Reads, SharedLocation
 from persisting.kv.stats import StoreStats
 from persisting.kv.tiers import KeyLike, PoolFile, Tiers
-from persisting.kv.write_behind import LAG_S, MAX_BYTES
+from persisting.kv.write_behind import LAG_S, MAX_BYTES, Bounds
 from persisting.lance_store import StorageRoot
 from persisting.shm import RecycledBuffers
 
@@ -90,12 +90,7 @@ class KVStore(KVApi):
     - ``pinned_memory``: ``"auto"``, ``"on"`` or ``"off"``: the memory tier and staging
       ring in page-locked memory where CUDA is (see :mod:`persisting.cuda`).
     - ``pinned_staging_bytes``: the pinned staging ring for device reads and writes.
-    - ``write_behind_lag_s``, ``write_behind_bytes``: the write-behind's two bounds (``async``
-      and ``write_back``): how long a value waits for the low-priority writer, and how many
-      acknowledged bytes may wait, before the writes go on at normal priority (and puts
-      wait); see :mod:`persisting.kv.write_behind`.
-    - ``clock``: the monotonic clock leases and the write-behind's lag are timed by
-      (``time.monotonic``; a test passes one it moves by hand).
+    - ``write_behind_lag_s``, ``write_behind_bytes``, ``clock``: :mod:`~persisting.kv.write_behind`.
     - ``namespace``: the directory under ``<root>/kv/`` to keep the chunks in, when it is
       not the model's own (one per weights version of a model: see
       :func:`~persisting.kv.model_identity.weights_namespace`); keys still name ``model``.
@@ -136,7 +131,7 @@ class KVStore(KVApi):
         disk = size_bytes(disk_bytes, "disk_bytes")
         results_bytes = size_bytes(result_buffer_bytes, "result_buffer_bytes")
         staging_bytes = size_bytes(pinned_staging_bytes, "pinned_staging_bytes")
-        behind_bytes = size_bytes(write_behind_bytes, "write_behind_bytes")
+        behind = Bounds(write_behind_lag_s, size_bytes(write_behind_bytes, "write_behind_bytes"))
         largest = size_bytes(max_value_bytes, "max_value_bytes") if max_value_bytes else 0
         check_options(model, durability, memory, disk, read_threads, hash_scheme)
         self.model = model
@@ -169,22 +164,13 @@ class KVStore(KVApi):
             clock=clock,
         )
         self._writes = Writes(
-            self._tiers,
-            durability,
-            self.admission,
-            self.max_value_bytes,
-            fsync=fsync,
-            write_behind_lag_s=write_behind_lag_s,
-            write_behind_bytes=behind_bytes,
-            clock=clock,
+            self._tiers, durability, self.admission, self.max_value_bytes, fsync, behind
         )
         # Result pages without huge pages: a kept result's range is touched once, on the
         # get's path, where fresh huge pages cost more than 4 KiB ones in VMs that give free
         # memory back to their host (docs/benchmarks.md); recycled ranges cost nothing.
         results = RecycledBuffers(results_bytes, huge_pages=False) if results_bytes > 0 else None
-        self._reads = Reads(
-            self._tiers, results, self._writes.write_back, read_threads, self._writes.disk_reading
-        )
+        self._reads = Reads(self._tiers, results, self._writes, read_threads)
         self._lookups = Lookups(self._tiers, chunk_size, hash_scheme, key_dtype_name(key_dtype))
         self._closed = False
         at_exit.track(self, at_exit.STORE)  # closed at interpreter exit if still open
@@ -246,7 +232,10 @@ class KVStore(KVApi):
         is the key before it), which the prefix-aware eviction policy uses. Every item is
         validated before anything is stored: its format's shape rule, and its dtype against
         its key's (a float32 tensor under a ``...@bfloat16`` key is an InvalidValueError;
-        ``binary`` values are exempt). ``check_shape=False`` skips both (for layouts
+        ``binary`` values are exempt). A :class:`~persisting.kv.layout.Gathered` value
+        (``fmt="binary"``) is stored from its parts, end to end, without joining them first
+        (read back as one ``bytes`` value, or into one buffer or several by place through
+        :meth:`lease`). ``check_shape=False`` skips both (for layouts
         another system defines, such as LMCache's MemoryObjs and the L2 adapter's opaque
         object keys).
         ``on_complete`` gets each key's final result once; one that raises is logged and
@@ -493,29 +482,18 @@ class KVStore(KVApi):
         return self._tiers.unpin(self._key(key))
 
     def lease(self, key: KeyLike, ttl_s: float) -> Location | None:
-        """A read lease: ``key``'s file is not evicted for ``ttl_s`` s (none taken for
-        ``ttl_s <= 0``); where its bytes are, and the lease's ``token``. Leases are
-        counted: the file stays while any holder's lease runs."""
+        """A read lease: ``key``'s file is not evicted for ``ttl_s`` s (none if ``<= 0``);
+        where its bytes are, and the ``token`` only :meth:`release` of it ends."""
         self._check_open()
         return self._tiers.lease(self._key(key), ttl_s)
 
     def renew(self, key: KeyLike, token: int, ttl_s: float) -> bool:
-        """Extend lease ``token`` of ``key`` to ``ttl_s`` s from now; False if it is not
-        held any more."""
-        self._check_open()
+        """Extend lease ``token`` of ``key`` to ``ttl_s`` s from now; False if not held."""
         return self._tiers.renew(self._key(key), token, ttl_s)
 
     def release(self, key: KeyLike, token: int) -> bool:
-        """End the lease ``token`` (from :meth:`lease`) of ``key``; another holder's lease
-        of the same key stays. False if it was not held (a no-op once closed)."""
-        if self._closed:
-            return False
+        """End lease ``token`` of ``key`` alone (another holder's stays); False if not held."""
         return self._tiers.release(self._key(key), token)
-
-    def leases(self, key: KeyLike) -> int:
-        """How many read leases of ``key`` hold now."""
-        self._check_open()
-        return self._tiers.leases(self._key(key))
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -546,9 +524,7 @@ class KVStore(KVApi):
             "durability": self.durability,
             **memory,
             "memory_prefaulted": self._tiers.prefaulted_bytes(),
-            "pending_puts": self._writes.pending,
-            **self._writes.write_behind_figures(),
-            "writer_errors": self._writes.writer_errors,
+            **self._writes.figures(),
             **disk,
             "read_threads": self._reads.read_threads,
             "pinned": self._tiers.pinned,

@@ -83,8 +83,11 @@ class Tiers:
         host: StoreHostMemory,
         arena: RecycledBuffers | None = None,
         namespace: NamespaceHold | None = None,
+        clock: Clock = time.monotonic,
     ):
         self.model = model
+        #: The monotonic clock leases and the write-behind's lag are timed by.
+        self.clock = clock
         self.memory = memory
         self.disk = disk
         self.pool = pool
@@ -164,7 +167,7 @@ class Tiers:
         # takes recycled pages; only what is touched is resident.
         arena = RecycledBuffers(2 * memory_bytes) if memory_bytes > 0 else None
         memory = MemoryTier(memory_bytes, policy)
-        return cls(model, memory, disk, pool, op_stats, host, arena, held)
+        return cls(model, memory, disk, pool, op_stats, host, arena, held, clock)
 
     def key_text(self, key: KeyLike) -> str:
         """``key`` as a string, after checking that it belongs to this store's model."""
@@ -254,12 +257,6 @@ class Tiers:
             return False
         with self.disk.holding():
             return self.disk.leases.release(key, token)
-
-    def leases(self, key: str) -> int:
-        if self.disk is None:
-            return 0
-        with self.disk.holding():
-            return self.disk.leases.count(key)
 
     # -- the disk tier's upkeep ---------------------------------------------------------
 

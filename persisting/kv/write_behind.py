@@ -70,6 +70,17 @@ MAX_BYTES: int = KVSettings.model_fields["write_behind_bytes"].default
 #: The nice value of the low-priority writer threads (19: the lowest there is).
 BACKGROUND_NICE = 19
 
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The write-behind's two bounds: ``lag_s``, the longest a value waits for the
+    low-priority writer; ``max_bytes``, the pending bytes past which the writes are urgent
+    and puts wait."""
+
+    lag_s: float = LAG_S
+    max_bytes: int = MAX_BYTES
+
+
 #: on_done(item, stored, error): ``error`` is the exception that stopped the write, if any.
 DoneHook = Callable[[WriteItem, bool, BaseException | None], None]
 
@@ -103,23 +114,22 @@ class WriteBehind:
     """Writes submitted items to ``disk`` in the background; each future says if it stored
     (False: already present, cancelled or refused for capacity) or carries the error.
 
-    ``lag_s`` and ``max_bytes`` are the two bounds (see the module); ``clock`` times the
-    lag; ``lower`` is what each low-priority thread runs first (:func:`lower_priority`)."""
+    ``bounds`` are the two bounds (see the module); ``clock`` times the lag; ``lower`` is
+    what each low-priority thread runs first (:func:`lower_priority`)."""
 
     def __init__(
         self,
         disk: DiskTier,
         on_done: DoneHook,
+        bounds: Bounds = Bounds(),
         *,
-        lag_s: float = LAG_S,
-        max_bytes: int = MAX_BYTES,
         clock: Clock = time.monotonic,
         lower: Callable[[], None] = lower_priority,
     ):
         self._disk = disk
         self._on_done = on_done
-        self.lag_s = lag_s
-        self.max_bytes = max_bytes
+        self.lag_s = bounds.lag_s
+        self.max_bytes = bounds.max_bytes
         self._clock = clock
         self._lower = lower
         self._cond = threading.Condition()  # a leaf: nothing is called while it is held
@@ -378,4 +388,4 @@ class WriteBehind:
                 self._cond.notify_all()
 
 
-__all__ = ["LAG_S", "MAX_BYTES", "DoneHook", "WriteBehind", "lower_priority"]
+__all__ = ["LAG_S", "MAX_BYTES", "Bounds", "DoneHook", "WriteBehind", "lower_priority"]

@@ -22,7 +22,7 @@ from persisting.kv import PutResult, open_kv_store
 from persisting.kv.disk_tier import DiskTier, WriteItem
 from persisting.kv.layout import encode_value
 from persisting.kv.policy import eviction_policy
-from persisting.kv.write_behind import BACKGROUND_NICE, WriteBehind
+from persisting.kv.write_behind import BACKGROUND_NICE, Bounds, WriteBehind
 from persisting.lance_store import StorageRoot
 from tests.kv.kv_helpers import MODEL, in_flight, key, tensor
 from tests.timing import ManualClock, finishes, wait_until
@@ -85,7 +85,7 @@ def test_a_flush_does_not_wait_for_the_low_priority_writer(disk: DiskTier) -> No
 
 def test_a_value_waits_for_the_low_priority_writer_at_most_the_lag(disk: DiskTier) -> None:
     held, clock = Held(), ManualClock()
-    writer = WriteBehind(disk, done, lag_s=0.05, clock=clock, lower=held)
+    writer = WriteBehind(disk, done, Bounds(lag_s=0.05), clock=clock, lower=held)
     try:
         future = writer.submit(item(1))
         assert not writer.urgent and writer.pending_bytes == VALUE_BYTES
@@ -100,7 +100,7 @@ def test_a_value_waits_for_the_low_priority_writer_at_most_the_lag(disk: DiskTie
 
 def test_puts_wait_while_more_than_the_byte_bound_is_pending(disk: DiskTier) -> None:
     held = Held()
-    writer = WriteBehind(disk, done, max_bytes=2 * VALUE_BYTES, lower=held)
+    writer = WriteBehind(disk, done, Bounds(max_bytes=2 * VALUE_BYTES), lower=held)
     try:
         for i in range(5):
             assert finishes(writer.throttle)  # what a put does first
@@ -174,7 +174,7 @@ def test_a_batch_under_way_waits_between_pieces_for_a_disk_read(disk: DiskTier) 
 
 def test_a_disk_read_keeps_the_writes_back_at_most_the_lag(disk: DiskTier) -> None:
     clock = ManualClock()
-    writer = WriteBehind(disk, done, lag_s=0.05, clock=clock)
+    writer = WriteBehind(disk, done, Bounds(lag_s=0.05), clock=clock)
     try:
         with writer.reading():  # reads that never end
             future = writer.submit(item(1))
