@@ -296,7 +296,7 @@ class Kit:
         store = self.backend.page_store.store
         text = self.backend.keys.key(key)
         location = store.lease(text, 5.0)
-        store.release(text)
+        store.release(text, location.token)
         with open(location.path, "r+b") as f:
             at = location.offset + location.nbytes // 2
             f.seek(at)

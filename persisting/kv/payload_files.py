@@ -65,10 +65,13 @@ from persisting.lance_store.durable import fsync_dir, fsync_fd
 
 #: Files of one durable batch written (and fsynced) at once.
 WRITE_THREADS = 8
-#: Piece a payload is written in when its writer may be asked to pause between pieces.
-PAUSE_PIECE = 4 << 20
-#: Called between the pieces of a file being written; may block (a background write
-#: giving way to reads, see :mod:`persisting.kv.read_activity`).
+#: Piece a payload is written in when its writer has a checkpoint between pieces: a whole
+#: number of :data:`~persisting.kv.layout.HASH_PIECE` s (a hashed write checks at the start
+#: of every hash piece that starts a pause piece).
+PAUSE_PIECE = 16 * HASH_PIECE
+#: Called between the pieces of a file being written and before its fsync; it may raise
+#: to abandon the write (a low-priority write-behind handing its batch over, see
+#: :mod:`persisting.kv.write_behind`): the file is then removed, never published.
 Pause = Callable[[], None]
 
 
@@ -278,25 +281,29 @@ class PayloadFiles:
         durable: bool,
         hashed: list[bool] | None = None,
         pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> list[FileHeader]:
         """:meth:`write` each file of a batch. Several at once when the batch must be
         durable: concurrent fsyncs share the filesystem's journal commits, where one after
         another each waits for a commit of its own. On failure every tmp file of the batch
         is removed and the first error raised (once no writer runs any more). ``hashed``
         says per file whether its checksum is made as it is written, ``pause`` is called
-        between the pieces of every file (see :meth:`write`); returns the headers written."""
+        between the pieces of every file (see :meth:`write`), ``writers`` (default: this
+        object's own threads) write the files of a durable batch; returns the headers
+        written."""
         hashes = hashed if hashed is not None else [False] * len(pending)
         if not durable or len(pending) == 1:
             return [
                 self.write(p, header, payload, durable=durable, hashed=h, pause=pause)
                 for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True)
             ]
-        with self._writers_lock:
-            if self._writers is None:
-                self._writers = ThreadPoolExecutor(
-                    WRITE_THREADS, thread_name_prefix="persisting-kv-write"
-                )
-            writers = self._writers
+        if writers is None:
+            with self._writers_lock:
+                if self._writers is None:
+                    self._writers = ThreadPoolExecutor(
+                        WRITE_THREADS, thread_name_prefix="persisting-kv-write"
+                    )
+                writers = self._writers
         futures: list[Future[FileHeader]] = []
         for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True):
             write = functools.partial(self.write, p, header, payload, durable=True, hashed=h)
@@ -375,11 +382,9 @@ class PayloadFiles:
         *,
         executor: Executor | None = None,
         parts: int = 1,
-        populate: bool = False,
     ) -> int:
         """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes), in
-        ``parts`` reads at once on ``executor`` when given, populating ``out``'s fresh pages
-        on the way with ``populate`` (see :func:`read_file_range`), and return its checksum
+        ``parts`` reads at once on ``executor`` when given, and return its checksum
         (:func:`persisting.kv.layout.checksum`), made as it is read.
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
@@ -397,7 +402,6 @@ class PayloadFiles:
             executor=executor,
             parts=parts,
             hashed=True,
-            populate=populate,
         )
         assert digest is not None
         return digest

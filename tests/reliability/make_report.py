@@ -105,6 +105,17 @@ PROMISES = """\
   0600 (`storage_access = "group"` widens data to 0750/0640); the lock and counter files
   are 0600 always, so another local user can neither read a cached tensor nor hold the
   lock that every put takes.
+- **One owner per namespace, even when its lock file is pulled.** A server checks every
+  second (`WATCH_EVERY_S`) that its `.owner.lock` is still the file at the path; removed,
+  it locks a new one (a second server is then refused), or, if another process claimed the
+  namespace first, it stops serving and exits 1. So two servers serve one namespace for at
+  most about a second after `rm .owner.lock` (`tests/service/test_owner_lock.py`).
+- **Leases are counted.** Each read lease is a token; releasing one never clears
+  another holder's, so a file is not evicted while anyone's lease runs.
+- **Async writes are bounded.** With `durability="async"` or `"write_back"` at most about
+  `kv.write_behind_bytes` (default 2 GiB) are acknowledged and not yet on disk (puts wait
+  beyond it), and a value waits for the low-priority writer at most
+  `kv.write_behind_lag_s` (default 2 s) before it is written at normal priority.
 - **A remove wins.** A remove cancels a write of its key still in progress (write-behind,
   write-back of an evicted value): the key stays absent, also on disk and after a reopen.
 - **Put results are honest.** `stored=True` only when a tier took the value; the

@@ -184,13 +184,13 @@ class PageStore:
         except Exception as exc:
             return self._failed(key, exc)
         finally:
-            self._release(key)
+            self._release(key, location.token)
         self.counters.add(pages_got=1, bytes_got=want)
         return True
 
-    def _release(self, key: str) -> None:
+    def _release(self, key: str, token: int) -> None:
         try:
-            self.store.release(key)
+            self.store.release(key, token)
         except Exception as exc:  # the lease only runs out later
             log.debug("Persisting: releasing %s: %s", key, exc)
 

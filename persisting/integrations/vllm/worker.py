@@ -226,7 +226,7 @@ class PersistingWorker(OffloadingWorker):
                     raise
                 refresh()
             finally:
-                self.store.release(key)
+                self.store.release(key, location.token)
         raise AssertionError("unreachable")
 
     def _failed(self, job_id: int, key: str, block_id: int, exc: Exception) -> None:
