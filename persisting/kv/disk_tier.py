@@ -19,18 +19,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
-from persisting.kv import recency, reuse
 from persisting.kv.batch_fit import heads_that_fit
 from persisting.kv.disk_budget import DiskBudget, allocated
+from persisting.kv.eviction_memory import EvictionMemory
 from persisting.kv.index import DiskEntry, LruIndex
-from persisting.kv.layout import Layout
+from persisting.kv.layout import Layout, Payload
+from persisting.kv.leases import Clock, Leases
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
@@ -56,13 +58,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Location:
-    """Where a chunk's payload bytes are on disk (for same-host readers under a lease)."""
+    """Where a chunk's payload bytes are on disk (for same-host readers under a lease), and
+    the ``token`` of the lease that keeps them there: :meth:`DiskTier.release` of that
+    token ends this lease only, never another holder's."""
 
     path: str
     offset: int
     nbytes: int
     layout: Layout
     checksum: int
+    token: int = 0
 
 
 #: Metadata commits a flush runs at most (see :meth:`DiskTier.flush`).
@@ -77,11 +82,11 @@ class WriteItem:
     """One value to write. ``cancelled`` (set by a remove) makes the write lose: an item
     cancelled before its batch starts is skipped, one cancelled while being written is
     unlinked instead of published. ``checksum`` None: hash ``data`` while writing it (the
-    tier fills it in)."""
+    tier fills it in). ``data`` is one buffer, or a value's parts written end to end."""
 
     key: str
     layout: Layout
-    data: memoryview
+    data: Payload
     checksum: int | None
     parent: str | None
     cancelled: bool = False
@@ -90,9 +95,12 @@ class WriteItem:
 class DiskTier:
     """Thread-safe; several processes may share one directory.
 
+    ``_lock`` guards the index (every read and change of it, and of its entries' pins,
+    readers and leases); see :mod:`persisting.kv.lock_order` for where it comes.
+
     ``on_evict`` is called after each eviction with the chunks it removed, on the writing
     thread and with the directory's usage lock held: it must be quick and must not call
-    back into the tier.
+    back into the tier. ``clock`` times leases.
     """
 
     def __init__(
@@ -105,6 +113,7 @@ class DiskTier:
         *,
         secret: bytes,
         root_usage: RootUsage | None = None,
+        clock: Clock = time.monotonic,
     ):
         self.directory = directory
         self.capacity = capacity
@@ -124,10 +133,15 @@ class DiskTier:
             root_usage=root_usage,
         )
         self.index: LruIndex[DiskEntry] = LruIndex()
-        # The index and the keys being written. Lock order (persisting.kv.lock_order): taken
-        # under the usage lock (eviction) or Tiers.lock (pins), never the other way round.
+        #: The eviction order and reuse counts kept beside the metadata.
+        self.remembered = EvictionMemory(directory, self.index, self._budget)
+        # The index, its entries, their leases and the keys being written: every reader and
+        # writer of them holds it. Lock order (persisting.kv.lock_order): taken under the
+        # usage lock (eviction) or Tiers.lock (lookups, pins), never the other way round.
         self._lock = ordered(Rank.DISK_INDEX, threading.RLock())
         self._writing: set[str] = set()
+        #: Read leases by token (under the index lock): a leased key is not evicted.
+        self.leases = Leases(clock)
         self._closed = False
         self.evictions = 0
         #: Payload files this process wrote, and their bytes on disk (header, block-rounded).
@@ -145,13 +159,12 @@ class DiskTier:
         #: Held while open: this store's proof of life (see PayloadFiles).
         self._alive: Reservation | None = None
         try:
-            with self.usage.metadata_locked(), self.usage.locked():
+            with self.usage.metadata_locked(), self.usage.locked(), self._lock:
                 self._alive = self.files.register_writer()
                 self._load_index()
-                self._restore_order()
                 self.usage.recount(self.files)
                 self._budget.account_overhead()
-                self._open_reuse()
+                self.remembered.restore(self.policy, self.capacity)
         except BaseException as exc:
             self.meta.close()
             if self._alive is not None:
@@ -214,38 +227,6 @@ class DiskTier:
             self.meta.delete(stale)
         self._adopt_unknown_files(on_disk, record=True)
 
-    def _open_reuse(self) -> None:
-        """Attach the namespace's shared reuse stats when the policy ranks by them."""
-        if self.policy.uses_reuse_stats:
-            growth = self._budget.metadata_growth
-            self.index.attach(reuse.open_shared(self.directory, self.capacity, growth))
-            if self._budget.root_usage is not None:  # not the root as it was while opening
-                self._budget.root_usage.forget()
-
-    def _restore_order(self) -> None:
-        """Put the index back in the eviction order saved by the last close or flush."""
-        saved = recency.load_order(self.directory)
-        if saved:
-            self.index.reorder(
-                {
-                    key: rank
-                    for key, entry in self.index.items()
-                    if (rank := saved.get((key_hash(key), entry.tag))) is not None
-                }
-            )
-
-    def save_order(self) -> None:
-        """Snapshot the eviction order, so a reopened store evicts what this one would."""
-        with self._lock:
-            order = [(key_hash(key), entry.tag) for key, entry in self.index.items()]
-        # The new snapshot is written beside the old one, then renamed over it.
-        try:
-            bound = round_to_block(recency.file_bytes(len(order)))
-            with self._budget.metadata_growth(lambda: bound):
-                recency.save_order(self.directory, order)
-        except PersistingError as exc:  # only the order is lost: the store evicts by age
-            log.warning("eviction order of %s not saved: %s", self.directory, exc)
-
     def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
         before its metadata commit, or by another live process). With ``record`` their rows
@@ -307,9 +288,7 @@ class DiskTier:
         """
         if self._closed:
             return
-        self.save_order()
-        if self.index.reuse is not None:
-            self.index.reuse.flush()
+        self.remembered.save(self._lock)
         for _ in range(FLUSH_ROUNDS):
             if not self.meta.flush():
                 break
@@ -325,16 +304,31 @@ class DiskTier:
                 if (key_hash(k), e.tag) not in on_disk and not e.busy
             ]
             for key in gone:
-                self.index.pop(key)
+                self._drop_entry(key)
             return self._adopt_unknown_files(on_disk, record=False) + len(gone)
 
     # -- queries ------------------------------------------------------------------------
 
     def __contains__(self, key: str) -> bool:
-        return key in self.index
+        with self._lock:
+            return key in self.index
 
     def entry(self, key: str) -> DiskEntry | None:
-        return self.index.get(key)
+        with self._lock:
+            return self.index.get(key)
+
+    @contextmanager
+    def holding(self) -> Iterator[LruIndex[DiskEntry]]:
+        """Hold the index lock across several lookups (one acquisition, not one per key;
+        after ``Tiers.lock`` in the lock order): yields the index, to read inside the block
+        only."""
+        with self._lock:
+            yield self.index
+
+    def is_writing(self, key: str) -> bool:
+        """Whether a write of ``key`` is under way in this process."""
+        with self._lock:
+            return key in self._writing
 
     def used_bytes(self) -> int:
         """Bytes the directory holds: payload files (reserved) plus the measured overhead."""
@@ -345,13 +339,17 @@ class DiskTier:
 
     def sizes(self) -> list[tuple[str, int]]:
         """Every key with its payload size, from the first eviction candidate to the last."""
-        return [(key, entry.layout.nbytes) for key, entry in self.index.items()]
+        with self._lock:
+            return [(key, entry.layout.nbytes) for key, entry in self.index.items()]
 
     def figures(self) -> dict[str, int]:
         """The tier's part of a store's ``stats()``: ``disk_bytes`` is everything the
         directory holds (payload files plus ``disk_overhead_bytes``)."""
+        with self._lock:
+            items, leases = len(self.index), self.leases.total()
         return {
-            "disk_items": len(self.index),
+            "disk_items": items,
+            "disk_leases": leases,
             "disk_bytes": self.used_bytes(),
             "disk_overhead_bytes": self.overhead_bytes(),
             "disk_capacity": self.capacity,
@@ -367,10 +365,17 @@ class DiskTier:
     # -- writing ------------------------------------------------------------------------
 
     def write(
-        self, items: list[WriteItem], *, durable: bool, pause: Pause | None = None
+        self,
+        items: list[WriteItem],
+        *,
+        durable: bool,
+        pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> list[bool]:
         """Store a batch; per item True if newly stored, False if already present.
-        ``pause()`` runs between the pieces of each file written (see ``PayloadFiles.write``).
+        ``pause()`` runs between the pieces of each file written and may raise to abandon
+        the batch (see ``PayloadFiles.write``); ``writers`` write the files of a durable
+        batch (default: the files' own threads).
 
         Capacity is reserved for the whole batch first (evicting as needed), so the batch
         either fits or fails with CapacityError before any file is written. A cancelled item
@@ -394,14 +399,18 @@ class DiskTier:
         stored: set[str] = set()
         try:
             if todo:
-                stored = self._write_reserved(todo, durable, pause)
+                stored = self._write_reserved(todo, durable, pause, writers)
         finally:
             with self._lock:
                 self._writing.difference_update(writing)
         return [it.key in stored for it in items]
 
     def _write_reserved(
-        self, todo: list[WriteItem], durable: bool, pause: Pause | None = None
+        self,
+        todo: list[WriteItem],
+        durable: bool,
+        pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> set[str]:
         sizes = [file_size(it.layout.nbytes) for it in todo]
         tags = [self.files.new_tag() for _ in todo]
@@ -441,6 +450,7 @@ class DiskTier:
                 durable=durable,
                 hashed=hashed,
                 pause=pause,
+                writers=writers,
             )
             for it, header in zip(todo, written, strict=True):
                 it.checksum = header.checksum
@@ -486,13 +496,13 @@ class DiskTier:
         released = 0
         evicted: list[tuple[str, DiskEntry]] = []
         while released < need:
-            now = time.monotonic()
+            now = self.leases.clock()
             with self._lock:
                 victims: list[tuple[str, DiskEntry]] = self.policy.victims(
-                    self.index, need - released, _file_bytes, _unleased(now)
+                    self.index, need - released, _file_bytes, self._unleased(now)
                 )
                 for key, _entry in victims:
-                    self.index.pop(key)
+                    self._drop_entry(key)
             if not victims:
                 break
             for key, entry in victims:
@@ -517,11 +527,9 @@ class DiskTier:
         *,
         executor: Executor | None = None,
         parts: int = 1,
-        populate: bool = False,
     ) -> Layout | None:
         """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum; in
-        ``parts`` positioned reads at once on ``executor`` when given; ``populate`` when
-        ``out``'s pages are fresh (see :func:`~persisting.kv.range_reads.read_file_range`).
+        ``parts`` positioned reads at once on ``executor`` when given.
 
         Returns None on a miss, including a file evicted by another process mid-way and a
         checksum failure (the damaged chunk is then dropped and counted).
@@ -537,9 +545,7 @@ class DiskTier:
             entry.readers += 1
         path = self.files.path_text(key, entry.tag)
         try:
-            digest = self.files.read_into(
-                path, out, executor=executor, parts=parts, populate=populate
-            )
+            digest = self.files.read_into(path, out, executor=executor, parts=parts)
             ok = digest == entry.checksum
         except FileNotFoundError:
             self._forget(key, entry)
@@ -561,18 +567,25 @@ class DiskTier:
     def _forget(self, key: str, entry: DiskEntry) -> None:
         with self._lock:
             if self.index.get(key) is entry:
-                self.index.pop(key)
+                self._drop_entry(key)
+
+    def _unleased(self, now: float) -> Callable[[str, DiskEntry], bool]:
+        """Whether an entry may be evicted at ``now``: not busy, no read lease held."""
+        return lambda key, entry: not entry.busy and not self.leases.held(key, now)
+
+    def _drop_entry(self, key: str) -> DiskEntry | None:
+        """Take ``key`` out of the index, with its leases (caller holds ``_lock``)."""
+        self.leases.drop(key)
+        return self.index.pop(key)
 
     # -- removal, pins and leases -------------------------------------------------------
 
     def remove(self, key: str, *, force: bool = True) -> bool:
         with self._lock:
             entry = self.index.get(key)
-            if entry is None or (
-                not force and (entry.pins > 0 or entry.lease_until > time.monotonic())
-            ):
+            if entry is None or (not force and (entry.pins > 0 or self.leases.held(key))):
                 return False
-            self.index.pop(key)
+            self._drop_entry(key)
         path = self.files.path(key, entry.tag)
         if self.files.unlink(path):
             self.usage.add(-file_size(entry.layout.nbytes))
@@ -596,31 +609,25 @@ class DiskTier:
             return True
 
     def lease(self, key: str, ttl_s: float) -> Location | None:
-        """Protect ``key`` from eviction for ``ttl_s`` seconds and say where its bytes are."""
+        """Protect ``key`` from eviction for ``ttl_s`` seconds (none: ``ttl_s <= 0``) and say
+        where its bytes are; the location's ``token`` names this lease alone."""
         with self._lock:
             entry = self.index.get(key, touch=True)
             if entry is None:
                 return None
-            entry.lease_until = max(entry.lease_until, time.monotonic() + ttl_s)
             return Location(
                 str(self.files.path(key, entry.tag)),
                 HEADER_BYTES,
                 entry.layout.nbytes,
                 entry.layout,
                 entry.checksum,
+                self.leases.take(key, ttl_s),
             )
 
-    def release(self, key: str) -> None:
-        with self._lock:
-            entry = self.index.get(key)
-            if entry is not None:
-                entry.lease_until = 0.0
-
     def close(self) -> None:
-        self.save_order()
+        self.remembered.save(self._lock)
         self.meta.close()  # its last commit may evict, which reads the reuse stats
-        if self.index.reuse is not None:
-            self.index.reuse.close()
+        self.remembered.close()
         self._closed = True
         if self._alive is not None:
             self.files.release_file(self._alive)
@@ -630,11 +637,6 @@ class DiskTier:
 
 def _file_bytes(entry: DiskEntry) -> int:
     return file_size(entry.layout.nbytes)
-
-
-def _unleased(now: float) -> Callable[[str, DiskEntry], bool]:
-    """Whether an entry may be evicted at ``now``: not busy, no read lease running."""
-    return lambda _key, entry: not entry.busy and entry.lease_until <= now
 
 
 def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:

@@ -63,12 +63,11 @@ class MemoryEntry(Entry):
 class DiskEntry(Entry):
     """A chunk on disk: its payload file is named by the key's hash and ``tag``."""
 
-    __slots__ = ("lease_until", "tag")
+    __slots__ = ("tag",)
 
     def __init__(self, layout: Layout, checksum: int, parent: str | None, tag: int):
         super().__init__(layout, checksum, parent)
         self.tag = tag
-        self.lease_until = 0.0
 
 
 E = TypeVar("E", bound=Entry)
@@ -87,6 +86,8 @@ class LruIndex(Generic[E]):
         self._leaf_order: OrderedDict[str, None] = OrderedDict()
         self._leaf_list: list[str] = []
         self._leaf_at: dict[str, int] = {}
+        #: Stored chunks whose parent is not stored (a lookup never reaches them), by parent.
+        self._orphans: dict[str, set[str]] = {}
         self.reuse = reuse
         self.duel = RecencyDuel()
         self.bytes = 0
@@ -132,12 +133,15 @@ class LruIndex(Generic[E]):
                 entry.tick = self.reuse.state(entry.khash)[1]
         if key not in self._children:
             self._add_leaf(key)
+        self._orphans.pop(key, None)  # its stored children have their parent back
         parent = entry.parent
         if parent is not None:
             count = self._children.get(parent, 0)
             self._children[parent] = count + 1
             if count == 0:
                 self._drop_leaf(parent)
+            if parent not in self._entries:
+                self._orphans.setdefault(parent, set()).add(key)
 
     def pop(self, key: str) -> E | None:
         entry = self._entries.pop(key, None)
@@ -147,6 +151,11 @@ class LruIndex(Generic[E]):
         self._drop_leaf(key)
         parent = entry.parent
         if parent is not None:
+            orphans = self._orphans.get(parent)
+            if orphans is not None:
+                orphans.discard(key)
+                if not orphans:
+                    del self._orphans[parent]
             left = self._children.get(parent, 0) - 1
             if left > 0:
                 self._children[parent] = left
@@ -184,6 +193,10 @@ class LruIndex(Generic[E]):
         """Keys without a stored child, least recently used first (lazy: do not mutate
         while iterating)."""
         return iter(self._leaf_order)
+
+    def orphans(self) -> Iterator[str]:
+        """Stored keys whose parent is not stored (lazy: do not mutate while iterating)."""
+        return (key for children in self._orphans.values() for key in children)
 
     def leaf_count(self) -> int:
         return len(self._leaf_list)

@@ -84,17 +84,22 @@ class LRUEviction(EvictionPolicy):
 class PrefixAwareEviction(EvictionPolicy):
     """Chain suffixes before prefixes: a chunk with a stored child is kept while the child
     lives, because a suffix without its prefix is worthless but a prefix alone still hits.
-    The oldest leaf goes first (a chain's tip that just lost its child counts as old)."""
+    Chunks whose parent is gone go first (a lookup never reaches them), then the oldest
+    leaf (a chain's tip that just lost its child counts as old)."""
 
     name = "prefix"
 
     def candidates(self, index: LruIndex[Any], evictable: Evictable | None = None) -> Iterator[str]:
-        leaves = list(_usable(index, index.leaves(), evictable))
-        yield from leaves
-        # Then the rest in LRU order: evicting those still frees space. A chunk is left to
-        # this walk only when every leaf is busy or already taken.
-        taken = set(leaves)
-        yield from (k for k in _usable(index, index.lru_order(), evictable) if k not in taken)
+        taken: set[str] = set()
+        orphans = (k for k in index.orphans() if not index.children(k))
+        # Orphans, then leaves oldest first, then the rest in LRU order (evicting those still
+        # frees space; reached only when every leaf is busy or taken). Lazy: the caller
+        # stops as soon as it has room, so an eviction looks at few keys.
+        for keys in (orphans, index.leaves(), index.lru_order()):
+            for key in _usable(index, keys, evictable):
+                if key not in taken:
+                    taken.add(key)
+                    yield key
 
 
 class ValueEviction(EvictionPolicy):

@@ -95,7 +95,8 @@ class Session:
     client: dict[str, Any]
     deadline: float
     pins: Counter[Holding] = field(default_factory=Counter)
-    leases: Counter[Holding] = field(default_factory=Counter)
+    #: Read leases by what they are on: the store's lease tokens, oldest first.
+    leases: dict[Holding, list[int]] = field(default_factory=dict)
     staged: dict[str, Staged] = field(default_factory=dict)
     staged_bytes: int = 0
     resources: list[Any] = field(default_factory=list)  # closed when the session ends
@@ -138,7 +139,6 @@ class SessionTable:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._by_key_id: dict[bytes, str] = {}
-        self._lease_counts: Counter[Holding] = Counter()
         self._staged_total = 0
 
     def __len__(self) -> int:
@@ -192,10 +192,6 @@ class SessionTable:
 
     def _forget(self, session: Session) -> None:
         self._by_key_id.pop(session.credential.key_id, None)
-        for holding, count in session.leases.items():
-            self._lease_counts[holding] -= count
-            if self._lease_counts[holding] <= 0:
-                del self._lease_counts[holding]
         self._staged_total -= session.staged_bytes
         session.staged.clear()
         session.staged_bytes = 0
@@ -217,32 +213,28 @@ class SessionTable:
             del session.pins[holding]
         return True
 
-    # -- read leases (counted across sessions) ----------------------------------------
+    # -- read leases (each one a token of the store's) ----------------------------------
 
-    def add_lease(self, session: Session, holding: Holding) -> None:
-        session.leases[holding] += 1
-        self._lease_counts[holding] += 1
+    @staticmethod
+    def add_lease(session: Session, holding: Holding, token: int) -> None:
+        session.leases.setdefault(holding, []).append(token)
 
-    def drop_lease(self, session: Session, holding: Holding) -> bool:
-        """Drop one lease; True if no session leases ``holding`` any more."""
-        if session.leases[holding] <= 0:
+    @staticmethod
+    def drop_lease(session: Session, holding: Holding) -> int | None:
+        """Take back this session's oldest lease on ``holding``: its token, for the store to
+        release (None if the session holds none)."""
+        tokens = session.leases.get(holding)
+        if not tokens:
             session.leases.pop(holding, None)
-            return False
-        session.leases[holding] -= 1
-        if not session.leases[holding]:
+            return None
+        token = tokens.pop(0)
+        if not tokens:
             del session.leases[holding]
-        self._lease_counts[holding] -= 1
-        if self._lease_counts[holding] <= 0:
-            del self._lease_counts[holding]
-            return True
-        return False
-
-    def is_leased(self, holding: Holding) -> bool:
-        return self._lease_counts.get(holding, 0) > 0
+        return token
 
     @property
     def lease_count(self) -> int:
-        return sum(self._lease_counts.values())
+        return sum(len(t) for s in self._sessions.values() for t in s.leases.values())
 
     @property
     def pin_count(self) -> int:

@@ -30,11 +30,12 @@ def test_sessions_expire_without_renewal_and_give_back_their_holdings() -> None:
     a, b = table.open({"pid": 1}), table.open({"pid": 2})
     table.add_pin(a, ("m", "k1"))
     table.add_pin(a, ("m", "k1"))
-    table.add_lease(a, ("m", "k2"))
-    table.add_lease(b, ("m", "k2"))
+    table.add_lease(a, ("m", "k2"), 11)
+    table.add_lease(b, ("m", "k2"), 12)
     assert table.pin_count == 2 and table.lease_count == 2
-    assert not table.drop_lease(a, ("m", "k2"))  # b still leases k2
-    assert table.is_leased(("m", "k2"))
+    assert table.drop_lease(a, ("m", "k2")) == 11  # a's own lease token, not b's
+    assert table.drop_lease(a, ("m", "k2")) is None
+    assert table.lease_count == 1  # b still leases k2
     now[0] = 8.0
     table.touch(b.sid)
     now[0] = 10.5
@@ -43,8 +44,8 @@ def test_sessions_expire_without_renewal_and_give_back_their_holdings() -> None:
     assert gone[0].pins == {("m", "k1"): 2}
     with pytest.raises(SessionExpiredError):
         table.touch(a.sid)
-    assert table.drop_lease(b, ("m", "k2"))  # the last lease on k2
-    assert not table.is_leased(("m", "k2"))
+    assert table.drop_lease(b, ("m", "k2")) == 12  # the last lease on k2
+    assert table.lease_count == 0
     assert not table.drop_pin(b, ("m", "k1"))
     with pytest.raises(ProtocolError, match="needs a session"):
         table.touch(None)

@@ -16,7 +16,7 @@ receive takes what the kernel has and, when there is nothing, polls for up to ``
 (``service.bulk_poll_us``; yielding to the loop between tries, so other requests go on)
 before it waits (``add_reader``): a loop that waits sleeps, the server's send wakes it,
 and on a machine with few cores the kernel often runs it on the server's core then;
-a payload is hashed in :data:`~persisting.service.bulk.stream.HASH_PIECE` pieces as they
+a payload is hashed in :data:`~persisting.service.bulk.stream.WIRE_PIECE` pieces as they
 complete, while the peer's next bytes arrive. No progress for ``timeout_s`` is a
 :class:`~persisting.service.bulk.stream.ConnectionLost` with ``timed_out``. A caller
 cancelled mid-request stops writing into the destination at once; the connection is then
@@ -38,9 +38,9 @@ import xxhash
 
 from persisting.service.bulk.stream import (
     CHECKSUM,
-    HASH_PIECE,
     LENGTH,
     MAX_FRAME_BYTES,
+    WIRE_PIECE,
     ConnectionLost,
     LowWater,
     Records,
@@ -168,8 +168,8 @@ class LoopStream:
         it completes; returns the checksum of the whole."""
         hasher = xxhash.xxh3_64()
         try:
-            for start in range(0, len(view), HASH_PIECE):
-                piece = view[start : start + HASH_PIECE]
+            for start in range(0, len(view), WIRE_PIECE):
+                piece = view[start : start + WIRE_PIECE]
                 await self._recv_piece(piece)
                 hasher.update(piece)
         finally:
@@ -185,7 +185,7 @@ class LoopStream:
 
     async def send_payloads(self, message: dict[str, Any], payloads: Sequence[memoryview]) -> None:
         """A frame, then each payload followed by its checksum. A payload goes out in
-        :data:`~persisting.service.bulk.stream.HASH_PIECE` pieces, each hashed after it was
+        :data:`~persisting.service.bulk.stream.WIRE_PIECE` pieces, each hashed after it was
         handed to the kernel (while the peer takes it in) but the last, which is hashed
         first and leaves with the checksum in one call (one wake-up of the peer fewer).
         Either way the receiver compares what landed with what was hashed, so bytes that
@@ -194,9 +194,9 @@ class LoopStream:
         for payload in payloads:
             view = memoryview(payload).cast("B")
             hasher = xxhash.xxh3_64()
-            last = max(0, len(view) - 1) // HASH_PIECE * HASH_PIECE
-            for start in range(0, last, HASH_PIECE):
-                piece = view[start : start + HASH_PIECE]
+            last = max(0, len(view) - 1) // WIRE_PIECE * WIRE_PIECE
+            for start in range(0, last, WIRE_PIECE):
+                piece = view[start : start + WIRE_PIECE]
                 await self.send([lead, piece])
                 hasher.update(piece)
                 lead = b""

@@ -322,12 +322,11 @@ class BulkServer:
         expect = optional_layout(request.get("expect"))
         counters = self.state.counters
         total = 0
-        with store.foreground():
-            for key in keys:
-                sent = self._send_value(stream, session, store, str(request["model"]), key, expect)
-                counters["get_hits" if sent else "get_misses"] += 1
-                counters["get_bytes_bulk"] += sent
-                total += sent
+        for key in keys:
+            sent = self._send_value(stream, session, store, str(request["model"]), key, expect)
+            counters["get_hits" if sent else "get_misses"] += 1
+            counters["get_bytes_bulk"] += sent
+            total += sent
         return total
 
     def _send_value(
@@ -374,9 +373,6 @@ class BulkServer:
         location = store.lease(key, state.lease_ttl_s)
         if location is None:
             return None, None
-        holding = (model, key)
-        with state.lock:
-            state.sessions.add_lease(session, holding)
         try:
             if expect is not None and not location.layout.matches(expect):
                 state.counters["layout_misses"] += 1
@@ -386,11 +382,8 @@ class BulkServer:
             except OSError:
                 return None, None
         finally:
-            with state.lock:
-                last = state.sessions.drop_lease(session, holding)
-            if last:
-                with contextlib.suppress(PersistingError):
-                    store.release(key)
+            with contextlib.suppress(PersistingError):
+                store.release(key, location.token)
 
     def _put(
         self, stream: Stream, session: Session, request: dict[str, Any], scratch: memoryview
@@ -418,8 +411,7 @@ class BulkServer:
                 stream.discard(layout.nbytes + 8, scratch)
             raise
         try:
-            with store.foreground(landing=True):  # the write-behind waits for the burst
-                self._receive_and_store(stream, store, str(request["model"]), request, layouts)
+            self._receive_and_store(stream, store, str(request["model"]), request, layouts)
         finally:
             with self.state.lock:
                 self.state.sessions.unstage(session, staged_id)

@@ -10,7 +10,7 @@ anything is :class:`ConnectionLost`. A client speaks the same bytes from its eve
 (:mod:`persisting.service.bulk.loop_stream`).
 
 Payload bytes never pass through an intermediate buffer on the plain stream: a receiver
-``recv_into``\\s the destination itself, in pieces of :data:`HASH_PIECE`, and hashes each
+``recv_into``\\s the destination itself, in pieces of :data:`WIRE_PIECE`, and hashes each
 piece as it lands while the peer's next bytes arrive (streaming xxh3: the same checksum
 as one hash of the whole). Measured per 8 MiB over loopback on the quiet 2-core machine,
 15 interleaved rounds of 16: one receive then one hash ran at 0.86-0.89x of a plain
@@ -51,9 +51,10 @@ from persisting.service.protocol import is_plain
 
 #: Largest header frame either side accepts (4096 keys of ~100 bytes fit easily).
 MAX_FRAME_BYTES = 4 << 20
-#: Bytes a receiver takes per system call and hashes before the next (the streaming
-#: xxh3 of the pieces equals the one-shot checksum of the payload).
-HASH_PIECE = 512 << 10
+#: Bytes a data connection moves per system call and hashes before the next (the
+#: streaming xxh3 of the pieces equals the one-shot checksum of the payload). A piece of
+#: the wire, not of the store's copies and files (``persisting.kv.layout.HASH_PIECE``).
+WIRE_PIECE = 512 << 10
 #: Largest plaintext of one sealed record.
 RECORD = 1 << 20
 TAG_BYTES = 16
@@ -253,12 +254,12 @@ class Stream:
 
     def recv_payload(self, view: memoryview) -> int:
         """Receive a payload into ``view`` (the destination itself) in pieces of
-        :data:`HASH_PIECE`, hashing each piece as it lands while the peer's next bytes are
+        :data:`WIRE_PIECE`, hashing each piece as it lands while the peer's next bytes are
         on their way; returns the checksum of the whole."""
         hasher = xxhash.xxh3_64()
         try:
-            for start in range(0, len(view), HASH_PIECE):
-                piece = view[start : start + HASH_PIECE]
+            for start in range(0, len(view), WIRE_PIECE):
+                piece = view[start : start + WIRE_PIECE]
                 self.recv_piece(piece)
                 hasher.update(piece)
         finally:
@@ -523,9 +524,9 @@ class SealedStream(Stream):
 
 
 __all__ = [
-    "HASH_PIECE",
     "MAX_FRAME_BYTES",
     "RECORD",
+    "WIRE_PIECE",
     "ConnectionLost",
     "LowWater",
     "PollGate",

@@ -210,10 +210,11 @@ class StorageHandler:
                 if store is not None:
                     quietly(store.unpin, key)
         session.pins.clear()
-        for model, key in session.leases:
+        for (model, key), tokens in session.leases.items():
             store = self.stores.get(model)
-            if store is not None and not self.sessions.is_leased((model, key)):
-                quietly(store.release, key)
+            if store is not None:
+                for token in tokens:
+                    quietly(store.release, key, token)
         session.leases.clear()
         session.close_resources()
 
@@ -270,11 +271,11 @@ class StorageHandler:
     def op_renew(self, _request: Request, session: Session | None) -> dict[str, int]:
         assert session is not None
         with self.state.lock:
-            leases = list(session.leases)
-        for model, key in leases:  # push the store's own lease deadlines out as well
+            leases = [(h, t) for h, tokens in session.leases.items() for t in tokens]
+        for (model, key), token in leases:  # push the store's own lease deadlines out too
             store = self.stores.get(model)
             if store is not None:
-                quietly(store.lease, key, self.lease_ttl_s)
+                quietly(store.renew, key, token, self.lease_ttl_s)
         return {"pins": sum(session.pins.values()), "leases": len(leases)}
 
     def op_withdraw(self, request: Request, session: Session | None) -> list[int]:

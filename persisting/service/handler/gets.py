@@ -143,15 +143,12 @@ class GetPaths:
         location = store.lease(key, state.lease_ttl_s)
         if location is None:
             return None
-        holding = (str(model), key)
         if expect is not None and not location.layout.matches(expect):
-            with state.lock:
-                if not state.sessions.is_leased(holding):
-                    store.release(key)
+            store.release(key, location.token)
             state.counters["layout_misses"] += 1
             return LAYOUT_MISS
         with state.lock:
-            state.sessions.add_lease(session, holding)
+            state.sessions.add_lease(session, (str(model), key), location.token)
         state.counters["get_bytes_file"] += location.nbytes
         return {
             "layout": location.layout.to_dict(),
@@ -254,9 +251,9 @@ class GetPaths:
         released = 0
         for key in keys:
             with state.lock:
-                last = state.sessions.drop_lease(session, (str(model), key))
-            if last and store is not None:
-                quietly(store.release, key)
+                token = state.sessions.drop_lease(session, (str(model), key))
+            if token is not None and store is not None:
+                quietly(store.release, key, token)
             released += 1
         return released
 
