@@ -68,10 +68,8 @@ class KVStore(KVApi):
     - ``durability``: when a put completes: ``"sync"`` (on disk), ``"async"`` (in memory,
       written behind) or ``"write_back"`` (written when evicted); see
       :mod:`persisting.kv.puts`. The last two need a memory tier.
-    - ``eviction``: ``"value"`` (the default: keeps what will be reused, see
-      :class:`~persisting.kv.policy.ValueEviction`), ``"lru"``, ``"prefix"`` (chain
-      suffixes first) or an :class:`~persisting.kv.policy.EvictionPolicy`; both tiers
-      use it.
+    - ``eviction``: ``"value"`` (default: keeps what will be reused), ``"lru"``, ``"prefix"``
+      (chain suffixes first) or an :class:`~persisting.kv.policy.EvictionPolicy`; both tiers.
     - ``admission``: which puts go to disk: ``"always"``, ``"second_sighting"`` or an
       :class:`~persisting.kv.policy.AdmissionPolicy`.
     - ``max_value_bytes``: the largest value a put takes (default: the larger tier).
@@ -166,8 +164,6 @@ class KVStore(KVApi):
             clock=clock,
             direct_io=direct_io,
         )
-        disk_tier = self._tiers.disk
-        self.admission.attach(disk_tier.index.reuse if disk_tier is not None else None)
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync, behind
         )
