@@ -1,6 +1,6 @@
 """The value policy is the default, and every eviction policy is selectable, in every kind
 of deployment: the library, the service's settings, the LMCache plugin and L2 adapter, and
-the vLLM connector."""
+the vLLM connector and the SGLang HiCache backend."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from persisting.config import KVSettings, PersistingSettings
 from persisting.errors import ConfigError
+from persisting.integrations.sglang.settings import storage_settings
 from persisting.integrations.vllm.settings import connector_settings
 from persisting.kv import open_kv_store
 from persisting.kv.policy import LRUEviction, PrefixAwareEviction, ValueEviction
@@ -23,6 +24,7 @@ POLICIES = {"value": ValueEviction, "lru": LRUEviction, "prefix": PrefixAwareEvi
 def test_the_default_is_value_everywhere(tmp_path: Path) -> None:
     assert KVSettings().eviction == "value"
     assert connector_settings({"storage_path": str(tmp_path)}).eviction == "value"
+    assert storage_settings({"storage_path": str(tmp_path)}).eviction == "value"
     assert l2_params({"storage_path": str(tmp_path)}).eviction == "value"
     settings, _options = settings_from_extra_config({"persisting.storage_path": str(tmp_path)})
     assert settings.kv.eviction == "value"
@@ -37,6 +39,7 @@ def test_each_policy_is_selectable_everywhere(
     tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert connector_settings({"storage_path": str(tmp_path), "eviction": name}).eviction == name
+    assert storage_settings({"storage_path": str(tmp_path), "eviction": name}).eviction == name
     assert l2_params({"storage_path": str(tmp_path), "eviction": name}).eviction == name
     settings, _options = settings_from_extra_config(
         {"persisting.storage_path": str(tmp_path), "persisting.eviction": name}
