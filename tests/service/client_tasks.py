@@ -24,20 +24,22 @@ from persisting.kv import Layout, TokenHasher
 from persisting.service import KVCacheClient, SyncKVCacheClient
 from tests.service.service_helpers import MODEL, key, tensor
 
+#: What the ``marker`` command's value is made of (a capture of the wire looks for it).
+MARKER = b"persisting-plaintext-marker:0123456789abcdef"
+
 
 def _settings(args: dict[str, Any]) -> PersistingSettings:
     service = {
         "discovery_timeout_s": args.get("discovery_timeout_s", 15.0),
         "member_retry_s": 0.5,
         "request_timeout_s": 10.0,
-        "message_part_bytes": args.get("part_bytes", 256 << 10),
     }
     if "passphrase_file" in args:  # where a generated passphrase would be looked for
         service["passphrase_file"] = args["passphrase_file"]
     if "request_timeout_s" in args:
         service["request_timeout_s"] = args["request_timeout_s"]
-    if args.get("sealed"):
-        service["bulk_sealed"] = True
+    if "bulk_encryption" in args:
+        service["bulk_encryption"] = args["bulk_encryption"]
     return PersistingSettings(models=[MODEL], service=service)
 
 
@@ -65,7 +67,7 @@ async def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
         keys = [key(base + i) for i in range(len(values))]
         puts = await client.batched_put(keys, values)
         array = np.arange(3000, dtype=np.float32).reshape(2, 1, 1500, 1)
-        raw = bytes(range(256)) * 9000  # > one message chunk
+        raw = bytes(range(256)) * 9000  # > one receive piece
         await client.put(key(base + 10, dtype="float32"), array)
         await client.put(key(base + 11), raw, fmt="binary")
         single = [await client.get(k) for k in keys]
@@ -433,7 +435,8 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
     seconds; ``putchurn <s>`` puts fresh keys one by one for ``s`` seconds, then reads each
     back (``stored``, ``put_error``, then hit/miss/wrong as reads count them);
     ``wait <s>`` reads until every value is back (or ``s`` seconds passed);
-    ``stats`` the servers' figures; ``quit``. Reads count hits, misses, wrong values and
+    ``marker`` puts and gets 1 MiB of :data:`MARKER` over and over; ``stats`` the
+    servers' figures; ``quit``. Reads count hits, misses, wrong values and
     errors: a failure must be a miss (or a typed error), never a wrong value."""
     client = await _connect(args)
     n, hidden, base = args["keys"], args.get("hidden", 1024), args.get("base", 50_000)
@@ -503,6 +506,12 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
                         break
                     await asyncio.sleep(0.2)
                 result["seconds"] = round(float(rest[0]) - (deadline - time.monotonic()), 2)
+            elif command == "marker":  # a value whose bytes are easy to find on a wire
+                marker = MARKER * ((1 << 20) // len(MARKER))
+                put = await client.put(key(base + 999), marker, fmt="binary")
+                got = await client.get(key(base + 999))
+                result["stored"] = put.stored
+                result["exact"] = got is not None and bytes(got) == marker
             elif command == "stats":
                 stats = await client.stats()
                 result["servers"] = {m: s["service"] for m, s in stats["members"].items()}
