@@ -48,6 +48,7 @@ from actors.system import (
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.kv import KVStore
+from persisting.kv.model_identity import weights_namespace
 from persisting.lance_store import validate_name
 from persisting.metrics import KVMetrics, MetricsServer
 from persisting.service.bulk.server import BulkServer
@@ -127,8 +128,13 @@ class KVCacheStorageActor(pulsing.Actor):
         self.stores: dict[str, KVStore] = {}
         try:
             for name in names:
+                namespace, weights = weights_namespace(name, self.settings.kv.model_version)
                 self.stores[name] = KVStore.from_settings(
-                    self.settings, name, shared_memory=service.shared_memory_tier
+                    self.settings,
+                    name,
+                    shared_memory=service.shared_memory_tier,
+                    namespace=namespace,
+                    describe={"served by": "persisting serve", "model": name, **weights},
                 )
                 if service.prefault_memory:
                     self.stores[name].prefault_memory()

@@ -131,7 +131,9 @@ class KVSettings(BaseModel):
     memory_bytes: Bytes = Field(default=2 * GiB, ge=0)
     """Memory tier budget per model (0: no memory tier)."""
     disk_bytes: Bytes = Field(default=64 * GiB, ge=0)
-    """Disk tier budget per model: payload files beyond it are evicted (0: no disk tier)."""
+    """Disk budget of the storage root (0: no disk tier): a model's namespace holds at most
+    this, less what the root's other namespaces hold; idle namespaces (an old layout or
+    weights version no live store holds) are dropped, oldest first, when in the way."""
     durability: KVDurability = "sync"
     """When a put returns: "sync" (fsynced on disk), "async" (in memory, disk write
     behind), "write_back" (in memory, written when evicted or on close)."""
@@ -148,6 +150,12 @@ class KVSettings(BaseModel):
     nothing."""
     max_value_bytes: Bytes = Field(default=1 * GiB, gt=0)
     """Largest value a put accepts."""
+    model_version: str | None = None
+    """The version of the weights the served models' KV comes from (persisting serve, the
+    LMCache plugin). KV of other weights is wrong KV, so each version gets a namespace of
+    its own: left unset, the weights are fingerprinted from the model's files when they are
+    on this host (a local directory or the Hugging Face cache), else only the name is
+    known and a warning asks for this setting. Change it whenever the weights change."""
     eviction: Literal["lru", "prefix"] = "lru"
     """Eviction order: "lru", or "prefix" (suffix chunks go before the prefixes they need)."""
     admission: Literal["always", "second_sighting"] = "always"

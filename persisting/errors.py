@@ -34,6 +34,13 @@ class ConfigError(PersistingError, ValueError):
     code = "config_error"
 
 
+class UnsafeStorageError(ConfigError):
+    """A storage root (or a directory or key file under it) that another user owns or can
+    write: whoever controls it could plant or swap stored values, so it is refused."""
+
+    code = "unsafe_storage"
+
+
 class InvalidNameError(PersistingError, ValueError):
     """A model or topic name that cannot become a path component (empty, NUL, too long...)."""
 
@@ -167,5 +174,6 @@ __all__ = [
     "SessionExpiredError",
     "StorageIOError",
     "StoreClosedError",
+    "UnsafeStorageError",
     "error_class_for",
 ]

@@ -142,6 +142,13 @@ STORE_FIGURES: tuple[StoreFigure, ...] = (
         "Payload files found on open that the metadata did not know (adopted).",
     ),
     StoreFigure(
+        "foreign_files",
+        "persisting_kv_foreign_files",
+        "counter",
+        "foreign_files",
+        "Payload files found that no store of this storage root wrote (removed, never served).",
+    ),
+    StoreFigure(
         "load_plan_load_tokens",
         "persisting_kv_load_plan_load_tokens",
         "counter",

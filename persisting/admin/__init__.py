@@ -2,9 +2,9 @@
 
 What ``persisting inspect | drop | compact | stats`` do, as plain functions returning
 dataclasses; the command line only renders them. One module per action: :mod:`.inventory`
-(inspect), :mod:`.maintenance` (drop, compact), :mod:`.stats` (figures). Reading is
-side-effect free except where said: :func:`model_stats` opens each model's KV store (which
-reconciles its metadata with its payload files, as any open does).
+(inspect), :mod:`.maintenance` (drop, compact), :mod:`.stats` (figures). Reading
+(inspect, stats) never changes anything: it lists directories and reads records, whatever
+the settings of the process that asks.
 """
 
 from persisting.admin.inventory import (

@@ -30,6 +30,11 @@ class ModelInfo:
     #: Who serves the namespace (a server, an LMCache L2 adapter): its claim record, with
     #: ``live`` and, for an adapter, its capacity and last status; None if never claimed.
     owner: dict[str, Any] | None = None
+    #: The disk capacity its last writer configured (None: no writer recorded one).
+    capacity: int | None = None
+    #: What it holds in words, as its writers recorded it (engine, model, dtype, block
+    #: size, layout, weights: see :mod:`persisting.kv.namespace_record`).
+    describe: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,10 +72,11 @@ class RootInfo:
 
 def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
     """Count a model's payload files and describe its metadata table, changing nothing."""
-    from persisting.kv.payload_files import PayloadFiles
+    from persisting.kv.namespace_record import read_record
+    from persisting.kv.payload_files import scan_payload
 
     path = store.kv_path(model)
-    chunks = sum(1 for _ in PayloadFiles(path).scan())
+    chunks = sum(1 for _ in scan_payload(path))
     meta_path = path / KV_METADATA
     rows = versions = fragments = None
     note = None
@@ -89,7 +95,9 @@ def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
             f"metadata lists {rows} chunk(s) for {chunks} payload file(s); "
             "the next open reconciles them (a live writer commits metadata in batches)"
         )
-    owner = store.model_owner(model)
+    record = read_record(path)
+    # A served model's claim is under its name, its chunks in a namespace per weights.
+    owner = store.model_owner(record.model if record is not None else model)
     return ModelInfo(
         model,
         path,
@@ -101,6 +109,8 @@ def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
         disk_usage(meta_path) if meta_path.exists() else 0,
         note,
         owner.to_dict() if owner is not None else None,
+        record.capacity if record is not None else None,
+        record.describe if record is not None else {},
     )
 
 

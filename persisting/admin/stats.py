@@ -10,8 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from persisting.config import PersistingSettings
-from persisting.errors import ConfigError, PersistingError, ProtocolError, ServiceUnavailableError
+from persisting.errors import ConfigError, ProtocolError, ServiceUnavailableError
 from persisting.figures import (
     LATENCY_METRIC,
     QUEUE_LAG_METRIC,
@@ -50,12 +49,17 @@ class ModelFigures:
     #: The namespace's owner record (a server, an LMCache L2 adapter with its capacity and
     #: last status), when one claimed it (see :mod:`persisting.lance_store.ownership`).
     owner: dict[str, Any] | None = None
+    #: What the namespace holds in words, as its writers recorded it (engine, model,
+    #: dtype, block size, layout, weights; see :mod:`persisting.kv.namespace_record`).
+    describe: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, **self.figures}
         out["latency"] = self.latency
         if self.owner is not None:
             out["owner"] = self.owner
+        if self.describe:
+            out["describe"] = self.describe
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -87,43 +91,33 @@ def figures_from_stats(model: str, stats: dict[str, Any]) -> ModelFigures:
     return ModelFigures(model, figures)
 
 
-def model_stats(
-    store: StorageRoot, model: str, settings: PersistingSettings | None = None
-) -> ModelFigures:
-    """Open ``model``'s KV store (disk tier only, as configured) and read its figures.
+def model_stats(store: StorageRoot, model: str) -> ModelFigures:
+    """``model``'s stored figures, read from its files (:mod:`persisting.kv.survey`):
+    nothing is opened for writing, evicted or rewritten, whatever this process's settings
+    say. Its capacity is the one its writers recorded. Traffic counters live in the
+    processes serving it: scrape them (``--metrics-url``) for those."""
+    from persisting.kv.namespace_record import read_record
+    from persisting.kv.survey import namespace_figures
 
-    Counters are per process, so a store opened here shows what is stored (items, bytes,
-    damage found while opening), not a server's traffic: scrape the server for that.
-    """
-    from persisting.kv import open_kv_store
-
-    settings = settings or PersistingSettings.load()
-    owner = store.model_owner(model)
+    directory = store.kv_path(model)
+    described = read_record(directory)
+    # A served model's claim is under its name, its chunks in a namespace per weights.
+    owner = store.model_owner(described.model if described is not None else model)
     record = owner.to_dict() if owner is not None else None
-    options: dict[str, Any] = {}
-    capacity = (owner.details.get("capacity") if owner is not None else None) or None
-    if isinstance(capacity, int) and capacity > 0:
-        # An L2 adapter's namespace: its capacity is the adapter's, not kv.disk_bytes.
-        options["disk_bytes"] = capacity
     try:
-        with open_kv_store(
-            store.root, model, memory_bytes=0, durability="sync", settings=settings, **options
-        ) as kv:
-            figures = figures_from_stats(model, kv.stats())
-    except PersistingError as exc:
-        return ModelFigures(model, {}, error=str(exc), owner=record)
+        figures = figures_from_stats(model, namespace_figures(directory))
+    except OSError as exc:
+        return ModelFigures(model, {}, error=f"cannot read {directory}: {exc}", owner=record)
     figures.owner = record
+    if described is not None:
+        figures.describe = described.describe
     return figures
 
 
-def root_stats(
-    store: StorageRoot,
-    settings: PersistingSettings | None = None,
-    on_model: Callable[[], None] | None = None,
-) -> StatsReport:
+def root_stats(store: StorageRoot, on_model: Callable[[], None] | None = None) -> StatsReport:
     models = []
     for model in store.list_models():
-        models.append(model_stats(store, model, settings))
+        models.append(model_stats(store, model))
         if on_model is not None:
             on_model()
     return StatsReport(str(store.root), "storage_root", models, consumer_lags(store.root))

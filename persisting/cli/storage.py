@@ -62,6 +62,13 @@ def inspect(
     emit(info, json_out, lambda console: render_inspect(console, info))
 
 
+def describe_namespace(describe: dict[str, Any]) -> str:
+    """A namespace's record in one line: ``model ..., dtype ..., block size ...``."""
+    if not describe:
+        return "-"
+    return ", ".join(f"{key.replace('_', ' ')} {value}" for key, value in describe.items())
+
+
 def render_inspect(console: Console, info: RootInfo) -> None:
     console.print(
         f"Storage root {escape(str(info.root))}: {human_bytes(info.bytes)} on disk, "
@@ -72,16 +79,18 @@ def render_inspect(console: Console, info: RootInfo) -> None:
     if info.models:
         models = Table(title="KV models", title_justify="left")
         models.add_column("model", overflow="fold")
-        for column in ("chunks", "on disk (du)", "meta rows", "versions", "fragments"):
+        models.add_column("holds", overflow="fold")
+        for column in ("chunks", "on disk (du)", "capacity", "meta rows", "versions"):
             models.add_column(column, justify="right")
         for m in info.models:
             models.add_row(
                 escape(m.model),
+                escape(describe_namespace(m.describe)),
                 f"{m.chunks:,}",
                 human_bytes(m.bytes),
+                human_bytes(m.capacity) if m.capacity is not None else "-",
                 count(m.meta_rows),
                 count(m.meta_versions),
-                count(m.meta_fragments),
             )
             if m.note:
                 notes.append(f"{m.model}: {m.note}")
@@ -337,7 +346,8 @@ def stats(
 
     From a running server's Prometheus endpoint (--metrics-url: its traffic and latency
     percentiles), from a running cluster (--service: every member, its state and figures),
-    or from a storage root (what is stored; counters start at zero).
+    or from a storage root (what is stored, read without changing anything; traffic
+    counters live in the processes serving it).
     """
     from persisting.admin import figures_from_scrape, root_stats, scrape
 
@@ -355,11 +365,9 @@ def stats(
     if metrics_url is not None:
         report = figures_from_scrape(scrape(metrics_url, timeout), metrics_url)
     else:
-        settings = load_settings(config)
-        why = "stats opens each model's store, which reconciles its index (inspect only reads)"
-        store = open_storage_root(storage_path or settings.storage_path, None, writes=why)
-        with progress_bar("opening stores", len(store.list_models())) as advance:
-            report = root_stats(store, settings, on_model=advance)
+        store = open_storage_root(storage_path, config)  # only read: nothing is opened to write
+        with progress_bar("reading namespaces", len(store.list_models())) as advance:
+            report = root_stats(store, on_model=advance)
     emit(report.to_dict(), json_out, lambda console: render_stats(console, report))
 
 
@@ -441,8 +449,9 @@ def render_stats(console: Console, report: StatsReport) -> None:
     console.print(f"Figures from {where} {escape(report.source)}.", highlight=False)
     if report.kind == "storage_root":
         console.print(
-            "[dim]Counters count this process's traffic (none yet): use --metrics-url for a "
-            "server's hits, bytes moved and latency.[/]"
+            "[dim]What is stored, read from the files; traffic counters live in the "
+            "processes serving it: use --metrics-url for a server's or an engine's hits, "
+            "bytes moved and latency.[/]"
         )
     if not report.models:
         console.print("No models.")
@@ -450,6 +459,9 @@ def render_stats(console: Console, report: StatsReport) -> None:
         if m.error:
             console.print(f"[bold]{escape(m.model)}[/]: [red]{escape(m.error)}[/]")
             continue
+        if m.describe:
+            holds = escape(describe_namespace(m.describe))
+            console.print(f"[dim]{escape(m.model)} holds {holds}[/]")
         table = Table(title=f"Model {escape(m.model)}", title_justify="left")
         table.add_column("figure (--json name)")
         for column in ("memory", "disk", "total"):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from persisting.errors import CapacityError
 from persisting.kv.payload_files import BLOCK, PayloadFiles
+from persisting.kv.root_budget import RootUsage
 from persisting.kv.shared_usage import SharedUsage
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class DiskBudget:
         usage: SharedUsage,
         evict: Callable[[int], int],
         refresh: Callable[[], int],
+        root_usage: RootUsage | None = None,
     ):
         self.directory = directory
         self.capacity = capacity
@@ -51,6 +53,21 @@ class DiskBudget:
         self.usage = usage
         self._evict = evict
         self._refresh = refresh
+        #: The root's other namespaces, which the same budget bounds (None: this
+        #: namespace alone; see :mod:`persisting.kv.root_budget`).
+        self.root_usage = root_usage
+
+    def room(self, need: int) -> int:
+        """The bytes this namespace may hold once ``need`` more are added: its capacity,
+        less what the root's other namespaces hold -- idle ones dropped first, oldest
+        opened first, when the root would not fit (caller holds the usage lock)."""
+        if self.root_usage is None:
+            return self.capacity
+        others = self.root_usage.others_bytes()
+        if others and self.usage.total() + need + others > self.capacity:
+            self.root_usage.drop_idle(self.usage.total() + need + others - self.capacity)
+            others = self.root_usage.others_bytes()
+        return self.capacity - others
 
     def reserve(self, nbytes: int, headroom: int = 0, *, metadata: bool = False) -> None:
         """Count ``nbytes`` in the shared usage (as payload, or with ``metadata`` as a
@@ -66,17 +83,20 @@ class DiskBudget:
         used = self.usage.total()
         if used + need > self.capacity and self.usage.reclaim_abandoned(self.files):
             used = self.usage.total()
-        if used + need > self.capacity:
-            self._evict(used + need - self.capacity)
+        room = self.room(need)
+        if used + need > room:
+            self._evict(used + need - room)
             used = self.usage.total()
-            if used + need > self.capacity:
+            if used + need > room:
                 self._refresh()  # files of other processes we have not indexed yet
-                self._evict(used + need - self.capacity)
+                self._evict(used + need - room)
                 used = self.usage.total()
-        if used + need > self.capacity:
+        if used + need > room:
+            others = self.capacity - room
+            shared = f"; the root's other live namespaces hold {others}" if others else ""
             raise CapacityError(
                 f"disk tier full: {used} of {self.capacity} bytes in use "
-                f"({self.usage.overhead()} of them metadata and directories), "
+                f"({self.usage.overhead()} of them metadata and directories{shared}), "
                 f"{nbytes} more needed and nothing evictable"
             )
         if metadata:
@@ -93,7 +113,7 @@ class DiskBudget:
         return BLOCK * (2 * new_dirs + len(dirs) + 1)
 
     def measure_overhead(self) -> int:
-        return self.usage.measure_overhead(self.directory, self.files)
+        return self.usage.measure_overhead(self.directory)
 
     def account_overhead(self) -> None:
         """Measure the overhead and record it, evicting payload first where the whole would

@@ -39,11 +39,13 @@ from persisting.kv.payload_files import (
     PayloadFiles,
     PendingFile,
     Reservation,
+    UnsealedFileError,
     file_size,
     key_hash,
     round_to_block,
 )
 from persisting.kv.policy import EvictionPolicy
+from persisting.kv.root_budget import RootUsage
 from persisting.kv.shared_usage import SharedUsage
 from persisting.lance_store.access import OWNER_ONLY, FileModes, storage_error
 from persisting.lance_store.durable import makedirs_durable
@@ -99,6 +101,9 @@ class DiskTier:
         policy: EvictionPolicy,
         on_evict: EvictionListener | None = None,
         modes: FileModes = OWNER_ONLY,
+        *,
+        secret: bytes,
+        root_usage: RootUsage | None = None,
     ):
         self.directory = directory
         self.capacity = capacity
@@ -106,10 +111,16 @@ class DiskTier:
         self.on_evict = on_evict
         self.modes = modes
         makedirs_durable(directory, modes)
-        self.files = PayloadFiles(directory, modes)
+        self.files = PayloadFiles(directory, secret, modes)
         self.usage = SharedUsage(directory)
         self._budget = DiskBudget(
-            directory, capacity, self.files, self.usage, evict=self._evict, refresh=self.refresh
+            directory,
+            capacity,
+            self.files,
+            self.usage,
+            evict=self._evict,
+            refresh=self.refresh,
+            root_usage=root_usage,
         )
         self.index: LruIndex[DiskEntry] = LruIndex()
         # The index and the keys being written. Lock order (persisting.kv.lock_order): taken
@@ -120,6 +131,8 @@ class DiskTier:
         self.evictions = 0
         self.corruptions = 0
         self.recovered_files = 0
+        #: Payload files found that no store of this root wrote (never served, removed).
+        self.foreign_files = 0
         try:
             self.meta = self._open_metadata()
         except OSError as exc:  # e.g. a read-only filesystem
@@ -231,6 +244,11 @@ class DiskTier:
                 header = self.files.read_header(path)
             except FileNotFoundError:
                 continue
+            except UnsealedFileError:
+                log.warning("removing %s: no store of this storage root wrote it", path)
+                self.foreign_files += 1
+                self._drop_file(path)
+                continue
             except (CorruptValueError, OSError, ValueError, KeyError) as exc:
                 log.warning("dropping damaged payload file %s: %s", path, exc)
                 self.corruptions += 1
@@ -321,6 +339,7 @@ class DiskTier:
             "disk_evictions": self.evictions,
             "corruptions": self.corruptions,
             "recovered_files": self.recovered_files,
+            "foreign_files": self.foreign_files,
             "reclaimed_bytes": self.reclaimed_bytes,
         }
 

@@ -1,8 +1,8 @@
 """Payload files: one self-describing file per stored chunk.
 
 Each chunk's bytes live in their own file, ``payload/<hh>/<keyhash>-<tag>.kv``: a 4 KiB
-header (magic, key, layout, payload checksum, parent, header checksum) followed by the
-payload at a page-aligned offset. Files are written under a ``.tmp`` name, fsynced when the
+header (key, layout, payload checksum, parent, sealed with the root's key: see
+:mod:`~persisting.kv.file_header`) followed by the payload at a page-aligned offset. Files are written under a ``.tmp`` name, fsynced when the
 put must be durable, then renamed into place, so a ``.kv`` file is always whole.
 Eviction unlinks the file, which gives its space back at once; a reader that already
 opened it still reads the whole, correct file.
@@ -37,10 +37,8 @@ import dataclasses
 import errno
 import fcntl
 import functools
-import json
 import os
 import secrets
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -51,7 +49,8 @@ from typing import Any
 import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
-from persisting.kv.layout import HASH_PIECE, Layout
+from persisting.kv.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
+from persisting.kv.layout import HASH_PIECE
 from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
     CONTROL_FILE_MODE,
@@ -62,13 +61,6 @@ from persisting.lance_store.access import (
 )
 from persisting.lance_store.durable import fsync_dir, fsync_fd
 
-MAGIC = b"PKVCHNK1"
-#: The payload format's block: header size and payload alignment, and the unit disk use is
-#: counted in. Part of the file format, so it does not follow the host's memory page size
-#: (files move between hosts); 4 KiB is also what O_DIRECT and most filesystems want.
-BLOCK = 4096
-HEADER_BYTES = BLOCK
-_PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
 #: Files of one durable batch written (and fsynced) at once.
 WRITE_THREADS = 8
 #: Piece a payload is written in when its writer may be asked to pause between pieces.
@@ -90,42 +82,6 @@ def round_to_block(n: int) -> int:
 def file_size(nbytes: int) -> int:
     """Bytes a payload file of ``nbytes`` occupies on disk (header + payload, block-rounded)."""
     return HEADER_BYTES + round_to_block(nbytes)
-
-
-@dataclass(frozen=True, slots=True)
-class FileHeader:
-    """What a payload file says about itself."""
-
-    key: str
-    layout: Layout
-    checksum: int
-    parent: str | None
-
-    def encode(self) -> bytes:
-        body = json.dumps(
-            {
-                "key": self.key,
-                "layout": self.layout.to_dict(),
-                "checksum": self.checksum,
-                "parent": self.parent,
-            },
-            separators=(",", ":"),
-        ).encode("utf-8")
-        if _PREFIX.size + len(body) > HEADER_BYTES:
-            raise StorageIOError(f"header of {self.key!r} does not fit in {HEADER_BYTES} bytes")
-        head = _PREFIX.pack(MAGIC, len(body), xxhash.xxh64_intdigest(body)) + body
-        return head + b"\0" * (HEADER_BYTES - len(head))
-
-    @classmethod
-    def decode(cls, raw: bytes) -> FileHeader:
-        if len(raw) < _PREFIX.size:
-            raise CorruptValueError("payload header is truncated")
-        magic, length, digest = _PREFIX.unpack_from(raw)
-        body = raw[_PREFIX.size : _PREFIX.size + length]
-        if magic != MAGIC or len(body) != length or xxhash.xxh64_intdigest(body) != digest:
-            raise CorruptValueError("payload header is damaged")
-        d = json.loads(body)
-        return cls(d["key"], Layout.from_dict(d["layout"]), int(d["checksum"]), d["parent"])
 
 
 @dataclass(slots=True)
@@ -153,9 +109,11 @@ class Reservation:
 class PayloadFiles:
     """The payload directory of one model namespace."""
 
-    def __init__(self, directory: Path, modes: FileModes = OWNER_ONLY):
+    def __init__(self, directory: Path, secret: bytes, modes: FileModes = OWNER_ONLY):
         self.directory = directory
         self.modes = modes
+        #: The storage root's key: headers are sealed with it (see :class:`FileHeader`).
+        self.secret = secret
         self.payload_dir = directory / "payload"
         self._payload_text = str(self.payload_dir)
         self.tmp_dir = directory / "tmp"
@@ -247,8 +205,8 @@ class PayloadFiles:
         self.write(pending, header, payload, durable=durable)
         return self.publish(pending)
 
-    @staticmethod
     def write(
+        self,
         pending: PendingFile,
         header: FileHeader,
         payload: memoryview,
@@ -273,18 +231,18 @@ class PayloadFiles:
             if hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
-                _write_all(pending.fd, [header.encode()], offset=0)
+                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
             elif pause is not None:
-                _write_all(pending.fd, [header.encode()], offset=0)
+                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
                 _write_paused(pending.fd, payload, HEADER_BYTES, pause)
             else:
-                _write_all(pending.fd, [header.encode(), payload])
+                _write_all(pending.fd, [header.encode(self.secret), payload])
             if durable:
                 if pause is not None:
                     pause()  # the fsync pushes the file to the disk: not beside reads
                 fsync_fd(pending.fd)
         except OSError as exc:
-            PayloadFiles.abort(pending)
+            self.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
         return header
 
@@ -344,7 +302,7 @@ class PayloadFiles:
         try:
             os.rename(pending.tmp, pending.final)
         except OSError as exc:
-            PayloadFiles.abort(pending)
+            self.abort(pending)
             raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
@@ -415,10 +373,11 @@ class PayloadFiles:
         assert digest is not None
         return digest
 
-    @staticmethod
-    def read_header(path: Path) -> FileHeader:
+    def read_header(self, path: Path) -> FileHeader:
+        """The header of ``path``, if sealed with this root's key (else
+        :class:`UnsealedFileError`), and whole (else :class:`CorruptValueError`)."""
         with open(path, "rb") as f:
-            header = FileHeader.decode(f.read(HEADER_BYTES))
+            header = FileHeader.decode(f.read(HEADER_BYTES), self.secret)
             f.seek(0, os.SEEK_END)
             if f.tell() < HEADER_BYTES + header.layout.nbytes:
                 raise CorruptValueError(f"{path.name} is truncated")
@@ -435,32 +394,11 @@ class PayloadFiles:
 
     def scan(self) -> Iterator[tuple[Path, int, int]]:
         """Every payload file as ``(path, key hash, tag)`` (names we did not make are skipped)."""
-        try:
-            subdirs = list(os.scandir(self.payload_dir))
-        except FileNotFoundError:
-            return
-        for sub in subdirs:
-            if not sub.is_dir():
-                continue
-            for entry in os.scandir(sub.path):
-                name = entry.name
-                if not name.endswith(".kv") or len(name) != 28:
-                    continue
-                try:
-                    h, tag = int(name[:16], 16), int(name[17:25], 16)
-                except ValueError:
-                    continue
-                yield Path(entry.path), h, tag
+        return scan_payload(self.directory)
 
     def subdirs(self) -> Iterator[Path]:
         """The ``payload/<hh>`` directories that exist now."""
-        try:
-            entries = list(os.scandir(self.payload_dir))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                yield Path(entry.path)
+        return payload_subdirs(self.directory)
 
     def reservation_files(self) -> Iterator[tuple[Path, int]]:
         """Metadata reservations as ``(path, reserved bytes)``, live or abandoned."""
@@ -514,6 +452,36 @@ class PayloadFiles:
             return same
         finally:
             os.close(fd)
+
+
+def payload_subdirs(directory: Path) -> Iterator[Path]:
+    """The ``payload/<hh>`` directories of namespace ``directory`` that exist now."""
+    try:
+        entries = list(os.scandir(directory / "payload"))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield Path(entry.path)
+
+
+def scan_payload(directory: Path) -> Iterator[tuple[Path, int, int]]:
+    """Every payload file of namespace ``directory`` as ``(path, key hash, tag)``, names we
+    did not make skipped; reads the directories only (creates nothing)."""
+    for sub in payload_subdirs(directory):
+        try:
+            entries = list(os.scandir(sub))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            name = entry.name
+            if not name.endswith(".kv") or len(name) != 28:
+                continue
+            try:
+                h, tag = int(name[:16], 16), int(name[17:25], 16)
+            except ValueError:
+                continue
+            yield Path(entry.path), h, tag
 
 
 def _inline(fn: Callable[..., FileHeader], *args: Any, **kwargs: Any) -> Future[FileHeader]:
@@ -630,7 +598,10 @@ __all__ = [
     "PayloadFiles",
     "PendingFile",
     "Reservation",
+    "UnsealedFileError",
     "file_size",
     "key_hash",
+    "payload_subdirs",
     "round_to_block",
+    "scan_payload",
 ]

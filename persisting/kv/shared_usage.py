@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from persisting.kv.lock_order import Rank, ordered
-from persisting.kv.payload_files import PayloadFiles, round_to_block
+from persisting.kv.payload_files import PayloadFiles, payload_subdirs, round_to_block
 from persisting.lance_store import disk_usage
 from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
 
@@ -202,14 +202,14 @@ class SharedUsage:
         return freed
 
     @staticmethod
-    def measure_overhead(directory: Path, files: PayloadFiles) -> int:
+    def measure_overhead(directory: Path) -> int:
         """Allocated bytes of everything in ``directory`` but payload and in-flight files (those
         are counted exactly as they are reserved): directories, metadata, small files."""
         total = _allocated(directory)
         for entry in os.scandir(directory):
             if entry.name == "payload":
                 total += _allocated(entry.path)
-                total += sum(_allocated(sub) for sub in files.subdirs())
+                total += sum(_allocated(sub) for sub in payload_subdirs(directory))
             elif entry.name == "tmp":
                 total += _allocated(entry.path)
             elif entry.is_dir(follow_symlinks=False):

@@ -15,7 +15,7 @@ user reads); each body is a few lines delegating to the modules above.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,12 @@ class KVStore(KVApi):
     - ``pinned_memory``: ``"auto"``, ``"on"`` or ``"off"``: the memory tier and staging
       ring in page-locked memory where CUDA is (see :mod:`persisting.cuda`).
     - ``pinned_staging_bytes``: the pinned staging ring for device reads and writes.
+    - ``namespace``: the directory under ``<root>/kv/`` to keep the chunks in, when it is
+      not the model's own (one per weights version of a model: see
+      :func:`~persisting.kv.model_identity.weights_namespace`); keys still name ``model``.
+    - ``describe``: what this namespace holds, in words an operator reads in ``persisting
+      inspect`` (engine, model, dtype, block size, layout, the weights' identity; JSON),
+      recorded with the configured disk capacity (:mod:`~persisting.kv.namespace_record`).
     """
 
     def __init__(
@@ -112,6 +118,8 @@ class KVStore(KVApi):
         read_threads: int = 8,
         pinned_memory: str = "auto",
         pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
+        describe: Mapping[str, Any] | None = None,
+        namespace: str | None = None,
     ):
         memory = size_bytes(memory_bytes, "memory_bytes")
         disk = size_bytes(disk_bytes, "disk_bytes")
@@ -126,7 +134,9 @@ class KVStore(KVApi):
         self.hash_scheme: HashScheme = hash_scheme
         self.max_value_bytes = largest or max(memory, disk)
         self.root = StorageRoot(storage_path, storage_access)
-        self.directory = self.root.kv_path(model)
+        #: The directory under ``<root>/kv/`` holding this store's chunks.
+        self.namespace = namespace or model
+        self.directory = self.root.kv_path(self.namespace)
         policy = eviction_policy(eviction)
         self.admission = admission_policy(admission)
         #: Counters and per-operation timings; metrics exporters add listeners here.
@@ -142,6 +152,8 @@ class KVStore(KVApi):
             shared_memory=shared_memory,
             pinned_memory=pinned_memory,
             pinned_staging_bytes=staging_bytes,
+            describe=describe,
+            namespace=namespace,
         )
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync

@@ -11,7 +11,7 @@ that composes them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +25,10 @@ from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.memory_tier import MemoryTier
+from persisting.kv.namespace_record import write_record
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.read_activity import ReadActivity
+from persisting.kv.root_budget import RootUsage
 from persisting.kv.stats import StoreStats
 from persisting.lance_store import StorageRoot
 from persisting.lance_store.namespace_lock import NamespaceHold
@@ -103,17 +105,32 @@ class Tiers:
         shared_memory: bool = False,
         pinned_memory: str = "auto",
         pinned_staging_bytes: int = 0,
+        describe: Mapping[str, Any] | None = None,
+        namespace: str | None = None,
     ) -> Tiers:
         """The tiers of ``model`` under ``root``: a memory tier of ``memory_bytes`` (in a
         shared pool with ``shared_memory``, else pinned memory or a private arena) and, with
-        ``disk_bytes``, a disk tier, whose namespace is held until :meth:`close`."""
-        namespace: NamespaceHold | None = None
+        ``disk_bytes``, a disk tier, whose namespace is held until :meth:`close` and whose
+        record (:mod:`~persisting.kv.namespace_record`) says ``describe``. The namespace
+        is ``model``'s own unless ``namespace`` names another directory (one per weights
+        version of a model, see :func:`~persisting.kv.model_identity.weights_namespace`)."""
+        directory = namespace or model
+        held: NamespaceHold | None = None
         disk: DiskTier | None = None
         pool: SharedPool | None = None
         try:
             if disk_bytes > 0:
-                namespace = root.hold_model(model)
-                disk = DiskTier(root.kv_path(model), disk_bytes, policy, on_disk_evict, root.modes)
+                held = root.hold_model(directory)
+                write_record(root.kv_path(directory), model, disk_bytes, describe, root.modes)
+                disk = DiskTier(
+                    root.kv_path(directory),
+                    disk_bytes,
+                    policy,
+                    on_disk_evict,
+                    root.modes,
+                    secret=root.kv_secret(),
+                    root_usage=RootUsage(root, directory),
+                )
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(
                 mode=pinned_memory,
@@ -122,7 +139,7 @@ class Tiers:
                 pool=pool,
             )
         except BaseException:
-            _release(disk, namespace, pool)
+            _release(disk, held, pool)
             raise
         # Private memory-tier buffers (used when no shared pool or pinned region holds it).
         # Twice the budget in address space: a put copies its value before it evicts, and
@@ -130,7 +147,7 @@ class Tiers:
         # takes recycled pages; only what is touched is resident.
         arena = RecycledBuffers(2 * memory_bytes) if memory_bytes > 0 else None
         memory = MemoryTier(memory_bytes, policy)
-        return cls(model, memory, disk, pool, op_stats, host, arena, namespace)
+        return cls(model, memory, disk, pool, op_stats, host, arena, held)
 
     def key_text(self, key: KeyLike) -> str:
         """``key`` as a string, after checking that it belongs to this store's model."""

@@ -20,7 +20,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from persisting.errors import ConfigError, StorageIOError
+from persisting.errors import ConfigError, StorageIOError, UnsafeStorageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +92,50 @@ def make_dir(path: Path, modes: FileModes) -> bool:
     return created
 
 
+def check_private(path: Path, what: str) -> None:
+    """Refuse ``path`` (an existing directory or key file of a storage root) unless it is
+    this user's and nobody else may write it -- as ssh refuses a group-writable ``~/.ssh``.
+
+    Whoever owns or may write a directory can rename entries in it, so another user's root,
+    ``kv/`` or namespace could have values planted or swapped in. Group *read* (the
+    ``group`` access) is allowed; a directory we own with wider bits than ours was
+    tightened by :func:`make_dir` before this check runs.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise storage_error(f"cannot check {what} {path}", exc) from exc
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafeStorageError(
+            f"refusing {what} {path}: it is a symbolic link (whoever owns it can point it"
+            " elsewhere); give the real path"
+        )
+    me = os.geteuid()
+    if info.st_uid != me:
+        raise UnsafeStorageError(
+            f"refusing {what} {path}: it belongs to {_user(info.st_uid)}, not to"
+            f" {_user(me)}, who could plant or swap stored values; use a storage root that"
+            " only you own (a new directory, or `chown` this one)"
+        )
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        mode = stat.S_IMODE(info.st_mode)
+        raise UnsafeStorageError(
+            f"refusing {what} {path}: mode {mode:o} lets other users write it; run"
+            f" `chmod go-w {path}`"
+        )
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name!r} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
 def is_open_at(fd: int, path: Path) -> bool:
     """Whether ``fd`` is the file now at ``path`` (not one unlinked or replaced since it was
     opened): a lock file's holder checks this after taking its ``flock``."""
@@ -127,6 +171,7 @@ __all__ = [
     "GROUP_READ",
     "OWNER_ONLY",
     "FileModes",
+    "check_private",
     "file_modes",
     "is_open_at",
     "make_dir",

@@ -31,6 +31,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from persisting.errors import ConfigError, StoreClosedError
 from persisting.kv import KVStore, Layout
+from persisting.kv.model_identity import weights_namespace
 from persisting.lmcache.compat import LayoutGuard, memory_format
 from persisting.lmcache.health import IOErrors, errno_of, logger
 from persisting.lmcache.pins import LookupPins
@@ -118,7 +119,13 @@ class PersistingKVBackend(StoragePluginInterface):
                 raise StoreClosedError("PersistingKVBackend is closed")
             store = self._stores.get(model)
             if store is None:
-                store = KVStore.from_settings(self.settings, model)
+                namespace, weights = weights_namespace(model, self.settings.kv.model_version)
+                store = KVStore.from_settings(
+                    self.settings,
+                    model,
+                    namespace=namespace,
+                    describe={"engine": "LMCache plugin", "model": model, **weights},
+                )
                 self._stores[model] = store
                 if self.options.prefault_memory:
                     store.prefault_memory()

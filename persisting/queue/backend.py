@@ -41,8 +41,9 @@ from persisting.errors import (
     PersistingError,
     StoreClosedError,
 )
+from persisting.lance_store.access import check_private
 from persisting.lance_store.durable import makedirs_durable
-from persisting.lance_store.root import QUEUE_DATASET
+from persisting.lance_store.root import QUEUE_DATASET, QUEUE_DIR
 from persisting.lance_store.table import disk_usage
 from persisting.queue import ownership, recovery
 from persisting.queue.codec import encode_record
@@ -62,6 +63,18 @@ from persisting.queue.write_buffer import WriteBuffer
 logger = logging.getLogger(__name__)
 
 WAL_DIR = "wal"
+
+
+def check_queue_dirs(bucket_dir: Path) -> None:
+    """Refuse a bucket directory another user owns or can write, and so its topic
+    directory and, in a storage root's layout (``<root>/queue/<topic>/bucket_<id>``), the
+    ``queue/`` directory and the root (:func:`~persisting.lance_store.access.check_private`)."""
+    bucket = bucket_dir.resolve()
+    check_private(bucket, "queue bucket directory")
+    check_private(bucket.parent, "queue topic directory")
+    if bucket.parent.parent.name == QUEUE_DIR:
+        check_private(bucket.parent.parent, "queue directory")
+        check_private(bucket.parent.parent.parent, "storage root")
 
 
 def _now_us() -> int:
@@ -110,6 +123,7 @@ class LanceBackend(TensorMethods):
         if not self.read_only:
             ownership.close_previous_writer(self.bucket_dir)
             makedirs_durable(self.bucket_dir)
+            check_queue_dirs(self.bucket_dir)
             self._lock_fd = ownership.acquire_writer_lock(
                 self.bucket_dir, self.config.lock_timeout_s
             )

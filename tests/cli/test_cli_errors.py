@@ -275,14 +275,24 @@ def read_only(path: Path) -> Iterator[list[str]]:
     yield ["unshare", "--map-root-user", "--mount", "sh", "-c", mount, "sh"]
 
 
-def test_a_read_only_root_is_refused_by_stats(work: Path) -> None:
+def test_a_read_only_root_is_read_by_stats_and_refused_by_compact(work: Path) -> None:
+    """``stats`` only reads (it works on a root this user may not write); ``compact``
+    writes, and says why it cannot."""
     root = work / "root"
+    full = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
     with read_only(root) as prefix:
-        args = [*prefix, PERSISTING, "stats", "--storage-path", str(root)]
-        full = {k: v for k, v in os.environ.items() if not k.startswith("PERSISTING_")}
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=full)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    one_line_error(proc.stderr, proc.stdout, f"--storage-path {root} is read-only for this user")
+        read = subprocess.run(
+            [*prefix, PERSISTING, "stats", "--storage-path", str(root), "--json"],
+            capture_output=True, text=True, timeout=120, env=full,
+        )  # fmt: skip
+        write = subprocess.run(
+            [*prefix, PERSISTING, "compact", "--storage-path", str(root)],
+            capture_output=True, text=True, timeout=120, env=full,
+        )  # fmt: skip
+    assert read.returncode == 0, read.stdout + read.stderr
+    assert MODEL in json.loads(read.stdout)["models"]
+    assert write.returncode == 2, write.stdout + write.stderr
+    one_line_error(write.stderr, write.stdout, f"--storage-path {root} is read-only for this user")
 
 
 def test_version_and_completion() -> None:

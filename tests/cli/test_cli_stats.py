@@ -111,17 +111,20 @@ def test_stats_of_a_storage_root_show_what_is_stored(root: Path) -> None:
     fill(root, MODEL, 4)
     fill(root, OTHER, 2)
     write_queue(root, "kv-events", 1, 5, consumers={"prewarm": 5, "audit": 1})
-    env = {"PERSISTING_KV__DISK_BYTES": str(1 << 30)}
+    files = sorted(p for p in (root / "kv").rglob("*") if p.is_file())
+    # A budget in this process's settings far under what is stored: a report never
+    # applies it (a store opened with it would evict all but a few chunks).
+    env = {"PERSISTING_KV__DISK_BYTES": "8KiB"}
     result = invoke("stats", "--storage-path", root, "--json", env=env)
     assert result.exit_code == 0, result.output
+    assert sorted(p for p in (root / "kv").rglob("*") if p.is_file()) == files
     data = json.loads(result.stdout)
     assert (data["source"], data["kind"]) == (str(root), "storage_root")
     big = data["models"][MODEL]
-    assert big["items"] == {"memory": 0, "disk": 4}
-    assert big["bytes"]["memory"] == 0  # disk: 4 files plus the metadata and directories
+    assert big["items"] == {"disk": 4}
+    # disk: 4 files plus the metadata and directories
     assert 4 * FILE_BYTES < big["bytes"]["disk"] <= 4 * FILE_BYTES + (512 << 10)
-    assert big["capacity"] == {"memory": 0, "disk": 1 << 30}
-    assert big["hits"] == {"memory": 0, "disk": 0} and big["corruptions"] == 0
+    assert big["capacity"] == {"disk": 1 << 24}  # as its writer (fill) configured it
     assert big["latency"] == []
     assert data["models"][OTHER]["items"]["disk"] == 2
     lags = {(x["consumer"], x["position"], x["end_offset"], x["lag"]) for x in data["queue_lag"]}
@@ -129,7 +132,7 @@ def test_stats_of_a_storage_root_show_what_is_stored(root: Path) -> None:
     table = invoke("stats", "--json", env={"PERSISTING_STORAGE_PATH": str(root), **env})
     assert json.loads(table.stdout)["models"] == data["models"]
     text = invoke("stats", "--storage-path", root).stdout
-    assert "this process's traffic" in text and f"Model {OTHER}" in text
+    assert "processes serving it" in text and f"Model {OTHER}" in text
 
 
 def free_port() -> int:

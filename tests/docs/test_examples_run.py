@@ -63,7 +63,7 @@ def test_kv_native(tmp_path: Path) -> None:
             "write_back: reopened after close, disk_items = 1",
         ],
     )
-    namespaces = {p.name for p in (root / "kv").iterdir()}
+    namespaces = {p.name for p in (root / "kv").iterdir() if not p.name.startswith(".")}
     assert namespaces == {MODEL_DIR, "demo%2Fwrite-behind", "demo%2Fwrite-back"}
 
 

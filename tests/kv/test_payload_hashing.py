@@ -11,7 +11,7 @@ import torch
 
 from persisting.kv import open_kv_store
 from persisting.kv.layout import checksum
-from persisting.kv.payload_files import HASH_PIECE, HEADER_BYTES, PayloadFiles
+from persisting.kv.payload_files import HASH_PIECE, HEADER_BYTES
 from persisting.kv.range_reads import READ_PIECE, read_file_range
 from tests.kv.kv_helpers import MODEL, disk_tier, key
 
@@ -32,7 +32,7 @@ def test_a_write_through_put_records_the_payload_checksum(root: Path, nbytes: in
         entry = disk.entry(text)
         assert entry is not None and entry.checksum == checksum(value.numpy())
         path = disk.files.path(text, entry.tag)
-        header = PayloadFiles.read_header(path)
+        header = disk.files.read_header(path)
         assert header.checksum == entry.checksum  # the header was written after the payload
         out = np.zeros(nbytes, np.uint8)
         assert read_file_range(path, HEADER_BYTES, memoryview(out), hashed=True) == entry.checksum

@@ -34,6 +34,17 @@ def test_the_install_carries_the_actors_package() -> None:
     found = set(find_packages(where=str(REPO), include=include))
     assert {"persisting", "persisting.kv", "actors"} <= found
     assert not {p for p in found if p.split(".")[0] not in {"persisting", "actors"}}, found
+    # A data folder named like the package (the default root ./persisting-data) is no
+    # package of the install (issue 40: the editable finder mapped it).
+    assert not any(p.startswith("persisting-") or p.startswith("persisting_") for p in found)
+    data = REPO / "persisting-data-probe"
+    data.mkdir(exist_ok=True)
+    try:
+        (data / "__init__.py").touch()  # even one that looks like a package
+        assert "persisting-data-probe" not in find_packages(where=str(REPO), include=include)
+    finally:
+        (data / "__init__.py").unlink()
+        data.rmdir()
     assert "actors" in pyproject["tool"]["mypy"]["files"]
 
 

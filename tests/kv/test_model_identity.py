@@ -1,0 +1,135 @@
+"""A model's weights name its namespaces: new weights under the same name are another
+namespace, the same weights the same one, and a restart does not read them again."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from persisting.kv import model_identity as identity
+from persisting.kv.model_identity import model_identity
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def write_model(directory: Path, weights: bytes) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text('{"hidden_size": 64}')
+    (directory / "model.safetensors").write_bytes(weights)
+    (directory / "README.md").write_text("about this model")
+    return directory
+
+
+def test_same_weights_same_identity_other_weights_another(tmp_path):
+    a = write_model(tmp_path / "a", b"\x01" * 4096)
+    b = write_model(tmp_path / "b", b"\x01" * 4096)
+    first = model_identity(str(a))
+    assert first["weights"].startswith("files:")
+    assert model_identity(str(b)) == first  # where the files are does not matter
+    write_model(a, b"\x02" * 4096)  # rebuilt in place: same name, same size
+    assert model_identity(str(a)) != first
+
+
+def test_a_rewrite_that_keeps_size_and_mtime_is_still_seen(tmp_path):
+    model = write_model(tmp_path / "m", b"\x01" * 4096)
+    before = model_identity(str(model))
+    weights = model / "model.safetensors"
+    stamp = weights.stat()
+    weights.write_bytes(b"\x03" * 4096)
+    os.utime(weights, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # as `cp -p` would
+    assert model_identity(str(model)) != before
+
+
+def test_docs_do_not_change_the_identity_but_config_does(tmp_path):
+    model = write_model(tmp_path / "m", b"\x01" * 4096)
+    before = model_identity(str(model))
+    (model / "README.md").write_text("edited")
+    (model / "LICENSE").write_text("terms")
+    assert model_identity(str(model)) == before
+    (model / "config.json").write_text('{"hidden_size": 64, "rope_theta": 1e6}')
+    assert model_identity(str(model)) != before
+
+
+def test_a_restart_does_not_hash_the_weights_again(tmp_path, monkeypatch):
+    model = write_model(tmp_path / "m", b"\x05" * (1 << 20))
+    first = model_identity(str(model))
+    opened: list[str] = []
+    real_open = open
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    assert model_identity(str(model)) == first
+    assert not any(p.endswith(".safetensors") for p in opened)
+
+
+def test_a_pinned_version_wins_and_a_revision_is_kept(tmp_path):
+    model = write_model(tmp_path / "m", b"\x01" * 16)
+    assert model_identity(str(model), version="v2") == {"weights": "version:v2"}
+    assert model_identity(str(model), revision="abc", version="v2") == {
+        "revision": "abc",
+        "weights": "version:v2",
+    }
+
+
+def test_an_unknown_model_is_unverified_and_says_so(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_identity("nobody/no-such-model") == {"weights": "unverified"}
+    assert model_identity(str(tmp_path / "missing")) == {"weights": "unverified"}
+    assert "model_version" in caplog.text
+
+
+def test_a_hub_snapshot_is_named_by_its_blobs(tmp_path, monkeypatch):
+    """A model id found in the Hugging Face cache: its files are links to blobs named by
+    their content hash, which name the weights without reading them."""
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    repo = hub / "models--org--tiny"
+
+    def snapshot(revision: str, blob: str) -> None:
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        (repo / "blobs" / blob).write_bytes(b"weights")
+        (repo / "blobs" / ("c" * 64)).write_text("{}")
+        snap = repo / "snapshots" / revision
+        snap.mkdir(parents=True)
+        (snap / "model.safetensors").symlink_to(f"../../blobs/{blob}")
+        (snap / "config.json").symlink_to(f"../../blobs/{'c' * 64}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+
+    snapshot("1" * 40, "a" * 64)
+    first = model_identity("org/tiny")
+    assert first["weights"].startswith("files:")
+    snapshot("2" * 40, "b" * 64)  # a new revision on the hub, now the cached main
+    assert model_identity("org/tiny") != first
+    assert model_identity("org/tiny", revision="1" * 40)["weights"] == first["weights"]
+
+
+def test_fingerprints_cache_is_private(tmp_path):
+    model_identity(str(write_model(tmp_path / "m", b"\x01" * 16)))
+    cache = tmp_path / "cache" / "persisting" / "model-fingerprints.json"
+    assert cache.stat().st_mode & 0o077 == 0
+    assert identity.fingerprint_directory(tmp_path / "m")
+
+
+def test_weights_namespace_follows_the_weights(tmp_path, monkeypatch):
+    """Where a served model's KV goes: its own name while the weights are unknown, a name
+    per weights version once they are known (files found, or a pinned version)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    from persisting.kv.model_identity import weights_namespace
+
+    assert weights_namespace("org/unknown") == ("org/unknown", {"weights": "unverified"})
+    pinned, fields = weights_namespace("org/unknown", version="2026-12")
+    assert pinned.startswith("org/unknown#") and fields == {"weights": "version:2026-12"}
+    assert weights_namespace("org/unknown", version="2027-01")[0] != pinned
+    model = write_model(tmp_path / "m", b"\x01" * 64)
+    first, _ = weights_namespace(str(model))
+    write_model(model, b"\x02" * 64)
+    assert weights_namespace(str(model))[0] not in (first, str(model))
