@@ -256,6 +256,10 @@ def test_refused_requests_keep_the_connection_usable(server: Server) -> None:
     try:
         with pytest.raises(AccessDeniedError):  # its payload is read and dropped
             asyncio.run(link.put(OTHER_MODEL, "KV_2LTD", [item(1)]))
+        layout, data = encode_value(value(2).float(), "KV_2LTD")  # float32 under a bf16 key
+        with pytest.raises(InvalidValueError, match="a float value under key"):
+            asyncio.run(link.put(MODEL, "KV_2LTD", [(str(key(2)), layout, data, None)]))
+        assert not server.store.contains(key(2))
         asyncio.run(link.put(MODEL, "KV_2LTD", [item(1)]))
         with pytest.raises(InvalidValueError):  # a destination of the wrong size
             asyncio.run(link.get(MODEL, [str(key(1))], None, [memoryview(bytearray(10))], None))

@@ -24,6 +24,8 @@ import numpy as np
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, ProtocolError
 from persisting.kv import KVStore, Layout
+from persisting.kv.keys import key_string
+from persisting.kv.puts import check_key_dtypes
 from persisting.service.bulk.conn import Conn
 from persisting.service.bulk.frames import MAX_PUT_ITEMS, ConnectionLost
 from persisting.service.handler.common import ServerState, layout_from, optional_layout
@@ -132,6 +134,8 @@ class Requests:
         state = self.state
         try:
             store = state.store(request.get("model"))
+            keys = [key_string(item.get("key")) for item in items]
+            check_key_dtypes(keys, layouts)  # as an in-process put does
             largest = max(layout.nbytes for layout in layouts)
             if largest > store.max_value_bytes:
                 raise CapacityError(
@@ -144,7 +148,7 @@ class Requests:
                 conn.discard(layout.nbytes + 8, self.deadline())
             raise
         try:
-            replies = self._receive_and_store(conn, store, items, layouts)
+            replies = self._receive_and_store(conn, store, keys, items, layouts)
         finally:
             with state.lock:
                 state.sessions.unstage(session, total)
@@ -154,7 +158,12 @@ class Requests:
         conn.send_frame({"results": replies}, self.deadline())
 
     def _receive_and_store(
-        self, conn: Conn, store: KVStore, items: list[Mapping[str, Any]], layouts: list[Layout]
+        self,
+        conn: Conn,
+        store: KVStore,
+        keys: list[str],
+        items: list[Mapping[str, Any]],
+        layouts: list[Layout],
     ) -> list[dict[str, Any]]:
         """Receive each payload into a buffer of the store's memory tier, hashing it as it
         lands; the store keeps those buffers once every checksum matched the client's."""
@@ -171,13 +180,10 @@ class Requests:
         if damaged:
             self.state.counters["put_damaged"] += damaged
             raise CorruptValueError(f"{damaged} value(s) arrived damaged (checksum mismatch)")
-        keys = [item.get("key") for item in items]
         parents = [item.get("parent") for item in items]
-        if not all(isinstance(k, str) for k in keys) or not all(
-            p is None or isinstance(p, str) for p in parents
-        ):
-            raise ProtocolError("put keys and parents must be strings")
-        results = store.batched_put_owned(keys, buffers, layouts, checksums, parents)  # type: ignore[arg-type]
+        if not all(p is None or isinstance(p, str) for p in parents):
+            raise ProtocolError("put parents must be key strings")
+        results = store.batched_put_owned(keys, buffers, layouts, checksums, parents)
         return [
             {
                 "key": str(r.key),

@@ -292,6 +292,7 @@ class BulkServer:
             conn.wait_request()  # idle for as long as the session lives
             request = conn.recv_frame(self.requests.deadline())
             op = request.get("op")
+            self.state.counters[f"op_{op}" if op in ("get", "put") else "op_unknown"] += 1
             try:
                 with self.state.lock:
                     self.state.sessions.touch(session.sid)
