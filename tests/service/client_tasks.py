@@ -247,6 +247,88 @@ async def put_keys(args: dict[str, Any]) -> dict[str, Any]:
         await client.close()
 
 
+async def get_keys(args: dict[str, Any]) -> dict[str, Any]:
+    """Get the values ``put_keys`` stored, one by one: hits, misses and errors, and how long
+    each get took (reported, never asserted on)."""
+    client = await _connect(args)
+    outcome: dict[str, Any] = {"hit": 0, "miss": 0, "wrong": 0, "errors": [], "seconds": []}
+    try:
+        for i in range(args["start"], args["stop"]):
+            start = time.monotonic()
+            try:
+                got = await client.get(key(i))
+            except PersistingError as exc:
+                outcome["errors"].append(f"{type(exc).__name__}: {exc}")
+                continue
+            finally:
+                outcome["seconds"].append(round(time.monotonic() - start, 3))
+            want = tensor(i, tokens=4, hidden=16)
+            outcome["hit" if got is not None and torch.equal(got, want) else
+                    "miss" if got is None else "wrong"] += 1  # fmt: skip
+        outcome["client"] = dict(client.counters)
+        return outcome
+    finally:
+        await client.close()
+
+
+async def stalled_readers(args: dict[str, Any]) -> dict[str, Any]:
+    """A same-host client that stores ``count`` values of 2 MiB, then asks for each on a
+    raw connection to the server's Unix socket (its session's credential) and never reads:
+    prints ``READY``, waits for a line on stdin, then reports how many of those connections
+    the server has closed."""
+    import socket as sockets
+
+    from persisting.service.bulk.frames import pack
+
+    client = await _connect(args)
+    try:
+        keys = [key(900 + i) for i in range(args["count"])]
+        big = [tensor(900 + i, tokens=256, hidden=512) for i in range(args["count"])]
+        await client.batched_put(keys, big)
+        member = client.cluster.members[client.members[0]]
+        assert member.link is not None and member.link.unix
+        endpoint = member.link.endpoint
+        raws = []
+        for k in keys:
+            raw = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+            raw.connect(str(endpoint.unix))
+            raw.sendall(pack({"id": endpoint.key_id, "secret": endpoint.secret}))
+            raw.sendall(pack({"op": "get", "model": MODEL, "keys": [str(k)]}))
+            raws.append(raw)
+        print("READY", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+        closed = 0
+        for raw in raws:
+            raw.settimeout(30)
+            try:
+                while raw.recv(1 << 16):
+                    pass
+                closed += 1
+            except ConnectionResetError:
+                closed += 1
+            except OSError:
+                pass
+            raw.close()
+        return {"stalled": len(raws), "closed": closed}
+    finally:
+        await client.close()
+
+
+async def timed_puts(args: dict[str, Any]) -> dict[str, Any]:
+    """Puts of 2 MiB values one by one: stored, and the seconds each took (reported)."""
+    client = await _connect(args)
+    try:
+        seconds, stored = [], 0
+        for i in range(args["count"]):
+            start = time.monotonic()
+            put = await client.put(key(950 + i), tensor(950 + i, tokens=256, hidden=512))
+            seconds.append(round(time.monotonic() - start, 3))
+            stored += put.stored
+        return {"stored": stored, "seconds": seconds}
+    finally:
+        await client.close()
+
+
 async def put_checks(args: dict[str, Any]) -> dict[str, Any]:
     """Through the service: a value whose dtype is not its key's is refused with the store's
     typed error, and a second put of a key is told apart by layout (``conflict``)."""
@@ -537,6 +619,9 @@ TASKS = {
     "service_stats": service_stats,
     "cluster": cluster,
     "put_keys": put_keys,
+    "get_keys": get_keys,
+    "stalled_readers": stalled_readers,
+    "timed_puts": timed_puts,
     "put_checks": put_checks,
     "present_keys": present_keys,
 }
