@@ -10,7 +10,6 @@ returns to its stores.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import secrets
 import time
@@ -53,12 +52,6 @@ class Session:
         """Which client process this is (host and pid, as its hello named them)."""
         pid = self.client.get("pid")
         return str(self.client.get("host", "")), pid if isinstance(pid, int) else -1
-
-    def end_connections(self) -> None:
-        for conn in list(self.connections):
-            with contextlib.suppress(Exception):  # one that fails must not keep the others
-                conn.shutdown()
-        self.connections.clear()
 
 
 class SessionTable:

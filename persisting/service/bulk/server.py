@@ -200,7 +200,6 @@ class BulkServer:
                 if not self._pending[source]:
                     del self._pending[source]
         if opened is None:
-            sock.close()
             return
         conn, session = opened
         try:
@@ -217,43 +216,44 @@ class BulkServer:
         """The authenticated connection and its session, or None (closed without a
         byte): TLS where needed and the credential, within the handshake's deadline."""
         deadline = time.monotonic() + self.handshake_s
+        conn = Conn(sock, kind)
         try:
-            if (
-                kind == "tcp"
-                and self.identity is not None
-                and not is_loopback(str(sock.getsockname()[0]))
+            if kind == "tcp" and self.identity is not None and not is_loopback(
+                str(sock.getsockname()[0])
             ):
-                sock.setblocking(False)
-                sock = self.identity.context.wrap_socket(
+                tls = self.identity.context.wrap_socket(
                     sock, server_side=True, do_handshake_on_connect=False
                 )
-                conn = Conn(sock, "tls")
+                conn = Conn(tls, "tls")
                 conn.handshake(deadline)
-            else:
-                conn = Conn(sock, kind)
             frame = conn.recv_frame(deadline)
         except (ConnectionLost, OSError):
             self._count("refused_handshake")
+            conn.close()
             return None
         with self.state.lock:
             session = self.state.sessions.authenticate(frame.get("id"), frame.get("secret"))
         if session is None:
             self._count("refused_credential")
+            conn.close()
             return None
         refusal = self._register(conn, session)
         try:
             if refusal is not None:
                 self._count("refused_cap")
                 conn.send_frame(error_frame(CapacityError(refusal)), deadline)
-                return None
-            conn.send_frame({"ok": True}, deadline)
+            else:
+                conn.send_frame({"ok": True}, deadline)
         except (ConnectionLost, OSError):
-            if refusal is None:
+            if refusal is None:  # registered: counted no more
                 self._unregister(conn, session)
+                refusal = "gone before it was answered"
+        if refusal is not None:
+            conn.close()
             return None
         if kind == "tcp":
             with contextlib.suppress(OSError):  # a reply's frame must not wait for an ACK
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._count("connections_opened")
         return conn, session
 

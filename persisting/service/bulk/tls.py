@@ -13,6 +13,7 @@ the session's credential, sent as the first frame inside the encrypted stream.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import ssl
 import tempfile
@@ -71,6 +72,7 @@ class ServerIdentity:
         return cls(cert_pem, context)
 
 
+@functools.lru_cache(maxsize=64)
 def client_context(cert_pem: str) -> ssl.SSLContext:
     """A TLS 1.3 client context that trusts ``cert_pem`` (a server's own certificate) only."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

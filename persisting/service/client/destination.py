@@ -22,7 +22,7 @@ class Destination:
     pages (as the in-process store returns values in: no page faults once warm, and the
     value owns them until it is dropped), else a fresh page-aligned buffer. Pages of ours
     are populated in one call before bytes land in them: a socket receive that faults
-    fresh pages in one at a time ran at a quarter of the speed (docs/benchmarks.md)."""
+    fresh pages in one at a time is far slower (docs/benchmarks.md)."""
 
     def __init__(self, results: RecycledBuffers | None, nbytes: int, out: memoryview | None):
         self.out = out

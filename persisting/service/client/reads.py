@@ -69,7 +69,7 @@ class Reader:
         self._key = key_of
         #: Pages values read by this client are returned in (as the in-process store does),
         #: without huge pages: a caller that keeps its values uses each range once, and a
-        #: fresh huge page faulted in here took up to 20x longer (docs/benchmarks.md).
+        #: fresh huge page can cost far more to fault in (docs/benchmarks.md).
         self.results = (
             RecycledBuffers(result_buffer_bytes, huge_pages=False)
             if result_buffer_bytes > 0

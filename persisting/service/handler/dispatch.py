@@ -159,7 +159,10 @@ class StorageHandler:
                 if store is not None:
                     quietly(store.unpin, key)
         session.pins.clear()
-        session.end_connections()
+        with self.state.lock:
+            connections = list(session.connections)
+        for conn in connections:  # each one's thread wakes, ends it and unregisters it
+            conn.shutdown()
 
     def op_hello(self, request: Request, _session: Session | None) -> dict[str, Any]:
         client = request.args.get("client") or {}
