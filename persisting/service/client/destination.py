@@ -14,7 +14,7 @@ import numpy as np
 from persisting.errors import InvalidValueError
 from persisting.kv import Layout
 from persisting.kv.layout import decode_value
-from persisting.shm import RecycledBuffers, aligned_buffer, copy_bytes, populate
+from persisting.shm import RecycledBuffers, aligned_buffer, copy_bytes, pages_resident, populate
 
 
 class Destination:
@@ -35,9 +35,13 @@ class Destination:
             self.target = out
             return
         buffer = results.take(nbytes) if results is not None else None
-        self.buffer = buffer if buffer is not None else aligned_buffer(nbytes)
-        populate(self.buffer)
-        self.target = self.buffer.data
+        if buffer is None:
+            buffer = aligned_buffer(nbytes)
+            populate(buffer)
+        elif not pages_resident(buffer):  # recycled pages are, once used: no second walk
+            populate(buffer)
+        self.buffer = buffer
+        self.target = buffer.data
 
     def value(self, layout: Layout) -> Any:
         """What the get returns once the bytes are in: the layout for ``get_into``, else
