@@ -31,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -158,6 +158,10 @@ class KVCacheStorageActor(pulsing.Actor):
         #: The data path's server (started with the actor, or by its first message).
         self.data_path: BulkServer | None = None
         self._data_lock = threading.Lock()
+        #: Why this server stopped serving on its own (an owner claim lost), else None; and
+        #: what stops its process then (``serve`` sets it), else the actor just closes.
+        self.claim_lost: str | None = None
+        self.on_claim_lost: Callable[[], None] | None = None
         #: The name clients resolve (the launcher's ``--name`` is not passed to actors).
         self.name = service.name
         self._started_at = time.monotonic()
@@ -244,6 +248,7 @@ class KVCacheStorageActor(pulsing.Actor):
         system = pulsing.get_system()
         self._addr = str(system.addr)
         self.claims.bound(self.name, self._addr)
+        self.claims.watch(self._lost_claim)
         self._watcher = threading.Thread(
             target=self._watch_members, args=(system,), name="persisting-members", daemon=True
         )
@@ -290,6 +295,19 @@ class KVCacheStorageActor(pulsing.Actor):
         self.data_path = server
         self.handler.extra_stats["data"] = server.stats
         log_bulk(self.handler.data)
+
+    def _lost_claim(self, message: str) -> None:
+        """Another process owns a namespace this server served (its owner lock was removed
+        and claimed again): stop serving, loudly, rather than serve it twice."""
+        if self.claim_lost is not None:
+            return
+        self.claim_lost = message
+        logger.error("persisting: %s; this server stops", message)
+        stop = self.on_claim_lost
+        if stop is not None:
+            stop()
+        else:
+            self.close()
 
     def on_stop(self) -> None:
         self.close()

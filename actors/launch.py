@@ -152,7 +152,7 @@ def serve(
     settings = settings if settings is not None else PersistingSettings.load()
     configure_logging(settings.service.log_level, settings.service.log_format)
 
-    async def run() -> None:
+    async def run() -> int:
         running = await start_service(
             settings,
             models=models,
@@ -167,14 +167,20 @@ def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
+
+        def stop_serving() -> None:  # called from the claim's watch thread
+            loop.call_soon_threadsafe(stop.set)
+
+        running.actor.on_claim_lost = stop_serving
         if on_ready is not None:
             on_ready(running)
         await stop.wait()
         await running.stop()
+        return 1 if running.actor.claim_lost else 0
 
-    asyncio.run(run())
+    status = asyncio.run(run())
     if exit_process:
-        exit_after_shutdown()
+        exit_after_shutdown(status)
 
 
 # -- the demo -------------------------------------------------------------------------------

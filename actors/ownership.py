@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from persisting.config import PersistingSettings
 from persisting.lance_store import StorageRoot
-from persisting.lance_store.ownership import OwnerClaim
+from persisting.lance_store.ownership import LostHook, OwnerClaim
 
 
 def server_what(name: str, addr: str | None) -> str:
@@ -50,6 +50,12 @@ class ServiceClaims:
     def all(self) -> list[OwnerClaim]:
         claims = list(self.models.values())
         return [*claims, self.consumer] if self.consumer is not None else claims
+
+    def watch(self, on_lost: LostHook) -> None:
+        """Check every claim's lock file in the background; ``on_lost`` is told (once per
+        claim) when one was removed and another process has claimed it since."""
+        for claim in self.all():
+            claim.watch(on_lost)
 
     def release(self) -> None:
         for claim in self.all():

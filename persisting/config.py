@@ -137,6 +137,12 @@ class KVSettings(BaseModel):
     durability: KVDurability = "sync"
     """When a put returns: "sync" (fsynced on disk), "async" (in memory, disk write
     behind), "write_back" (in memory, written when evicted or on close)."""
+    write_behind_lag_s: float = Field(default=2.0, gt=0)
+    """async/write_back: the longest a value waits for the write-behind at low priority
+    before the writes go on at normal priority (its durability lag while cores are busy)."""
+    write_behind_bytes: Bytes = Field(default=2 * GiB, gt=0)
+    """async/write_back: acknowledged bytes not yet on disk beyond which the writes go on
+    at normal priority and puts wait for them (at most this much is lost in a crash)."""
     chunk_size: int = Field(default=256, gt=0)
     """Tokens per chunk when hashing token ids into keys."""
     hash_scheme: Literal["persisting", "lmcache"] = "persisting"

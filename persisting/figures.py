@@ -193,6 +193,13 @@ STORE_FIGURES: tuple[StoreFigure, ...] = (
         "pending_puts",
         "Write-behind puts not yet durable on disk.",
     ),
+    StoreFigure(
+        "pending_bytes",
+        "persisting_kv_pending_bytes",
+        "gauge",
+        "pending_bytes",
+        "Bytes acknowledged but not yet durable on disk (bounded by kv.write_behind_bytes).",
+    ),
 )
 
 

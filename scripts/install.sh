@@ -15,7 +15,10 @@
 # with Persisting installed into it the way an engine's users do (below); the engine tests
 # (tests/engines/) and benchmarks/vllm_ttft.py run engines there. PERSISTING_SKIP_VLLM=1
 # leaves it out (the engine tests then fail), PERSISTING_SKIP_LMCACHE=1 leaves LMCache out of
-# .venv.
+# .venv. Then scripts/install_sglang_env.sh builds ./.venv-sglang: SGLang 0.5.23's storage
+# classes on CPU, with Persisting installed into it the same way; the SGLang tests
+# (tests/sglang/) and benchmarks/sglang_l3_bench.py run there. PERSISTING_SKIP_SGLANG=1
+# leaves it out (the SGLang tests then fail).
 #
 # Into an existing environment (vLLM, SGLang) without touching what the engine installed:
 #
@@ -24,7 +27,9 @@
 # installs Persisting's core (no test tools, no Pulsing; PERSISTING_EXTRAS=lmcache,hf adds
 # extras) into $VENV in editable mode with every distribution already there held at its
 # version by a pip constraint: pip only adds what is missing (pylance, xxhash, ...), and fails
-# rather than move a version the engine depends on. LMCache comes from the engine's own
+# rather than move a version the engine depends on. What the installed distributions require
+# of ones not installed is a constraint too: what pip adds is at a version they accept (an
+# engine installed with --no-deps still declares its pins). LMCache comes from the engine's own
 # installation. It refuses an environment without torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,15 +52,39 @@ try:
     torch = metadata.version("torch")
 except metadata.PackageNotFoundError:
     sys.exit(f"install.sh: no torch in {sys.prefix}: this mode keeps an engine's torch")
+def canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 held = {}
-for dist in metadata.distributions():
-    name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
-    if name and name != "persisting":
+dists = [d for d in metadata.distributions() if canonical(d.metadata["Name"] or "")]
+for dist in dists:
+    name = canonical(dist.metadata["Name"])
+    if name != "persisting":
         held[name] = dist.version
+# What installed distributions require of distributions not installed (an engine installed
+# with --no-deps, or a dependency left out): pip may add such a distribution for Persisting,
+# but only at a version its dependents accept (SGLang's python-dateutil<3, which
+# lance-namespace would otherwise bring at 4.x). Extras and URL requirements are left out.
+wanted = []
+for dist in dists:
+    if canonical(dist.metadata["Name"]) == "persisting":
+        continue
+    for line in dist.requires or []:
+        spec, _, marker = line.partition(";")
+        if "extra ==" in marker or "@" in spec:
+            continue
+        match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*\(?([^)]*)\)?", spec)
+        if not match or not match.group(2).strip() or canonical(match.group(1)) in held:
+            continue
+        wanted.append(f"{canonical(match.group(1))}{match.group(2).strip()}"
+                      + (f"; {marker.strip()}" if marker.strip() else ""))
 with open(sys.argv[1], "w") as f:
     f.writelines(f"{name}=={version}\n" for name, version in sorted(held.items()))
+    f.writelines(f"{line}\n" for line in sorted(set(wanted)))
 print(f"install.sh: holding the {len(held)} installed distributions at their versions"
-      f" (torch {torch}, numpy {held.get('numpy', '-')})")
+      f" (torch {torch}, numpy {held.get('numpy', '-')}), and {len(set(wanted))} requirements"
+      f" they make of distributions not installed")
 PYTHON
   then
     exit 2
@@ -100,4 +129,7 @@ fi
 "$VENV/bin/python" -c "import persisting, torch; print('persisting', persisting.__version__, 'torch', torch.__version__)"
 if [ "${PERSISTING_SKIP_VLLM:-0}" != "1" ]; then
   bash scripts/install_engine_env.sh
+fi
+if [ "${PERSISTING_SKIP_SGLANG:-0}" != "1" ]; then
+  bash scripts/install_sglang_env.sh
 fi

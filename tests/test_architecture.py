@@ -116,29 +116,37 @@ def _imports(module: str, top_level_only: bool) -> set[str]:
     return {m for m in found if m.split(".")[0] in PACKAGES}
 
 
-def _imports_vllm(module: str) -> bool:
+def _imports_engine(module: str, engine: str) -> bool:
     tree = ast.parse(MODULES[module].read_text())
     return any(
-        (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "vllm")
-        or (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "vllm" for a in n.names))
+        (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == engine)
+        or (isinstance(n, ast.Import) and any(a.name.split(".")[0] == engine for a in n.names))
         for n in tree.body
     )
 
 
 #: Modules that import vLLM at the top: they import in the engine environment
 #: (tests/engines/test_engine_install.py imports each there), not in this one.
-ENGINE_ONLY = sorted(m for m in MODULES if _imports_vllm(m))
+ENGINE_ONLY = sorted(m for m in MODULES if _imports_engine(m, "vllm"))
+#: Modules that import SGLang at the top: they import in the SGLang environment
+#: (tests/sglang/test_sglang_install.py imports each there), not in this one.
+SGLANG_ONLY = sorted(m for m in MODULES if _imports_engine(m, "sglang"))
 
 
 def test_every_module_imports() -> None:
     for module in MODULES:
-        if not module.endswith(".__main__") and module not in ENGINE_ONLY:
+        if not module.endswith(".__main__") and module not in {*ENGINE_ONLY, *SGLANG_ONLY}:
             importlib.import_module(module)  # __main__ runs the command line
 
 
 def test_only_the_vllm_integration_imports_vllm() -> None:
     assert ENGINE_ONLY
     assert all(m.startswith("persisting.integrations.vllm.") for m in ENGINE_ONLY), ENGINE_ONLY
+
+
+def test_only_the_sglang_integration_imports_sglang() -> None:
+    assert SGLANG_ONLY
+    assert all(m.startswith("persisting.integrations.sglang.") for m in SGLANG_ONLY), SGLANG_ONLY
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

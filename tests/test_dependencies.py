@@ -20,10 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 FIRST_PARTY = {"persisting", "actors"}
 
 #: Import names whose distribution is named otherwise, or is not installed in this
-#: environment (the engines: vLLM lives in .venv-vllm).
+#: environment (the engines: vLLM lives in .venv-vllm, SGLang in .venv-sglang).
 DISTRIBUTION_OF = {
     "lance": "pylance",
     "vllm": "vllm",
+    "sglang": "sglang",
     "lmcache": "lmcache",
     "yaml": "pyyaml",
     "tomli": "tomli",  # Python 3.10 only

@@ -6,7 +6,7 @@ Nothing here imports Pulsing, the service, the plugin or the CLI.
 from persisting.kv.api import AsyncKVApi, KVApi
 from persisting.kv.disk_tier import Location
 from persisting.kv.keys import ChunkKey, LayerChunkKey, TokenHasher, key_string, parse_key
-from persisting.kv.layout import MEMORY_FORMATS, Layout
+from persisting.kv.layout import MEMORY_FORMATS, Gathered, Layout
 from persisting.kv.policy import (
     AdmissionPolicy,
     EvictionPolicy,
@@ -22,6 +22,7 @@ __all__ = [
     "AsyncKVApi",
     "ChunkKey",
     "EvictionPolicy",
+    "Gathered",
     "KVApi",
     "KVStore",
     "LRUEviction",

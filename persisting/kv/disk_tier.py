@@ -19,8 +19,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -29,7 +30,8 @@ from persisting.errors import CapacityError, CorruptValueError, PersistingError,
 from persisting.kv import recency
 from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.index import DiskEntry, LruIndex
-from persisting.kv.layout import Layout
+from persisting.kv.layout import Layout, Payload
+from persisting.kv.leases import Clock, Leases
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
@@ -55,13 +57,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Location:
-    """Where a chunk's payload bytes are on disk (for same-host readers under a lease)."""
+    """Where a chunk's payload bytes are on disk (for same-host readers under a lease), and
+    the ``token`` of the lease that keeps them there: :meth:`DiskTier.release` of that
+    token ends this lease only, never another holder's."""
 
     path: str
     offset: int
     nbytes: int
     layout: Layout
     checksum: int
+    token: int = 0
 
 
 #: Metadata commits a flush runs at most (see :meth:`DiskTier.flush`).
@@ -76,11 +81,11 @@ class WriteItem:
     """One value to write. ``cancelled`` (set by a remove) makes the write lose: an item
     cancelled before its batch starts is skipped, one cancelled while being written is
     unlinked instead of published. ``checksum`` None: hash ``data`` while writing it (the
-    tier fills it in)."""
+    tier fills it in). ``data`` is one buffer, or a value's parts written end to end."""
 
     key: str
     layout: Layout
-    data: memoryview
+    data: Payload
     checksum: int | None
     parent: str | None
     cancelled: bool = False
@@ -89,9 +94,12 @@ class WriteItem:
 class DiskTier:
     """Thread-safe; several processes may share one directory.
 
+    ``_lock`` guards the index (every read and change of it, and of its entries' pins,
+    readers and leases); see :mod:`persisting.kv.lock_order` for where it comes.
+
     ``on_evict`` is called after each eviction with the chunks it removed, on the writing
     thread and with the directory's usage lock held: it must be quick and must not call
-    back into the tier.
+    back into the tier. ``clock`` times leases.
     """
 
     def __init__(
@@ -104,6 +112,7 @@ class DiskTier:
         *,
         secret: bytes,
         root_usage: RootUsage | None = None,
+        clock: Clock = time.monotonic,
     ):
         self.directory = directory
         self.capacity = capacity
@@ -123,10 +132,13 @@ class DiskTier:
             root_usage=root_usage,
         )
         self.index: LruIndex[DiskEntry] = LruIndex()
-        # The index and the keys being written. Lock order (persisting.kv.lock_order): taken
-        # under the usage lock (eviction) or Tiers.lock (pins), never the other way round.
+        # The index, its entries, their leases and the keys being written: every reader and
+        # writer of them holds it. Lock order (persisting.kv.lock_order): taken under the
+        # usage lock (eviction) or Tiers.lock (lookups, pins), never the other way round.
         self._lock = ordered(Rank.DISK_INDEX, threading.RLock())
         self._writing: set[str] = set()
+        #: Read leases by token (under the index lock): a leased key is not evicted.
+        self.leases = Leases(clock)
         self._closed = False
         self.evictions = 0
         self.corruptions = 0
@@ -141,7 +153,7 @@ class DiskTier:
         #: Held while open: this store's proof of life (see PayloadFiles).
         self._alive: Reservation | None = None
         try:
-            with self.usage.metadata_locked(), self.usage.locked():
+            with self.usage.metadata_locked(), self.usage.locked(), self._lock:
                 self._alive = self.files.register_writer()
                 self._load_index()
                 self._restore_order()
@@ -306,16 +318,31 @@ class DiskTier:
                 if (key_hash(k), e.tag) not in on_disk and not e.busy
             ]
             for key in gone:
-                self.index.pop(key)
+                self._drop_entry(key)
             return self._adopt_unknown_files(on_disk, record=False) + len(gone)
 
     # -- queries ------------------------------------------------------------------------
 
     def __contains__(self, key: str) -> bool:
-        return key in self.index
+        with self._lock:
+            return key in self.index
 
     def entry(self, key: str) -> DiskEntry | None:
-        return self.index.get(key)
+        with self._lock:
+            return self.index.get(key)
+
+    @contextmanager
+    def holding(self) -> Iterator[LruIndex[DiskEntry]]:
+        """Hold the index lock across several lookups (one acquisition, not one per key;
+        after ``Tiers.lock`` in the lock order): yields the index, to read inside the block
+        only."""
+        with self._lock:
+            yield self.index
+
+    def is_writing(self, key: str) -> bool:
+        """Whether a write of ``key`` is under way in this process."""
+        with self._lock:
+            return key in self._writing
 
     def used_bytes(self) -> int:
         """Bytes the directory holds: payload files (reserved) plus the measured overhead."""
@@ -326,13 +353,17 @@ class DiskTier:
 
     def sizes(self) -> list[tuple[str, int]]:
         """Every key with its payload size, from the first eviction candidate to the last."""
-        return [(key, entry.layout.nbytes) for key, entry in self.index.items()]
+        with self._lock:
+            return [(key, entry.layout.nbytes) for key, entry in self.index.items()]
 
     def figures(self) -> dict[str, int]:
         """The tier's part of a store's ``stats()``: ``disk_bytes`` is everything the
         directory holds (payload files plus ``disk_overhead_bytes``)."""
+        with self._lock:
+            items, leases = len(self.index), self.leases.total()
         return {
-            "disk_items": len(self.index),
+            "disk_items": items,
+            "disk_leases": leases,
             "disk_bytes": self.used_bytes(),
             "disk_overhead_bytes": self.overhead_bytes(),
             "disk_capacity": self.capacity,
@@ -346,10 +377,17 @@ class DiskTier:
     # -- writing ------------------------------------------------------------------------
 
     def write(
-        self, items: list[WriteItem], *, durable: bool, pause: Pause | None = None
+        self,
+        items: list[WriteItem],
+        *,
+        durable: bool,
+        pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> list[bool]:
         """Store a batch; per item True if newly stored, False if already present.
-        ``pause()`` runs between the pieces of each file written (see ``PayloadFiles.write``).
+        ``pause()`` runs between the pieces of each file written and may raise to abandon
+        the batch (see ``PayloadFiles.write``); ``writers`` write the files of a durable
+        batch (default: the files' own threads).
 
         Capacity is reserved for the whole batch first (evicting as needed), so the batch
         either fits or fails with CapacityError before any file is written. A cancelled item
@@ -373,14 +411,18 @@ class DiskTier:
         stored: set[str] = set()
         try:
             if todo:
-                stored = self._write_reserved(todo, durable, pause)
+                stored = self._write_reserved(todo, durable, pause, writers)
         finally:
             with self._lock:
                 self._writing.difference_update(writing)
         return [it.key in stored for it in items]
 
     def _write_reserved(
-        self, todo: list[WriteItem], durable: bool, pause: Pause | None = None
+        self,
+        todo: list[WriteItem],
+        durable: bool,
+        pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> set[str]:
         sizes = [file_size(it.layout.nbytes) for it in todo]
         tags = [self.files.new_tag() for _ in todo]
@@ -412,6 +454,7 @@ class DiskTier:
                 durable=durable,
                 hashed=hashed,
                 pause=pause,
+                writers=writers,
             )
             for it, header in zip(todo, written, strict=True):
                 it.checksum = header.checksum
@@ -455,20 +498,20 @@ class DiskTier:
         released = 0
         evicted: list[tuple[str, DiskEntry]] = []
         while released < need:
-            now = time.monotonic()
+            now = self.leases.clock()
             with self._lock:
                 victims: list[tuple[str, DiskEntry]] = []
                 planned = 0
                 for key in self.policy.candidates(self.index):
                     entry = self.index.get(key)
-                    if entry is None or entry.busy or entry.lease_until > now:
+                    if entry is None or entry.busy or self.leases.held(key, now):
                         continue
                     victims.append((key, entry))
                     planned += file_size(entry.layout.nbytes)
                     if released + planned >= need:
                         break
                 for key, _entry in victims:
-                    self.index.pop(key)
+                    self._drop_entry(key)
             if not victims:
                 break
             for key, entry in victims:
@@ -493,11 +536,9 @@ class DiskTier:
         *,
         executor: Executor | None = None,
         parts: int = 1,
-        populate: bool = False,
     ) -> Layout | None:
         """Read ``key``'s payload into ``out`` (len == nbytes) and verify its checksum; in
-        ``parts`` positioned reads at once on ``executor`` when given; ``populate`` when
-        ``out``'s pages are fresh (see :func:`~persisting.kv.range_reads.read_file_range`).
+        ``parts`` positioned reads at once on ``executor`` when given.
 
         Returns None on a miss, including a file evicted by another process mid-way and a
         checksum failure (the damaged chunk is then dropped and counted).
@@ -513,9 +554,7 @@ class DiskTier:
             entry.readers += 1
         path = self.files.path_text(key, entry.tag)
         try:
-            digest = self.files.read_into(
-                path, out, executor=executor, parts=parts, populate=populate
-            )
+            digest = self.files.read_into(path, out, executor=executor, parts=parts)
             ok = digest == entry.checksum
         except FileNotFoundError:
             self._forget(key, entry)
@@ -537,18 +576,21 @@ class DiskTier:
     def _forget(self, key: str, entry: DiskEntry) -> None:
         with self._lock:
             if self.index.get(key) is entry:
-                self.index.pop(key)
+                self._drop_entry(key)
+
+    def _drop_entry(self, key: str) -> DiskEntry | None:
+        """Take ``key`` out of the index, with its leases (caller holds ``_lock``)."""
+        self.leases.drop(key)
+        return self.index.pop(key)
 
     # -- removal, pins and leases -------------------------------------------------------
 
     def remove(self, key: str, *, force: bool = True) -> bool:
         with self._lock:
             entry = self.index.get(key)
-            if entry is None or (
-                not force and (entry.pins > 0 or entry.lease_until > time.monotonic())
-            ):
+            if entry is None or (not force and (entry.pins > 0 or self.leases.held(key))):
                 return False
-            self.index.pop(key)
+            self._drop_entry(key)
         path = self.files.path(key, entry.tag)
         if self.files.unlink(path):
             self.usage.add(-file_size(entry.layout.nbytes))
@@ -572,25 +614,20 @@ class DiskTier:
             return True
 
     def lease(self, key: str, ttl_s: float) -> Location | None:
-        """Protect ``key`` from eviction for ``ttl_s`` seconds and say where its bytes are."""
+        """Protect ``key`` from eviction for ``ttl_s`` seconds (none: ``ttl_s <= 0``) and say
+        where its bytes are; the location's ``token`` names this lease alone."""
         with self._lock:
             entry = self.index.get(key, touch=True)
             if entry is None:
                 return None
-            entry.lease_until = max(entry.lease_until, time.monotonic() + ttl_s)
             return Location(
                 str(self.files.path(key, entry.tag)),
                 HEADER_BYTES,
                 entry.layout.nbytes,
                 entry.layout,
                 entry.checksum,
+                self.leases.take(key, ttl_s),
             )
-
-    def release(self, key: str) -> None:
-        with self._lock:
-            entry = self.index.get(key)
-            if entry is not None:
-                entry.lease_until = 0.0
 
     def close(self) -> None:
         self.save_order()

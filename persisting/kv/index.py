@@ -50,12 +50,11 @@ class MemoryEntry(Entry):
 class DiskEntry(Entry):
     """A chunk on disk: its payload file is named by the key's hash and ``tag``."""
 
-    __slots__ = ("lease_until", "tag")
+    __slots__ = ("tag",)
 
     def __init__(self, layout: Layout, checksum: int, parent: str | None, tag: int):
         super().__init__(layout, checksum, parent)
         self.tag = tag
-        self.lease_until = 0.0
 
 
 E = TypeVar("E", bound=Entry)

@@ -145,6 +145,42 @@ class Layout:
         return encode_value(value, fmt)[0]
 
 
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """One ``binary`` value whose bytes lie in several host buffers, stored end to end: a
+    paged engine's KV page spread over its K and V halves, or over its layers. A put writes
+    it with vectored writes straight from those buffers (hashed as they go), never copying
+    the parts into one buffer first. The buffers must not change until the put returns."""
+
+    parts: tuple[memoryview, ...]
+
+    def __post_init__(self) -> None:
+        for part in self.parts:
+            if not part.c_contiguous or part.format != "B" or part.ndim != 1:
+                raise InvalidValueError("a gathered value's parts must be flat byte views")
+        if self.nbytes == 0:
+            raise InvalidValueError("zero-size values cannot be stored")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def layout(self, fmt: str) -> Layout:
+        """The layout it is stored with: plain bytes (``fmt`` must be ``binary``)."""
+        if fmt not in ("binary", "BINARY"):
+            raise InvalidValueError(f"gathered values need fmt='binary', not {fmt!r}")
+        return Layout((self.nbytes,), "uint8", fmt, self.nbytes, "bytes")
+
+
+#: The bytes of a value on its way to a tier: one buffer, or several stored end to end.
+Payload = memoryview | Gathered
+
+
+def payload_parts(payload: Payload) -> tuple[memoryview, ...]:
+    """The byte views a payload's bytes are in, in stored order."""
+    return payload.parts if isinstance(payload, Gathered) else (payload,)
+
+
 def _check_format(fmt: object, shape: tuple[int, ...], check_shape: bool = True) -> str:
     if not isinstance(fmt, str) or fmt not in MEMORY_FORMATS:
         raise InvalidValueError(f"unknown memory format {fmt!r}; known: {sorted(MEMORY_FORMATS)}")
@@ -273,23 +309,40 @@ def owned_copy_hashed(
 ) -> tuple[np.ndarray, int]:
     """:func:`owned_copy` that also returns the :func:`checksum` of the bytes, each piece
     hashed right after it is copied (one pass over the source instead of two)."""
-    source = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-    source = source.reshape(-1).view(np.uint8)
-    out = allocate(source.nbytes)
+    sources = [_flat(part) for part in _parts_of(data)]
+    out = allocate(sum(source.nbytes for source in sources))
     digest = xxhash.xxh3_64()
-    for start in range(0, source.nbytes, HASH_PIECE):
-        piece = out[start : start + HASH_PIECE]
-        piece[:] = source[start : start + HASH_PIECE]
-        digest.update(piece.data)
+    at = 0
+    for source in sources:
+        for start in range(0, source.nbytes, HASH_PIECE):
+            piece = source[start : start + HASH_PIECE]
+            landed = out[at : at + piece.nbytes]
+            landed[:] = piece
+            digest.update(landed.data)
+            at += piece.nbytes
     return out, digest.intdigest()
 
 
 def owned_copy(data: Any, allocate: Callable[[int], np.ndarray] = aligned_buffer) -> np.ndarray:
-    """A page-aligned private copy of a byte buffer, in memory from ``allocate(nbytes)``."""
-    view = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else data
-    out = allocate(len(view) if not isinstance(view, np.ndarray) else view.nbytes)
-    copy_bytes(out, view)
+    """A page-aligned private copy of a byte buffer (or of a :class:`Gathered` value's parts,
+    end to end), in memory from ``allocate(nbytes)``."""
+    sources = [_flat(part) for part in _parts_of(data)]
+    out = allocate(sum(source.nbytes for source in sources))
+    at = 0
+    for source in sources:
+        copy_bytes(out[at : at + source.nbytes], source)
+        at += source.nbytes
     return out
+
+
+def _parts_of(data: Any) -> tuple[Any, ...]:
+    return data.parts if isinstance(data, Gathered) else (data,)
+
+
+def _flat(data: Any) -> np.ndarray:
+    """A flat uint8 array over the bytes of a buffer or array (no copy)."""
+    source = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    return source.reshape(-1).view(np.uint8)
 
 
 def decode_value(layout: Layout, buffer: np.ndarray) -> Any:
@@ -340,7 +393,9 @@ __all__ = [
     "BYTE_FORMATS",
     "MEMORY_FORMATS",
     "NAME_TO_NUMPY",
+    "Gathered",
     "Layout",
+    "Payload",
     "check_layout",
     "checksum",
     "decode_value",
@@ -349,6 +404,7 @@ __all__ = [
     "is_device_tensor",
     "owned_copy",
     "owned_copy_hashed",
+    "payload_parts",
     "tensor_layout",
     "torch_dtype",
     "writable_bytes",

@@ -9,14 +9,15 @@ already holds: all of them but the metadata table's are re-entrant):
    thread lock around it: one metadata change at a time, across processes.
 3. ``SharedUsage`` usage lock -- the ``.lock`` ``flock`` and its re-entrant thread lock:
    the directory's byte counter; eviction runs under it.
-4. ``Tiers.lock`` -- both tiers' indexes as one; never held across disk I/O, so never
-   while a ``flock`` (which may wait for another process's I/O) is taken.
-5. ``DiskTier._lock`` -- the disk index and the keys being written.
+4. ``Tiers.lock`` -- the memory tier's index, and a step over both tiers as one; never held
+   across disk I/O, so never while a ``flock`` (which may wait for another process's I/O)
+   is taken.
+5. ``DiskTier._lock`` -- the disk index (every reader and writer of it, its entries and
+   their leases) and the keys being written.
 6. ``MetadataTable._lock`` -- the table's pending rows and deletions.
 
-Every other lock of the store (its counters, the reads in flight, the write-behind's
-queue, the thread pools' start locks, the shared pool's allocator) is a leaf: nothing is
-taken while it is held.
+Every other lock of the store (its counters, the write-behind's queue, the thread pools'
+start locks, the shared pool's allocator) is a leaf: nothing is taken while it is held.
 
 Set ``PERSISTING_CHECK_LOCK_ORDER=1`` (or use :func:`checking`) before a store opens and
 its locks record, per thread, what each acquisition was taken under: an acquisition of a

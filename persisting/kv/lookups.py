@@ -14,7 +14,7 @@ import numpy as np
 
 from persisting.kv.keys import ChunkKey, HashScheme, TokenHasher
 from persisting.kv.load_plan import HitChunk, LoadPlan
-from persisting.kv.tiers import KeyLike, Tiers
+from persisting.kv.tiers import Indexes, KeyLike, Tiers
 
 
 class Lookups:
@@ -47,8 +47,8 @@ class Lookups:
 
     def contains(self, key: KeyLike) -> bool:
         text = self._t.key_text(key)
-        with self._t.lock:
-            return text in self._t.memory.index or self._t.on_disk(text)
+        with self._t.indexes() as held:
+            return text in held
 
     def lookup_prefix(self, keys: Sequence[KeyLike] | Sequence[Sequence[KeyLike]]) -> int:
         if not keys:
@@ -57,19 +57,19 @@ class Lookups:
         ranks = cast("list[Sequence[KeyLike]]", list(keys) if per_rank else [keys])
         length = min(len(r) for r in ranks)
         hits = 0
-        with self._t.lock:
+        with self._t.indexes() as held:
             for i in range(length):
-                if not all(self._present(r[i]) for r in ranks):
+                if not all(self._present(r[i], held) for r in ranks):
                     break
                 hits += 1
         self._t.op_stats.count("lookup_hit_chunks", hits)
         return hits
 
-    def _present(self, key: KeyLike) -> bool:
+    def _present(self, key: KeyLike, held: Indexes) -> bool:
         """Membership on the hot path: a stored string was validated when it was stored, so
         only a miss pays for parsing (which raises for a malformed key)."""
         text = key.to_string() if isinstance(key, ChunkKey) else key
-        if isinstance(text, str) and (text in self._t.memory.index or self._t.on_disk(text)):
+        if isinstance(text, str) and text in held:
             return True
         self._t.key_text(key)
         return False
@@ -93,14 +93,14 @@ class Lookups:
         chunks = self._hasher(hasher).process_tokens(tokens)
         n = self.lookup_prefix([key for _s, _e, key in chunks])
         hits: list[HitChunk] = []
-        with t.lock:
+        with t.indexes() as held:
             for start, end, key in chunks[:n]:
                 text = t.key_text(key)
-                entry = t.memory.index.get(text)
+                entry = held.memory.get(text)
                 if entry is not None:
                     hits.append(HitChunk("memory", end - start, entry.layout.nbytes))
                     continue
-                disk_entry = t.disk.entry(text) if t.disk is not None else None
+                disk_entry = held.disk.get(text) if held.disk is not None else None
                 if disk_entry is None:  # removed since the lookup: the prefix ends here
                     break
                 hits.append(HitChunk("disk", end - start, disk_entry.layout.nbytes))

@@ -26,6 +26,8 @@ SETTINGS_OPTIONS = (
     "read_threads",
     "pinned_memory",
     "pinned_staging_bytes",
+    "write_behind_lag_s",
+    "write_behind_bytes",
 )
 
 

@@ -2,8 +2,9 @@
 
 Each chunk's bytes live in their own file, ``payload/<hh>/<keyhash>-<tag>.kv``: a 4 KiB
 header (key, layout, payload checksum, parent, sealed with the root's key: see
-:mod:`~persisting.kv.file_header`) followed by the payload at a page-aligned offset. Files are written under a ``.tmp`` name, fsynced when the
-put must be durable, then renamed into place, so a ``.kv`` file is always whole.
+:mod:`~persisting.kv.file_header`) followed by the payload at a page-aligned offset. Files
+are written under a ``.tmp`` name, fsynced when the put must be durable, then renamed into
+place, so a ``.kv`` file is always whole.
 Eviction unlinks the file, which gives its space back at once; a reader that already
 opened it still reads the whole, correct file.
 
@@ -50,7 +51,7 @@ import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
-from persisting.kv.layout import HASH_PIECE
+from persisting.kv.layout import HASH_PIECE, Payload, payload_parts
 from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
     CONTROL_FILE_MODE,
@@ -63,10 +64,13 @@ from persisting.lance_store.durable import fsync_dir, fsync_fd
 
 #: Files of one durable batch written (and fsynced) at once.
 WRITE_THREADS = 8
-#: Piece a payload is written in when its writer may be asked to pause between pieces.
-PAUSE_PIECE = 4 << 20
-#: Called between the pieces of a file being written; may block (a background write
-#: giving way to reads, see :mod:`persisting.kv.read_activity`).
+#: Piece a payload is written in when its writer has a checkpoint between pieces: a whole
+#: number of :data:`~persisting.kv.layout.HASH_PIECE` s (a hashed write checks at the start
+#: of every hash piece that starts a pause piece).
+PAUSE_PIECE = 16 * HASH_PIECE
+#: Called between the pieces of a file being written and before its fsync; it may raise
+#: to abandon the write (a low-priority write-behind handing its batch over, see
+#: :mod:`persisting.kv.write_behind`): the file is then removed, never published.
 Pause = Callable[[], None]
 
 
@@ -195,7 +199,7 @@ class PayloadFiles:
             os.close(reservation.fd)
 
     def finish(
-        self, pending: PendingFile, header: FileHeader, payload: memoryview, *, durable: bool
+        self, pending: PendingFile, header: FileHeader, payload: Payload, *, durable: bool
     ) -> Path:
         """Write header and payload, fsync if ``durable``, and rename the file into place.
 
@@ -209,7 +213,7 @@ class PayloadFiles:
         self,
         pending: PendingFile,
         header: FileHeader,
-        payload: memoryview,
+        payload: Payload,
         *,
         durable: bool,
         hashed: bool = False,
@@ -218,7 +222,8 @@ class PayloadFiles:
         """Write header and payload into the tmp file, fsync it if ``durable`` (thread-safe
         per file: a batch writes its files on several threads, so their syncs can share
         the filesystem's journal commits). On failure the tmp file is removed. Returns the
-        header written.
+        header written. A :class:`~persisting.kv.layout.Gathered` payload is written from
+        its parts, end to end.
 
         With ``hashed`` the header's checksum is not known yet: the payload is written
         first, in pieces, each hashed right after it is written (while still in cache: one
@@ -236,7 +241,7 @@ class PayloadFiles:
                 _write_all(pending.fd, [header.encode(self.secret)], offset=0)
                 _write_paused(pending.fd, payload, HEADER_BYTES, pause)
             else:
-                _write_all(pending.fd, [header.encode(self.secret), payload])
+                _write_all(pending.fd, [header.encode(self.secret), *payload_parts(payload)])
             if durable:
                 if pause is not None:
                     pause()  # the fsync pushes the file to the disk: not beside reads
@@ -250,30 +255,34 @@ class PayloadFiles:
         self,
         pending: list[PendingFile],
         headers: list[FileHeader],
-        payloads: list[memoryview],
+        payloads: list[Payload],
         *,
         durable: bool,
         hashed: list[bool] | None = None,
         pause: Pause | None = None,
+        writers: Executor | None = None,
     ) -> list[FileHeader]:
         """:meth:`write` each file of a batch. Several at once when the batch must be
         durable: concurrent fsyncs share the filesystem's journal commits, where one after
         another each waits for a commit of its own. On failure every tmp file of the batch
         is removed and the first error raised (once no writer runs any more). ``hashed``
         says per file whether its checksum is made as it is written, ``pause`` is called
-        between the pieces of every file (see :meth:`write`); returns the headers written."""
+        between the pieces of every file (see :meth:`write`), ``writers`` (default: this
+        object's own threads) write the files of a durable batch; returns the headers
+        written."""
         hashes = hashed if hashed is not None else [False] * len(pending)
         if not durable or len(pending) == 1:
             return [
                 self.write(p, header, payload, durable=durable, hashed=h, pause=pause)
                 for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True)
             ]
-        with self._writers_lock:
-            if self._writers is None:
-                self._writers = ThreadPoolExecutor(
-                    WRITE_THREADS, thread_name_prefix="persisting-kv-write"
-                )
-            writers = self._writers
+        if writers is None:
+            with self._writers_lock:
+                if self._writers is None:
+                    self._writers = ThreadPoolExecutor(
+                        WRITE_THREADS, thread_name_prefix="persisting-kv-write"
+                    )
+                writers = self._writers
         futures: list[Future[FileHeader]] = []
         for p, header, payload, h in zip(pending, headers, payloads, hashes, strict=True):
             write = functools.partial(self.write, p, header, payload, durable=True, hashed=h)
@@ -352,11 +361,9 @@ class PayloadFiles:
         *,
         executor: Executor | None = None,
         parts: int = 1,
-        populate: bool = False,
     ) -> int:
         """Read the payload of ``path`` into ``out`` (exactly ``len(out)`` bytes), in
-        ``parts`` reads at once on ``executor`` when given, populating ``out``'s fresh pages
-        on the way with ``populate`` (see :func:`read_file_range`), and return its checksum
+        ``parts`` reads at once on ``executor`` when given, and return its checksum
         (:func:`persisting.kv.layout.checksum`), made as it is read.
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
@@ -368,7 +375,6 @@ class PayloadFiles:
             executor=executor,
             parts=parts,
             hashed=True,
-            populate=populate,
         )
         assert digest is not None
         return digest
@@ -546,27 +552,32 @@ def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:
     return StorageIOError(f"{what}: {exc}")
 
 
-def _write_hashed(fd: int, payload: memoryview, offset: int, pause: Pause | None = None) -> int:
+def _write_hashed(fd: int, payload: Payload, offset: int, pause: Pause | None = None) -> int:
     """Write ``payload`` at ``offset`` in :data:`HASH_PIECE` pieces, hashing each piece
     right after it is written (``pause()`` before every :data:`PAUSE_PIECE`); returns the
-    xxh3-64 of the whole payload."""
-    view = memoryview(payload).cast("B")
+    xxh3-64 of the whole payload (of its parts end to end)."""
     digest = xxhash.xxh3_64()
-    for start in range(0, len(view), HASH_PIECE):
-        if pause is not None and start % PAUSE_PIECE == 0:
-            pause()
-        piece = view[start : start + HASH_PIECE]
-        _write_all(fd, [piece], offset=offset + start)
-        digest.update(piece)
+    done = 0
+    for part in payload_parts(payload):
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), HASH_PIECE):
+            if pause is not None and (done + start) % PAUSE_PIECE < HASH_PIECE:
+                pause()
+            piece = view[start : start + HASH_PIECE]
+            _write_all(fd, [piece], offset=offset + done + start)
+            digest.update(piece)
+        done += len(view)
     return digest.intdigest()
 
 
-def _write_paused(fd: int, payload: memoryview, offset: int, pause: Pause) -> None:
+def _write_paused(fd: int, payload: Payload, offset: int, pause: Pause) -> None:
     """Write ``payload`` at ``offset`` in :data:`PAUSE_PIECE` pieces, ``pause()`` before each."""
-    view = memoryview(payload).cast("B")
-    for start in range(0, len(view), PAUSE_PIECE):
-        pause()
-        _write_all(fd, [view[start : start + PAUSE_PIECE]], offset=offset + start)
+    for part in payload_parts(payload):
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), PAUSE_PIECE):
+            pause()
+            _write_all(fd, [view[start : start + PAUSE_PIECE]], offset=offset + start)
+        offset += len(view)
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int | None = None) -> None:

@@ -9,6 +9,12 @@ Completion modes (``durability``):
 - ``"write_back"``:             the value stays in memory and is written to disk only when
   the memory tier evicts it (or on close).
 
+Both memory-first modes write through :mod:`persisting.kv.write_behind`, on its threads
+(a put that evicts a dirty value queues its write there, it does not write it): its two
+bounds (``write_behind_lag_s``, ``write_behind_bytes``) say how long and how many bytes a
+value may stay acknowledged but not on disk; a put that finds more than
+``write_behind_bytes`` waiting waits for them first.
+
 In both memory-first modes a value is *in the put tasks* (``exists_in_put_tasks``) until it
 is on disk, and ``on_complete`` fires once it is (``durable=True``) or once it is known it
 will not be (``stored=False``: a failed write, a remove, a dropped write-back).
@@ -22,17 +28,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
-from persisting.errors import CapacityError, InvalidValueError, PersistingError
+from persisting.errors import CapacityError, InvalidValueError
 from persisting.kv.disk_tier import WriteItem
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import (
     BYTE_FORMATS,
+    Gathered,
     Layout,
+    Payload,
     check_layout,
     encode_value,
     is_device_tensor,
@@ -42,7 +51,7 @@ from persisting.kv.layout import (
 )
 from persisting.kv.policy import AdmissionPolicy
 from persisting.kv.tiers import KeyLike, Tiers
-from persisting.kv.write_behind import WriteBehind
+from persisting.kv.write_behind import Bounds, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +81,12 @@ class PutResult:
 
 @dataclass(eq=False, slots=True)
 class PendingWrite:
-    """A value on its way to disk (write-behind job or write-back write)."""
+    """A value on its way to disk: a write-behind, or (``evicted``) the write-back of a
+    dirty value the memory tier let go."""
 
     item: WriteItem
     on_complete: OnComplete | None
+    evicted: bool = False
 
 
 def notify(callback: OnComplete | None, result: PutResult, tiers: Tiers) -> None:
@@ -116,6 +127,7 @@ class Writes:
         admission: AdmissionPolicy,
         max_value_bytes: int,
         fsync: bool = True,
+        bounds: Bounds = Bounds(),
     ):
         self._t = tiers
         #: Whether write-through puts fsync before they complete. False leaves them in the
@@ -130,7 +142,11 @@ class Writes:
         #: Write-back mode: callbacks of dirty memory entries, fired when written back.
         self._dirty_callbacks: dict[str, OnComplete] = {}
         disk = tiers.disk
-        self._writer = WriteBehind(disk, self._written, tiers.reads) if disk is not None else None
+        self._writer = (
+            WriteBehind(disk, self._written, bounds, clock=tiers.clock)
+            if disk is not None
+            else None
+        )
 
     # -- put ----------------------------------------------------------------------------
 
@@ -224,7 +240,7 @@ class Writes:
 
     def _encode_all(
         self, values: Sequence[Any], fmt: str, check_shape: bool
-    ) -> list[tuple[Layout, memoryview]]:
+    ) -> list[tuple[Layout, Payload]]:
         """Every value's layout and host bytes, all validated before any byte moves.
 
         Tensors on a device are copied down here, on a side stream into the pinned staging
@@ -233,9 +249,12 @@ class Writes:
         """
         on_device: dict[str, list[int]] = {}
         layouts: list[Layout | None] = []
-        views: list[memoryview | None] = []
+        views: list[Payload | None] = []
         for i, value in enumerate(values):
-            if is_device_tensor(value):
+            if isinstance(value, Gathered):  # written from its parts, never joined first
+                layouts.append(self._check_size(value.layout(fmt)))
+                views.append(value)
+            elif is_device_tensor(value):
                 layouts.append(self._check_size(tensor_layout(value, fmt, check_shape=check_shape)))
                 views.append(None)
                 on_device.setdefault(str(value.device), []).append(i)
@@ -323,6 +342,8 @@ class Writes:
         self, it: WriteItem, on_complete: OnComplete | None, owned: np.ndarray | None = None
     ) -> PutResult:
         t = self._t
+        if self._writer is not None:
+            self._writer.throttle()  # more than write_behind_bytes not on disk: wait
         with t.lock:
             present = self._present_result(it.key, it.layout)
         if present is not None:
@@ -367,7 +388,9 @@ class Writes:
             entry = t.memory.index.get(item.key)
             if entry is not None and durable:
                 entry.dirty = False
-        if not stored:
+        if pending.evicted and not durable:
+            t.op_stats.count("writeback_dropped")
+        elif not stored:
             t.op_stats.count("writeback_failures")
         if error is not None:
             log.warning("write-behind of %r failed: %r", item.key, error)
@@ -375,42 +398,20 @@ class Writes:
         notify(pending.on_complete, result, t)
 
     def write_back(self, evicted: list[tuple[str, MemoryEntry]]) -> None:
-        """Write evicted dirty entries to disk; clean ones just go. A write-back that cannot
-        be stored (disk full, I/O error) is dropped and counted: the value was a cache entry."""
+        """Queue evicted dirty entries for the write-behind (clean ones just go). A
+        write-back that cannot be stored (disk full, I/O error) is dropped and counted: the
+        value was a cache entry."""
         t = self._t
-        if t.disk is None or not evicted:
+        if self._writer is None or not evicted:
             return
-        todo: list[PendingWrite] = []
         with t.lock:
             for key, entry in evicted:
                 if not entry.dirty or key in self._inflight:
                     continue  # clean, or a write-behind already has its bytes
                 item = WriteItem(key, entry.layout, entry.buffer.data, entry.checksum, entry.parent)
-                todo.append(PendingWrite(item, self._dirty_callbacks.pop(key, None)))
-                self._inflight[key] = todo[-1]
-        if not todo:
-            return
-        stored = [False] * len(todo)
-        try:
-            stored = t.disk.write([p.item for p in todo], durable=True)
-        except PersistingError as exc:
-            t.op_stats.count("writeback_dropped", len(todo))
-            log.warning("write-back of %d value(s) dropped: %s", len(todo), exc)
-        finally:
-            self._finish_write_back(todo, stored)
-
-    def _finish_write_back(self, todo: list[PendingWrite], stored: list[bool]) -> None:
-        t = self._t
-        done: list[tuple[PendingWrite, bool, bool]] = []
-        with t.lock:
-            for pending, ok in zip(todo, stored, strict=True):
-                key = pending.item.key
-                if self._inflight.get(key) is pending:
-                    del self._inflight[key]
-                    done.append((pending, ok, ok or t.on_disk(key)))
-        for pending, ok, durable in done:
-            result = PutResult(pending.item.key, "disk" if durable else "memory", durable, ok)
-            notify(pending.on_complete, result, t)
+                on_complete = self._dirty_callbacks.pop(key, None)
+                self._inflight[key] = PendingWrite(item, on_complete, evicted=True)
+                self._writer.submit(item)
 
     # -- removal --------------------------------------------------------------------------
 
@@ -456,14 +457,29 @@ class Writes:
             entry = self._t.memory.index.get(key)
             return entry is not None and entry.dirty
 
+    def disk_reading(self) -> AbstractContextManager[None]:
+        """Mark a get reading from the disk while the block runs (the write-behind's
+        low-priority writer stays off the disk meanwhile)."""
+        return self._writer.reading() if self._writer is not None else nullcontext()
+
     @property
     def pending(self) -> int:
         """Writes to disk in progress."""
         return len(self._inflight)
 
-    @property
-    def writer_errors(self) -> int:
-        return self._writer.errors + self._writer.hook_errors if self._writer else 0
+    def figures(self) -> dict[str, float]:
+        """The writes' figures for ``stats()``: writes in progress, bytes acknowledged and
+        not yet on disk, how long the oldest has waited, the writer's errors, low-priority
+        batches handed over, and times the low-priority writer waited for disk reads."""
+        writer = self._writer
+        return {
+            "pending_puts": self.pending,
+            "pending_bytes": writer.pending_bytes if writer else 0,
+            "pending_age_s": round(writer.pending_age_s(), 3) if writer else 0.0,
+            "writer_errors": writer.errors + writer.hook_errors if writer else 0,
+            "writer_handovers": writer.handovers if writer else 0,
+            "writer_deferrals": writer.deferrals if writer else 0,
+        }
 
     def drain(self) -> None:
         """Wait for every write-behind (each completes, stored or not; none hangs)."""
@@ -471,8 +487,7 @@ class Writes:
             self._writer.drain()
 
     def close(self) -> None:
-        """Drain the write-behind, write back dirty memory (write-back mode), stop."""
-        self.drain()
+        """Write back dirty memory (write-back mode), write everything queued, stop."""
         if self.durability == "write_back" and self._t.disk is not None:
             with self._t.lock:
                 dirty = [(k, e) for k, e in self._t.memory.index.items() if e.dirty]

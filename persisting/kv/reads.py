@@ -19,10 +19,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from persisting.errors import InvalidValueError
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import Layout, decode_value, is_device_tensor, torch_dtype, writable_bytes
 from persisting.kv.tiers import KeyLike, Tiers
-from persisting.shm import RecycledBuffers, aligned_buffer, copy_into, pages_resident
+from persisting.shm import RecycledBuffers, aligned_buffer, copy_into
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +62,6 @@ def _tensor_nbytes(tensor: Any) -> int:
     return int(tensor.numel()) * int(tensor.element_size())
 
 
-def _fresh(view: memoryview) -> bool:
-    """Whether a host destination of at least :data:`SPLIT_BYTES` has pages not yet
-    resident (one ``mincore`` call): its read then populates them on the way."""
-    return len(view) >= SPLIT_BYTES and not pages_resident(np.frombuffer(view, np.uint8))
-
-
 def _is_device(device: Any) -> bool:
     """Whether ``device`` names something other than the CPU (``"cuda:0"``, a torch device)."""
     return str(device).split(":", 1)[0] != "cpu"
@@ -92,23 +87,34 @@ def _gather(futures: list[tuple[int, Future[Layout | None]]], got: list[Layout |
     return nbytes
 
 
+class WriteHooks(Protocol):
+    """What the reads need of the put paths (:class:`~persisting.kv.puts.Writes`)."""
+
+    def write_back(self, evicted: list[tuple[str, MemoryEntry]]) -> None: ...
+
+    def disk_reading(self) -> AbstractContextManager[None]: ...
+
+
 #: The smallest part a value is split into when its reads run at once (see ``_split``).
 SPLIT_BYTES = 1 << 20
 
 
 class Reads:
-    """Gets over the tiers; ``write_back`` takes the dirty entries a prefetch evicts."""
+    """Gets over the tiers; ``writes`` takes the dirty entries a prefetch evicts, and marks
+    each read from the disk."""
 
     def __init__(
         self,
         tiers: Tiers,
         results: RecycledBuffers | None,
-        write_back: Callable[[list[tuple[str, MemoryEntry]]], None],
+        writes: WriteHooks,
         read_threads: int = 8,
     ):
         self._t = tiers
         self._results = results
-        self._write_back = write_back
+        self._write_back = writes.write_back
+        #: Marks a read from the disk (the write-behind stays off the disk meanwhile).
+        self._disk_reading = writes.disk_reading
         if read_threads < 1:
             raise InvalidValueError(f"read_threads must be at least 1, not {read_threads}")
         self.read_threads = read_threads
@@ -185,12 +191,11 @@ class Reads:
         view = writable_bytes(out)
         if self._wanted(text, expect, len(view)) is None:
             return None
-        with self._t.reads.reading():
-            memory, _disk = self._claim_memory((text,), (len(view),))
-            if memory:
-                return self._copy_memory_hit(view, memory[0][1])
-            start = time.perf_counter()
-            layout = self._read_now(text, view, self._split(1))
+        memory, _disk = self._claim_memory((text,), (len(view),))
+        if memory:
+            return self._copy_memory_hit(view, memory[0][1])
+        start = time.perf_counter()
+        layout = self._read_now(text, view, self._split(1))
         if layout is not None:
             self._t.bandwidth.record("disk", layout.nbytes, time.perf_counter() - start)
         return layout
@@ -275,26 +280,19 @@ class Reads:
         with self._t.lock:
             entry.readers -= 1
 
-    def _read_disk(
-        self, text: str, view: memoryview, parts: int = 1, *, alone: bool = True
-    ) -> Layout | None:
+    def _read_disk(self, text: str, view: memoryview, parts: int = 1) -> Layout | None:
         """One timed disk read (on a reader thread, or on the caller's in ``parts`` reads
-        at once on the reader threads). Read ``alone`` (not beside the other reads of a
-        batch), a fresh ``view``'s pages are populated first; beside them they are left
-        to fault inside the reads: several threads populating whole values at once hold
-        the process's memory-map lock for each (``MADV_POPULATE_WRITE`` walks the range
-        under it), so every allocation elsewhere in the process waits behind them and the
-        next faults behind that. Measured (``cold_reads.py``, batch of 24 into fresh
-        buffers on 8 threads): 0.80-0.81x of a plain 8-thread ``preadv`` populating,
-        0.95-1.03x not; a lone value read in parts, 1.08-1.09x populating, 1.03-1.06x not."""
+        at once on the reader threads). The destination's pages are not prepared: those
+        not yet touched fault in inside the reads, as in any ``read`` into fresh memory
+        (``docs/benchmarks.md``, reads into memory nobody touched yet)."""
         t = self._t
         if t.disk is None:
             t.op_stats.record("get", "", 0.0, 0, "miss")
             return None
         start = time.perf_counter()
         executor = self._readers() if parts > 1 else None
-        populate = alone and _fresh(view)
-        layout = t.disk.read_into(text, view, executor=executor, parts=parts, populate=populate)
+        with self._disk_reading():
+            layout = t.disk.read_into(text, view, executor=executor, parts=parts)
         seconds = time.perf_counter() - start
         t.op_stats.record(
             "get", "disk", seconds, len(view) if layout else 0, "hit" if layout else "miss"
@@ -302,24 +300,19 @@ class Reads:
         return layout
 
     def _split(self, batch: int) -> bool:
-        """Whether a batch of ``batch`` disk reads is better read one value at a time, each
-        split into parts read at once: when it is too small to keep the threads busy."""
+        """Whether a batch of ``batch`` disk reads is read one value at a time, each split
+        into parts read at once: when it has too few values to keep ``read_threads`` reads
+        in flight (fewer than half as many). Otherwise each value is read whole by one
+        reader thread, up to ``read_threads`` at once: sequential reads of whole files,
+        which the kernel reads ahead of (``docs/benchmarks.md``, cold reads)."""
         return self.read_threads > 1 and batch * 2 <= self.read_threads
 
     def _submit(self, text: str, view: memoryview, split: bool) -> Future[Layout | None]:
         """Start one disk read; or, with ``split`` (or no reader threads), do it now on this
-        thread, in parts of at least :data:`SPLIT_BYTES` read by the reader threads at once.
-
-        Beside a batch's other reads a value is read whole by one reader thread, so up to
-        ``read_threads`` values stream from their files at once, each a sequential read
-        the kernel reads ahead of. Measured (batch of 24 cold 8 MiB values, 8 threads,
-        fresh process, results kept, 8 alternating rounds against an 8-thread ``preadv``
-        of the same files): 1.70 GB/s (1.10-1.23x of the ``preadv`` in every round) against
-        1.45 GB/s (0.80-1.08x) when two values at a time were each read as four parts;
-        in-process into fresh buffers 1.70 against 1.54 GB/s (see ``docs/benchmarks.md``)."""
+        thread, in parts of at least :data:`SPLIT_BYTES` read by the reader threads at once."""
         executor = self._readers()
         if executor is not None and not split:  # beside the batch's other reads
-            return executor.submit(self._read_disk, text, view, alone=False)
+            return executor.submit(self._read_disk, text, view)
         done: Future[Layout | None] = Future()
         try:
             done.set_result(self._read_now(text, view, split))
@@ -334,12 +327,6 @@ class Reads:
         return self._read_disk(text, view, parts)
 
     def _fill_host(
-        self, texts: list[str], views: Sequence[memoryview | None]
-    ) -> list[Layout | None]:
-        with self._t.reads.reading():
-            return self._fill_host_now(texts, views)
-
-    def _fill_host_now(
         self, texts: list[str], views: Sequence[memoryview | None]
     ) -> list[Layout | None]:
         t = self._t
@@ -378,12 +365,6 @@ class Reads:
         succeeded. Returns once the copies are issued; work the caller queues on its
         current stream afterwards sees the data. (With a ``cpu`` copier the same pipeline
         runs into CPU tensors: that is how it is tested without a GPU.)"""
-        with self._t.reads.reading():
-            return self._fill_staged_now(copier, texts, outs)
-
-    def _fill_staged_now(
-        self, copier: DeviceCopier, texts: Sequence[str], outs: Sequence[Any]
-    ) -> list[Layout | None]:
         t = self._t
         got: list[Layout | None] = [None] * len(texts)
         memory, disk = self._claim_memory(texts, [_tensor_nbytes(out) for out in outs])
@@ -516,7 +497,8 @@ class Reads:
                 continue
             buffer = t.memory_buffer(entry.layout.nbytes)
             assert t.disk is not None
-            layout = t.disk.read_into(text, buffer.data)
+            with self._disk_reading():
+                layout = t.disk.read_into(text, buffer.data)
             if layout is None:
                 continue
             with t.lock:

@@ -15,8 +15,8 @@ user reads); each body is a few lines delegating to the modules above.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from persisting.kv.disk_tier import EvictionListener, Location
 from persisting.kv.keys import HashScheme, TokenHasher
 from persisting.kv.keys import key_dtype as key_dtype_name
 from persisting.kv.layout import Layout
+from persisting.kv.leases import Clock
 from persisting.kv.load_plan import LoadPlan, TierBandwidth
 from persisting.kv.lookups import Lookups
 from persisting.kv.options import SETTINGS_OPTIONS, check_options
@@ -44,6 +45,7 @@ from persisting.kv.puts import Durability, OnComplete, PutResult, Tier, Writes
 from persisting.kv.reads import MemoryPayload, Reads, SharedLocation
 from persisting.kv.stats import StoreStats
 from persisting.kv.tiers import KeyLike, PoolFile, Tiers
+from persisting.kv.write_behind import LAG_S, MAX_BYTES, Bounds
 from persisting.lance_store import StorageRoot
 from persisting.shm import RecycledBuffers
 
@@ -88,6 +90,7 @@ class KVStore(KVApi):
     - ``pinned_memory``: ``"auto"``, ``"on"`` or ``"off"``: the memory tier and staging
       ring in page-locked memory where CUDA is (see :mod:`persisting.cuda`).
     - ``pinned_staging_bytes``: the pinned staging ring for device reads and writes.
+    - ``write_behind_lag_s``, ``write_behind_bytes``, ``clock``: :mod:`~persisting.kv.write_behind`.
     - ``namespace``: the directory under ``<root>/kv/`` to keep the chunks in, when it is
       not the model's own (one per weights version of a model: see
       :func:`~persisting.kv.model_identity.weights_namespace`); keys still name ``model``.
@@ -120,11 +123,15 @@ class KVStore(KVApi):
         pinned_staging_bytes: int | str = DEFAULT_STAGING_BYTES,
         describe: Mapping[str, Any] | None = None,
         namespace: str | None = None,
+        write_behind_lag_s: float = LAG_S,
+        write_behind_bytes: int | str = MAX_BYTES,
+        clock: Clock = time.monotonic,
     ):
         memory = size_bytes(memory_bytes, "memory_bytes")
         disk = size_bytes(disk_bytes, "disk_bytes")
         results_bytes = size_bytes(result_buffer_bytes, "result_buffer_bytes")
         staging_bytes = size_bytes(pinned_staging_bytes, "pinned_staging_bytes")
+        behind = Bounds(write_behind_lag_s, size_bytes(write_behind_bytes, "write_behind_bytes"))
         largest = size_bytes(max_value_bytes, "max_value_bytes") if max_value_bytes else 0
         check_options(model, durability, memory, disk, read_threads, hash_scheme)
         self.model = model
@@ -154,15 +161,16 @@ class KVStore(KVApi):
             pinned_staging_bytes=staging_bytes,
             describe=describe,
             namespace=namespace,
+            clock=clock,
         )
         self._writes = Writes(
-            self._tiers, durability, self.admission, self.max_value_bytes, fsync=fsync
+            self._tiers, durability, self.admission, self.max_value_bytes, fsync, behind
         )
         # Result pages without huge pages: a kept result's range is touched once, on the
         # get's path, where fresh huge pages cost more than 4 KiB ones in VMs that give free
         # memory back to their host (docs/benchmarks.md); recycled ranges cost nothing.
         results = RecycledBuffers(results_bytes, huge_pages=False) if results_bytes > 0 else None
-        self._reads = Reads(self._tiers, results, self._writes.write_back, read_threads)
+        self._reads = Reads(self._tiers, results, self._writes, read_threads)
         self._lookups = Lookups(self._tiers, chunk_size, hash_scheme, key_dtype_name(key_dtype))
         self._closed = False
         at_exit.track(self, at_exit.STORE)  # closed at interpreter exit if still open
@@ -224,7 +232,10 @@ class KVStore(KVApi):
         is the key before it), which the prefix-aware eviction policy uses. Every item is
         validated before anything is stored: its format's shape rule, and its dtype against
         its key's (a float32 tensor under a ``...@bfloat16`` key is an InvalidValueError;
-        ``binary`` values are exempt). ``check_shape=False`` skips both (for layouts
+        ``binary`` values are exempt). A :class:`~persisting.kv.layout.Gathered` value
+        (``fmt="binary"``) is stored from its parts, end to end, without joining them first
+        (read back as one ``bytes`` value, or into one buffer or several by place through
+        :meth:`lease`). ``check_shape=False`` skips both (for layouts
         another system defines, such as LMCache's MemoryObjs and the L2 adapter's opaque
         object keys).
         ``on_complete`` gets each key's final result once; one that raises is logged and
@@ -248,16 +259,6 @@ class KVStore(KVApi):
         room), for a value's bytes to land in before :meth:`batched_put_owned` keeps it."""
         self._check_open()
         return self._tiers.memory_buffer(nbytes)
-
-    @contextmanager
-    def foreground(self, *, landing: bool = False) -> Iterator[None]:
-        """Mark a transfer on a request's critical path while the block runs: a value being
-        sent (the write-behind gives way to it as to a get), or with ``landing`` a remote
-        client's put whose bytes land (given way to unless the write-behind is behind: see
-        :mod:`persisting.kv.read_activity`)."""
-        activity = self._tiers.reads
-        with activity.landing() if landing else activity.reading():
-            yield
 
     def batched_put_owned(
         self,
@@ -481,12 +482,18 @@ class KVStore(KVApi):
         return self._tiers.unpin(self._key(key))
 
     def lease(self, key: KeyLike, ttl_s: float) -> Location | None:
-        """A read lease: ``key``'s file is not evicted for ``ttl_s`` s; where its bytes are."""
+        """A read lease: ``key``'s file is not evicted for ``ttl_s`` s (none if ``<= 0``);
+        where its bytes are, and the ``token`` only :meth:`release` of it ends."""
         self._check_open()
         return self._tiers.lease(self._key(key), ttl_s)
 
-    def release(self, key: KeyLike) -> None:
-        self._tiers.release(self._key(key))
+    def renew(self, key: KeyLike, token: int, ttl_s: float) -> bool:
+        """Extend lease ``token`` of ``key`` to ``ttl_s`` s from now; False if not held."""
+        return self._tiers.renew(self._key(key), token, ttl_s)
+
+    def release(self, key: KeyLike, token: int) -> bool:
+        """End lease ``token`` of ``key`` alone (another holder's stays); False if not held."""
+        return self._tiers.release(self._key(key), token)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -517,8 +524,7 @@ class KVStore(KVApi):
             "durability": self.durability,
             **memory,
             "memory_prefaulted": self._tiers.prefaulted_bytes(),
-            "pending_puts": self._writes.pending,
-            "writer_errors": self._writes.writer_errors,
+            **self._writes.figures(),
             **disk,
             "read_threads": self._reads.read_threads,
             "pinned": self._tiers.pinned,

@@ -11,7 +11,9 @@ that composes them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,13 +23,14 @@ import numpy as np
 from persisting.cuda.host import StoreHostMemory
 from persisting.errors import InvalidKeyError
 from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
+from persisting.kv.index import DiskEntry, LruIndex, MemoryEntry
 from persisting.kv.keys import ChunkKey, key_string
+from persisting.kv.leases import Clock
 from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.namespace_record import write_record
 from persisting.kv.policy import EvictionPolicy
-from persisting.kv.read_activity import ReadActivity
 from persisting.kv.root_budget import RootUsage
 from persisting.kv.stats import StoreStats
 from persisting.lance_store import StorageRoot
@@ -35,6 +38,17 @@ from persisting.lance_store.namespace_lock import NamespaceHold
 from persisting.shm import RecycledBuffers, SharedPool, aligned_buffer, seqlock_safe
 
 KeyLike = ChunkKey | str
+
+
+@dataclass(frozen=True, slots=True)
+class Indexes:
+    """Both tiers' indexes, read while :meth:`Tiers.indexes` holds their locks."""
+
+    memory: LruIndex[MemoryEntry]
+    disk: LruIndex[DiskEntry] | None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.memory or (self.disk is not None and key in self.disk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +83,11 @@ class Tiers:
         host: StoreHostMemory,
         arena: RecycledBuffers | None = None,
         namespace: NamespaceHold | None = None,
+        clock: Clock = time.monotonic,
     ):
         self.model = model
+        #: The monotonic clock leases and the write-behind's lag are timed by.
+        self.clock = clock
         self.memory = memory
         self.disk = disk
         self.pool = pool
@@ -84,12 +101,13 @@ class Tiers:
         self._namespace = namespace
         #: Read bandwidth each tier achieved (load-or-recompute plans use it).
         self.bandwidth = TierBandwidth()
-        #: Orders index changes of both tiers (never held across disk I/O or big copies).
-        #: Lock order (persisting.kv.lock_order): after the directory's file locks, before
-        #: the disk tier's own lock.
+        #: Guards the memory tier's index and entries, and makes a step over both tiers
+        #: one (a put's presence check and insert, a lookup of both); never held across
+        #: disk I/O or big copies. The disk tier's index has its own lock, which its every
+        #: reader and writer takes: under this one when both are held (lock order,
+        #: persisting.kv.lock_order: after the directory's file locks, before the disk
+        #: tier's lock).
         self.lock = ordered(Rank.TIERS, threading.RLock())
-        #: Gets in flight: the write-behind waits for them before each batch it writes.
-        self.reads = ReadActivity()
 
     @classmethod
     def open(
@@ -107,6 +125,7 @@ class Tiers:
         pinned_staging_bytes: int = 0,
         describe: Mapping[str, Any] | None = None,
         namespace: str | None = None,
+        clock: Clock = time.monotonic,
     ) -> Tiers:
         """The tiers of ``model`` under ``root``: a memory tier of ``memory_bytes`` (in a
         shared pool with ``shared_memory``, else pinned memory or a private arena) and, with
@@ -130,6 +149,7 @@ class Tiers:
                     root.modes,
                     secret=root.kv_secret(),
                     root_usage=RootUsage(root, directory),
+                    clock=clock,
                 )
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(
@@ -147,7 +167,7 @@ class Tiers:
         # takes recycled pages; only what is touched is resident.
         arena = RecycledBuffers(2 * memory_bytes) if memory_bytes > 0 else None
         memory = MemoryTier(memory_bytes, policy)
-        return cls(model, memory, disk, pool, op_stats, host, arena, held)
+        return cls(model, memory, disk, pool, op_stats, host, arena, held, clock)
 
     def key_text(self, key: KeyLike) -> str:
         """``key`` as a string, after checking that it belongs to this store's model."""
@@ -160,12 +180,23 @@ class Tiers:
     def on_disk(self, key: str) -> bool:
         return self.disk is not None and key in self.disk
 
+    @contextmanager
+    def indexes(self) -> Iterator[Indexes]:
+        """Both tiers' indexes under one hold of each lock (``lock``, then the disk tier's),
+        for a lookup of many keys; to read inside the block only."""
+        with self.lock:
+            if self.disk is None:
+                yield Indexes(self.memory.index, None)
+                return
+            with self.disk.holding() as disk:
+                yield Indexes(self.memory.index, disk)
+
     # -- queries over both tiers ------------------------------------------------------
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored in either tier, under one hold of the lock."""
-        with self.lock:
-            return [key in self.memory or self.on_disk(key) for key in keys]
+        """Whether each key is stored in either tier, under one hold of the locks."""
+        with self.indexes() as held:
+            return [key in held for key in keys]
 
     def in_memory(self, key: str) -> bool:
         with self.lock:
@@ -215,9 +246,17 @@ class Tiers:
     def lease(self, key: str, ttl_s: float) -> Location | None:
         return self.disk.lease(key, ttl_s) if self.disk is not None else None
 
-    def release(self, key: str) -> None:
-        if self.disk is not None:
-            self.disk.release(key)
+    def renew(self, key: str, token: int, ttl_s: float) -> bool:
+        if self.disk is None:
+            return False
+        with self.disk.holding():
+            return self.disk.leases.renew(key, token, ttl_s)
+
+    def release(self, key: str, token: int) -> bool:
+        if self.disk is None:
+            return False
+        with self.disk.holding():
+            return self.disk.leases.release(key, token)
 
     # -- the disk tier's upkeep ---------------------------------------------------------
 
@@ -239,9 +278,9 @@ class Tiers:
         pinned region (where CUDA is), else in the private arena, else fresh pageable
         memory.
 
-        The arena matters most: a fresh 28 MiB array faults 7,168 zeroed 4 KiB pages on
-        first touch (37 ms here, ten times the copy), the arena's pages are faulted 2 MiB
-        at a time once and then reused by later values.
+        The arena matters most: a fresh array faults a zeroed page per 4 KiB on first
+        touch (costing more than the copy itself), the arena's pages are faulted 2 MiB at
+        a time once and then reused by later values (``docs/benchmarks.md``).
         """
         if self.pool is not None:
             buffer = self.pool.allocate(nbytes)
@@ -304,4 +343,4 @@ def _release(
         pool.close()
 
 
-__all__ = ["KeyLike", "PoolFile", "Tiers"]
+__all__ = ["Indexes", "KeyLike", "PoolFile", "Tiers"]

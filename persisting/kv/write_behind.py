@@ -1,20 +1,34 @@
-"""The write-behind queue: values acknowledged from memory, made durable in batches.
+"""The write-behind: values acknowledged from memory, written to disk in the background.
 
-One background thread drains whatever has queued up since its last write into one disk
-batch (one capacity reservation, one directory-fsync pass, one metadata commit), so a
-burst of async puts costs one batch, not one fsync round per chunk.
+The rule, all of it:
 
-Reads and remote puts come first: before each batch the thread waits until the store has
-been quiet for a moment (no get or data-path transfer in flight or just ended), and between
-the pieces of every file it writes, and before each file's fsync, it stops while gets are
-in flight (so a batch already under way when reads begin stops within one piece), for at
-most :data:`YIELD_TO_READS_S` in all, and not at all once a full batch (:data:`MAX_BATCH_ITEMS`,
-:data:`MAX_BATCH_BYTES`) has queued up or someone waits for the writes (see
-:mod:`persisting.kv.read_activity`): a burst of puts is acknowledged from memory at
-network speed and written in one batch after it, and a store written without pause still
-writes full batches back to back.
+- A writer thread takes whatever is queued -- at most :data:`MAX_BATCH_ITEMS` values or
+  :data:`MAX_BATCH_BYTES` -- and writes it as one disk batch (one capacity reservation, one
+  pass of directory fsyncs, one metadata commit), then the next. It and the threads that
+  write its files run at the lowest CPU priority (:func:`lower_priority`): the kernel gives
+  them a core only when nothing else wants it. Where cores are free they write at full
+  speed; where they are not, gets, puts and the engine go first.
+- It stays off the disk while a get is reading from it (:meth:`WriteBehind.reading`): it
+  starts no batch then, and a batch under way waits between its pieces. A disk is shared
+  however many cores the host has, and reads are on a request's critical path; the
+  lag bound below caps the wait.
+- Two bounds stop that from falling behind without limit (``kv`` settings, see
+  :class:`persisting.config.KVSettings`): once the oldest value not yet on disk has waited
+  ``write_behind_lag_s`` (default :data:`LAG_S`), or more than ``write_behind_bytes``
+  (default :data:`MAX_BYTES`) are acknowledged but not on disk, the writes go on at normal
+  priority, on a second writer thread, until neither holds; and a put that finds more than
+  ``write_behind_bytes`` waiting waits until they are written.
+- Whoever waits for the writes -- :meth:`WriteBehind.drain` (a flush), :meth:`close`, a put
+  over the byte bound -- never waits behind the low-priority thread: the batch it is writing
+  hands over at its next checkpoint (every piece of a file, and before each file's fsync;
+  see :meth:`~persisting.kv.payload_files.PayloadFiles.write`) and the normal-priority writer
+  writes it. What the low-priority writer had written of it is discarded (its files were
+  not published).
 
-The thread outlives every failure: a batch that fails is retried item by item, an
+Write-back evictions (``durability = "write_back"``) queue here too: a put that evicts a
+dirty value does not write it on the caller's thread.
+
+Both threads outlive every failure: a batch that fails is retried item by item, an
 unexpected exception completes the affected futures with that error (and is counted and
 logged), and a failing completion hook is logged and counted too. :meth:`drain` and
 :meth:`close` therefore always return.
@@ -22,143 +36,331 @@ logged), and a failing completion hook is logged and counted too. :meth:`drain` 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
-import queue
+import os
+import sys
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
+from persisting.config import KVSettings
 from persisting.errors import PersistingError, StorageIOError
 from persisting.kv import at_exit
 from persisting.kv.disk_tier import DiskTier, WriteItem
-from persisting.kv.payload_files import Pause
-from persisting.kv.read_activity import ReadActivity
+from persisting.kv.leases import Clock
+from persisting.kv.payload_files import WRITE_THREADS
 
 log = logging.getLogger(__name__)
 
 #: Most items, and bytes, one batch writes.
 MAX_BATCH_ITEMS = 64
 MAX_BATCH_BYTES = 256 << 20
-#: Longest a batch waits in all for the store's reads in flight (before it starts and
-#: between pieces of its files) before it is written anyway: a store read without pause
-#: still writes, one batch per this many seconds plus the batch's own time.
-YIELD_TO_READS_S = 2.0
+#: Defaults of the two bounds, defined by the ``kv.write_behind_lag_s`` and
+#: ``kv.write_behind_bytes`` settings: the longest a value waits at low priority, and the
+#: acknowledged bytes not yet on disk past which the writes go on at normal priority and
+#: puts wait.
+LAG_S: float = KVSettings.model_fields["write_behind_lag_s"].default
+MAX_BYTES: int = KVSettings.model_fields["write_behind_bytes"].default
+#: The nice value of the low-priority writer threads (19: the lowest there is).
+BACKGROUND_NICE = 19
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The write-behind's two bounds: ``lag_s``, the longest a value waits for the
+    low-priority writer; ``max_bytes``, the pending bytes past which the writes are urgent
+    and puts wait."""
+
+    lag_s: float = LAG_S
+    max_bytes: int = MAX_BYTES
+
 
 #: on_done(item, stored, error): ``error`` is the exception that stopped the write, if any.
 DoneHook = Callable[[WriteItem, bool, BaseException | None], None]
 
 
-@dataclass(slots=True)
+def lower_priority() -> None:
+    """Run the calling thread at nice :data:`BACKGROUND_NICE` (Linux sets nice per thread;
+    elsewhere, or where it is refused, nothing changes)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+class _HandOver(Exception):
+    """Raised between the pieces of a low-priority batch: the normal-priority writer takes
+    the batch over."""
+
+
+@dataclass(eq=False, slots=True)
 class _Job:
     item: WriteItem
-    future: Future[bool]
+    seq: int  # submission order
+    since: float  # when it was submitted, on the writer's clock
+    future: Future[bool] = field(default_factory=Future)
+
+    @property
+    def nbytes(self) -> int:
+        return self.item.layout.nbytes
 
 
 class WriteBehind:
     """Writes submitted items to ``disk`` in the background; each future says if it stored
-    (False: already present, cancelled or refused for capacity) or carries the error."""
+    (False: already present, cancelled or refused for capacity) or carries the error.
 
-    def __init__(self, disk: DiskTier, on_done: DoneHook, reads: ReadActivity | None = None):
+    ``bounds`` are the two bounds (see the module); ``clock`` times the lag; ``lower`` is
+    what each low-priority thread runs first (:func:`lower_priority`)."""
+
+    def __init__(
+        self,
+        disk: DiskTier,
+        on_done: DoneHook,
+        bounds: Bounds = Bounds(),
+        *,
+        clock: Clock = time.monotonic,
+        lower: Callable[[], None] = lower_priority,
+    ):
         self._disk = disk
         self._on_done = on_done
-        self._reads = reads
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._idle = threading.Condition()
-        self._outstanding = 0
-        self._queued_bytes = 0  # submitted, not yet taken into a batch
-        self._hurry = 0  # callers waiting in drain() or close(): give way no longer
+        self.lag_s = bounds.lag_s
+        self.max_bytes = bounds.max_bytes
+        self._clock = clock
+        self._lower = lower
+        self._cond = threading.Condition()  # a leaf: nothing is called while it is held
+        self._queue: deque[_Job] = deque()  # submitted, not taken into a batch
+        self._pending: dict[int, _Job] = {}  # submitted, not completed, by seq: oldest first
+        self._seq = itertools.count()
+        self._bytes = 0  # of the pending jobs
+        self._waiting = 0  # callers in drain() or close(): the writes are urgent
+        self._low_busy = False  # the low-priority writer has a batch: the other waits
+        self._disk_reads = 0  # gets reading from the disk now: the low writer waits
+        self._stopping = False
         #: Writes that failed with an unexpected error, and completion hooks that raised.
         self.errors = 0
         self.hook_errors = 0
-        self._thread = threading.Thread(
-            target=self._run, name="persisting-kv-write-behind", daemon=True
+        #: Low-priority batches handed over to the normal-priority writer, and times the
+        #: low-priority writer waited for disk reads.
+        self.handovers = 0
+        self.deferrals = 0
+        self._low_writers = ThreadPoolExecutor(
+            WRITE_THREADS, thread_name_prefix="persisting-kv-write-behind-file", initializer=lower
         )
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run_low, name="persisting-kv-write-behind", daemon=True),
+            threading.Thread(
+                target=self._run_urgent, name="persisting-kv-write-behind-due", daemon=True
+            ),
+        ]
+        for thread in self._threads:
+            thread.start()
         at_exit.track(self, at_exit.WRITER)  # drained at exit if its store was not closed
 
+    # -- what callers do ----------------------------------------------------------------
+
     def submit(self, item: WriteItem) -> Future[bool]:
-        future: Future[bool] = Future()
-        with self._idle:
-            self._outstanding += 1
-            self._queued_bytes += item.layout.nbytes
-        self._queue.put(_Job(item, future))
-        return future
+        with self._cond:
+            job = _Job(item, next(self._seq), self._clock())
+            self._pending[job.seq] = job
+            self._bytes += job.nbytes
+            self._queue.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Mark a get reading from the disk while the block runs: the low-priority writer
+        starts nothing and pauses between pieces until none is."""
+        with self._cond:
+            self._disk_reads += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._disk_reads -= 1
+                if not self._disk_reads:
+                    self._cond.notify_all()
+
+    def throttle(self) -> None:
+        """Wait while more than ``max_bytes`` are pending (a put calls this first, holding
+        no lock of the store: the writes it waits for take them)."""
+        with self._cond:
+            while self._bytes > self.max_bytes and self._alive():
+                self._cond.wait(timeout=1.0)
 
     def drain(self) -> None:
         """Wait until every submitted write has completed (successfully or not)."""
-        with self._idle:
-            self._hurry += 1
+        with self._cond:
+            self._waiting += 1
+            self._cond.notify_all()
             try:
-                while self._outstanding:
-                    if not self._thread.is_alive():
-                        raise StorageIOError("the write-behind thread is gone; pending writes lost")
-                    self._idle.wait(timeout=1.0)
+                while self._pending:
+                    if not self._alive():
+                        raise StorageIOError("the write-behind threads are gone; writes lost")
+                    self._cond.wait(timeout=1.0)
             finally:
-                self._hurry -= 1
+                self._waiting -= 1
+                self._cond.notify_all()
 
-    def _hurried(self) -> bool:
-        """Whether someone waits for the writes (a flush)."""
-        return self._hurry > 0
+    def close(self) -> None:
+        """Write what is queued (at normal priority), then stop the threads."""
+        at_exit.untrack(self, at_exit.WRITER)
+        with self._cond:
+            self._stopping = True
+            self._waiting += 1  # for good: the rest is urgent
+            self._cond.notify_all()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
+        self._low_writers.shutdown(wait=True)
 
-    def _batch_waiting(self) -> bool:
-        """Whether a full batch has queued up, or someone waits for the writes (the writer
-        then stops giving way)."""
-        return (
-            self._hurry > 0
-            or self._queue.qsize() + 1 >= MAX_BATCH_ITEMS
-            or self._queued_bytes >= MAX_BATCH_BYTES
-        )
+    @property
+    def urgent(self) -> bool:
+        """Whether the writes go on at normal priority now (a bound reached, or someone
+        waiting for them)."""
+        with self._cond:
+            return self._urgent()
 
-    def _next_batch(self, first: _Job) -> list[_Job]:
-        batch, size = [first], first.item.layout.nbytes
-        while len(batch) < MAX_BATCH_ITEMS and size < MAX_BATCH_BYTES:
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes acknowledged and not yet on disk (or known not to get there)."""
+        with self._cond:
+            return self._bytes
+
+    def pending_age_s(self) -> float:
+        """How long the oldest pending value has waited (0 with none)."""
+        with self._cond:
+            oldest = next(iter(self._pending.values()), None)
+            return max(0.0, self._clock() - oldest.since) if oldest is not None else 0.0
+
+    # -- the rule -----------------------------------------------------------------------
+
+    def _urgent(self) -> bool:
+        """Whether the writes go on at normal priority now (caller holds ``_cond``)."""
+        if self._waiting or self._bytes > self.max_bytes:
+            return True
+        due_in = self._due_in()
+        return due_in is not None and due_in <= 0.0
+
+    def _due_in(self) -> float | None:
+        """Seconds until the oldest pending value is due (None with none pending; caller
+        holds ``_cond``)."""
+        oldest = next(iter(self._pending.values()), None)
+        if oldest is None:
+            return None
+        return max(0.0, oldest.since + self.lag_s - self._clock())  # 0: due
+
+    def _checkpoint(self) -> None:
+        """Between the pieces of a low-priority batch: wait while a get reads from the disk;
+        hand the batch over once the writes are urgent."""
+        with self._cond:
+            waited = False
+            while not self._urgent():
+                if not self._disk_reads:
+                    return
+                if not waited:
+                    self.deferrals += 1
+                    waited = True
+                self._cond.wait(self._due_in())  # a read ending, urgency, or the lag due
+            raise _HandOver
+
+    def _alive(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
+
+    # -- the two writers ----------------------------------------------------------------
+
+    def _run_low(self) -> None:
+        """The low-priority writer: batches while the writes are not urgent."""
+        self._lower()
+        while True:
+            with self._cond:
+                deferred = False
+                while not self._stopping and (
+                    not self._queue or self._urgent() or self._disk_reads
+                ):
+                    if self._queue and self._disk_reads and not deferred:
+                        self.deferrals += 1
+                        deferred = True
+                    self._cond.wait()  # what ends each of them is notified
+                if self._stopping:
+                    return
+                batch = self._take()
+                self._low_busy = True
             try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                self._queue.put(None)  # keep the stop signal for the main loop
-                break
+                outcomes = self._write(batch, self._checkpoint, self._low_writers)
+            except _HandOver:
+                with self._cond:
+                    self._queue.extendleft(reversed(batch))
+                    self.handovers += 1
+                    self._low_busy = False
+                    self._cond.notify_all()
+                continue
+            self._complete(batch, outcomes)
+            with self._cond:
+                self._low_busy = False
+                self._cond.notify_all()
+
+    def _run_urgent(self) -> None:
+        """The normal-priority writer: batches while the writes are urgent (a value waited
+        ``lag_s``, ``max_bytes`` pending, someone waiting), never beside a low-priority
+        batch (one batch at a time: two writes of one key must not race)."""
+        while True:
+            with self._cond:
+                while not (self._queue and self._urgent() and not self._low_busy):
+                    if self._stopping and not self._pending:
+                        return
+                    # Urgent: the low-priority batch under way is handed over (or ends) at
+                    # its next checkpoint, which is notified; else until the oldest is due.
+                    self._cond.wait(None if self._urgent() else self._due_in())
+                batch = self._take()
+            self._complete(batch, self._write(batch, None, None))
+
+    def _take(self) -> list[_Job]:
+        """The next batch from the queue (caller holds ``_cond``; the queue is not empty)."""
+        batch = [self._queue.popleft()]
+        size = batch[0].nbytes
+        while self._queue and len(batch) < MAX_BATCH_ITEMS and size < MAX_BATCH_BYTES:
+            job = self._queue.popleft()
             batch.append(job)
-            size += job.item.layout.nbytes
-        with self._idle:
-            self._queued_bytes -= size
+            size += job.nbytes
         return batch
 
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            give_way = (
-                self._reads.give_way(YIELD_TO_READS_S, self._batch_waiting, self._hurried)
-                if self._reads is not None
-                else None
-            )
-            if give_way is not None:
-                give_way.before()
-            batch = self._next_batch(first)  # after the wait: whatever queued meanwhile
+    def _write(
+        self,
+        batch: list[_Job],
+        checkpoint: Callable[[], None] | None,
+        writers: Executor | None,
+    ) -> list[bool | BaseException]:
+        """Each item's outcome: stored (True) or not (False), or the unexpected error that
+        stopped it. A failing batch is written again item by item (without checkpoints);
+        :class:`_HandOver` propagates."""
+        items = [j.item for j in batch]
+        try:
             try:
-                outcomes = self._write(batch, give_way)
-            except Exception as exc:  # not even the fallback worked: fail the batch
-                self.errors += 1
-                log.exception("write-behind batch of %d failed", len(batch))
-                outcomes = [exc] * len(batch)
-            for job, outcome in zip(batch, outcomes, strict=True):
-                self._complete(job, outcome)
+                return list(
+                    self._disk.write(items, durable=True, pause=checkpoint, writers=writers)
+                )
+            except _HandOver:
+                raise
+            except Exception as exc:
+                # One bad item (too large, disk full, a failing file) must not sink the rest.
+                log.warning("write-behind batch of %d failed (%s); one by one", len(batch), exc)
+                return [self._write_one(item) for item in items]
+        except _HandOver:
+            raise
+        except Exception as exc:  # not even the fallback worked: fail the batch
+            self.errors += 1
+            log.exception("write-behind batch of %d failed", len(batch))
+            return [exc] * len(batch)
 
-    def _write(self, batch: list[_Job], pause: Pause | None) -> list[bool | BaseException]:
+    def _write_one(self, item: WriteItem) -> bool | BaseException:
         try:
-            return list(self._disk.write([j.item for j in batch], durable=True, pause=pause))
-        except Exception as exc:
-            # One bad item (too large, disk full, a failing file) must not sink the others.
-            log.warning("write-behind batch of %d failed (%s); writing one by one", len(batch), exc)
-            return [self._write_one(j.item, pause) for j in batch]
-
-    def _write_one(self, item: WriteItem, pause: Pause | None) -> bool | BaseException:
-        try:
-            return self._disk.write([item], durable=True, pause=pause)[0]
+            return self._disk.write([item], durable=True)[0]
         except PersistingError as exc:
             log.warning("write-behind of %r failed: %s", item.key, exc)
             return False
@@ -167,31 +369,23 @@ class WriteBehind:
             log.exception("write-behind of %r failed unexpectedly", item.key)
             return exc
 
-    def _complete(self, job: _Job, outcome: bool | BaseException) -> None:
-        stored = outcome is True
-        error = outcome if isinstance(outcome, BaseException) else None
-        try:
-            self._on_done(job.item, stored, error)
-        except Exception:
-            self.hook_errors += 1
-            log.exception("write-behind completion of %r raised", job.item.key)
-        if error is not None:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(stored)
-        with self._idle:
-            self._outstanding -= 1
-            if not self._outstanding:
-                self._idle.notify_all()
-
-    def close(self) -> None:
-        """Write what is queued, then stop the thread."""
-        at_exit.untrack(self, at_exit.WRITER)
-        with self._idle:
-            self._hurry += 1  # for good: nothing waits for quiet any more
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+    def _complete(self, batch: list[_Job], outcomes: list[bool | BaseException]) -> None:
+        for job, outcome in zip(batch, outcomes, strict=True):
+            stored = outcome is True
+            error = outcome if isinstance(outcome, BaseException) else None
+            try:
+                self._on_done(job.item, stored, error)
+            except Exception:
+                self.hook_errors += 1
+                log.exception("write-behind completion of %r raised", job.item.key)
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(stored)
+            with self._cond:
+                del self._pending[job.seq]
+                self._bytes -= job.nbytes
+                self._cond.notify_all()
 
 
-__all__ = ["DoneHook", "WriteBehind"]
+__all__ = ["LAG_S", "MAX_BYTES", "Bounds", "DoneHook", "WriteBehind", "lower_priority"]

@@ -16,6 +16,13 @@ they hold the namespace's shared lock only (:mod:`.namespace_lock`), as before.
 
 The record outlives its holder (``live`` tells whether the lock is held now), so tools can
 still show what an L2 adapter that stopped was configured with.
+
+A lock holds only while its file is the one at the path: a claim is taken on the file found
+there after the lock (one replaced meanwhile is opened again), and a holder that
+:meth:`OwnerClaim.watch` es its claim finds out within :data:`WATCH_EVERY_S` when the file
+was removed (``rm .owner.lock``) or replaced. It then takes the claim again on a new file if
+nobody else has, so a later claimant is refused as before; if another process claimed the
+directory meanwhile, the holder is told it lost the claim (a server then stops serving).
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
+import pwd
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,13 +42,26 @@ from pathlib import Path
 from typing import Any
 
 from persisting.errors import NamespaceOwnedError, StorageIOError
-from persisting.lance_store.access import CONTROL_FILE_MODE, is_open_at, open_private
+from persisting.lance_store.access import (
+    CONTROL_FILE_MODE,
+    is_open_at,
+    open_private,
+    restrict,
+    storage_error,
+)
+
+log = logging.getLogger(__name__)
 
 LOCK_NAME = ".owner.lock"
 RECORD_NAME = ".owner.json"
 #: A claim that finds the lock held tries again for this long (a reader probing the lock
 #: holds it for an instant).
 _RETRY_S = 0.2
+#: How often a watched claim checks that its lock file is still the one at its path.
+WATCH_EVERY_S = 1.0
+
+#: Told that a watched claim was lost, with one line saying how.
+LostHook = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -72,36 +95,103 @@ class Holder:
 class OwnerClaim:
     """A held claim on one directory; :meth:`release` (or process exit) lets go."""
 
-    def __init__(self, directory: Path, fd: int, record: dict[str, Any]):
+    def __init__(self, directory: Path, fd: int, record: dict[str, Any], subject: str = ""):
         self.directory = directory
+        self.subject = subject or str(directory)
         self._fd = fd
         self._record = record
+        self._lock = threading.Lock()  # the descriptor and the record
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @property
     def held(self) -> bool:
         return self._fd >= 0
 
+    @property
+    def path(self) -> Path:
+        """The lock file."""
+        return self.directory / LOCK_NAME
+
     def still_here(self) -> bool:
-        """Whether the lock file this claim holds is still the one at the path (a drop
-        renames a namespace away only while nothing holds it open)."""
-        return self._fd >= 0 and is_open_at(self._fd, self.directory / LOCK_NAME)
+        """Whether the lock file this claim holds is still the one at the path (not removed
+        or replaced since it was locked)."""
+        with self._lock:
+            return self._fd >= 0 and is_open_at(self._fd, self.path)
+
+    def check(self) -> str | None:
+        """Make sure the claim still holds: when its lock file is gone from the path (or
+        another file is there), lock a new one, unless another process holds that. Returns
+        None while the claim holds, else one line saying how it was lost (the claim is then
+        released)."""
+        with self._lock:
+            if self._fd < 0:
+                return f"the claim on {self.subject} was released"
+            if is_open_at(self._fd, self.path):
+                return None
+            try:
+                fd = _lock_file(self.path, wait_s=0.0)
+                if fd is not None:
+                    _write_record(self.directory, {**self._record, "pid": os.getpid()})
+            except (OSError, StorageIOError) as exc:
+                lost = f"cannot lock it again: {exc}"
+            else:
+                if fd is not None:
+                    os.close(self._fd)
+                    self._fd = fd
+                    log.warning(
+                        "the owner lock %s was removed while this process held it; "
+                        "locked a new one (a second claimant is refused again)",
+                        self.path,
+                    )
+                    return None
+                holder = read_owner(self.directory)
+                named = holder.describe() if holder is not None else "another process"
+                lost = f"{named} has claimed it since"
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+        return (
+            f"the owner lock {self.path} of {self.subject} was removed while this process "
+            f"held it, and {lost}: this process no longer owns it"
+        )
+
+    def watch(self, on_lost: LostHook, every_s: float = WATCH_EVERY_S) -> None:
+        """:meth:`check` the claim every ``every_s`` seconds on a thread of its own until it
+        is released; ``on_lost`` gets the line saying how it was lost, once."""
+        if self._watcher is not None or self._fd < 0:
+            return
+
+        def run() -> None:
+            while not self._stop.wait(every_s):
+                lost = self.check()
+                if lost is not None:
+                    if not self._stop.is_set():  # not simply released meanwhile
+                        on_lost(lost)
+                    return
+
+        self._watcher = threading.Thread(target=run, name="persisting-owner-watch", daemon=True)
+        self._watcher.start()
 
     def update(self, what: str | None = None, **details: Any) -> None:
         """Rewrite the record: a new one-line description and/or details merged in."""
-        if self._fd < 0:
-            return
-        if what is not None:
-            self._record["what"] = what
-        self._record["details"] = {**self._record.get("details", {}), **details}
-        self._record["updated"] = time.time()
-        with contextlib.suppress(OSError, StorageIOError):  # a record is informative only
-            _write_record(self.directory, self._record)
+        with self._lock:
+            if self._fd < 0:
+                return
+            if what is not None:
+                self._record["what"] = what
+            self._record["details"] = {**self._record.get("details", {}), **details}
+            self._record["updated"] = time.time()
+            with contextlib.suppress(OSError, StorageIOError):  # a record is informative
+                _write_record(self.directory, self._record)
 
     def release(self) -> None:
-        if self._fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = -1
+        self._stop.set()
+        with self._lock:
+            if self._fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)  # closing the descriptor drops the flock
+                self._fd = -1
 
 
 def claim_owner(
@@ -122,20 +212,9 @@ def claim_owner(
     """
     if make_dir is not None:
         make_dir()
-    fd = open_private(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
-    deadline = time.monotonic() + _RETRY_S
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise _refusal(directory, subject, advice) from None
-                time.sleep(0.02)
-    except BaseException:
-        os.close(fd)
-        raise
+    fd = _lock_file(directory / LOCK_NAME, wait_s=_RETRY_S)
+    if fd is None:
+        raise _refusal(directory, subject, advice)
     record = {
         "pid": os.getpid(),
         "host": socket.gethostname(),
@@ -149,7 +228,55 @@ def claim_owner(
     except BaseException:
         os.close(fd)
         raise
-    return OwnerClaim(directory, fd, record)
+    return OwnerClaim(directory, fd, record, subject)
+
+
+def _lock_file(path: Path, wait_s: float) -> int | None:
+    """A descriptor of the lock file at ``path`` (created if missing), exclusively locked,
+    which is still the file at ``path`` once locked; None if another process holds it
+    (tried again for ``wait_s`` seconds)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        fd = _open_lock(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        if is_open_at(fd, path):
+            return fd
+        os.close(fd)  # removed or replaced between the open and the lock: open it again
+
+
+def _open_lock(path: Path) -> int:
+    """Open (or create) a lock file. One this user may not open is named with its owner
+    and mode (say, a stale lock left by a server that ran as another user), rather than
+    blamed on the storage root."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, CONTROL_FILE_MODE)
+    except PermissionError as exc:
+        try:
+            info = os.lstat(path)
+        except OSError:  # no such file: the directory is what we may not write
+            raise storage_error(f"cannot create {path}", exc) from exc
+        owner = _user(info.st_uid)
+        if info.st_uid != os.geteuid():
+            owner += f", not to {_user(os.geteuid())} who runs this"
+        raise StorageIOError(
+            f"cannot open the owner lock {path}: it belongs to {owner} (mode "
+            f"{info.st_mode & 0o777:04o}); if no process of that user holds it (a stale "
+            f"lock), remove the file"
+        ) from exc
+    except OSError as exc:
+        raise storage_error(f"cannot open {path}", exc) from exc
+    restrict(path, CONTROL_FILE_MODE, fd=fd)
+    return fd
 
 
 def _refusal(directory: Path, subject: str, advice: str) -> NamespaceOwnedError:
@@ -210,10 +337,20 @@ def _write_record(directory: Path, record: Mapping[str, Any]) -> None:
     os.replace(tmp, directory / RECORD_NAME)
 
 
+def _user(uid: int) -> str:
+    """``alice (uid 1000)``, or ``uid 1000`` for a uid with no name."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 __all__ = [
     "LOCK_NAME",
     "RECORD_NAME",
+    "WATCH_EVERY_S",
     "Holder",
+    "LostHook",
     "OwnerClaim",
     "claim_owner",
     "is_claimed",

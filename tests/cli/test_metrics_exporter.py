@@ -84,7 +84,7 @@ def test_counters_gauges_and_histograms_move_with_real_traffic(root: Path) -> No
         with open(where.path, "r+b") as f:  # damage the payload on disk
             f.seek(where.offset + 100)
             f.write(b"\xff" * 16)
-        store.release(key(2))
+        store.release(key(2), where.token)
         assert store.get(key(2)) is None  # the checksum catches it
         hasher = TokenHasher("org/other-model", chunk_size=16)
         chunks = hasher.process_tokens(list(range(40)))

@@ -15,10 +15,10 @@ import torch
 from persisting.config import KVSettings, PersistingSettings
 from persisting.cuda import DeviceCopier, PinnedRegion
 from persisting.errors import ConfigError, InvalidValueError
-from persisting.kv import KVStore, TokenHasher, open_kv_store
+from persisting.kv import ChunkKey, KVStore, TokenHasher, open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES
 from persisting.metrics import KVMetrics
-from tests.kv.kv_helpers import MODEL, disk_tier, key, tensor
+from tests.kv.kv_helpers import MODEL, key, tensor
 
 MiB = 1 << 20
 
@@ -28,11 +28,10 @@ def root(tmp_path: Path) -> Path:
     return tmp_path / "root"
 
 
-def payload_path(store: KVStore, k: object) -> Path:
-    text = store._key(k)  # type: ignore[arg-type]
-    entry = disk_tier(store).entry(text)
-    assert entry is not None
-    return disk_tier(store).files.path(text, entry.tag)
+def payload_path(store: KVStore, k: ChunkKey) -> Path:
+    where = store.lease(k, 0.0)  # where its bytes are (no lease taken)
+    assert where is not None
+    return Path(where.path)
 
 
 def flip_payload_byte(path: Path, at: int = 100) -> None:
@@ -151,7 +150,7 @@ def test_the_staged_device_path_is_bit_exact_and_leaves_misses_untouched(root: P
         outs = [sentinel.clone() for _ in range(n + 1)]
         # Staging smaller than the batch: buffers are reused as their copies complete.
         copier = DeviceCopier("cpu", staging=PinnedRegion(3 * 8192, pin=False))
-        texts = [s._key(key(i)) for i in [*range(n), 77]]
+        texts = [str(key(i)) for i in [*range(n), 77]]
         layouts = s._reads.fill_staged(copier, texts, outs)
         assert layouts[0] is None and layouts[n] is None
         assert torch.equal(outs[0], sentinel) and torch.equal(outs[n], sentinel)

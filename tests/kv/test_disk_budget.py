@@ -56,7 +56,7 @@ def test_an_in_flight_file_is_written_beside_its_place_and_renamed_within_it(
             assert started.wait(60)
             (writing,) = in_flight(store.directory)
             # Renamed within its own directory: seen once by any listing of it.
-            assert writing.parent == files.path(store._key(key(1)), 0).parent
+            assert writing.parent == files.path(str(key(1)), 0).parent
             assert not (store.directory / "tmp").exists()
         finally:
             go.set()

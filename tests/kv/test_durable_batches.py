@@ -55,7 +55,7 @@ def test_a_batch_that_creates_a_payload_subdirectory_syncs_payload_itself(
 def _subdir_of(store, i: int) -> str:  # type: ignore[no-untyped-def]
     from persisting.kv.payload_files import key_hash
 
-    return f"{key_hash(store._key(key(i))) >> 56:02x}"
+    return f"{key_hash(str(key(i))) >> 56:02x}"
 
 
 def test_the_files_of_a_durable_batch_are_synced_on_several_threads_each_dir_once(

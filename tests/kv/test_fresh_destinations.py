@@ -1,24 +1,19 @@
-"""Reads into memory nobody touched yet (issue 27): fresh destination pages are populated
-in one call per part by the thread that hands the parts out (never faulted in by several
-reader threads at once), resident ones are left alone, results kept by the caller land in
-small-page result memory, and the write-behind gives way to reads in flight."""
+"""Reads into memory nobody touched yet (issue 27): populating pages in one call, copying
+into fresh or resident memory from the memory tier, and disk reads (whole, in parts, side
+by side) into fresh or resident destinations, all bit-exact."""
 
 from __future__ import annotations
 
 import mmap
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from persisting.kv import open_kv_store, range_reads
-from persisting.kv import write_behind as write_behind_module
-from persisting.kv.read_activity import ReadActivity
+from persisting.kv import open_kv_store
 from persisting.shm import PAGE, copy_into, pages_resident, populate
-from tests.kv.kv_helpers import MODEL, disk_tier, key
+from tests.kv.kv_helpers import MODEL, key
 
 MiB = 1 << 20
 
@@ -52,46 +47,21 @@ def test_copy_into_fresh_memory_populates_then_copies() -> None:
     assert np.array_equal(fresh, source) and pages_resident(fresh)
 
 
-def trace_populate(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """Record (thread name, bytes) of every populate a disk read makes."""
-    calls: list[tuple[str, int]] = []
-    real = range_reads.populate_pages
-
-    def traced(array: np.ndarray) -> bool:
-        calls.append((threading.current_thread().name, array.nbytes))
-        return real(array)
-
-    monkeypatch.setattr(range_reads, "populate_pages", traced)
-    return calls
-
-
-def test_a_split_read_into_fresh_pages_populates_them_on_the_handing_thread(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_split_read_into_fresh_pages_is_bit_exact(root: Path) -> None:
+    """A lone value is read in parts on the reader threads at once, into result pages
+    nobody touched yet (each kept) or into a caller's resident buffer."""
     value = torch.arange(3 * MiB + 4096, dtype=torch.int32).view(torch.uint8).reshape(1, -1)
-    nbytes = value.numel()
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=256 * MiB, read_threads=4) as s:
         s.put(key(0), value, fmt="binary", check_shape=False)
-        calls = trace_populate(monkeypatch)
         kept = [s.get(key(0)) for _ in range(3)]  # each kept: fresh result pages
         assert all(torch.equal(got, value) for got in kept)
-        me = threading.current_thread().name
-        assert calls and all(thread == me for thread, _n in calls)
-        assert sum(n for _t, n in calls) == 3 * nbytes  # every part of every value
-        assert len(calls) == 3 * 4  # four parts each, each populated before its read
-        calls.clear()
         resident = torch.zeros_like(value)  # written: its pages are resident
         assert s.get_into(key(0), resident) is not None and torch.equal(resident, value)
-        assert calls == []  # nothing to populate
-        assert s._reads._results is not None and not s._reads._results.huge_pages
+        fresh = torch.from_numpy(fresh_array(value.numel())).reshape(1, -1)
+        assert s.get_into(key(0), fresh) is not None and torch.equal(fresh, value)
 
 
-def test_a_batch_read_side_by_side_into_fresh_pages_does_not_populate_them(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Reads of a batch that run beside one another leave their fresh pages to fault
-    inside the reads (populating whole values on several threads at once holds the
-    memory-map lock against the rest of the process); the values are still bit-exact."""
+def test_a_batch_read_side_by_side_into_fresh_pages_is_bit_exact(root: Path) -> None:
     values = [
         torch.arange(3 * MiB + 4096 * i, dtype=torch.int32).view(torch.uint8).reshape(1, -1)
         for i in range(6)
@@ -99,25 +69,16 @@ def test_a_batch_read_side_by_side_into_fresh_pages_does_not_populate_them(
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=256 * MiB, read_threads=4) as s:
         for i, value in enumerate(values):
             s.put(key(10 + i), value, fmt="binary", check_shape=False)
-        calls = trace_populate(monkeypatch)
         got = s.batched_get([key(10 + i) for i in range(6)])  # 6 * 2 > 4 threads: side by side
         assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
-        assert calls == []
-        alone = s.get(key(10))  # one value: populated as before
-        assert alone is not None and torch.equal(alone, values[0])
-        assert calls
 
 
-def test_a_read_on_one_thread_populates_each_piece_before_reading_it(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_read_on_one_thread_into_fresh_pages_is_bit_exact(root: Path) -> None:
     value = torch.full((1, 3 * MiB), 9, dtype=torch.uint8)
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB, read_threads=1) as s:
         s.put(key(1), value, fmt="binary", check_shape=False)
-        calls = trace_populate(monkeypatch)
         out = torch.from_numpy(fresh_array(3 * MiB)).reshape(1, -1)
         assert s.get_into(key(1), out) is not None and torch.equal(out, value)
-        assert [n for _t, n in calls] == [range_reads.READ_PIECE] * 3
 
 
 def test_a_memory_hit_into_a_fresh_destination_is_bit_exact(root: Path) -> None:
@@ -130,81 +91,3 @@ def test_a_memory_hit_into_a_fresh_destination_is_bit_exact(root: Path) -> None:
         # Compared as bits (NaN patterns are among them).
         assert torch.equal(out.view(torch.int16), value.reshape(-1).view(torch.int16))
         assert s.stats()["get_hit_memory"] == 1
-
-
-def test_wait_quiet_waits_for_reads_in_flight_and_no_longer_than_its_limit() -> None:
-    reads = ReadActivity()
-    assert reads.wait_quiet(5.0) < 0.5  # nothing in flight
-    entered, leave = threading.Event(), threading.Event()
-
-    def reader() -> None:
-        with reads.reading():
-            entered.set()
-            leave.wait(5)
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    entered.wait(5)
-    assert reads.in_flight == 1
-    assert 0.2 <= reads.wait_quiet(0.2) < 2.0  # gives up at its limit
-    threading.Timer(0.3, leave.set).start()
-    assert 0.2 <= reads.wait_quiet(10.0) < 5.0  # returns once the read is done
-    thread.join()
-    assert reads.in_flight == 0 and reads.yielded_s > 0.4
-
-
-def test_the_write_behind_holds_back_while_a_get_is_in_flight(root: Path) -> None:
-    value = torch.full((2, 4, 16, 64), 3, dtype=torch.bfloat16)
-    with open_kv_store(
-        root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
-    ) as s:
-        text = s._key(key(3))
-        with s._tiers.reads.reading():  # a get in flight (as its read path marks it)
-            s.put(key(3), value)
-            time.sleep(0.5)
-            assert disk_tier(s).entry(text) is None  # not written while the read runs
-            assert torch.equal(s.get(key(3)), value)  # readable from memory meanwhile
-        s.flush()
-        assert disk_tier(s).entry(text) is not None
-        assert s._tiers.reads.yielded_s >= 0.4
-
-
-def test_wait_quiet_counts_requests_that_follow_one_another_as_one_burst() -> None:
-    reads = ReadActivity(linger_s=0.3)
-    with reads.reading():
-        pass  # one just ended: the store counts as busy a moment longer
-    assert 0.2 <= reads.wait_quiet(10.0) < 5.0
-    assert reads.wait_quiet(10.0) < 0.2  # quiet since
-    with reads.reading():  # in flight, but the writer has had enough of waiting
-        assert reads.wait_quiet(10.0, enough=lambda: True) < 0.2
-
-
-def test_the_write_behind_holds_back_for_a_remote_put_burst_not_past_a_full_batch(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A remote put landing (``foreground(landing=True)``) holds the writes behind, but a
-    full batch queued up, or a flush, writes at once, beside the landing puts: a store
-    written without pause still writes everything."""
-    monkeypatch.setattr(write_behind_module, "YIELD_TO_READS_S", 60.0)
-    value = torch.full((2, 4, 16, 64), 5, dtype=torch.bfloat16)
-    batch = write_behind_module.MAX_BATCH_ITEMS
-    with open_kv_store(
-        root, MODEL, memory_bytes=64 * MiB, disk_bytes=64 * MiB, durability="async"
-    ) as s:
-        disk = disk_tier(s)
-        with s.foreground(landing=True):
-            s.put(key(100), value)
-            time.sleep(0.3)
-            assert disk.entry(s._key(key(100))) is None  # held back during the burst
-            for i in range(batch):
-                s.put(key(101 + i), value)
-            deadline = time.monotonic() + 30
-            written = 0
-            while written < batch and time.monotonic() < deadline:
-                time.sleep(0.05)
-                written = sum(
-                    disk.entry(s._key(key(100 + i))) is not None for i in range(batch + 1)
-                )
-            assert written >= batch  # a full batch does not wait for the burst to end
-            s.flush()  # nor does a flush
-            assert all(disk.entry(s._key(key(100 + i))) is not None for i in range(batch + 1))

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -111,10 +110,9 @@ def test_sigkill_loses_no_acknowledged_sync_put(root: Path) -> None:
             text=True,
         )
         assert proc.stdout is not None
-        deadline = time.monotonic() + 60
         target = 5 + 3 * kill
         got = 0
-        while got < target and time.monotonic() < deadline:
+        while got < target:  # each line blocks until the writer acknowledges a put
             line = proc.stdout.readline()
             if not line:
                 break

@@ -5,8 +5,6 @@ is not yet durable (issue 13, items 4, 5, 7 and 14)."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,27 +12,10 @@ import torch
 
 from persisting.kv import KVStore, PutResult, open_kv_store
 from tests.kv.kv_helpers import MODEL, disk_tier, in_flight, key, tensor
+from tests.timing import finishes, wait_until
 
 MiB = 1 << 20
 VALUE_BYTES = tensor(0).numel() * 2
-
-
-def finishes(fn: Callable[[], object], seconds: float = 60.0) -> bool:
-    """Run ``fn`` in a thread; True if it returned within ``seconds`` (a hang is a False,
-    not a stuck test run)."""
-    thread = threading.Thread(target=fn, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive()
-
-
-def until(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 # -- item 4: a remove wins over a write in progress --------------------------------------
@@ -70,7 +51,7 @@ def test_remove_wins_over_a_write_behind_already_writing(root: Path) -> None:
     ) as store:
         with disk_tier(store).usage.locked():  # the writer blocks at its reservation
             store.put(key(1), tensor(1), on_complete=told.append)
-            assert until(lambda: str(key(1)) in disk_tier(store)._writing)  # inside the write
+            wait_until(lambda: disk_tier(store).is_writing(str(key(1))), "inside the write")
             assert store.remove(key(1))
         store.flush()
         assert not store.contains(key(1))
@@ -92,9 +73,8 @@ def test_remove_wins_over_a_write_back_of_an_evicted_value(root: Path) -> None:
         with disk_tier(store).usage.locked():  # key 1's write-back blocks at its reservation
             putter.start()
             # Key 1 has left memory: it is being written back, blocked at the reservation.
-            evicted = until(lambda: not store.in_memory(key(1)))
+            wait_until(lambda: not store.in_memory(key(1)), "key 1 evicted")
             store.remove(key(1))
-        assert evicted
         putter.join(60)
         store.flush()
         assert not store.contains(key(1))
@@ -207,6 +187,7 @@ def test_write_back_mode_reports_values_not_yet_on_disk(root: Path) -> None:
             assert store.exists_in_put_tasks(key(i))
         assert told == []  # nothing is on disk yet
         store.put(key(3), tensor(3), on_complete=told.append)  # evicts key 1: written back
+        store.flush()  # by the write-behind, not on the putting thread
         assert told == [PutResult(str(key(1)), "disk", True, True)]
         assert not store.exists_in_put_tasks(key(1))
         assert store.exists_in_put_tasks(key(2)) and store.exists_in_put_tasks(key(3))

@@ -220,7 +220,8 @@ def test_write_back_mode_writes_back_on_eviction_and_close(root: Path) -> None:
         store.put(key(0), tensor(0))
         store.put(key(1), tensor(1))
         assert store.stats()["disk_items"] == 0
-        store.put(key(2), tensor(2))  # evicts 0 -> written back
+        store.put(key(2), tensor(2))  # evicts 0 -> written back (by the write-behind)
+        store.flush()
         assert store.stats()["disk_items"] == 1
         assert torch.equal(store.get(key(0)), tensor(0))
     with open_store(root, memory_bytes=0) as reopened:

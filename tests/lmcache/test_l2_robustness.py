@@ -55,7 +55,7 @@ def payload_path(adapter: PersistingL2Adapter, key) -> Path:  # type: ignore[no-
     text = object_key_text(adapter.params.namespace, key)
     where = adapter.store.lease(text, 1.0)
     assert where is not None
-    adapter.store.release(text)
+    adapter.store.release(text, where.token)
     return Path(where.path)
 
 

@@ -58,7 +58,7 @@ def break_payload_file(plugin: PersistingKVBackend, i: int) -> None:
     store = plugin.store_for(key(i))
     where = store.lease(key(i).to_string(), 1.0)
     assert where is not None
-    store.release(key(i).to_string())
+    store.release(key(i).to_string(), where.token)
     os.unlink(where.path)
     os.mkdir(where.path)
 

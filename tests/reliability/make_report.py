@@ -69,10 +69,53 @@ PROMISES = """\
   strided memoryviews, token ids that are not 64-bit integers, a closed store's `stats()`
   and a read-only storage root raise a `PersistingError` subclass, or give a clean miss.
   Stored data is never touched.
+- **KV of other weights is never served.** Every namespace a model's KV lives in carries
+  the identity of its weights (`persisting.kv.model_identity`): a version the operator pins
+  (`kv.model_version`, the engines' `model_version`), else a fingerprint of the model's
+  files when they are on the host (a local directory: each file's size and xxh3-128,
+  cached by device, inode, size, mtime and ctime so a restart rehashes nothing; a Hugging
+  Face cache snapshot: its blobs' content-hash names, nothing read). A fine-tune saved
+  over the same directory, a new hub revision or a rebuilt checkpoint opens a new, empty
+  namespace: a miss, never old KV. Docs, licences and images are left out; the config,
+  weights, quantization and tokenizer files are in. Where the files cannot be found (a
+  model served by name from another host), the name alone names the namespace and a
+  warning asks for `model_version`: pin it and change it whenever the weights change.
+- **A root nobody else controls.** On open, the storage root, `kv/`, each namespace and
+  each queue bucket directory (and its topic and `queue/` directories) must belong to this
+  user and be writable by nobody else, as ssh refuses a group-writable `~/.ssh`: another
+  user's, or one others may write, is refused with an `UnsafeStorageError` naming the path
+  and the fix (a link under the root is refused too; the root itself may be a link, its
+  target is checked). Directories of ours with wider bits are tightened first.
+  `storage_access = "group"` lets the owner's group *read*; several users writing one
+  root is not supported (run the writers as one service user).
+- **Files the store did not write are never served.** Each payload file's header is sealed
+  with the root's key (`kv/.secret`, 32 random bytes, 0600: an HMAC-SHA256 over the key,
+  layout, payload checksum and parent). A file whose seal does not verify -- planted, or
+  copied from another root -- is removed and counted (`foreign_files`) when a store opens or
+  rescans (`refresh()`, which engines run periodically), never indexed or read; payload
+  bytes are checked against the sealed checksum on every read. Files written before seals
+  existed are served while the metadata that recorded them stands; one found only by its
+  header is dropped.
+- **Reports only read.** `persisting stats` and `inspect` list directories and read
+  records; they never open a store for writing, so they never evict, delete or rewrite
+  anything whatever the settings of the shell that runs them (a `stats` under
+  `PERSISTING_KV__DISK_BYTES=4MiB` used to evict 24 of 27 blocks). Each namespace's
+  capacity is the one its writers recorded (`namespace.json`), not the reader's settings.
 - **Store files are private.** Directories under the storage root are 0700 and files
   0600 (`storage_access = "group"` widens data to 0750/0640); the lock and counter files
   are 0600 always, so another local user can neither read a cached tensor nor hold the
   lock that every put takes.
+- **One owner per namespace, even when its lock file is pulled.** A server checks every
+  second (`WATCH_EVERY_S`) that its `.owner.lock` is still the file at the path; removed,
+  it locks a new one (a second server is then refused), or, if another process claimed the
+  namespace first, it stops serving and exits 1. So two servers serve one namespace for at
+  most about a second after `rm .owner.lock` (`tests/service/test_owner_lock.py`).
+- **Leases are counted.** Each read lease is a token; releasing one never clears
+  another holder's, so a file is not evicted while anyone's lease runs.
+- **Async writes are bounded.** With `durability="async"` or `"write_back"` at most about
+  `kv.write_behind_bytes` (default 2 GiB) are acknowledged and not yet on disk (puts wait
+  beyond it), and a value waits for the low-priority writer at most
+  `kv.write_behind_lag_s` (default 2 s) before it is written at normal priority.
 - **A remove wins.** A remove cancels a write of its key still in progress (write-behind,
   write-back of an evicted value): the key stays absent, also on disk and after a reopen.
 - **Put results are honest.** `stored=True` only when a tier took the value; the
@@ -149,6 +192,14 @@ PROMISES = """\
   its replacement written into a directory it has yet to reach), so it can read above any
   moment's figure by what was written during the walk; taken under the directory's
   `.metadata.lock` and `.lock`, it sees one moment (figures below).
+- **One budget for the whole root.** `disk_bytes` bounds the storage root, not each
+  namespace: a writer keeps its namespace within `disk_bytes` less what the root's other
+  namespaces hold (their usage counters, read at most once a second). An idle namespace (an
+  engine's old layout or weights version, a model no live store holds) is dropped whole,
+  the one opened longest ago first, when it is in the way; live namespaces never evict each
+  other (the first to fill keeps its room, the others evict their own chunks to fit beside
+  it). Writers of different namespaces may each add one batch at the same moment, so the
+  root may exceed the budget by that much until the next reservation.
 - **A process may exit without closing.** A store still open when the interpreter exits
   is closed by an exit hook (its write-behind finished, metadata committed, threads
   joined), as are queue backends and blocking service clients (whose sessions then end at

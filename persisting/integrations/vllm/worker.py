@@ -154,7 +154,7 @@ class PersistingWorker(OffloadingWorker):
                 )
             return read_rows(location.path, location.offset, rows, location.checksum)
         finally:
-            self.store.release(key)
+            self.store.release(key, location.token)
 
     def _failed(self, key: str, block_id: int, exc: Exception) -> None:
         log.warning("Persisting: block %s not loaded (%s); vLLM recomputes it", key, exc)

@@ -27,8 +27,8 @@ import xxhash
 
 from persisting.service.bulk.frames import (
     CHECKSUM,
-    HASH_PIECE,
     LENGTH,
+    WIRE_PIECE,
     ConnectionLost,
     frame_length,
     pack,
@@ -133,8 +133,8 @@ class Conn:
         """Receive a payload into ``view`` (its destination), hashing each piece as it
         lands; returns the checksum of the whole."""
         hasher = xxhash.xxh3_64()
-        for start in range(0, len(view), HASH_PIECE):
-            piece = view[start : start + HASH_PIECE]
+        for start in range(0, len(view), WIRE_PIECE):
+            piece = view[start : start + WIRE_PIECE]
             self.recv_into(piece, deadline)
             hasher.update(piece)
         return int(hasher.intdigest())

@@ -35,13 +35,16 @@ import msgpack
 
 from persisting.errors import PersistingError, ProtocolError, error_class_for
 from persisting.kv import Layout
-from persisting.kv.layout import HASH_PIECE  # receivers hash payloads in these pieces
 from persisting.service.protocol import is_plain
 
 #: Largest frame either side accepts (4096 keys of ~100 bytes fit easily).
 MAX_FRAME_BYTES = 4 << 20
 #: Items in one put request.
 MAX_PUT_ITEMS = 1024
+#: Bytes of a payload a receiver takes, and a sender hands the kernel, before hashing them
+#: (the streaming xxh3 of the pieces equals the checksum of the whole). A piece of the
+#: wire, not of the store's copies and files (``persisting.kv.layout.HASH_PIECE``).
+WIRE_PIECE = 512 << 10
 
 LENGTH = struct.Struct("<I")
 CHECKSUM = struct.Struct("<Q")
@@ -105,10 +108,10 @@ def value_header(frame: dict[str, Any]) -> tuple[Layout, int, str]:
 
 __all__ = [
     "CHECKSUM",
-    "HASH_PIECE",
     "LENGTH",
     "MAX_FRAME_BYTES",
     "MAX_PUT_ITEMS",
+    "WIRE_PIECE",
     "ConnectionLost",
     "error_frame",
     "frame_length",

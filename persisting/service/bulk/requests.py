@@ -118,7 +118,7 @@ class Requests:
         except OSError:
             return None, None
         finally:
-            store.release(key)
+            store.release(key, location.token)  # this lease only: another reader's holds
 
     # -- put ------------------------------------------------------------------------------
 

@@ -218,8 +218,10 @@ class BulkServer:
         deadline = time.monotonic() + self.handshake_s
         conn = Conn(sock, kind)
         try:
-            if kind == "tcp" and self.identity is not None and not is_loopback(
-                str(sock.getsockname()[0])
+            if (
+                kind == "tcp"
+                and self.identity is not None
+                and not is_loopback(str(sock.getsockname()[0]))
             ):
                 tls = self.identity.context.wrap_socket(
                     sock, server_side=True, do_handshake_on_connect=False

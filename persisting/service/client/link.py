@@ -49,8 +49,8 @@ from persisting.kv import Layout, SharedLocation
 from persisting.kv.range_reads import READ_PIECE
 from persisting.service.bulk.frames import (
     CHECKSUM,
-    HASH_PIECE,
     LENGTH,
+    WIRE_PIECE,
     ConnectionLost,
     frame_length,
     pack,
@@ -237,8 +237,8 @@ class LoopConn:
         """Receive a payload into ``view`` (its destination), hashing each piece as it
         lands while the next arrive; returns the checksum of the whole."""
         hasher = xxhash.xxh3_64()
-        for start in range(0, len(view), HASH_PIECE):
-            piece = view[start : start + HASH_PIECE]
+        for start in range(0, len(view), WIRE_PIECE):
+            piece = view[start : start + WIRE_PIECE]
             await self.recv_into(piece)
             hasher.update(piece)
         return int(hasher.intdigest())
@@ -289,8 +289,8 @@ class LoopConn:
         for payload in payloads:
             view = memoryview(payload).cast("B")
             hasher = xxhash.xxh3_64()
-            for start in range(0, len(view), HASH_PIECE):
-                piece = view[start : start + HASH_PIECE]
+            for start in range(0, len(view), WIRE_PIECE):
+                piece = view[start : start + WIRE_PIECE]
                 await self.send([lead, piece])
                 hasher.update(piece)
                 lead = b""
