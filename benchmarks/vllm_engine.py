@@ -5,7 +5,9 @@ and of ``benchmarks/vllm_ttft.py``. Runs in the engine environment (``.venv-vllm
     .venv-vllm/bin/python benchmarks/vllm_engine.py run PLAN.json OUT.json
 
 ``model`` builds a random-weight ``LlamaForCausalLM`` from a ``LlamaConfig`` (bf16
-safetensors, no download) and a word-level tokenizer trained here with ``tokenizers``.
+safetensors, no download; ``--seed`` picks the weights, ``--arch gemma3`` builds a hybrid
+``Gemma3ForCausalLM`` instead: sliding-window and full-attention layers, two KV-cache
+groups) and a word-level tokenizer trained here with ``tokenizers``.
 ``run`` starts one ``LLM`` with the plan's KV connector, then runs its steps in order:
 
 - ``{"name": "a", "prompt": [len, seed], "max_tokens": 8}``: greedy generation of a prompt
@@ -15,6 +17,10 @@ safetensors, no download) and a word-level tokenizer trained here with ``tokeniz
 - ``{"action": "wait_files", "dir": D, "count": N}``: wait until D holds N files (stores
   land asynchronously, after the request finished);
 - ``{"action": "damage", "dir": D}``: flip bytes in the middle of every file under D;
+- ``{"action": "unreadable", "dir": D}``: replace every block file under D by a link to a
+  directory (opening it works, reading it fails with an I/O error);
+- ``{"action": "signal", "file": F}`` / ``{"action": "wait", "file": F}``: write / wait
+  for a marker (engines in two processes);
 - ``{"action": "scrape", "url": U}``: read a metrics page into the output;
 - ``{"action": "settle"}``: ``os.sync()`` and a pause (benchmarks);
 - ``{"action": "uncache", "dir": D}``: drop D's files from the page cache (cold reads);
@@ -24,7 +30,9 @@ safetensors, no download) and a word-level tokenizer trained here with ``tokeniz
 Connectors: ``persisting`` (PersistingConnector with the plan's extra config), ``lmcache``
 (vLLM's LMCacheMPConnector to a running ``lmcache server``), ``naive``
 (``benchmarks/naive_file_spec.py``: one file per block, the baseline of the TTFT
-benchmark), or none.
+benchmark), ``tiering-fs`` (vLLM's OffloadingConnector with its TieringOffloadingSpec and
+``fs`` tier: GPU engines only), or none. The plan's ``gpu_memory_utilization`` is passed on
+(GPU engines).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -45,12 +54,20 @@ VOCAB = 4096
 
 
 def build_model(
-    out: Path, layers: int, hidden: int, heads: int, kv_heads: int, max_len: int, seed: int = 0
+    out: Path,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    max_len: int,
+    seed: int = 0,
+    arch: str = "llama",
 ) -> None:
-    """A random-weight Llama and a word-level tokenizer for it, saved under ``out``."""
+    """A random-weight model and a word-level tokenizer for it, saved under ``out`` (its
+    weights replaced if there already is one)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     words = [f"w{i}" for i in range(VOCAB - 4)]
@@ -68,7 +85,7 @@ def build_model(
         pad_token="<pad>",
     )
     fast.save_pretrained(out)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -81,8 +98,22 @@ def build_model(
         pad_token_id=3,
         torch_dtype="bfloat16",
     )
+    if arch == "gemma3":  # layers alternate: a 256-token sliding window, then full attention
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        layer_types = ["sliding_attention", "full_attention"] * -(-layers // 2)
+        config: Any = Gemma3TextConfig(
+            **shape, head_dim=hidden // heads, sliding_window=256, layer_types=layer_types[:layers]
+        )
+        architecture: Any = Gemma3ForCausalLM
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config, architecture = LlamaConfig(**shape), LlamaForCausalLM
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    model = architecture(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
 
 
@@ -115,6 +146,16 @@ def _transfer_config(connector: dict[str, Any] | None) -> Any:
             kv_connector_extra_config={
                 "lmcache.mp.host": "tcp://localhost",
                 "lmcache.mp.port": int(connector["port"]),
+            },
+        )
+    if kind == "tiering-fs":  # vLLM's own tiered offloading with its fs tier (GPU engines)
+        return KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": int(connector.get("cpu_bytes", 4 << 30)),
+                "secondary_tiers": [{"type": "fs", "root_dir": connector["dir"]}],
             },
         )
     if kind == "naive":
@@ -162,6 +203,24 @@ def _action(step: dict[str, Any]) -> dict[str, Any]:
                 f.write(bytes(b ^ 0xFF for b in chunk))
             damaged += 1
         return {"damaged": damaged}
+    if action == "unreadable":  # opening works, reading fails (EISDIR): an I/O error
+        files = _payload_files(step["dir"])
+        target = Path(tempfile.mkdtemp(prefix="unreadable-"))  # outside the storage root
+        for path in files:
+            path.unlink()
+            path.symlink_to(target)
+        return {"unreadable": len(files)}
+    if action == "signal":
+        Path(step["file"]).write_text("ready")
+        return {}
+    if action == "wait":
+        deadline = time.monotonic() + float(step.get("timeout", 600))
+        while not Path(step["file"]).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {step['file']}")
+            time.sleep(0.1)
+        time.sleep(float(step.get("linger", 0)))
+        return {}
     if action == "scrape":
         with urllib.request.urlopen(step["url"], timeout=10) as reply:
             return {"text": reply.read().decode()}
@@ -188,8 +247,9 @@ def run(plan: dict[str, Any], out_file: Path) -> dict[str, Any]:
 
     start = time.perf_counter()
     options: dict[str, Any] = {}
-    if plan.get("block_size"):
-        options["block_size"] = plan["block_size"]
+    for name in ("block_size", "max_num_batched_tokens", "gpu_memory_utilization"):
+        if plan.get(name):
+            options[name] = plan[name]
     llm = LLM(
         model=plan["model"],
         dtype=plan.get("dtype", "bfloat16"),
@@ -235,12 +295,17 @@ def main(argv: list[str] | None = None) -> None:
     model.add_argument("--heads", type=int, default=4)
     model.add_argument("--kv-heads", type=int, default=4)
     model.add_argument("--max-len", type=int, default=4096)
+    model.add_argument("--seed", type=int, default=0, help="which random weights")
+    model.add_argument("--arch", choices=("llama", "gemma3"), default="llama")
     runner = sub.add_parser("run")
     runner.add_argument("plan", type=Path)
     runner.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     if args.command == "model":
-        build_model(args.dir, args.layers, args.hidden, args.heads, args.kv_heads, args.max_len)
+        build_model(
+            args.dir, args.layers, args.hidden, args.heads, args.kv_heads, args.max_len,
+            seed=args.seed, arch=args.arch,
+        )  # fmt: skip
         return
     plan = json.loads(args.plan.read_text())
     result = run(plan, args.out)

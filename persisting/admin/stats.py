@@ -135,8 +135,14 @@ def scrape(url: str, timeout_s: float = 10.0) -> str:
         raise ServiceUnavailableError(f"cannot scrape {url}: {reason}") from exc
 
 
+#: The prefix of the figures an engine's connector exports (``persisting_vllm_<figure>``,
+#: labelled by namespace: see persisting.integrations.vllm.metrics).
+ENGINE_PREFIX = "persisting_vllm_"
+
+
 def figures_from_scrape(text: str, source: str) -> StatsReport:
-    """Read a scrape of :class:`~persisting.metrics.KVMetrics` back into figures."""
+    """Read a scrape of :class:`~persisting.metrics.KVMetrics` back into figures, or of a
+    vLLM engine's connector (its ``persisting_vllm_*`` figures, per namespace)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     samples = []
@@ -147,7 +153,8 @@ def figures_from_scrape(text: str, source: str) -> StatsReport:
         raise ProtocolError(f"{source} did not return Prometheus text: {exc}") from exc
     names = {s.name for s in samples}
     ours = {f.sample_name for f in STORE_FIGURES} | {QUEUE_LAG_METRIC, f"{LATENCY_METRIC}_count"}
-    if not names & ours:
+    engine = [s for s in samples if s.name.startswith(ENGINE_PREFIX)]
+    if not names & ours and not engine:
         raise ProtocolError(f"{source} exports no Persisting metrics")
 
     by_name: dict[str, list[Any]] = defaultdict(list)
@@ -167,6 +174,11 @@ def figures_from_scrape(text: str, source: str) -> StatsReport:
                 tiers[sample.labels.get("tier", "")] = value
             else:
                 figures_of(model).figures[figure.field] = value
+    for sample in engine:  # an engine's connector: its own figures, per namespace
+        field = sample.name.removeprefix(ENGINE_PREFIX)
+        if not field.endswith("_created"):
+            model = sample.labels.get("namespace", "")
+            figures_of(model).figures[field.removesuffix("_total")] = int(sample.value)
     for model, latencies in _latencies(by_name).items():
         figures_of(model).latency = latencies
     lags = [
@@ -180,11 +192,15 @@ def figures_from_scrape(text: str, source: str) -> StatsReport:
         )
         for s in by_name.get(QUEUE_LAG_METRIC, [])
     ]
-    for figures in models.values():  # same key order as a local report
+    for figures in models.values():  # same key order as a local report, then the engine's
+        store = {f.field for f in STORE_FIGURES}
         figures.figures = {
-            f.field: _tier_order(figures.figures[f.field])
-            for f in STORE_FIGURES
-            if f.field in figures.figures
+            **{
+                f.field: _tier_order(figures.figures[f.field])
+                for f in STORE_FIGURES
+                if f.field in figures.figures
+            },
+            **{k: v for k, v in figures.figures.items() if k not in store},
         }
     return StatsReport(source, "metrics_url", sorted(models.values(), key=_model), lags)
 

@@ -50,6 +50,7 @@ from typing import Any
 import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
+from persisting.kv import direct_io
 from persisting.kv.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
 from persisting.kv.layout import HASH_PIECE, Payload, payload_parts
 from persisting.kv.range_reads import read_file_range
@@ -113,9 +114,14 @@ class Reservation:
 class PayloadFiles:
     """The payload directory of one model namespace."""
 
-    def __init__(self, directory: Path, secret: bytes, modes: FileModes = OWNER_ONLY):
+    def __init__(
+        self, directory: Path, secret: bytes, modes: FileModes = OWNER_ONLY, direct: bool = False
+    ):
         self.directory = directory
         self.modes = modes
+        #: Move aligned payloads with O_DIRECT (see :mod:`persisting.kv.direct_io`); cleared
+        #: once the filesystem refuses it.
+        self.direct = direct
         #: The storage root's key: headers are sealed with it (see :class:`FileHeader`).
         self.secret = secret
         self.payload_dir = directory / "payload"
@@ -231,9 +237,24 @@ class PayloadFiles:
         The tmp file is only published once whole, so a torn one is never visible.
         With ``pause`` the payload is written in pieces with ``pause()`` called before each,
         and before the fsync (which pushes the file to the disk, as costly beside reads as
-        the writes themselves)."""
+        the writes themselves). With :attr:`direct`, a hashed payload whose memory and size
+        O_DIRECT takes is hashed first and written with O_DIRECT in one piece."""
         try:
-            if hashed:
+            digest = None
+            if (
+                hashed
+                and self.direct
+                and isinstance(payload, memoryview)
+                and direct_io.aligned(payload, HEADER_BYTES)
+            ):
+                if pause is not None:
+                    pause()
+                digest = direct_io.write_hashed(pending.tmp, payload, HEADER_BYTES)
+                self.direct = digest is not None  # refused: not tried again
+            if digest is not None:
+                header = dataclasses.replace(header, checksum=digest)
+                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
+            elif hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
                 _write_all(pending.fd, [header.encode(self.secret)], offset=0)
@@ -354,8 +375,8 @@ class PayloadFiles:
             fsync_dir(self.payload_dir)
             self._new_subdirs.difference_update(created)
 
-    @staticmethod
     def read_into(
+        self,
         path: str | os.PathLike[str],
         out: memoryview,
         *,
@@ -367,7 +388,13 @@ class PayloadFiles:
         (:func:`persisting.kv.layout.checksum`), made as it is read.
 
         Raises FileNotFoundError if the file is gone (evicted), CorruptValueError if short.
+        With :attr:`direct`, an aligned ``out`` is read with O_DIRECT, then hashed.
         """
+        if self.direct and direct_io.aligned(out, HEADER_BYTES):
+            found = direct_io.read_hashed(path, out, HEADER_BYTES)
+            if found is not None:
+                return found
+            self.direct = False
         digest = read_file_range(
             path,
             HEADER_BYTES,

@@ -78,12 +78,11 @@ class KVStore(KVApi):
       any spelling); see :meth:`token_hasher`.
     - ``shared_memory``: keep the memory tier in a shared pool same-host processes read
       by place (:meth:`shared_location`, :attr:`shared_pool`).
-    - ``result_buffer_bytes``: recycled pages for the values gets return (0: fresh
-      memory per value).
-    - ``storage_access``: ``"owner"`` (files 0600, directories 0700) or ``"group"``
-      (0640/0750, for same-host readers of one group).
+    - ``result_buffer_bytes``: recycled pages for the values gets return (0: fresh memory).
+    - ``storage_access``: ``"owner"`` (files 0600, dirs 0700) or ``"group"`` (0640/0750).
     - ``fsync``: whether write-through puts fsync before they complete (False leaves them
-      in the page cache, as LMCache's own disk backends do).
+      in the page cache, as LMCache's own disk backends do); ``direct_io``: payloads skip
+      the page cache where they can, for values another cache holds (:mod:`.direct_io`).
     - ``on_disk_evict``: told which chunks disk eviction removed, as ``(key, bytes)``, on
       the writing thread with the directory's usage lock held (quick, no calls back).
     - ``read_threads``: disk reads a batch keeps in flight (at least 1).
@@ -126,6 +125,7 @@ class KVStore(KVApi):
         write_behind_lag_s: float = LAG_S,
         write_behind_bytes: int | str = MAX_BYTES,
         clock: Clock = time.monotonic,
+        direct_io: bool = False,
     ):
         memory = size_bytes(memory_bytes, "memory_bytes")
         disk = size_bytes(disk_bytes, "disk_bytes")
@@ -162,6 +162,7 @@ class KVStore(KVApi):
             describe=describe,
             namespace=namespace,
             clock=clock,
+            direct_io=direct_io,
         )
         self._writes = Writes(
             self._tiers, durability, self.admission, self.max_value_bytes, fsync, behind

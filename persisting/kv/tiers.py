@@ -126,13 +126,16 @@ class Tiers:
         describe: Mapping[str, Any] | None = None,
         namespace: str | None = None,
         clock: Clock = time.monotonic,
+        direct_io: bool = False,
     ) -> Tiers:
         """The tiers of ``model`` under ``root``: a memory tier of ``memory_bytes`` (in a
         shared pool with ``shared_memory``, else pinned memory or a private arena) and, with
         ``disk_bytes``, a disk tier, whose namespace is held until :meth:`close` and whose
         record (:mod:`~persisting.kv.namespace_record`) says ``describe``. The namespace
         is ``model``'s own unless ``namespace`` names another directory (one per weights
-        version of a model, see :func:`~persisting.kv.model_identity.weights_namespace`)."""
+        version of a model, see :func:`~persisting.kv.model_identity.weights_namespace`).
+        ``direct_io``: payloads move with O_DIRECT where they can
+        (:mod:`~persisting.kv.direct_io`)."""
         directory = namespace or model
         held: NamespaceHold | None = None
         disk: DiskTier | None = None
@@ -151,6 +154,7 @@ class Tiers:
                     root_usage=RootUsage(root, directory),
                     clock=clock,
                 )
+                disk.files.direct = direct_io  # O_DIRECT payloads (persisting.kv.direct_io)
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(
                 mode=pinned_memory,

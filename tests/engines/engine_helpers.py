@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_VENV = REPO / ".venv-vllm"
 ENGINE_PYTHON = ENGINE_VENV / "bin" / "python"
 ENGINE_KIT = REPO / "benchmarks" / "vllm_engine.py"
+TIERING_KIT = REPO / "benchmarks" / "vllm_tiering.py"
 #: Tokens per CPU KV block (vLLM's CPU backend default).
 BLOCK = 128
 
@@ -30,12 +31,20 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+def prompt_ids(length: int, seed: int) -> list[int]:
+    """The prompt ``benchmarks/vllm_engine.py`` builds for ``[length, seed]``."""
+    import numpy as np
+
+    vocab = 4096  # the test models' vocabulary (vllm_engine.VOCAB)
+    return [int(t) for t in np.random.default_rng(seed).integers(4, vocab, length)]
+
+
 def require_engine() -> None:
     if not ENGINE_PYTHON.exists():
         raise AssertionError(f"no engine environment at {ENGINE_VENV}: run bash scripts/install.sh")
 
 
-def build_model(directory: Path, **shape: int) -> Path:
+def build_model(directory: Path, **shape: int | str) -> Path:
     require_engine()
     args = [str(ENGINE_PYTHON), str(ENGINE_KIT), "model", str(directory)]
     for name, value in shape.items():
@@ -58,7 +67,8 @@ def run_engine(
     with open(log_file, "wb") as log:
         proc = subprocess.run(
             [str(ENGINE_PYTHON), str(ENGINE_KIT), "run", str(plan_file), str(out_file)],
-            env=engine_env(),
+            # the weights' fingerprints are cached beside the test's files, not in ~/.cache
+            env={**engine_env(), "XDG_CACHE_HOME": str(work / "cache")},
             stdout=log,
             stderr=subprocess.STDOUT,
             timeout=timeout,
@@ -69,6 +79,50 @@ def run_engine(
         tail = log_file.read_text(errors="replace")[-4000:]
         raise AssertionError(f"engine {name} exited {proc.returncode}:\n{tail}")
     return json.loads(out_file.read_text())
+
+
+class Tiering:
+    """One process of ``benchmarks/vllm_tiering.py`` (vLLM's tiered offloading on the CPU)
+    running a plan, started at once; :meth:`result` waits for it."""
+
+    def __init__(self, plan: dict[str, Any], work: Path, name: str):
+        require_engine()
+        work.mkdir(parents=True, exist_ok=True)
+        plan = {"engine_id": f"{name}-{os.getpid()}-{work.name}", **plan}
+        self.name = name
+        plan_file, self.out_file, self.log_file = (
+            work / f"{name}.{ext}" for ext in ("plan.json", "out.json", "log")
+        )
+        plan_file.write_text(json.dumps(plan))
+        with open(self.log_file, "wb") as log:
+            self.proc = subprocess.Popen(
+                [str(ENGINE_PYTHON), str(TIERING_KIT), str(plan_file), str(self.out_file)],
+                env=engine_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def result(self, timeout: float = 600) -> dict[str, Any]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+            raise AssertionError(f"{self.name} did not finish:\n{self._tail()}") from None
+        if code != 0:
+            raise AssertionError(f"{self.name} exited {code}:\n{self._tail()}")
+        return json.loads(self.out_file.read_text())
+
+    def failure(self, timeout: float = 600) -> str:
+        """The log of a process expected to fail (AssertionError if it succeeded)."""
+        code = self.proc.wait(timeout=timeout)
+        if code == 0:
+            raise AssertionError(f"{self.name} succeeded; it was expected to fail")
+        return self.log_file.read_text(errors="replace")
+
+    def _tail(self) -> str:
+        return self.log_file.read_text(errors="replace")[-4000:]
 
 
 def step(result: dict[str, Any], name: str) -> dict[str, Any]:
@@ -84,6 +138,19 @@ def scraped(result: dict[str, Any], index: int = 0) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             samples[name.split("{")[0]] = samples.get(name.split("{")[0], 0.0) + float(value)
     return samples
+
+
+def stored_parents(root: Path) -> dict[str, str | None]:
+    """Each stored block's parent as its payload file's header says (block hashes, hex)."""
+    from persisting.kv.payload_files import HEADER_BYTES, FileHeader
+
+    out: dict[str, str | None] = {}
+    for path in root.rglob("*.kv"):
+        with open(path, "rb") as f:
+            header = FileHeader.decode(f.read(HEADER_BYTES), None)
+        parent = header.parent.split("@")[3] if header.parent else None
+        out[header.key.split("@")[3]] = parent
+    return out
 
 
 def free_port() -> int:

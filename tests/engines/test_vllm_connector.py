@@ -3,12 +3,17 @@
 One module fixture runs the engines once, in order, on one storage root; the tests read
 what they did:
 
-1. ``first``: stores a 1,500-token prompt (11 blocks of 128 tokens), waits for the blocks'
-   files, and is SIGKILLed with its engine processes (no shutdown, no flush);
+1. ``first``: stores a 1,500-token prompt (11 blocks of 128 tokens, prefilled in three
+   steps of at most 512 tokens), waits for the blocks' files, and is SIGKILLed with its
+   engine processes (no shutdown, no flush);
 2. ``second``: a new process; the prompt again (restored), an unseen prompt, then every
-   payload file damaged and the prompt once more (loads fail, vLLM recomputes);
+   payload file damaged and the prompt once more (loads fail, vLLM recomputes), then every
+   block file made unreadable (an I/O error) and the prompt again (recomputed, the blocks
+   stored afresh), and once more (restored from the fresh blocks);
 3. ``float16``: a new process with another dtype (another KV layout: another namespace),
-   whose disk budget holds 6 of the prompt's 11 blocks.
+   whose disk budget holds 6 of the prompt's 11 blocks;
+4. ``reweighted``: the model's directory rebuilt with other random weights (same config,
+   same path), then the prompt in a new process on the same root.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from tests.engines.engine_helpers import (
     run_engine,
     scraped,
     step,
+    stored_parents,
 )
 
 #: Engines start in 12-25 s alone, minutes on a loaded machine: the fixtures run several.
@@ -60,6 +66,7 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     first = run_engine(
         {
             **plan,
+            "max_num_batched_tokens": 512,
             "connector": connector,
             "steps": [
                 {"name": "prompt", "prompt": PROMPT, "max_tokens": 8},
@@ -71,6 +78,7 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         "first",
         killed=True,
     )
+    parents = stored_parents(root)
     stats = json.loads(persisting_cli("stats", "--storage-path", str(root), "--json"))
     inspect = json.loads(persisting_cli("inspect", "--storage-path", str(root), "--json"))
     worker_metrics = f"http://127.0.0.1:{port + 1}/metrics"
@@ -85,6 +93,22 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
                 {"action": "damage", "dir": str(root / "kv")},
                 {"name": "damaged", "prompt": PROMPT, "max_tokens": 8},
                 {"action": "scrape", "url": worker_metrics},
+                # vLLM does not store blocks it recomputed after a failed load: the next
+                # request computing them does
+                {"name": "after damage", "prompt": PROMPT, "max_tokens": 8},
+                {"action": "wait_files", "dir": str(root / "kv"), "count": 2 * BLOCKS},
+                # the scheduler's rescan (every 0.5 s) has seen the fresh files, so it
+                # offers them; their reads then fail with an I/O error
+                {"action": "settle", "seconds": 2.0},
+                {"action": "unreadable", "dir": str(root / "kv")},
+                {"name": "unreadable", "prompt": PROMPT, "max_tokens": 8},
+                {"action": "scrape", "url": worker_metrics},
+                {"name": "not offered", "prompt": PROMPT, "max_tokens": 8},
+                {"action": "scrape", "url": worker_metrics},
+                # the prompt's blocks written afresh (the unseen prompt's are still links)
+                {"action": "wait_files", "dir": str(root / "kv"), "count": BLOCKS},
+                {"action": "settle", "seconds": 2.0},
+                {"name": "stored afresh", "prompt": PROMPT, "max_tokens": 8},
             ],
         },
         work,
@@ -105,10 +129,18 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         work,
         "float16",
     )
+    build_model(model, layers=2, hidden=256, seed=1)  # other weights, same config and path
+    reweighted = run_engine(
+        {**plan, "connector": connector, "steps": [{"name": "prompt", "prompt": PROMPT}]},
+        work,
+        "reweighted",
+    )
     return {
         "first": first,
         "second": second,
         "float16": float16,
+        "reweighted": reweighted,
+        "parents": parents,
         "stats": stats,
         "inspect": inspect,
         "root": root,
@@ -134,10 +166,46 @@ def test_damaged_blocks_are_recomputed_never_used(runs: dict[str, Any]) -> None:
     assert after["persisting_vllm_load_errors_total"] >= 1
 
 
+def test_an_unreadable_block_fails_once_and_is_offered_again_once_stored_afresh(
+    runs: dict[str, Any],
+) -> None:
+    """A block whose file cannot be read (an I/O error) fails once: the retried request
+    completes with the same ids; the block is not offered again (no further load errors)
+    until a request stores it afresh, and is offered once it is."""
+    ids = step(runs["first"], "prompt")["ids"]
+    after_damage = step(runs["second"], "after damage")
+    assert after_damage["cached"] == 0 and after_damage["ids"] == ids  # damaged: not offered
+    assert step(runs["second"], "unreadable")["ids"] == ids
+    errors = [scraped(runs["second"], i)["persisting_vllm_load_errors_total"] for i in (1, 2, 3)]
+    assert 1 <= errors[1] - errors[0] <= BLOCKS  # each offered block failed once: no loop
+    not_offered = step(runs["second"], "not offered")
+    assert not_offered["cached"] == 0 and not_offered["ids"] == ids
+    assert errors[2] == errors[1]  # nothing offered, so nothing failed again
+    afresh = step(runs["second"], "stored afresh")
+    assert afresh["cached"] >= 1024 and afresh["ids"] == ids
+
+
 def test_another_dtype_is_another_namespace_and_a_miss(runs: dict[str, Any]) -> None:
     assert step(runs["float16"], "prompt")["cached"] == 0
-    namespaces = [p.name for p in (runs["root"] / "kv").iterdir()]
-    assert len(namespaces) == 2, namespaces
+    namespaces = [p.name for p in (runs["root"] / "kv").iterdir() if p.is_dir()]
+    assert len(namespaces) >= 2, namespaces
+
+
+def test_new_weights_under_the_same_path_are_a_miss_never_old_kv(runs: dict[str, Any]) -> None:
+    reweighted = step(runs["reweighted"], "prompt")
+    assert reweighted["cached"] == 0  # computed by the new weights, nothing reused
+    assert reweighted["ids"] != step(runs["first"], "prompt")["ids"][: len(reweighted["ids"])]
+
+
+def test_each_block_is_stored_with_the_block_before_it_across_steps(
+    runs: dict[str, Any],
+) -> None:
+    """The prompt was prefilled (and stored) in three steps: one chain, one root."""
+    parents = runs["parents"]
+    assert len(parents) == BLOCKS
+    assert [p for p in parents.values() if p is None] == [None]
+    assert set(parents.values()) - {None} <= set(parents)
+    assert len(set(parents.values())) == BLOCKS  # nobody's parent twice: a single chain
 
 
 def test_the_disk_budget_evicts_and_says_so(runs: dict[str, Any]) -> None:
@@ -163,3 +231,6 @@ def test_stats_and_inspect_show_what_the_engine_stored(runs: dict[str, Any]) -> 
     (listed,) = runs["inspect"]["models"]
     assert listed["model"] == name and listed["chunks"] == BLOCKS
     assert listed["bytes"] >= BLOCKS * BLOCK_BYTES
+    described = listed["describe"]
+    assert described["engine"] == "vllm" and described["dtype"] == "bfloat16"
+    assert described["block_size"] == [BLOCK] and described["weights"].startswith("files:")

@@ -18,7 +18,13 @@ from persisting.integrations.vllm.namespace import (
     key_dtype,
     namespace_name,
 )
-from persisting.integrations.vllm.settings import connector_settings
+from persisting.integrations.vllm.settings import (
+    TIER_MODULE,
+    TIER_TYPE,
+    connector_settings,
+    tier_settings,
+    tiering_config,
+)
 from persisting.kv import open_kv_store, parse_key
 
 
@@ -33,7 +39,7 @@ def test_settings_take_units_and_pass_vllms_keys_through(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({}, "needs kv_connector_extra_config['storage_path']"),
+        ({}, "kv_connector_extra_config needs 'storage_path'"),
         ({"storage_path": "/r", "disk_byte": 1}, "did you mean 'disk_bytes'"),
         ({"storage_path": "/r", "disk_bytes": "lots"}, "disk_bytes must be a size"),
         ({"storage_path": "/r", "durability": "async"}, "needs a memory tier"),
@@ -44,6 +50,48 @@ def test_settings_take_units_and_pass_vllms_keys_through(tmp_path: Path) -> None
 def test_bad_settings_are_refused_by_name(extra: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         connector_settings(extra)
+
+
+def test_a_tier_entry_takes_persistings_keys_and_says_why_not_the_connectors() -> None:
+    settings = tier_settings({"storage_path": "/r", "disk_bytes": "1GiB", "locality": "LOCAL"})
+    assert settings.disk_bytes == 1 << 30
+    assert (settings.io_threads, settings.fsync) == (16, False)  # a tier's own defaults
+    assert tier_settings({"storage_path": "/r", "fsync": True}).fsync
+    connector = connector_settings({"storage_path": "/r"})
+    assert (connector.io_threads, connector.fsync) == (4, True)
+    with pytest.raises(ConfigError, match="did you mean 'disk_bytes'"):
+        tier_settings({"storage_path": "/r", "disk_byts": 1})
+    with pytest.raises(ConfigError, match="vLLM's CPU tier is the memory in front of this"):
+        tier_settings({"storage_path": "/r", "memory_bytes": "1GiB"})
+
+
+def test_a_gpu_engine_gets_vllms_tiering_spec_with_persisting_behind_its_cpu_tier() -> None:
+    extra = {
+        "storage_path": "/r",
+        "disk_bytes": "2TiB",
+        "cpu_bytes": "16GiB",
+        "model_version": "v3",
+        "offload_prompt_only": False,
+        "eviction_policy": "arc",
+    }
+    config = tiering_config(extra)
+    assert config["spec_name"] == "TieringOffloadingSpec"
+    assert config["cpu_bytes_to_use"] == 16 << 30
+    assert config["offload_prompt_only"] is False and config["eviction_policy"] == "arc"
+    (entry,) = config["secondary_tiers"]
+    assert entry == {
+        "type": TIER_TYPE,
+        "module_path": TIER_MODULE,
+        "storage_path": "/r",
+        "disk_bytes": "2TiB",
+        "model_version": "v3",
+    }
+    assert tier_settings({k: v for k, v in entry.items() if k not in ("type", "module_path")})
+    assert tiering_config(config) == config  # the connector is built once per role
+    with pytest.raises(ConfigError, match="memory_bytes do not apply"):
+        tiering_config({"storage_path": "/r", "memory_bytes": "1GiB"})
+    with pytest.raises(ConfigError, match="leave out spec_name"):
+        tiering_config({"storage_path": "/r", "spec_name": "CPUOffloadingSpec"})
 
 
 def test_every_layout_field_changes_the_namespace() -> None:

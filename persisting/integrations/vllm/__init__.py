@@ -8,9 +8,17 @@
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"storage_path": "/var/lib/persisting"}))
 
-Blocks live under ``<storage_path>/kv/<namespace>/`` (see ``docs/vllm.md``). The connector
-and the spec import vLLM, so they are loaded on first access (vLLM looks the class up by
-name); the settings, namespace and block I/O modules beside them do not.
+On a GPU engine the connector puts :class:`PersistingTier` behind vLLM's own CPU tier; a
+user configuring vLLM's ``OffloadingConnector`` directly names it in ``secondary_tiers``::
+
+    {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 << 30,
+     "secondary_tiers": [{"type": "PersistingTier",
+                          "module_path": "persisting.integrations.vllm",
+                          "storage_path": "/var/lib/persisting"}]}
+
+Blocks live under ``<storage_path>/kv/<namespace>/`` (see ``docs/vllm.md``). The connector,
+the spec and the tier import vLLM, so they are loaded on first access (vLLM looks the class
+up by name); the settings, namespace and block I/O modules beside them do not.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from persisting.integrations.vllm.connector import PersistingConnector
     from persisting.integrations.vllm.spec import PersistingOffloadingSpec
+    from persisting.integrations.vllm.tier import PersistingTier
 
 
 def __getattr__(name: str) -> Any:
@@ -31,7 +40,11 @@ def __getattr__(name: str) -> Any:
         from persisting.integrations.vllm.spec import PersistingOffloadingSpec
 
         return PersistingOffloadingSpec
+    if name == "PersistingTier":
+        from persisting.integrations.vllm.tier import PersistingTier
+
+        return PersistingTier
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["PersistingConnector", "PersistingOffloadingSpec"]
+__all__ = ["PersistingConnector", "PersistingOffloadingSpec", "PersistingTier"]

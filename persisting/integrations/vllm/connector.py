@@ -11,28 +11,52 @@ Configured entirely in vLLM::
     )
 
 It is vLLM's ``OffloadingConnector`` (its scheduling of loads and stores, block by block,
-asynchronous) with two additions: it names :class:`PersistingOffloadingSpec` as the spec,
-and it reports the blocks whose load failed (``get_block_ids_with_load_errors``), which the
-stock connector cannot (its worker asserts every transfer succeeded). With
-``kv_load_failure_policy="recompute"`` vLLM then recomputes from the first failed block;
-with vLLM's default, ``"fail"``, it fails the request instead.
+asynchronous), with the spec chosen by the engine's platform:
+
+- **a GPU engine** (CUDA or XPU): vLLM's ``TieringOffloadingSpec``, its CPU tier
+  (``cpu_bytes`` of page-locked host memory shared by the engine's workers, one row per
+  chunk holding every tensor-parallel rank's shard) in front of
+  :class:`~persisting.integrations.vllm.tier.PersistingTier`. Every device copy is vLLM's
+  own; a chunk Persisting cannot load is a miss vLLM recomputes. Any parallelism vLLM's CPU
+  tier takes is taken.
+- **vLLM's CPU backend**: :class:`~persisting.integrations.vllm.spec.PersistingOffloadingSpec`,
+  which reads blocks straight into the engine's KV cache (one worker per engine) and
+  reports the blocks whose load failed, which the stock connector cannot (its worker
+  asserts every transfer succeeded): by block id for a model with one KV-cache group
+  (``get_block_ids_with_load_errors``), by request for a hybrid model
+  (``failed_recving``: block ids are not unique across groups, and vLLM then recomputes
+  the request from its start). With ``kv_load_failure_policy="recompute"`` vLLM recomputes;
+  with its default, ``"fail"``, it fails the request instead. The keys of blocks that
+  failed travel back to the scheduler with the worker's metadata, so they are not offered
+  again until stored afresh.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
 
 from persisting.errors import ConfigError
-from persisting.integrations.vllm.spec import engine_facts
+from persisting.integrations.vllm.identity import building_engine
+from persisting.integrations.vllm.manager import PersistingManager
+from persisting.integrations.vllm.metrics import stop_metrics
+from persisting.integrations.vllm.orphan import watch_parent
+from persisting.integrations.vllm.settings import connector_settings, tiering_config
 from persisting.integrations.vllm.worker import PersistingWorker
 
 log = logging.getLogger(__name__)
@@ -45,6 +69,28 @@ SPEC_MODULE = "persisting.integrations.vllm.spec"
 _PER_PROCESS_HASHES = ("xxhash", "xxhash_cbor")
 
 
+def on_gpu() -> bool:
+    """Whether this engine's KV caches are on a device vLLM's CPU tier serves (CUDA-alike
+    or XPU: where vLLM's tiered offloading runs its worker)."""
+    return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
+
+
+@dataclass
+class PersistingWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker -> scheduler metadata, plus the keys of blocks that failed to load."""
+
+    failed_keys: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = super().aggregate(other)
+        assert isinstance(merged, OffloadingWorkerMetadata)
+        return PersistingWorkerMetadata(
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            failed_keys=[*self.failed_keys, *getattr(other, "failed_keys", [])],
+        )
+
+
 class PersistingConnector(OffloadingConnector):
     """vLLM's OffloadingConnector over a Persisting storage root."""
 
@@ -55,13 +101,18 @@ class PersistingConnector(OffloadingConnector):
         if transfer is None:
             raise ConfigError("PersistingConnector needs vLLM's kv_transfer_config")
         extra: dict[str, Any] = transfer.kv_connector_extra_config
-        if extra.get("spec_name", SPEC_NAME) != SPEC_NAME:
-            raise ConfigError(
-                f"PersistingConnector names its own offloading spec; leave out spec_name"
-                f" ({extra['spec_name']!r} given)"
-            )
-        extra["spec_name"] = SPEC_NAME
-        extra["spec_module_path"] = SPEC_MODULE
+        self.tiered = on_gpu()
+        if self.tiered:
+            transfer.kv_connector_extra_config = extra = tiering_config(extra)
+        else:
+            if extra.get("spec_name", SPEC_NAME) != SPEC_NAME:
+                raise ConfigError(
+                    f"PersistingConnector names its own offloading spec; leave out spec_name"
+                    f" ({extra['spec_name']!r} given)"
+                )
+            connector_settings(extra)  # checked before vLLM builds anything
+            extra["spec_name"] = SPEC_NAME
+            extra["spec_module_path"] = SPEC_MODULE
         algorithm = vllm_config.cache_config.prefix_caching_hash_algo
         if algorithm in _PER_PROCESS_HASHES and os.environ.get("PYTHONHASHSEED") is None:
             raise ConfigError(
@@ -77,14 +128,57 @@ class PersistingConnector(OffloadingConnector):
                 " recompute those blocks instead",
                 transfer.kv_load_failure_policy,
             )
-        with engine_facts(hash_algorithm=algorithm):
+        self._hybrid = len(kv_cache_config.kv_cache_groups) > 1
+        watch_parent(stop_metrics)
+        with building_engine(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    # -- the worker's side ----------------------------------------------------------------
+
+    def _persisting_worker(self) -> PersistingWorker | None:
         worker = self.connector_worker.worker if self.connector_worker is not None else None
-        if isinstance(worker, PersistingWorker):
-            return worker.take_load_errors()
-        return set()
+        return worker if isinstance(worker, PersistingWorker) else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self._persisting_worker()
+        if worker is None or self._hybrid:
+            return set()  # several groups: reported by request (get_transfer_results)
+        blocks, _jobs = worker.take_load_errors()
+        return blocks
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        worker = self._persisting_worker()
+        if worker is None or not self._hybrid:
+            return super().get_transfer_results(finished_req_ids)
+        assert self.connector_worker is not None
+        requests = dict(self.connector_worker._load_jobs)  # job -> request, before it drains
+        results = super().get_transfer_results(finished_req_ids)
+        _blocks, jobs = worker.take_load_errors()
+        results.failed_recving |= {requests[job] for job in jobs if job in requests}
+        return results
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        worker = self._persisting_worker()
+        failed = worker.take_failed_keys() if worker is not None else []
+        if not failed:
+            return meta
+        base = meta if isinstance(meta, OffloadingWorkerMetadata) else OffloadingWorkerMetadata()
+        return PersistingWorkerMetadata(
+            completed_jobs=base.completed_jobs,
+            transfer_stats=base.transfer_stats,
+            failed_keys=failed,
+        )
+
+    # -- the scheduler's side -------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, PersistingWorkerMetadata) and meta.failed_keys:
+            manager = self.scheduler.manager
+            if isinstance(manager, PersistingManager):
+                manager.fail(meta.failed_keys)  # before vLLM retries the request
+        super().update_connector_output(connector_output)
 
 
-__all__ = ["SPEC_MODULE", "SPEC_NAME", "PersistingConnector"]
+__all__ = ["SPEC_MODULE", "SPEC_NAME", "PersistingConnector", "PersistingWorkerMetadata"]

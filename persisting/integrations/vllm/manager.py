@@ -1,25 +1,26 @@
-"""The scheduler side: which blocks Persisting holds, which to store, what was evicted.
+"""The scheduler side on CPU engines: which blocks Persisting holds, which to store, what
+was evicted.
 
 vLLM's ``OffloadingConnector`` asks its :class:`OffloadingManager` one block at a time
 (``lookup``), then for the load of a request's hits (``prepare_load``) and for the blocks a
 step computed (``prepare_store``). The scheduler runs in the engine-core process, the
-worker that writes and reads the blocks usually in another (vLLM's CPU and GPU executors
-start one), and other engines may share the namespace: so the manager answers from a set
-of the keys it knows stored -- the namespace's index when it opened, plus every store this
-engine completed -- and a background thread rescans the namespace every
-``refresh_interval_s`` for blocks others stored and blocks evicted or removed. Evicted
-blocks are reported back to vLLM (``evicted_keys`` and ``take_events``). A block that
-vanished between a lookup and its load is not a wrong answer: its load fails, and vLLM
-recomputes it (see :mod:`persisting.integrations.vllm.worker`).
+worker that writes and reads the blocks usually in another (vLLM's CPU executor starts
+one), and other engines may share the namespace: so the manager answers from the
+namespace's :class:`~persisting.integrations.vllm.catalog.BlockCatalog` (the keys on disk
+as of the last rescan plus every store this engine completed, less those whose load
+failed). Blocks the worker could not load come back through the connector
+(:meth:`PersistingManager.fail`): misses until stored afresh, so a retried request
+recomputes them instead of meeting them again. Evicted blocks are reported back to vLLM
+(``evicted_keys`` and ``take_events``). Each block to store carries its parent, the block
+before it in its request (:mod:`~persisting.integrations.vllm.prefix`), for the
+prefix-aware eviction order.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -36,146 +37,124 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
+from persisting.integrations.vllm.catalog import BlockCatalog
 from persisting.integrations.vllm.namespace import block_hash_of, block_key
+from persisting.integrations.vllm.prefix import chain_parents
 from persisting.integrations.vllm.shared import Namespace
 
-log = logging.getLogger(__name__)
+_ANSWERS = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING, "miss": LookupResult.MISS}
 
 
 @dataclass
 class PersistingBlocks(LoadStoreSpec):
-    """The Persisting keys of the blocks a job loads or stores, in vLLM's block order."""
+    """The Persisting keys of the blocks a job loads or stores, in vLLM's block order, and
+    (for a store) each one's parent key."""
 
     keys: list[str]
+    parents: list[str | None] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return f"PersistingBlocks({len(self.keys)} blocks)"
 
 
 class PersistingManager(OffloadingManager):
-    """Answers vLLM's scheduler from the keys known stored in the namespace."""
+    """Answers vLLM's scheduler from the namespace's catalog of stored keys."""
 
     def __init__(
-        self, namespace: Namespace, dtype: str, refresh_interval_s: float, release: bool = True
+        self,
+        namespace: Namespace,
+        dtype: str,
+        refresh_interval_s: float,
+        spans: dict[int, int],
+        release: bool = True,
     ):
         self.namespace = namespace
         self.store = namespace.store
         self.counters = namespace.counters
         self.dtype = dtype
-        self.refresh_interval_s = refresh_interval_s
+        #: Tokens per offloaded block of each KV-cache group (for each block's parent).
+        self.spans = spans
         self._release = release
         self._lock = threading.Lock()
-        self._known: set[str] = {key for key, _size in self.store.stored_keys()}
-        self._storing: set[str] = set()
         self._gone: list[str] = []
         self._events: list[OffloadingEvent] = []
-        self._stop = threading.Event()
+        self.catalog = BlockCatalog(self.store, refresh_interval_s, on_gone=self._went)
         #: Called at shutdown (the event follower's stop).
         self.on_shutdown: list[Callable[[], None]] = []
-        self._refresher = threading.Thread(
-            target=self._refresh_loop, name="persisting-vllm-refresh", daemon=True
-        )
-        self._refresher.start()
 
     def key(self, key: OffloadKey) -> str:
         return block_key(
             self.store.model, get_offload_block_hash(key), get_offload_group_idx(key), self.dtype
         )
 
-    def _refresh_loop(self) -> None:
-        while not self._stop.wait(max(self.refresh_interval_s, 0.05)):
-            try:
-                self.refresh()
-            except Exception as exc:  # a rescan that fails is tried again next time
-                log.warning("Persisting: rescanning %s failed: %s", self.store.model, exc)
+    def _went(self, texts: list[str]) -> None:
+        with self._lock:
+            self._gone.extend(texts)
 
     def refresh(self) -> None:
-        """Rescan the namespace: blocks others stored become hits, vanished ones misses
-        (reported to vLLM as evicted)."""
-        with self._lock:
-            before = set(self._known)
-        self.store.refresh()
-        now = {key for key, _size in self.store.stored_keys()}
-        with self._lock:
-            added_meanwhile = self._known - before
-            self._known = now | added_meanwhile
-            self._gone.extend(before - now - added_meanwhile)
+        """Rescan the namespace now (the catalog also does every ``refresh_interval_s``)."""
+        self.catalog.refresh()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        text = self.key(key)
-        with self._lock:
-            if text in self._storing:
-                return LookupResult.HIT_PENDING
-            hit = text in self._known
-        self.counters.add(**({"lookup_hits": 1} if hit else {"lookup_misses": 1}))
-        return LookupResult.HIT if hit else LookupResult.MISS
+        answer = _ANSWERS[self.catalog.lookup(self.key(key))]
+        if answer is not LookupResult.HIT_PENDING:
+            hit = answer is LookupResult.HIT
+            self.counters.add(**({"lookup_hits": 1} if hit else {"lookup_misses": 1}))
+        return answer
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return PersistingBlocks([self.key(k) for k in keys])
 
-    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """Forget loaded blocks whose file is gone: the worker removes a block it found
-        damaged, and it must not be offered again until stored afresh."""
-        gone = [text for text in map(self.key, keys) if not self._on_disk(text)]
-        if gone:
-            with self._lock:
-                self._known.difference_update(gone)
-
-    def _on_disk(self, text: str) -> bool:
-        location = self.store.lease(text, 0.0)  # where its file is (no lease held)
-        return location is not None and os.path.exists(location.path)
+    def fail(self, texts: Collection[str]) -> None:
+        """The worker could not load these blocks: misses until stored afresh."""
+        self.catalog.fail(texts)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        new: list[OffloadKey] = []
-        texts: list[str] = []
-        with self._lock:
-            for key in keys:
-                text = self.key(key)
-                if text in self._storing or text in self._known:
-                    continue
-                new.append(key)
-                texts.append(text)
-            self._storing.update(texts)
-        return PrepareStoreOutput(
-            keys_to_store=new, store_spec=PersistingBlocks(texts), evicted_keys=self._evicted()
+        keys = list(keys)
+        texts = [self.key(k) for k in keys]
+        todo = set(self.catalog.claim_stores(texts))
+        parents = chain_parents(keys, req_context, self.spans.__getitem__)
+        new = [k for k, t in zip(keys, texts, strict=True) if t in todo]
+        spec = PersistingBlocks(
+            [t for t in texts if t in todo],
+            [
+                self.key(p) if p is not None else None
+                for p, t in zip(parents, texts, strict=True)
+                if t in todo
+            ],
         )
+        return PrepareStoreOutput(keys_to_store=new, store_spec=spec, evicted_keys=self._evicted())
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        texts = [self.key(k) for k in keys]
-        with self._lock:
-            self._storing.difference_update(texts)
-            if success:
-                self._known.update(texts)
+        self.catalog.stored([self.key(k) for k in keys], success)
         if success and keys:
             self._events.append(
                 OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=False)
             )
 
     def _evicted(self) -> list[OffloadKey]:
-        """Blocks gone since last asked (evicted here or seen gone by a rescan), also
+        """Blocks gone since last asked (evicted here, seen gone by a rescan, failed), also
         queued as removal events."""
+        queue = self.namespace.evicted
+        evicted: list[str] = []
+        while queue:
+            evicted.append(queue.popleft())
+        if evicted:
+            self.catalog.forget(evicted)  # tells _went
         with self._lock:
             gone, self._gone = self._gone, []
-        queue = self.namespace.evicted
-        while queue:
-            gone.append(queue.popleft())
-        with self._lock:
-            self._known.difference_update(gone)
-        out = [make_offload_key(*block_hash_of(text)) for text in gone]
+        out = [make_offload_key(*block_hash_of(text)) for text in dict.fromkeys(gone)]
         if out:
             self._events.append(OffloadingEvent(keys=out, medium=Medium.STORAGE, removed=True))
         return out
 
     def forget(self, texts: Collection[str]) -> None:
         """Blocks removed elsewhere (an evict event): misses from now on, reported evicted."""
-        with self._lock:
-            gone = [t for t in texts if t in self._known]
-            self._known.difference_update(gone)
-            self._gone.extend(gone)
+        self.catalog.forget(texts)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -187,11 +166,12 @@ class PersistingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         """vLLM's cache reset forgets what this engine holds in memory; the disk blocks stay
-        (other engines may be using them): remove them with ``persisting drop``."""
-        self._storing.clear()
+        (other engines may be using them): remove them with ``persisting drop``. Stores in
+        flight are dropped by vLLM with their jobs."""
+        self.catalog.abandon_stores()
 
     def shutdown(self) -> None:
-        self._stop.set()
+        self.catalog.close()
         for hook in self.on_shutdown:
             hook()
         if self._release:

@@ -3,7 +3,9 @@
 Served when ``kv_connector_extra_config`` has ``metrics_port``, from the engine process
 that runs the connector (with one worker: the engine core, where both sides live). The
 figures are read at scrape time from the open namespaces: the connector's counters and
-the store's own usage, so they are the store's truth, not a second count.
+the store's own usage, so they are the store's truth, not a second count. A port that
+cannot be bound stops the engine at start (a scrape would otherwise read whoever holds
+it, such as an orphaned engine of an earlier server); :func:`stop_metrics` closes them.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from persisting.errors import ConfigError
 from persisting.integrations.vllm.shared import open_namespaces
 
 log = logging.getLogger(__name__)
@@ -61,25 +65,37 @@ class ConnectorCollector(Collector):
 
 
 _LOCK = threading.Lock()
-_SERVED: dict[tuple[str, int], CollectorRegistry] = {}
+_SERVED: dict[tuple[str, int], Any] = {}
 
 
-def serve_metrics(addr: str, port: int) -> bool:
-    """Serve the connector's metrics on ``addr:port`` (once per process); False, with a
-    warning, if the port cannot be bound (the engine runs on without it)."""
+def serve_metrics(addr: str, port: int) -> None:
+    """Serve the connector's metrics on ``addr:port`` (once per process). A port that
+    cannot be bound is a ConfigError: the engine does not start."""
     with _LOCK:
         if (addr, port) in _SERVED:
-            return True
+            return
         registry = CollectorRegistry()
         registry.register(ConnectorCollector())
         try:
-            start_http_server(port, addr=addr, registry=registry)
+            server, _thread = start_http_server(port, addr=addr, registry=registry)
         except OSError as exc:
-            log.warning("Persisting: cannot serve metrics on %s:%d: %s", addr, port, exc)
-            return False
-        _SERVED[(addr, port)] = registry
+            raise ConfigError(
+                f"Persisting: cannot serve metrics on {addr}:{port} ({exc.strerror or exc});"
+                " another process holds the port (an engine of an earlier server still"
+                " running?): stop it, or set another metrics_port"
+            ) from exc
+        _SERVED[(addr, port)] = server
         log.info("Persisting: connector metrics on http://%s:%d/metrics", addr, port)
-        return True
 
 
-__all__ = ["COUNTERS", "GAUGES", "ConnectorCollector", "serve_metrics"]
+def stop_metrics() -> None:
+    """Close every metrics port this process serves."""
+    with _LOCK:
+        servers = list(_SERVED.values())
+        _SERVED.clear()
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+__all__ = ["COUNTERS", "GAUGES", "ConnectorCollector", "serve_metrics", "stop_metrics"]

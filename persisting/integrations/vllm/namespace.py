@@ -1,10 +1,12 @@
 """The namespace a vLLM engine's blocks live in, and the keys of its blocks.
 
 A block's bytes are meaningful only to an engine that lays KV out exactly as the writer
-did: same model, block size, hash of the token chain, cache dtype, parallel layout and
-rank, KV-cache groups and per-layer page sizes. All of that goes into a digest in the
-namespace's name, so an engine configured differently opens another directory and finds
-nothing there -- a miss, never bytes read as the wrong KV. Nothing here imports vLLM.
+did: same weights, block size, hash of the token chain, cache dtype, parallel layout,
+KV-cache groups and per-layer page sizes, and the same stored format (the connector's
+rows of each layer, or a whole row of vLLM's CPU tier holding every rank's shard). All of
+that goes into a digest in the namespace's name, so an engine configured differently opens
+another directory and finds nothing there -- a miss, never bytes read as the wrong KV.
+Nothing here imports vLLM (the config objects are read by attribute).
 """
 
 from __future__ import annotations
@@ -37,6 +39,33 @@ def key_dtype(dtype: str) -> str:
     return _KEY_DTYPES.get(dtype.removeprefix("torch."), "uint8")
 
 
+def offloading_layout(config: Any) -> dict[str, Any]:
+    """What vLLM's ``OffloadingConfig`` says about the KV's layout: the fields of every
+    namespace of an engine (the weights, the stored format and the engine's own extras are
+    added by the caller)."""
+    parallel = config.parallel
+    return {
+        "dtype": str(config.model.dtype),
+        "groups": [
+            {"id": g.group_id, "tokens": g.tokens_per_block, "layers": list(g.layer_names)}
+            for g in config.groups
+        ],
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "parallel": {
+            "world_size": parallel.world_size,
+            "tp": parallel.tp_size,
+            "pp": parallel.pp_size,
+            "pcp": parallel.pcp_size,
+            "dcp": parallel.dcp_size,
+        },
+        "kv_cache_layout": config.kv_cache_layout,
+        "replicated_layout": bool(config.replicated_layout),
+        "canonical_layout": bool(config.canonical_layout),
+    }
+
+
 def layout_digest(fields: Mapping[str, Any]) -> str:
     """16 hex digits over ``fields`` (JSON, keys sorted) and :data:`BLOCK_FORMAT`."""
     text = json.dumps({"block_format": BLOCK_FORMAT, **fields}, sort_keys=True, default=str)
@@ -64,4 +93,11 @@ def block_hash_of(key: str) -> tuple[bytes, int]:
     return bytes.fromhex(parts[3]), int(parts[5].removeprefix("g%"))
 
 
-__all__ = ["BLOCK_FORMAT", "block_hash_of", "block_key", "key_dtype", "namespace_name"]
+__all__ = [
+    "BLOCK_FORMAT",
+    "block_hash_of",
+    "block_key",
+    "key_dtype",
+    "namespace_name",
+    "offloading_layout",
+]

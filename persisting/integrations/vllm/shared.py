@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from persisting.integrations.vllm.settings import ConnectorSettings
 from persisting.kv import KVStore, open_kv_store
@@ -66,8 +67,16 @@ _OPEN: dict[tuple[str, str], Namespace] = {}
 on_open: list[Callable[[Namespace], None]] = []
 
 
-def acquire(settings: ConnectorSettings, namespace: str) -> Namespace:
-    """The open namespace ``namespace`` under ``settings.storage_path`` (opened if need be)."""
+def acquire(
+    settings: ConnectorSettings,
+    namespace: str,
+    describe: Mapping[str, Any] | None = None,
+    *,
+    direct_io: bool = False,
+) -> Namespace:
+    """The open namespace ``namespace`` under ``settings.storage_path`` (opened if need be;
+    ``describe``: what it holds, in words, for ``persisting inspect``; ``direct_io``: its
+    payloads bypass the page cache, for values vLLM's CPU tier already holds)."""
     key = (str(Path(settings.storage_path).resolve()), namespace)
     with _LOCK:
         state = _OPEN.get(key)
@@ -92,6 +101,8 @@ def acquire(settings: ConnectorSettings, namespace: str) -> Namespace:
                 result_buffer_bytes=0,
                 pinned_memory="off",
                 pinned_staging_bytes=0,
+                describe=describe,
+                direct_io=direct_io,
             )
             state = _OPEN[key] = Namespace(key, store, counters, evicted)
             for hook in on_open:

@@ -1,15 +1,21 @@
-"""The worker side: moving blocks between vLLM's KV caches and the namespace's store.
+"""The worker side on CPU engines: moving blocks between vLLM's KV caches and the store.
 
 Loads and stores run on a small thread pool so the engine step that submits them is not
 held up; vLLM collects them with ``get_finished``. A load reads each block with one
 positioned vectored read into the block's rows of vLLM's cache tensors and checks its
-checksum (:func:`~persisting.integrations.vllm.blocks.read_rows`). A block that cannot be
-loaded -- gone, damaged, laid out differently, an I/O error -- is never left as if loaded:
-its destination block id is reported through :meth:`PersistingWorker.take_load_errors`,
-which the connector hands to vLLM as ``get_block_ids_with_load_errors`` so the scheduler
-recomputes from it (``kv_load_failure_policy="recompute"``). A damaged block is removed
-from the store. The job itself reports success either way: vLLM's offloading worker
-asserts that every job succeeded.
+checksum (:func:`~persisting.integrations.vllm.blocks.read_rows`).
+
+A block the scheduler offers may have been stored by another engine sharing the root
+after this worker's store last looked: a block this worker does not know is looked up on
+disk (the store rescanned, once per load job) before it counts as missing. A block that
+cannot be loaded -- gone, damaged, laid out differently, an I/O error -- is never left as
+if loaded: the worker reports it to vLLM, which recomputes it
+(``kv_load_failure_policy="recompute"``: by block id for a model with one KV-cache group,
+by request for several, see the connector), and reports its key to the scheduler, whose
+catalog stops offering it until it is stored afresh. A block found on disk but not
+loadable is removed from the store, so it is written afresh once recomputed. The job
+itself reports success either way: vLLM's offloading worker asserts that every job
+succeeded.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from persisting.errors import CapacityError, CorruptValueError, PersistingError
+from persisting.errors import CapacityError, CorruptValueError
 from persisting.integrations.vllm.blocks import BlockPages, read_rows
 from persisting.integrations.vllm.manager import PersistingBlocks
+from persisting.integrations.vllm.namespace import block_hash_of
 from persisting.integrations.vllm.shared import Namespace, release
 from persisting.kv import PutResult
 
@@ -39,41 +46,84 @@ log = logging.getLogger(__name__)
 LEASE_S = 60.0
 
 
+def pair_blocks(
+    keys: list[str], spec: GPULoadStoreSpec, groups: list[int]
+) -> list[tuple[str, int, int]]:
+    """``(key, group, block id)`` of a job: vLLM lists a job's block ids group by group
+    (``group_sizes``, in the order of the offloaded groups ``groups``), and each key names
+    its group. ValueError if the two do not match."""
+    block_ids = [int(b) for b in spec.block_ids]
+    sizes = list(spec.group_sizes) if spec.group_sizes is not None else [len(block_ids)]
+    if len(sizes) != len(groups):
+        raise ValueError(f"{len(sizes)} block groups for {len(groups)} KV-cache groups")
+    by_group: dict[int, list[str]] = {g: [] for g in groups}
+    for key in keys:
+        group = block_hash_of(key)[1]
+        if group not in by_group:
+            raise ValueError(f"block {key} of KV-cache group {group}, not offloaded here")
+        by_group[group].append(key)
+    out: list[tuple[str, int, int]] = []
+    at = 0
+    for group, size in zip(groups, sizes, strict=True):
+        ids = block_ids[at : at + size]
+        at += size
+        if len(ids) != len(by_group[group]):
+            raise ValueError(
+                f"{len(by_group[group])} blocks of group {group} for {len(ids)} block ids"
+            )
+        out += [(key, group, block) for key, block in zip(by_group[group], ids, strict=True)]
+    return out
+
+
+class _Refresh:
+    """Rescans a store at most once per load job, when a block is not found: the first
+    caller rescans, the others (the job's other blocks, read at once) wait for it."""
+
+    def __init__(self, namespace: Namespace):
+        self._namespace = namespace
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                self._namespace.store.refresh()
+
+
 class PersistingWorker(OffloadingWorker):
     """Runs a worker's loads and stores against the namespace's store."""
 
-    def __init__(self, namespace: Namespace, pages: BlockPages, io_threads: int):
+    def __init__(self, namespace: Namespace, pages: dict[int, BlockPages], io_threads: int):
         self.namespace = namespace
         self.store = namespace.store
         self.counters = namespace.counters
+        #: Where each offloaded KV-cache group's blocks are, by group id (vLLM's order).
         self.pages = pages
+        self.groups = list(pages)
         # Jobs run on one pool; a load's blocks are read in parallel on the other.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="persisting-vllm-job")
         self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix="persisting-vllm-read")
         self._lock = threading.Lock()
         self._jobs: dict[int, Future[TransferResult]] = {}
-        self._load_errors: set[int] = set()
+        self._failed_blocks: set[int] = set()
+        self._failed_keys: list[str] = []
+        self._failed_jobs: set[int] = set()
         self._closed = False
 
     # -- vLLM's interface -----------------------------------------------------------------
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, PersistingBlocks)
-        block_ids = [int(b) for b in dst_spec.block_ids]
-        if len(block_ids) != len(src_spec.keys):
-            raise ValueError(f"{len(src_spec.keys)} blocks to load into {len(block_ids)} ids")
-        self._submit(job_id, self._load, src_spec.keys, block_ids)
+        self._submit(job_id, self._load, src_spec, dst_spec)
         return True
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, PersistingBlocks)
-        block_ids = [int(b) for b in src_spec.block_ids]
-        if len(block_ids) != len(dst_spec.keys):
-            raise ValueError(f"{len(dst_spec.keys)} blocks to store from {len(block_ids)} ids")
         # The rows are copied out on the pool: vLLM keeps the blocks until the job is done.
-        self._submit(job_id, self._store, dst_spec.keys, block_ids)
+        self._submit(job_id, self._store, dst_spec, src_spec)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -87,11 +137,19 @@ class PersistingWorker(OffloadingWorker):
             futures = [self._jobs[j] for j in job_ids if j in self._jobs]
         wait(futures)
 
-    def take_load_errors(self) -> set[int]:
-        """Block ids whose load failed since last asked (for vLLM to recompute)."""
+    def take_load_errors(self) -> tuple[set[int], set[int]]:
+        """Block ids whose load failed since last asked, and the load jobs they were in
+        (for vLLM to recompute: the blocks, or the jobs' requests)."""
         with self._lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+            blocks, self._failed_blocks = self._failed_blocks, set()
+            jobs, self._failed_jobs = self._failed_jobs, set()
+        return blocks, jobs
+
+    def take_failed_keys(self) -> list[str]:
+        """Keys whose load failed since last asked (for the scheduler's catalog)."""
+        with self._lock:
+            keys, self._failed_keys = self._failed_keys, []
+        return keys
 
     def shutdown(self) -> None:
         """Finish the jobs in flight (stores land before the store closes), then let go."""
@@ -104,93 +162,126 @@ class PersistingWorker(OffloadingWorker):
 
     # -- the jobs -------------------------------------------------------------------------
 
-    def _submit(self, job_id: int, run: Any, keys: list[str], block_ids: list[int]) -> None:
-        future = self._pool.submit(self._timed, job_id, run, keys, block_ids)
+    def _submit(self, job_id: int, run: Any, blocks: PersistingBlocks, spec: Any) -> None:
+        future = self._pool.submit(self._timed, job_id, run, blocks, spec)
         with self._lock:
             self._jobs[job_id] = future
 
     def _timed(
-        self, job_id: int, run: Any, keys: list[str], block_ids: list[int]
+        self, job_id: int, run: Any, blocks: PersistingBlocks, spec: GPULoadStoreSpec
     ) -> TransferResult:
         start = time.perf_counter()
-        size = run(keys, block_ids)
+        size = run(job_id, blocks, spec)
         return TransferResult(job_id, True, size, time.perf_counter() - start)
 
-    def _load(self, keys: list[str], block_ids: list[int]) -> int:
+    def _load(self, job_id: int, blocks: PersistingBlocks, spec: GPULoadStoreSpec) -> int:
         """Read a job's blocks, all but the first on the read pool, the first right here."""
+        try:
+            pairs = pair_blocks(blocks.keys, spec, self.groups)
+        except ValueError as exc:  # vLLM's spec and ours disagree: nothing is loaded
+            for key, block in zip(blocks.keys, [int(b) for b in spec.block_ids], strict=False):
+                self._failed(job_id, key, block, exc)
+            return 0
+        refresh = _Refresh(self.namespace)
         helpers = [
-            self._reads.submit(self._load_one, k, b)
-            for k, b in zip(keys[1:], block_ids[1:], strict=True)
+            self._reads.submit(self._load_one, job_id, k, g, b, refresh) for k, g, b in pairs[1:]
         ]
-        first = self._load_one(keys[0], block_ids[0]) if keys else 0
+        first = self._load_one(job_id, *pairs[0], refresh) if pairs else 0
         return first + sum(h.result() for h in helpers)
 
-    def _load_one(self, key: str, block_id: int) -> int:
-        """Load one block into ``block_id``; 0 bytes (and the id reported) on any failure."""
+    def _load_one(self, job_id: int, key: str, group: int, block_id: int, refresh: _Refresh) -> int:
+        """Load one block into ``block_id``; 0 bytes (and the block reported) on any failure."""
         try:
-            size = self._read_block(key, block_id)
+            size = self._read_block(key, self.pages[group], block_id, refresh)
         except Exception as exc:  # any failure means: recompute this block
-            self._failed(key, block_id, exc)
+            self._failed(job_id, key, block_id, exc)
             return 0
         self.counters.add(blocks_loaded=1, bytes_loaded=size)
         return size
 
-    def _read_block(self, key: str, block_id: int) -> int:
-        rows = self.pages.rows(block_id)
+    def _read_block(self, key: str, pages: BlockPages, block_id: int, refresh: _Refresh) -> int:
+        rows = pages.rows(block_id)
         if self.store.in_memory(key):
             value = self.store.get(key)
             if value is not None:
-                self.pages.scatter(block_id, value)
-                return self.pages.block_bytes
-        location = self.store.lease(key, LEASE_S)
-        if location is None:
-            raise LookupError("not in the store (evicted or removed since the lookup)")
-        try:
-            shape = tuple(location.layout.shape)
-            if location.nbytes != self.pages.block_bytes or shape != self.pages.shape:
-                raise CorruptValueError(
-                    f"stored block is {location.nbytes} bytes shaped {shape}, this"
-                    f" engine's are {self.pages.block_bytes} bytes shaped {self.pages.shape}"
-                )
-            return read_rows(location.path, location.offset, rows, location.checksum)
-        finally:
-            self.store.release(key, location.token)
+                pages.scatter(block_id, value)
+                return pages.block_bytes
+        for last_try in (False, True):
+            location = self.store.lease(key, LEASE_S)
+            if location is None:
+                if last_try:
+                    raise LookupError("not in the store (evicted or removed since the lookup)")
+                refresh()  # stored by another engine since this store last looked?
+                continue
+            try:
+                shape = tuple(location.layout.shape)
+                if location.nbytes != pages.block_bytes or shape != pages.shape:
+                    raise CorruptValueError(
+                        f"stored block is {location.nbytes} bytes shaped {shape}, this"
+                        f" engine's are {pages.block_bytes} bytes shaped {pages.shape}"
+                    )
+                return read_rows(location.path, location.offset, rows, location.checksum)
+            except FileNotFoundError:  # replaced or evicted by another engine meanwhile
+                if last_try:
+                    raise
+                refresh()
+            finally:
+                self.store.release(key, location.token)
+        raise AssertionError("unreachable")
 
-    def _failed(self, key: str, block_id: int, exc: Exception) -> None:
+    def _failed(self, job_id: int, key: str, block_id: int, exc: Exception) -> None:
         log.warning("Persisting: block %s not loaded (%s); vLLM recomputes it", key, exc)
         self.counters.add(load_errors=1)
         with self._lock:
-            self._load_errors.add(block_id)
-        if isinstance(exc, CorruptValueError):
+            self._failed_blocks.add(block_id)
+            self._failed_keys.append(key)
+            self._failed_jobs.add(job_id)
+        if not isinstance(exc, LookupError | FileNotFoundError):
+            # Damaged, laid out differently, unreadable: removed, so that the block is
+            # stored afresh (and offered again) once vLLM has recomputed it.
             try:
-                self.store.remove(key)  # damaged: the next engine stores it afresh
-            except PersistingError as remove_error:
-                log.warning("Persisting: cannot remove damaged block %s: %s", key, remove_error)
+                self.store.remove(key)
+            except Exception as remove_error:
+                log.warning("Persisting: cannot remove block %s: %s", key, remove_error)
 
-    def _store(self, keys: list[str], block_ids: list[int]) -> int:
-        values = [self.pages.gather(b) for b in block_ids]
+    def _store(self, job_id: int, blocks: PersistingBlocks, spec: GPULoadStoreSpec) -> int:
+        try:
+            pairs = pair_blocks(blocks.keys, spec, self.groups)
+        except ValueError as exc:
+            log.warning("Persisting: store job %d not run: %s", job_id, exc)
+            self.counters.add(store_errors=len(blocks.keys))
+            return 0
+        parent_of = dict(zip(blocks.keys, blocks.parents or [None] * len(blocks.keys), strict=True))
+        keys = [k for k, _g, _b in pairs]
+        values = [self.pages[g].gather(b) for _k, g, b in pairs]
+        parents = [parent_of[k] for k in keys]
         try:
             results = self.store.batched_put(
-                keys, values, fmt="binary", chain=True, check_shape=False
+                keys, values, fmt="binary", parents=parents, check_shape=False
             )
         except CapacityError:  # the batch is larger than the budget: one block at a time
-            results = [r for k, v in zip(keys, values, strict=True) if (r := self._put_one(k, v))]
+            results = [
+                r
+                for k, v, p in zip(keys, values, parents, strict=True)
+                if (r := self._put_one(k, v, p))
+            ]
         except Exception as exc:  # a failed store is a future miss, never an engine error
             log.warning("Persisting: storing %d blocks failed: %s", len(keys), exc)
             self.counters.add(store_errors=len(keys))
             return 0
-        stored = sum(1 for r in results if r.stored)
-        size = stored * self.pages.block_bytes
-        self.counters.add(blocks_stored=stored, bytes_stored=size)
+        group_of = {k: g for k, g, _b in pairs}
+        stored = [r for r in results if r.stored]
+        size = sum(self.pages[group_of[r.key]].block_bytes for r in stored)
+        self.counters.add(blocks_stored=len(stored), bytes_stored=size)
         return size
 
-    def _put_one(self, key: str, value: Any) -> PutResult | None:
+    def _put_one(self, key: str, value: Any, parent: str | None) -> PutResult | None:
         try:
-            return self.store.put(key, value, fmt="binary", check_shape=False)
+            return self.store.put(key, value, fmt="binary", parent=parent, check_shape=False)
         except Exception as exc:
             log.warning("Persisting: storing block %s failed: %s", key, exc)
             self.counters.add(store_errors=1)
             return None
 
 
-__all__ = ["PersistingWorker"]
+__all__ = ["PersistingWorker", "pair_blocks"]

@@ -1,0 +1,106 @@
+"""Payload bytes moved with O_DIRECT: straight between the caller's memory and the disk.
+
+For a store whose values already live in a memory cache of their own -- vLLM's CPU tier,
+in front of :class:`~persisting.integrations.vllm.tier.PersistingTier` -- the page cache
+would hold every value a second time, and copying through it costs the CPU more than the
+copy itself (measured on a 2-core VM, 4 MiB values: 0.19 s of CPU per GB written with
+O_DIRECT against 0.51 through the page cache, 0.17 against 0.37-0.64 read). With
+``direct_io`` a store writes and reads payloads this way when the memory and the size allow
+it (4 KiB-aligned address and length: O_DIRECT's rule) and the filesystem takes it (tmpfs
+and some others refuse: then, and for any other value, the page cache is used). The
+checksum is then made over the caller's memory before the write and after the read, since
+no CPU copy passes the bytes through the cache on the way.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import xxhash
+
+from persisting.errors import CorruptValueError
+
+#: O_DIRECT's alignment for memory, file offsets and lengths (safe for 512-byte and 4 KiB
+#: logical blocks alike).
+ALIGN = 4096
+_FLAG = getattr(os, "O_DIRECT", 0)
+#: errnos meaning "this filesystem (or this request) does not take O_DIRECT".
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
+
+
+def aligned(view: memoryview, offset: int) -> bool:
+    """Whether ``view`` may be moved with O_DIRECT at file offset ``offset``."""
+    if not _FLAG or len(view) == 0 or len(view) % ALIGN or offset % ALIGN:
+        return False
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    return address % ALIGN == 0
+
+
+def write(path: str | os.PathLike[str], view: memoryview, offset: int) -> bool:
+    """Write ``view`` at ``offset`` of the existing file ``path`` with O_DIRECT; False,
+    having written nothing, if the filesystem refuses O_DIRECT (the caller writes it through
+    the page cache instead). Other errors raise OSError."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | _FLAG)
+    except OSError as exc:
+        if exc.errno in _REFUSED:
+            return False
+        raise
+    try:
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwrite(fd, view[done:], offset + done)
+            except OSError as exc:
+                if done == 0 and exc.errno in _REFUSED:
+                    return False
+                raise
+    finally:
+        os.close(fd)
+    return True
+
+
+def read(path: str | os.PathLike[str], out: memoryview, offset: int) -> bool:
+    """Fill ``out`` with the bytes of ``path`` from ``offset`` with O_DIRECT; False if the
+    filesystem refuses O_DIRECT (nothing read). A file shorter than that is a
+    CorruptValueError; FileNotFoundError passes through."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _FLAG)
+    except OSError as exc:
+        if exc.errno in _REFUSED:
+            return False
+        raise
+    try:
+        done = 0
+        while done < len(out):
+            try:
+                got = os.preadv(fd, [out[done:]], offset + done)
+            except OSError as exc:
+                if done == 0 and exc.errno in _REFUSED:
+                    return False
+                raise
+            if got == 0:
+                raise CorruptValueError(
+                    f"{path} is shorter than expected ({offset + done} < {offset + len(out)})"
+                )
+            done += got
+    finally:
+        os.close(fd)
+    return True
+
+
+def write_hashed(path: str | os.PathLike[str], view: memoryview, offset: int) -> int | None:
+    """:func:`write`, after hashing ``view`` (its xxh3-64, as every payload's checksum, is
+    returned); None, nothing written, if the filesystem refuses O_DIRECT."""
+    digest = xxhash.xxh3_64_intdigest(view)
+    return digest if write(path, view, offset) else None
+
+
+def read_hashed(path: str | os.PathLike[str], out: memoryview, offset: int) -> int | None:
+    """:func:`read`, then the xxh3-64 of what was read; None if O_DIRECT is refused."""
+    return xxhash.xxh3_64_intdigest(out) if read(path, out, offset) else None
+
+
+__all__ = ["ALIGN", "aligned", "read", "read_hashed", "write", "write_hashed"]
