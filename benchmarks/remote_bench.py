@@ -7,10 +7,11 @@ memory per value, nothing recycled), on each side:
   ``async`` by default) in its own process; the client connects with
   ``KVCacheClient.connect(..., same_host=False)``, so its values move on TCP as from
   another host (TLS unless the address is loopback or ``bulk_encryption`` is off);
-* **socket** -- the baseline: a server process with its chunks preallocated, and a client
-  that sends each value from its own memory (acknowledged with one byte) and receives
-  each value into a new ``bytearray`` it keeps, one round trip per value (per batch for
-  the batched row), as the service does.
+* **socket** -- the baseline: a server process that receives each put into a new buffer
+  it keeps (acknowledged with one byte) and sends gets from chunks made at start, and a
+  client that sends each value from its own memory and receives each value into a new
+  ``bytearray`` it keeps, one round trip per value (per batch for the batched row), as
+  the service does. Both ends keep what they receive in fresh memory, as callers do.
 
 Per round and side (the sides taking turns going first), two jobs:
 
@@ -99,8 +100,9 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 
 def socket_server(bind: str, nbytes: int, chunks: int) -> None:
-    """The baseline's server: its chunks preallocated; a put is received into them and
-    acknowledged, a get sends them. One client connection after another."""
+    """The baseline's server. A put is received into a new buffer that it keeps (as a store
+    keeps what it is given: ``kept``, per connection) and acknowledged; a get sends its
+    chunks from buffers made at start. One client connection after another."""
     import numpy as np
 
     host, port = bind.rsplit(":", 1)
@@ -116,6 +118,7 @@ def socket_server(bind: str, nbytes: int, chunks: int) -> None:
     while True:
         conn, _ = listener.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        kept: list[bytearray] = []
         while True:
             try:
                 _recv_exactly(conn, memoryview(command))
@@ -126,10 +129,13 @@ def socket_server(bind: str, nbytes: int, chunks: int) -> None:
                 for b in buffers[first : first + count]:
                     conn.sendall(b.data)
             else:
-                for b in buffers[first : first + count]:
-                    _recv_exactly(conn, b.data.cast("B"))
+                for _ in range(count):
+                    value = bytearray(nbytes)  # a new buffer per value, kept
+                    _recv_exactly(conn, memoryview(value))
+                    kept.append(value)
                 conn.sendall(b"k")
         conn.close()
+        del kept
 
 
 def socket_job(config: dict[str, Any]) -> dict[str, Any]:
