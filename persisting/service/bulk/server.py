@@ -100,7 +100,7 @@ class BulkServer:
         self.max_per_session = max_per_session
         self.max_per_client = max_per_client
         self.requests = Requests(state, io_timeout_s)
-        self._listeners: list[socket.socket] = []
+        self._listening: list[socket.socket] = []
         self._folder: Path | None = None
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()
@@ -139,14 +139,14 @@ class BulkServer:
         }
 
     def _listen(self, listener: socket.socket, kind: str) -> None:
-        self._listeners.append(listener)
+        self._listening.append(listener)
         threading.Thread(
             target=self._accept, args=(listener, kind), name=f"kv-data-{kind}", daemon=True
         ).start()
 
     def close(self) -> None:
         self._closed = True
-        for listener in self._listeners:
+        for listener in self._listening:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
             listener.close()
