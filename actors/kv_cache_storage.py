@@ -14,14 +14,13 @@ file named by ``PERSISTING_CONFIG``). Nothing is served without a passphrase: th
 refuses a Pulsing system that :mod:`actors.system` did not start, and under the launcher
 it makes the launcher's system start with the server's passphrase.
 
-Pulsing hands one actor one message at a time, so the actor also spawns ``lanes - 1``
-helper actors over the same stores; a client spreads its requests over all of them, and
-the store calls themselves run on a thread pool. Clients on the same host send their
-requests over a Unix socket instead (:mod:`persisting.service.local_channel`), once their
-session is open. The protocol lives in
-:class:`persisting.service.handler.StorageHandler`; this module only connects it to Pulsing
-and expires idle client sessions in the background. With ``service.metrics_port`` set it
-also serves Prometheus metrics of its stores (:mod:`persisting.metrics`).
+Control messages (sessions, lookups, pins, stats) come through Pulsing; the store calls
+that may touch a file run on a thread pool. Values move on the data path
+(:mod:`persisting.service.bulk`): a TCP port and a Unix socket this actor opens when it
+starts. The protocol lives in :class:`persisting.service.handler.StorageHandler`; this
+module only connects it to Pulsing and the data path and expires idle client sessions in
+the background. With ``service.metrics_port`` set it also serves Prometheus metrics of its
+stores (:mod:`persisting.metrics`).
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ from persisting.lance_store import validate_name
 from persisting.metrics import KVMetrics, MetricsServer
 from persisting.service.bulk.server import BulkServer
 from persisting.service.handler import StorageHandler
-from persisting.service.local_channel import LocalChannelServer
 
 if TYPE_CHECKING:
     from actors.kv_events import EventConsumer
@@ -84,28 +82,15 @@ def _handler(settings: PersistingSettings, stores: dict[str, KVStore]) -> Storag
     return StorageHandler(
         stores,
         lease_ttl_s=service.lease_ttl_s,
-        message_part_bytes=service.message_part_bytes,
         max_inflight=service.max_inflight,
         max_staged_bytes=service.staging_bytes,
         max_session_staged_bytes=service.session_staging_bytes,
-        staged_ttl_s=service.staging_ttl_s,
-        threads=max(2, service.lanes),
         node={
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "storage_path": str(settings.storage_path),
         },
     )
-
-
-class _Lane(pulsing.Actor):
-    """A helper actor answering requests with its parent's handler (another mailbox)."""
-
-    def __init__(self, handler: StorageHandler):
-        self._handler = handler
-
-    async def receive(self, msg: Any) -> Any:
-        return await self._handler.handle(msg)
 
 
 class KVCacheStorageActor(pulsing.Actor):
@@ -169,16 +154,14 @@ class KVCacheStorageActor(pulsing.Actor):
         self.metrics_server: MetricsServer | None = None
         if service.metrics_port is not None:
             self._serve_metrics(service.metrics_port)
-        self._actor_id = f"{os.getpid()}"
-        self._started = False
-        self._start_lock: asyncio.Lock | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        #: The data path's server (started with the actor, or by its first message).
+        self.data_path: BulkServer | None = None
+        self._data_lock = threading.Lock()
         #: Why this server stopped serving on its own (an owner claim lost), else None; and
         #: what stops its process then (``serve`` sets it), else the actor just closes.
         self.claim_lost: str | None = None
         self.on_claim_lost: Callable[[], None] | None = None
-        self._channel: LocalChannelServer | None = None
-        self._bulk: BulkServer | None = None
         #: The name clients resolve (the launcher's ``--name`` is not passed to actors).
         self.name = service.name
         self._started_at = time.monotonic()
@@ -220,9 +203,10 @@ class KVCacheStorageActor(pulsing.Actor):
         return ready, checks
 
     def service_figures(self) -> dict[str, Any]:
-        """What ``/metrics`` exports for the service: requests, errors, sessions, members
-        up, readiness and the event consumer's position."""
+        """What ``/metrics`` exports for the service: requests, errors, sessions, data
+        connections, members up, readiness and the event consumer's position."""
         figures = self.handler.service_figures()
+        figures["connections"] = self.data_path.stats()["connections"] if self.data_path else 0
         members = self._members or []
         figures["members_up"] = len(members)
         figures["ready"] = self.readiness()[0]
@@ -261,7 +245,6 @@ class KVCacheStorageActor(pulsing.Actor):
 
     def on_start(self, actor_id: Any) -> None:
         require_authenticated()  # before the first message: refuse rather than serve
-        self._actor_id = str(actor_id)
         system = pulsing.get_system()
         self._addr = str(system.addr)
         self.claims.bound(self.name, self._addr)
@@ -281,45 +264,37 @@ class KVCacheStorageActor(pulsing.Actor):
             )
         except Exception:  # a broken banner must not stop the service
             logger.exception("persisting: could not write the start-up banner")
-        self._serve_bulk(str(system.addr))
+        self._serve_data(str(system.addr))
 
-    def _serve_bulk(self, addr: str) -> None:
-        """Listen for data connections of clients on other hosts: on the host this actor's
-        Pulsing system is bound to, at ``service.bulk_port`` (nowhere else)."""
+    def _serve_data(self, addr: str) -> None:
+        """Listen for data connections: on the host this actor's Pulsing system is bound
+        to, at ``service.bulk_port`` (nowhere else), and on a private Unix socket. Runs
+        once, from ``on_start`` or the first message, whichever comes first (a client's
+        ``hello`` must name the data path)."""
+        with self._data_lock:
+            if self.data_path is None and not self._closed:
+                self._listen(addr)
+
+    def _listen(self, addr: str) -> None:
         service = self.settings.service
-        if not service.bulk or self._bulk is not None:
-            log_bulk(None)
-            return
         host = addr.rpartition(":")[0].strip("[]") or "127.0.0.1"
-        if service.bulk_sealed:
-            try:
-                import cryptography.hazmat.primitives.ciphers.aead  # noqa: F401
-            except ImportError as exc:
-                raise ConfigError(
-                    "service.bulk_sealed needs the cryptography package (pip install cryptography)"
-                ) from exc
-        handler = self.handler
         server = BulkServer(
-            handler.state,
+            self.handler.state,
             host,
             service.bulk_port,
-            sealed=service.bulk_sealed,
+            encrypt=service.bulk_encryption,
             io_timeout_s=service.request_timeout_s,
             max_connections=service.bulk_connections,
-            poll_s=service.bulk_poll_us / 1e6,
-            record_placements=lambda store, model, items, replies: handler.puts.record_placements(
-                store, model, items, replies, False
-            ),
         )
         try:
-            handler.bulk = server.start()
-        except OSError as exc:  # e.g. the port is taken: say so, serve without it
-            logger.error("persisting: cannot listen for data connections: %s", exc)
+            self.handler.data = server.start()
+        except OSError as exc:  # e.g. the port is taken: no value could move
+            server.close()
             log_bulk(None, str(exc))
-            return
-        self._bulk = server
-        handler.extra_stats["bulk"] = server.stats
-        log_bulk(handler.bulk)
+            raise ConfigError(f"cannot listen for data connections on {host}: {exc}") from exc
+        self.data_path = server
+        self.handler.extra_stats["data"] = server.stats
+        log_bulk(self.handler.data)
 
     def _lost_claim(self, message: str) -> None:
         """Another process owns a namespace this server served (its owner lock was removed
@@ -341,33 +316,10 @@ class KVCacheStorageActor(pulsing.Actor):
         return {"models": ",".join(sorted(self.stores)), "service": "persisting-kv"}
 
     async def receive(self, msg: Any) -> Any:
-        if not self._started:
-            await self._start()
-        return await self.handler.handle(msg)
-
-    async def _start(self) -> None:
-        """Spawn the helper lanes and the session sweeper (needs the running system)."""
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
-        async with self._start_lock:
-            if self._started:
-                return
-            system = pulsing.get_system()
-            lanes = []
-            for i in range(1, self.settings.service.lanes):
-                name = f"persisting_lane_{self._actor_id}_{i}"
-                await system.spawn(_Lane(self.handler), name=name, public=True)
-                lanes.append(name)
-            self.handler.lanes = lanes
-            try:  # same-host clients send requests here instead of through Pulsing
-                self._channel = LocalChannelServer(
-                    self.handler.answer, self.handler.is_light, self.handler.executor
-                )
-                self.handler.local_channel = self._channel.start()
-            except OSError:
-                self._channel = None
+        if self._sweeper is None:  # the first message: the loop runs now
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-            self._started = True
+            self._serve_data(str(pulsing.get_system().addr))
+        return await self.handler.handle(msg)
 
     async def _sweep(self) -> None:
         """Give back what crashed clients held, a few times per lease TTL."""
@@ -388,10 +340,8 @@ class KVCacheStorageActor(pulsing.Actor):
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._stop_watching.set()
-        if self._channel is not None:
-            self._channel.close()
-        if self._bulk is not None:
-            self._bulk.close()
+        if self.data_path is not None:
+            self.data_path.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.handler.close()

@@ -122,20 +122,21 @@ def log_banner(
 
 
 def log_bulk(endpoint: Mapping[str, Any] | None, error: str | None = None) -> None:
-    """Where the bulk data path listens (or why it does not)."""
+    """Where the data path listens (or why it cannot)."""
     if endpoint is None:
-        logger.info(
-            "persisting: no data path for other hosts (%s): they move values in messages",
-            error or "service.bulk is false",
+        logger.error(
+            "persisting: cannot open the data path: %s",
+            error,
             extra={"event": "bulk", "bulk": None, "error": error},
         )
         return
     logger.info(
-        "persisting: data path for other hosts at %s:%s (%s)",
+        "persisting: data path at %s:%s (%s) and %s",
         endpoint["host"],
         endpoint["port"],
-        "sealed: AES-256-GCM" if endpoint.get("sealed") else "plain bytes, checksummed",
-        extra={"event": "bulk", "bulk": dict(endpoint)},
+        "TLS 1.3 off loopback" if endpoint.get("cert") else "plain bytes, checksummed",
+        endpoint["unix"],
+        extra={"event": "bulk", "bulk": {k: v for k, v in endpoint.items() if k != "cert"}},
     )
 
 

@@ -233,56 +233,37 @@ class ServiceSettings(BaseModel):
     """Serve Prometheus metrics on this port (0: any free port; unset: none)."""
     event_topic: str = "kv-events"
     """Queue topic of prewarm/evict events."""
-    message_part_bytes: Bytes = Field(
-        default=4 * MiB,
-        gt=0,
-        validation_alias=AliasChoices("message_part_bytes", "message_chunk_bytes"),
-    )
-    """Largest payload part one message carries on the message path (remote clients);
-    ``message_chunk_bytes`` is its earlier name, still accepted."""
     request_timeout_s: float = Field(default=30.0, gt=0)
-    """A request unanswered this long counts as a failure of its server."""
-    lanes: int = Field(default=4, gt=0, le=16)
-    """Actors per server sharing its stores (Pulsing handles one message at a time per actor)."""
-    shm_arena_bytes: Bytes = Field(default=256 * MiB, ge=0)
-    """A same-host client's shared-memory arena (0: off)."""
+    """A request unanswered this long counts as a failure of its server; on a data
+    connection, the longest a value (of a get's reply or a put) may take to move, from its
+    first byte to its last, before the server closes the connection."""
     shared_memory_tier: bool = True
     """Keep the memory tier in shared memory, so same-host clients copy hits out themselves."""
     prefault_memory: bool = True
     """Map each served store's memory tier in at start, in the background (resident memory
     grows to ``kv.memory_bytes`` then), so the first values put after a start do not fault
     every page they land in (false: pages are committed and mapped as values arrive)."""
-    bulk: bool = True
-    """Serve the bulk data path: values of clients on other hosts move on TCP connections
-    made for bytes (false: in Pulsing messages, far slower)."""
     bulk_port: int = Field(default=0, ge=0, le=65535)
-    """Port of the bulk data path, on the host of ``addr`` and nowhere else (0: any free
-    port, told to clients in ``hello``)."""
+    """Port of the data path (where every value moves), on the host of ``addr`` and nowhere
+    else (0: any free port, told to clients in ``hello``). Clients on the server's host use
+    its Unix socket instead."""
     bulk_streams: int = Field(default=4, ge=1, le=16)
     """Data connections a client opens per server; a batch is spread over them."""
-    bulk_sealed: bool = False
-    """Encrypt data-path bytes (AES-256-GCM, keys derived per connection from the session's
-    secret). A server that seals refuses plain connections; a client that seals asks for it."""
+    bulk_encryption: bool = True
+    """Encrypt data connections off loopback (TLS 1.3; the server's certificate is made at
+    start and pinned by clients through ``hello``). Loopback and the Unix socket stay
+    plain. False: values (and the sessions' credentials) cross the network in clear; only
+    on a network nobody else can read."""
     bulk_connections: int = Field(default=256, gt=0)
     """Data connections one server holds at most (every client's together)."""
-    bulk_poll_us: int = Field(default=500, ge=0, le=100_000)
-    """How long either end of a data connection polls for bytes before it sleeps, in
-    microseconds (0: sleep at once): a server's thread for each piece of a value it
-    receives and for the next request after one that moved at least 1 MiB, a client for
-    any answer (yielding to its event loop between tries). A side still polling needs no
-    wake-up and stays on its core; one woken by the other's send is often run on the
-    sender's core, and the two then take turns on it. Costs at most this much CPU per wait
-    (docs/service.md has the measurement)."""
     network_bytes_per_s: Bytes | None = Field(default=None, gt=0)
     """What a client assumes it reads from a server on another host (bytes/s) until it has
     measured it (a load-or-recompute plan prices remote hits with it; unset: a path never
     read yet counts as free, and the first reads measure it)."""
     staging_bytes: Bytes = Field(default=1 * GiB, gt=0)
-    """Bytes a server holds for uploads, message-path transfers and data-path puts at once."""
+    """Bytes of puts a server receives at once (every client's together)."""
     session_staging_bytes: Bytes = Field(default=256 * MiB, gt=0)
-    """Of those, what one session may hold at once."""
-    staging_ttl_s: float = Field(default=120.0, gt=0)
-    """An upload or transfer still staged this long after it began is dropped."""
+    """Of those, what one session may have in flight at once."""
     member_retry_s: float = Field(default=2.0, gt=0)
     """How often a client probes a server that failed."""
     discovery_timeout_s: float = Field(default=10.0, gt=0)

@@ -212,7 +212,7 @@ class KVMetrics:
 
     def track_service(self, snapshot: Callable[[], Mapping[str, Any]]) -> None:
         """At every scrape, export a server's figures from ``snapshot()``: a mapping with
-        ``requests`` ({op: n}), ``errors`` ({code: n}), ``sessions``, ``pins``, ``leases``,
+        ``requests`` ({op: n}), ``errors`` ({code: n}), ``sessions``, ``pins``, ``connections``,
         ``members_up``, ``members_known``, ``ready`` (bool) and ``consumer`` (its
         :meth:`~actors.kv_events.EventConsumer.status`, or None)."""
         with self._lock:
@@ -330,8 +330,8 @@ def _service_families(figures: Mapping[str, Any] | None) -> Iterator[Metric]:
             "persisting_service_sessions", "Client sessions open on this server."
         ),
         "pins": GaugeMetricFamily("persisting_service_pins", "Pins held by client sessions."),
-        "leases": GaugeMetricFamily(
-            "persisting_service_leases", "Read leases held by client sessions."
+        "connections": GaugeMetricFamily(
+            "persisting_service_connections", "Data connections open on this server."
         ),
         "members_up": GaugeMetricFamily(
             SERVICE_MEMBERS_METRIC,
@@ -399,7 +399,7 @@ SERVICE_METRICS = (
     f"{SERVICE_ERRORS_METRIC}_total",
     "persisting_service_sessions",
     "persisting_service_pins",
-    "persisting_service_leases",
+    "persisting_service_connections",
     SERVICE_MEMBERS_METRIC,
     "persisting_service_ready",
     CONSUMER_POSITION_METRIC,

@@ -83,6 +83,11 @@ class TwoHosts:
             subprocess.run([IP, "netns", "del", ns], capture_output=True, timeout=30)
         subprocess.run([IP, "link", "del", self._veth[0]], capture_output=True, timeout=30)
 
+    @property
+    def client_device(self) -> str:
+        """The client's end of the link (its network device, in its namespace)."""
+        return self._veth[1]
+
     def in_server(self, args: Sequence[str]) -> list[str]:
         """``args`` as a command run inside the server's namespace."""
         return [IP, "netns", "exec", self.server_ns, *args]

@@ -141,14 +141,14 @@ def test_sizes_take_units_everywhere_and_stay_plain_ints(
 ) -> None:
     cfg = tmp_path / "p.toml"
     cfg.write_text('[kv]\nmemory_bytes = "8GiB"\ndisk_bytes = "512MB"\n')
-    monkeypatch.setenv("PERSISTING_SERVICE__SHM_ARENA_BYTES", "16MiB")
+    monkeypatch.setenv("PERSISTING_SERVICE__STAGING_BYTES", "16MiB")
     s = PersistingSettings.load(cfg, kv={"max_value_bytes": "1.5GiB"})
     assert s.kv.memory_bytes == 8 << 30 and s.kv.disk_bytes == 512_000_000
-    assert s.service.shm_arena_bytes == 16 << 20 and s.kv.max_value_bytes == 3 << 29
+    assert s.service.staging_bytes == 16 << 20 and s.kv.max_value_bytes == 3 << 29
     # Plain ints: settings travel in service messages that refuse every class but builtins.
     from persisting.service.protocol import safe_loads
 
-    for value in (s.kv.memory_bytes, s.service.shm_arena_bytes, s.kv.max_value_bytes):
+    for value in (s.kv.memory_bytes, s.service.staging_bytes, s.kv.max_value_bytes):
         assert type(value) is int
     assert safe_loads(pickle.dumps(s.model_dump(mode="python")["kv"]))["memory_bytes"] == 8 << 30
 

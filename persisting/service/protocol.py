@@ -1,4 +1,4 @@
-"""The service's versioned wire protocol: the table of operations, envelopes and checks.
+"""The service's versioned control protocol: the table of operations, envelopes and checks.
 
 Every request is a plain dict ``{"v": 2, "op": ..., "sid": ..., "model": ..., **args}`` and
 every reply is ``{"v": 2, "ok": True, "result": ...}`` or ``{"v": 2, "ok": False, "error":
@@ -10,10 +10,9 @@ Errors are never raised across the wire: the server turns a :class:`PersistingEr
 its ``code`` and the client raises the same class again (:func:`unwrap_reply`).
 
 :data:`OPS` is the one table of operations: the server's dispatch, which requests it
-answers without a thread hop, and which need no model all derive from it. Payload bytes
-ride in messages only on the remote (message) path, in parts of at most the server's
-``message_part_bytes``; same-host clients read stored bytes themselves (see
-:mod:`persisting.service.same_host` and the ``location`` entries of a ``get`` reply).
+answers without a thread hop, and which need no model all derive from it. These messages
+ride on Pulsing (the control path) and never carry a value: values move on data
+connections in the frames of :mod:`persisting.service.bulk.frames`.
 """
 
 from __future__ import annotations
@@ -27,9 +26,9 @@ from typing import Any
 from persisting.errors import PersistingError, ProtocolError, error_class_for
 
 #: Bumped on any incompatible change; a server refuses requests of another version.
-#: 2: same-host puts carry their checksum and a ticket (see ``withdraw``); hello names the
-#: message part size ``message_part_bytes``; ``lookup_tokens``.
-PROTOCOL_VERSION = 2
+#: 3: values move only on data connections (no ``get``/``put`` messages); ``hello`` names
+#: them (``data``).
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,23 +42,13 @@ class Op:
     #: Does no file I/O (a memory copy at most): answered on the receiving thread or event
     #: loop instead of the handler's thread pool.
     light: bool = False
-    #: Light only when this argument is true (a same-host ``get`` reads no file itself).
-    light_if: str | None = None
 
 
 #: Every operation a server answers.
 OPS: dict[str, Op] = {
-    "hello": Op(model_free=True),  # maps the client's arena: a file open
+    "hello": Op(model_free=True, light=True),
     "bye": Op(model_free=True, light=True),
     "renew": Op(model_free=True, light=True),
-    "withdraw": Op(("tickets",), model_free=True, light=True),
-    "put": Op(("items", "fmt")),
-    "upload_begin": Op(("nbytes",), model_free=True),
-    "upload_part": Op(("upload", "offset", "data"), model_free=True),
-    "get": Op(("keys",), light_if="direct"),
-    "read_part": Op(("transfer", "offset", "length"), model_free=True),
-    "end_transfer": Op(("transfer",), model_free=True, light=True),
-    "release": Op(("keys",), light=True),
     "touch": Op(("keys",), light=True),
     "contains": Op(("keys",), light=True),
     "layout": Op(("keys",), light=True),
@@ -84,9 +73,7 @@ def is_light(message: object) -> bool:
         return True
     name = message.get("op")
     op = OPS.get(name) if isinstance(name, str) else None
-    if op is None or op.light:
-        return True
-    return op.light_if is not None and bool(message.get(op.light_if))
+    return op is None or op.light
 
 
 #: Most keys one request may carry (bounds the work and the reply size of one message).
@@ -140,13 +127,13 @@ def parse_request(message: object) -> Request:
         raise ProtocolError(f"operation {op!r} is missing {', '.join(missing)}")
     if "keys" in args:  # required by most operations
         _check_keys(args["keys"])
-    release = args.get("release")  # leases a request gives back on its way (optional)
-    if release is not None and not (
-        isinstance(release, list)
-        and len(release) <= MAX_KEYS_PER_REQUEST
-        and all(isinstance(k, str) for k in release)
+    touch = args.get("touch")  # hits served from remembered locations, riding along
+    if touch is not None and not (
+        isinstance(touch, list)
+        and len(touch) <= MAX_KEYS_PER_REQUEST
+        and all(isinstance(k, str) for k in touch)
     ):
-        raise ProtocolError("release must be a list of key strings")
+        raise ProtocolError("touch must be a list of key strings")
     return Request(op=op, sid=sid, model=model, args=args)
 
 

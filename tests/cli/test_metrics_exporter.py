@@ -307,7 +307,7 @@ def test_service_figures_are_exported_from_the_snapshot() -> None:
             "errors": {"invalid_value": 2},
             "sessions": 1,
             "pins": 0,
-            "leases": 4,
+            "connections": 4,
             "members_up": 2,
             "ready": True,
             "consumer": {
@@ -327,7 +327,7 @@ def test_service_figures_are_exported_from_the_snapshot() -> None:
     assert samples[("persisting_service_errors_total", frozenset({("code", "invalid_value")}))] == 2
     assert samples[("persisting_service_members_up", frozenset())] == 2
     assert samples[("persisting_service_ready", frozenset())] == 1
-    assert samples[("persisting_service_leases", frozenset())] == 4
+    assert samples[("persisting_service_connections", frozenset())] == 4
     position = frozenset(
         {("topic", "kv-events"), ("bucket", "0"), ("consumer", "kv-service/kvstore")}
     )

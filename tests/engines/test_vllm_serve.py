@@ -10,7 +10,8 @@ The module fixture runs, on one root:
 2. ``persisting stats --metrics-url`` reads ``a``'s connector figures;
 3. ``a``'s main process is SIGKILLed: its engine core and worker must not live on holding
    its metrics ports;
-4. ``a2`` starts with ``a``'s ports on the same root and reuses the prompt.
+4. ``a2`` starts with ``a``'s ports on the same root and reuses the prompt;
+5. ``b`` and ``a2`` are stopped with Ctrl-C: no temporary file is left on the root.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class Server:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048", "--seed", "0",
             "--enable-prompt-tokens-details",
+            # vLLM's default (0) SIGKILLs the engine core at once on Ctrl-C: give it time
+            # to finish its stores and close the store, as docs/vllm.md tells operators.
+            "--shutdown-timeout", "30",
             "--kv-transfer-config", json.dumps(transfer),
         ]  # fmt: skip
         env = {**engine_env(), "XDG_CACHE_HOME": str(work / "cache")}
@@ -199,6 +203,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         a2.wait_ready()
         out["a2"] = a2.complete(PROMPT)
         out["a2_metrics"] = a2.metrics()
+        for server in (b, a2):  # a clean stop (Ctrl-C) of the servers still running
+            server.stop()
+        out["temporaries"] = sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
     finally:
         for server in servers:
             server.stop()
@@ -224,6 +231,12 @@ def test_a_restarted_server_reuses_the_prompt_over_http(runs: dict[str, Any]) ->
 def test_stats_reads_a_live_engines_connector_metrics(runs: dict[str, Any]) -> None:
     (figures,) = runs["stats"]["models"].values()
     assert figures["blocks_stored"] >= BLOCKS and figures["disk_items"] >= BLOCKS
+
+
+def test_a_clean_stop_leaves_no_temporary_files(runs: dict[str, Any]) -> None:
+    """Ctrl-C of the servers: nothing in flight is left behind (reservations, payloads
+    being written; what the SIGKILLed server left was reclaimed by the next open)."""
+    assert runs["temporaries"] == []
 
 
 def test_a_killed_servers_engine_does_not_live_on(runs: dict[str, Any]) -> None:

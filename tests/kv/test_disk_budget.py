@@ -173,6 +173,25 @@ def test_a_metadata_reservation_of_a_dead_process_comes_back(root: Path) -> None
         assert list((store.directory / "reservations").iterdir()) == []
 
 
+def test_what_a_killed_writer_left_in_flight_is_removed_at_the_next_open(root: Path) -> None:
+    """An engine SIGKILLed mid-commit (vLLM kills its engine core at once on Ctrl-C unless
+    given --shutdown-timeout) leaves a reservation file; the next open removes it."""
+    budget = 8 * MiB
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget) as store:
+        store.put(key(1), tensor(1))
+        directory = store.directory
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_A_COMMIT, str(root), str(budget)],
+        env=child_env(),
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert list((directory / "reservations").glob("*.tmp"))
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget) as store:
+        assert list(directory.rglob("*.tmp")) == []
+        assert store.get(key(1)) is not None
+
+
 @pytest.mark.timeout(240)
 def test_several_processes_stay_within_the_budget_at_every_moment() -> None:
     """Three processes of mixed 4 KiB-1 MiB sync puts into 16 MiB, ``du`` sampled every

@@ -164,11 +164,10 @@ async def _run(root: Path, runs: int) -> dict[str, Any]:
         "after_restart": after,
         "wrong_values_after_restart": after["wrong"],
         "client_counters": {
-            k: v for k, v in counters.items() if k.startswith(("arena", "put_", "checksum"))
+            k: v for k, v in counters.items() if k.startswith(("data_", "put_", "checksum"))
         },
-        # Bytes that changed under the server while it stored them (its second line of
-        # defence, after the arena loans): expected 0.
-        "server_refused_changed_bytes": served.get("put_arena_changed", 0),
+        # Values whose bytes arrived damaged (the checksum after each payload): expected 0.
+        "server_refused_damaged_values": served.get("put_damaged", 0),
         "server_errors": served.get("errors", 0),
         "seconds": round(time.perf_counter() - started, 1),
     }

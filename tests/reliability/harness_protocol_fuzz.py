@@ -1,12 +1,15 @@
-"""Garbage over the actor protocol: the service answers every message with a structured
-reply (or the transport refuses it), and keeps serving real clients afterwards.
+"""Garbage over the control protocol and the data path: the service answers every message
+with a structured reply (or the transport refuses it), and keeps serving real clients.
 
     python -m tests.reliability.harness_protocol_fuzz [--examples 300] [--json OUT]
 
 Part one feeds hypothesis-made messages (wrong types, missing and hostile fields, truncated
 and garbage bytes, oversized key lists) to the request handler over a real store. Part two
-starts a real server process and sends raw garbage through Pulsing to the named actor, then
-round-trips tensors with a KVCacheClient from the same process.
+sends hypothesis-made frames (maps of hostile fields, raw bytes, wrong lengths) on
+authenticated data connections of a real data-path server: each must get an error frame or
+the connection closed, and the server must go on serving. Part three starts a real server
+process and sends raw garbage through Pulsing to the named actor, then round-trips tensors
+with a KVCacheClient from the same process.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -25,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
@@ -32,6 +37,7 @@ from hypothesis import strategies as st
 
 from persisting.errors import PersistingError, error_class_for
 from persisting.kv import open_kv_store
+from persisting.service.bulk.server import BulkServer
 from persisting.service.handler import StorageHandler
 from persisting.service.protocol import OPS, PROTOCOL_VERSION, safe_loads
 from tests.reliability.rel_common import MODEL, emit, key_text, value
@@ -83,7 +89,7 @@ def _well_formed(sid: st.SearchStrategy) -> st.SearchStrategy:
                 "model": st.just(MODEL),
                 **{name: ARGS for name in OPS[op].args},
             },
-            optional={"expect": VALUES, "release": KEYS},
+            optional={"expect": VALUES, "touch": KEYS},
         )
     )
 
@@ -111,14 +117,10 @@ def _messages(sids: st.SearchStrategy) -> st.SearchStrategy:
                 ),
                 "items": VALUES,
                 "fmt": VALUES,
-                "nbytes": VALUES,
-                "upload": VALUES,
-                "offset": VALUES,
-                "length": VALUES,
-                "data": VALUES,
-                "transfer": VALUES,
+                "tokens": VALUES,
+                "hasher": VALUES,
                 "expect": VALUES,
-                "release": VALUES,
+                "touch": VALUES,
             },
         ),
         st.binary(max_size=200).map(lambda b: pickle.dumps({"v": 1})[: len(b) % 20] + b),
@@ -183,6 +185,118 @@ def fuzz_handler(root: Path, examples: int, seed: int = 1) -> dict[str, Any]:
         "handler_alive_after": alive,
         "stored_data_intact": bool(intact),
     }
+
+
+def _data_frames() -> st.SearchStrategy:
+    """Bytes a hostile client sends on an authenticated data connection."""
+    fields = {
+        "op": st.one_of(st.sampled_from(["get", "put"]), SCALARS),
+        "model": st.one_of(st.just(MODEL), SCALARS, st.just("../../etc")),
+    }
+    request = st.fixed_dictionaries(
+        fields,
+        optional={
+            "keys": st.one_of(VALUES, KEYS),
+            "items": st.one_of(
+                VALUES,
+                st.lists(
+                    st.fixed_dictionaries(
+                        {"key": ARGS, "layout": VALUES}, optional={"parent": ARGS}
+                    ),
+                    max_size=3,
+                ),
+            ),
+            "expect": VALUES,
+            "pool": VALUES,
+            "learn": VALUES,
+            "fmt": ARGS,
+        },
+    )
+    framed = st.one_of(request, VALUES).map(_framed)
+    return st.one_of(framed, framed, st.binary(max_size=200))
+
+
+def _framed(message: Any) -> bytes:
+    try:
+        body = msgpack.packb(message)
+    except (OverflowError, TypeError, ValueError):  # an int msgpack cannot hold
+        body = b"\xc1"  # a byte msgpack never uses
+    return struct.pack("<I", len(body)) + body
+
+
+def fuzz_data_path(root: Path, examples: int, seed: int = 1) -> dict[str, Any]:
+    """Part two (see the module docstring): each example on a fresh authenticated
+    connection, which must be answered with error frames or closed."""
+    outcomes: Counter[str] = Counter()
+    store = open_kv_store(root, MODEL, memory_bytes=1 << 20, disk_bytes=8 << 20)
+    store.put(key_text(777), value(777, 64), fmt="KV_2TD")
+    handler = StorageHandler({MODEL: store}, threads=2)
+    data = BulkServer(handler.state, "127.0.0.1", 0, io_timeout_s=1.0, handshake_s=1.0)
+    handler.data = data.start()
+    hello = handler.answer({"v": PROTOCOL_VERSION, "op": "hello", "sid": None, "model": None})
+    credential = msgpack.packb({"id": hello["result"]["data"]["id"],
+                                "secret": hello["result"]["data"]["secret"]})  # fmt: skip
+    auth = struct.pack("<I", len(credential)) + credential
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @hypothesis_seed(seed)
+    @given(_data_frames())
+    def one(frame: bytes) -> None:
+        with socket.create_connection(("127.0.0.1", data.port), timeout=10) as sock:
+            sock.sendall(auth)
+            sock.recv(64)  # {"ok": true}
+            try:
+                sock.sendall(frame)
+                sock.shutdown(socket.SHUT_WR)  # no more: what the server made of it
+                answer = b""
+                while chunk := sock.recv(1 << 16):
+                    answer += chunk
+            except OSError:
+                answer = b""
+        outcomes[_data_outcome(answer)] += 1
+
+    try:
+        one()
+        with socket.create_connection(("127.0.0.1", data.port), timeout=10) as sock:
+            sock.sendall(auth)
+            sock.recv(64)
+            request = msgpack.packb({"op": "get", "model": MODEL, "keys": [key_text(777)]})
+            sock.sendall(struct.pack("<I", len(request)) + request)
+            header = sock.recv(4)
+            serving = len(header) == 4
+        intact = np.array_equal(store.get(key_text(777)), value(777, 64))
+    finally:
+        data.close()
+        handler.close()
+        store.close()
+    return {
+        "data_frames": examples,
+        "data_outcomes": dict(sorted(outcomes.items())),
+        "data_path_served_after": serving and bool(intact),
+    }
+
+
+def _data_outcome(answer: bytes) -> str:
+    """What a data connection made of a frame: closed, error frames by code, or values."""
+    if not answer:
+        return "closed"
+    try:
+        (length,) = struct.unpack("<I", answer[:4])
+        frame = msgpack.unpackb(answer[4 : 4 + length])
+    except Exception:
+        return "unreadable_answer"
+    error = frame.get("error") if isinstance(frame, dict) else None
+    if isinstance(error, dict):
+        code = error.get("code")
+        if code == PersistingError.code:
+            return "untyped_server_error"
+        return f"error:{code}"
+    return "answered"
 
 
 def _free_port() -> int:
@@ -296,13 +410,26 @@ def fuzz_server(root: Path, rounds: int) -> dict[str, Any]:
 def run(examples: int, raw_rounds: int, seed: int = 1) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         handler = fuzz_handler(Path(tmp) / "handler", examples, seed)
+        data = fuzz_data_path(Path(tmp) / "data", max(1, examples // 10), seed)
         server = fuzz_server(Path(tmp) / "server", raw_rounds)
     bad = sum(
         part.get(kind, 0)
-        for part in (handler["outcomes"], server["raw_outcomes"])
-        for kind in ("unstructured_reply", "unknown_error_code", "untyped_server_error")
+        for part in (handler["outcomes"], server["raw_outcomes"], data["data_outcomes"])
+        for kind in (
+            "unstructured_reply",
+            "unknown_error_code",
+            "untyped_server_error",
+            "unreadable_answer",
+        )
     )
-    return {"harness": "protocol_fuzz", **handler, **server, "bad_replies": bad, "seed": seed}
+    return {
+        "harness": "protocol_fuzz",
+        **handler,
+        **data,
+        **server,
+        "bad_replies": bad,
+        "seed": seed,
+    }
 
 
 def main() -> None:
@@ -317,6 +444,7 @@ def main() -> None:
     ok = (
         result["bad_replies"] == 0
         and result["handler_alive_after"]
+        and result["data_path_served_after"]
         and result["served_after_garbage"]
         and result["server_alive_after"]
         and result["stored_data_intact"]

@@ -11,8 +11,9 @@ through every door it can find:
 * the generated passphrase file (to read it);
 * Pulsing without the passphrase (resolve the actor, ask it);
 * raw bytes to the Pulsing port (HTTP/1.1, an HTTP/2 preface, a bare pickle);
-* the server's local channel (Unix socket), and the same socket again after its folder
-  and mode are opened up, so that only the peer-credential check stands.
+* raw bytes to the data port (a guessed credential frame, then the pickle);
+* the data path's Unix socket, and the same socket again after its folder and mode are
+  opened up, so that only the peer-credential check stands.
 
 A door *answers* when anything but a TLS alert or a refusal comes back. Prints (and with
 ``--json`` writes) one JSON summary; exits 1 if anything ran or answered.
@@ -27,6 +28,7 @@ import glob
 import json
 import os
 import pickle
+import re
 import shutil
 import socket
 import struct
@@ -37,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pulsing
 import pulsing.core.remote
 
@@ -86,7 +89,9 @@ def as_nobody(fn: Any, *args: Any) -> Any:
     return out["result"]
 
 
-def attack(addr: str, marker: str, channel: str, passphrase_path: str) -> dict[str, Any]:
+def attack(
+    addr: str, data_port: int, marker: str, channel: str, passphrase_path: str
+) -> dict[str, Any]:
     """Every door, as the attacker (see the module docstring)."""
     out: dict[str, Any] = {"uid": os.getuid()}
     evil = pickle.dumps(CreatesFile(marker))
@@ -95,7 +100,8 @@ def attack(addr: str, marker: str, channel: str, passphrase_path: str) -> dict[s
             out["passphrase_file"] = "read: " + handle.read()
     except OSError as exc:
         out["passphrase_file"] = type(exc).__name__
-    out["local_channel"] = channel_door(channel, evil)
+    out["data_socket"] = channel_door(channel, evil)
+    out["data_port"] = data_port_door(data_port, evil)
     host, port = addr.rsplit(":", 1)
     out["raw"] = []
     for payload in (
@@ -117,22 +123,41 @@ def attack(addr: str, marker: str, channel: str, passphrase_path: str) -> dict[s
     return out
 
 
+def _frames(evil: bytes) -> list[bytes]:
+    """A guessed credential frame, the pickle framed as a frame, and a request."""
+    guess = msgpack.packb({"id": b"\0" * 16, "secret": b"\0" * 32})
+    request = msgpack.packb({"op": "get", "model": MODEL, "keys": [f"{MODEL}@1@0@1@bfloat16"]})
+    return [struct.pack("<I", len(f)) + f for f in (guess, evil, request)]
+
+
+def _door(sock: socket.socket, evil: bytes) -> str:
+    try:
+        for frame in _frames(evil):
+            sock.sendall(frame)
+        answer = sock.recv(4096)
+    except OSError as exc:
+        return f"no answer ({type(exc).__name__})"
+    return "answer: " + answer.decode("latin-1") if answer else "no answer (closed)"
+
+
 def channel_door(path: str, evil: bytes) -> str:
-    """Connect to the local channel and send frames; what came back."""
+    """Connect to the data path's Unix socket and send frames; what came back."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(3)
+        sock.settimeout(10)
         try:
             sock.connect(path)
         except OSError as exc:
             return type(exc).__name__
-        request = pickle.dumps({"v": 2, "op": "stats", "sid": "guess", "model": MODEL})
-        try:
-            for frame in (request, evil):
-                sock.sendall(struct.pack("<IQ", len(frame), 1) + frame)
-            answer = sock.recv(4096)
-        except OSError as exc:
-            return f"no answer ({type(exc).__name__})"
-        return "answer: " + answer.decode("latin-1") if answer else "no answer (closed)"
+        return _door(sock, evil)
+
+
+def data_port_door(port: int, evil: bytes) -> str:
+    """Connect to the data port and send frames; what came back."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            return _door(sock, evil)
+    except OSError as exc:
+        return type(exc).__name__
 
 
 async def via_pulsing(addr: str, marker: str) -> dict[str, Any]:
@@ -216,10 +241,15 @@ def run(rounds: int = 3) -> dict[str, Any]:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start:\n{log.read_text(errors='replace')}")
             time.sleep(0.1)
-        legit = _legit_client(addr)  # also makes the server open its local channel
-        [channel] = glob.glob(f"/tmp/persisting-kv-{server.pid}-*/service.sock")
+        legit = _legit_client(addr)
+        [channel] = glob.glob(f"/tmp/persisting-kv-{server.pid}-*/data.sock")
+        found = re.search(r"data path at 127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
+        assert found is not None, log.read_text(errors="replace")
+        data_port = int(found.group(1))
         secret = str(passphrase_file(ServiceSettings()))
-        rounds_out = [as_nobody(attack, addr, str(marker), channel, secret) for _ in range(rounds)]
+        rounds_out = [
+            as_nobody(attack, addr, data_port, str(marker), channel, secret) for _ in range(rounds)
+        ]
         os.chmod(os.path.dirname(channel), 0o755)  # a careless operator opens the folder up
         os.chmod(channel, 0o777)
         evil = pickle.dumps(CreatesFile(str(marker)))
@@ -232,8 +262,9 @@ def run(rounds: int = 3) -> dict[str, Any]:
         "passphrase_file": [r["passphrase_file"] for r in rounds_out],
         "pulsing_without_passphrase": [r["pulsing"] for r in rounds_out],
         "raw_bytes_to_the_port": [d for r in rounds_out for d in r["raw"]],
-        "local_channel": [r["local_channel"] for r in rounds_out],
-        "local_channel_opened_up": opened,
+        "data_port": [r["data_port"] for r in rounds_out],
+        "data_socket": [r["data_socket"] for r in rounds_out],
+        "data_socket_opened_up": opened,
     }
     result = {
         "harness": "service_attack",

@@ -133,34 +133,47 @@ PROMISES = """\
 - **Nothing answers an unauthenticated peer.** Pulsing unpickles what arrives before an
   actor sees it, so the service never starts Pulsing without a passphrase: one configured,
   or one generated, kept 0600 for clients of the same user and good for loopback only
-  (a non-loopback address without a configured passphrase is refused). The local channel
-  answers only its own user (0700 folder, peer credentials checked). A user of another uid
-  gets nothing executed and no answer from a default server (figures below).
-- **A cancelled or timed-out same-host request never lets its shared pages be reused
-  while the server may still touch them.** Arena regions are lent per request (a ticket);
-  those of a request that ended without an answer stay quarantined until the server,
-  asked to withdraw the ticket, says it will never touch them. Arena puts also carry the
-  client's checksum, checked by the server before and after storing. Before, cancelled
-  puts stored another key's bytes in nearly every run (figures below).
-- **One passphrase holder cannot hold the server's staging space.** Uploads, message-path
-  transfers and data-path puts are staged within `service.staging_bytes` per server and
-  `service.session_staging_bytes` per session, and an upload still staged
-  `service.staging_ttl_s` after it began is dropped however often its session renews. A
-  part sent twice counts once and overlapping parts are refused, so a put whose parts do
-  not cover its value is refused, with or without a checksum (before, a repeated part
-  counted twice and such a put could be stored with a hole: `tests/service/test_staging.py`).
-- **Data connections answer only a live session.** A client on another host moves values
-  on TCP connections that open with an HMAC of a per-session secret over a counter the
-  server never accepts twice; a peer without that gets no byte, is read for at most 3 s,
-  and at most 64 such peers are read at once. A connection killed or stalled mid-transfer
-  is a miss, never a partly written value, and leaves no lease or staging behind
-  (`docs/service.md`, `tests/service/test_remote_hosts.py`).
-- **A failed request does not lose the read leases riding on it.** Releases go back into
-  the queue and leave with the next request, so no payload file stays leased (and
-  unevictable) for the rest of a session.
-- **One page size.** The server lays out values in a client's arena window on this host's
-  page size (`persisting.shm.PAGE`), the one the client rounds with, so ranges never
-  overlap on 16/64 KiB-page hosts (tested as if on a 16 KiB-page host).
+  (a non-loopback address without a configured passphrase is refused). Nothing the
+  service itself receives is unpickled: data connections carry msgpack maps of plain
+  values and raw payload bytes. The data path's Unix socket answers only its own user
+  (0700 folder, peer credentials checked). A user of another uid gets nothing executed and
+  no answer from a default server (figures below).
+- **Values off the host are encrypted.** Data connections to an address other than
+  loopback are TLS 1.3 (Python's `ssl`); each server makes its certificate when it starts
+  and clients trust that certificate only, as `hello` named it over the control path (the
+  passphrase's TLS). Only `service.bulk_encryption = false` turns it off. Who may use a
+  connection is still the session's credential, sent inside the encrypted stream.
+- **A request cut short stores nothing of itself and nothing else.** A put's bytes cross
+  its connection with the xxh3-64 of each value after it, checked before the value is
+  kept; a connection that ends mid-request (cancelled by the caller, timed out, killed) is
+  closed, never reused, and nothing of that request is stored (figures below). A value
+  read is returned only once all its bytes arrived and matched the checksum stored with it.
+- **Bytes of puts in flight are bounded.** A put's bytes count against
+  `service.staging_bytes` per server and `service.session_staging_bytes` per session from
+  its first byte until it ends, however it ends; one over either bound is refused (its
+  bytes read and dropped, so the connection stays in step).
+- **Data connections are bounded.** A connection that has not presented a live session's
+  credential within 5 s of its accept, in all (TLS handshake included, however slowly its
+  bytes come), is closed without a byte sent; at most 128 connections are unauthenticated
+  at once, at most 16 of them from one address (one process, on the Unix socket), and one
+  more is closed unread. Authenticated ones: at most 16 per session, 32 per client process
+  (its host and pid) and `service.bulk_connections` per server; over a cap an error frame
+  says which. Each value of a reply or a put must move, first byte to last, within
+  `service.request_timeout_s` (30 s by default), or its connection is closed: a reader that
+  stops, or takes a little now and then, holds a connection and its thread that long at
+  most per value. Every connection has its own thread, so a stalled one never holds up
+  another's replies (`tests/service/test_data_path.py`).
+- **A busy server is reported busy, not dead.** A client whose new connection is closed
+  before it is authenticated asks the control path whether its session lives (a new
+  `hello` if not); otherwise the server is busy: the client tries again, pausing longer each
+  time, until `service.request_timeout_s`, then raises `ServiceUnavailableError` saying so
+  (or the `CapacityError` of a cap). Only a member that cannot be reached, or stops moving
+  bytes, is taken out of use.
+- **A same-host reader holds nothing on the server.** A value on disk reaches it as its open
+  payload file, passed along the Unix socket after the server opened it under a read lease
+  it gives back at once (a payload file once open stays whole: eviction only unlinks it);
+  a memory-tier value it copies out of the shared pool is checked against the page's
+  generation after the copy.
 - **A full disk is a `CapacityError`.** Puts fail cleanly, reads go on, and writes work
   again once space returns.
 - **The disk budget is a bound for a directory as a whole**, across any number of
@@ -348,19 +361,24 @@ def render(results: dict[str, dict]) -> str:
     proto = results.get("protocol_fuzz")
     if proto:
         lines += _section(
-            "### Garbage over the actor protocol",
+            "### Garbage over the control protocol and the data path",
             [
                 ("hypothesis-made messages to the request handler", proto["messages"]),
+                ("hypothesis-made frames on authenticated data connections", proto["data_frames"]),
                 ("raw garbage messages through Pulsing to a server process", proto["raw_messages"]),
                 ("replies that were not structured or not typed", proto["bad_replies"]),
                 (
                     "server still serving a real client afterwards",
-                    proto["served_after_garbage"] and proto["server_alive_after"],
+                    proto["served_after_garbage"]
+                    and proto["server_alive_after"]
+                    and proto["data_path_served_after"],
                 ),
                 ("stored data intact afterwards", proto["stored_data_intact"]),
             ],
             "Handler outcomes: "
             + ", ".join(f"{k} {v}" for k, v in proto["outcomes"].items())
+            + ". Data path outcomes (an error frame, or the connection closed): "
+            + ", ".join(f"{k} {v}" for k, v in proto["data_outcomes"].items())
             + ". Raw outcomes: "
             + ", ".join(f"{k} {v}" for k, v in proto["raw_outcomes"].items())
             + ".",
@@ -449,18 +467,15 @@ def render(results: dict[str, dict]) -> str:
                     f"{after['own']} / {after['missing']} / {after['wrong']}",
                 ),
                 (
-                    "bytes the server found changed under it",
-                    cancelled["server_refused_changed_bytes"],
-                ),
-                (
-                    "arena bytes still quarantined at the end",
-                    cancelled["client_counters"].get("arena_quarantined_bytes", 0),
+                    "values the server refused as damaged",
+                    cancelled["server_refused_damaged_values"],
                 ),
                 ("seconds", cancelled["seconds"]),
             ],
             "Missing after the restart: the 1 GiB disk budget evicted them (a miss, never "
-            "wrong data). Before the arena loans, 3 of 3 runs of the reported case left 5-6 "
-            "cancelled keys holding another key's value; this harness found 34 in 8 runs.",
+            "wrong data). A put cancelled mid-stream closes its connection, and the server "
+            "stores nothing of it. Before the arena loans of an earlier design, 3 of 3 runs "
+            "of the reported case left 5-6 cancelled keys holding another key's value.",
         )
     attack = results.get("service_attack")
     if attack:
@@ -481,10 +496,11 @@ def render(results: dict[str, dict]) -> str:
             ],
             "Doors: the generated passphrase file, Pulsing without the passphrase (resolve "
             "and ask with a pickle that creates a file), raw bytes to the port (HTTP/1.1, an "
-            "HTTP/2 preface, a bare pickle: the reply is a TLS alert), the local channel, and "
-            "the local channel with its folder opened up (the peer-credential check closes "
-            "the connection unread). Against the server before this, the pickle ran and "
-            "Pulsing answered.",
+            "HTTP/2 preface, a bare pickle: the reply is a TLS alert), raw bytes to the data "
+            "port (a guessed credential, the pickle), the data path's Unix socket, and that "
+            "socket with its folder opened up (the peer-credential check closes the "
+            "connection unread). Against an earlier server, the pickle ran and Pulsing "
+            "answered.",
         )
     lines += ["## Reproduce", "", "```bash"]
     for name, (script, args) in HARNESSES.items():

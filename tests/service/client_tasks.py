@@ -24,20 +24,22 @@ from persisting.kv import Layout, TokenHasher
 from persisting.service import KVCacheClient, SyncKVCacheClient
 from tests.service.service_helpers import MODEL, key, tensor
 
+#: What the ``marker`` command's value is made of (a capture of the wire looks for it).
+MARKER = b"persisting-plaintext-marker:0123456789abcdef"
+
 
 def _settings(args: dict[str, Any]) -> PersistingSettings:
     service = {
         "discovery_timeout_s": args.get("discovery_timeout_s", 15.0),
         "member_retry_s": 0.5,
         "request_timeout_s": 10.0,
-        "message_part_bytes": args.get("part_bytes", 256 << 10),
     }
     if "passphrase_file" in args:  # where a generated passphrase would be looked for
         service["passphrase_file"] = args["passphrase_file"]
     if "request_timeout_s" in args:
         service["request_timeout_s"] = args["request_timeout_s"]
-    if args.get("sealed"):
-        service["bulk_sealed"] = True
+    if "bulk_encryption" in args:
+        service["bulk_encryption"] = args["bulk_encryption"]
     return PersistingSettings(models=[MODEL], service=service)
 
 
@@ -65,7 +67,7 @@ async def roundtrip(args: dict[str, Any]) -> dict[str, Any]:
         keys = [key(base + i) for i in range(len(values))]
         puts = await client.batched_put(keys, values)
         array = np.arange(3000, dtype=np.float32).reshape(2, 1, 1500, 1)
-        raw = bytes(range(256)) * 9000  # > one message chunk
+        raw = bytes(range(256)) * 9000  # > one receive piece
         await client.put(key(base + 10, dtype="float32"), array)
         await client.put(key(base + 11), raw, fmt="binary")
         single = [await client.get(k) for k in keys]
@@ -241,6 +243,88 @@ async def put_keys(args: dict[str, Any]) -> dict[str, Any]:
             keys, [tensor(i, tokens=4, hidden=16) for i in range(args["start"], args["stop"])]
         )
         return {"stored": sum(p.stored for p in puts)}
+    finally:
+        await client.close()
+
+
+async def get_keys(args: dict[str, Any]) -> dict[str, Any]:
+    """Get the values ``put_keys`` stored, one by one: hits, misses and errors, and how long
+    each get took (reported, never asserted on)."""
+    client = await _connect(args)
+    outcome: dict[str, Any] = {"hit": 0, "miss": 0, "wrong": 0, "errors": [], "seconds": []}
+    try:
+        for i in range(args["start"], args["stop"]):
+            start = time.monotonic()
+            try:
+                got = await client.get(key(i))
+            except PersistingError as exc:
+                outcome["errors"].append(f"{type(exc).__name__}: {exc}")
+                continue
+            finally:
+                outcome["seconds"].append(round(time.monotonic() - start, 3))
+            want = tensor(i, tokens=4, hidden=16)
+            outcome["hit" if got is not None and torch.equal(got, want) else
+                    "miss" if got is None else "wrong"] += 1  # fmt: skip
+        outcome["client"] = dict(client.counters)
+        return outcome
+    finally:
+        await client.close()
+
+
+async def stalled_readers(args: dict[str, Any]) -> dict[str, Any]:
+    """A same-host client that stores ``count`` values of 2 MiB, then asks for each on a
+    raw connection to the server's Unix socket (its session's credential) and never reads:
+    prints ``READY``, waits for a line on stdin, then reports how many of those connections
+    the server has closed."""
+    import socket as sockets
+
+    from persisting.service.bulk.frames import pack
+
+    client = await _connect(args)
+    try:
+        keys = [key(900 + i) for i in range(args["count"])]
+        big = [tensor(900 + i, tokens=256, hidden=512) for i in range(args["count"])]
+        await client.batched_put(keys, big)
+        member = client.cluster.members[client.members[0]]
+        assert member.link is not None and member.link.unix
+        endpoint = member.link.endpoint
+        raws = []
+        for k in keys:
+            raw = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+            raw.connect(str(endpoint.unix))
+            raw.sendall(pack({"id": endpoint.key_id, "secret": endpoint.secret}))
+            raw.sendall(pack({"op": "get", "model": MODEL, "keys": [str(k)]}))
+            raws.append(raw)
+        print("READY", flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+        closed = 0
+        for raw in raws:
+            raw.settimeout(30)
+            try:
+                while raw.recv(1 << 16):
+                    pass
+                closed += 1
+            except ConnectionResetError:
+                closed += 1
+            except OSError:
+                pass
+            raw.close()
+        return {"stalled": len(raws), "closed": closed}
+    finally:
+        await client.close()
+
+
+async def timed_puts(args: dict[str, Any]) -> dict[str, Any]:
+    """Puts of 2 MiB values one by one: stored, and the seconds each took (reported)."""
+    client = await _connect(args)
+    try:
+        seconds, stored = [], 0
+        for i in range(args["count"]):
+            start = time.monotonic()
+            put = await client.put(key(950 + i), tensor(950 + i, tokens=256, hidden=512))
+            seconds.append(round(time.monotonic() - start, 3))
+            stored += put.stored
+        return {"stored": stored, "seconds": seconds}
     finally:
         await client.close()
 
@@ -433,7 +517,8 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
     seconds; ``putchurn <s>`` puts fresh keys one by one for ``s`` seconds, then reads each
     back (``stored``, ``put_error``, then hit/miss/wrong as reads count them);
     ``wait <s>`` reads until every value is back (or ``s`` seconds passed);
-    ``stats`` the servers' figures; ``quit``. Reads count hits, misses, wrong values and
+    ``marker`` puts and gets 1 MiB of :data:`MARKER` over and over; ``stats`` the
+    servers' figures; ``quit``. Reads count hits, misses, wrong values and
     errors: a failure must be a miss (or a typed error), never a wrong value."""
     client = await _connect(args)
     n, hidden, base = args["keys"], args.get("hidden", 1024), args.get("base", 50_000)
@@ -503,6 +588,12 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
                         break
                     await asyncio.sleep(0.2)
                 result["seconds"] = round(float(rest[0]) - (deadline - time.monotonic()), 2)
+            elif command == "marker":  # a value whose bytes are easy to find on a wire
+                marker = MARKER * ((1 << 20) // len(MARKER))
+                put = await client.put(key(base + 999), marker, fmt="binary")
+                got = await client.get(key(base + 999))
+                result["stored"] = put.stored
+                result["exact"] = got is not None and bytes(got) == marker
             elif command == "stats":
                 stats = await client.stats()
                 result["servers"] = {m: s["service"] for m, s in stats["members"].items()}
@@ -528,6 +619,9 @@ TASKS = {
     "service_stats": service_stats,
     "cluster": cluster,
     "put_keys": put_keys,
+    "get_keys": get_keys,
+    "stalled_readers": stalled_readers,
+    "timed_puts": timed_puts,
     "put_checks": put_checks,
     "present_keys": present_keys,
 }

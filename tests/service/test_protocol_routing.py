@@ -26,10 +26,13 @@ from persisting.service.routing import Membership, group_by_owner, owner, rank_m
 
 
 def test_request_round_trip_and_checks() -> None:
-    message = make_request("get", sid="s1", model="m/a", keys=["k"], direct=True)
+    message = make_request("contains", sid="s1", model="m/a", keys=["k"], touch=["t"])
     request = parse_request(pickle.loads(pickle.dumps(message)))
-    assert (request.op, request.sid, request.model) == ("get", "s1", "m/a")
-    assert request.args == {"keys": ["k"], "direct": True}
+    assert (request.op, request.sid, request.model) == ("contains", "s1", "m/a")
+    assert request.args == {"keys": ["k"], "touch": ["t"]}
+    for moved in ("get", "put", "upload_part", "read_part"):  # values ride on data connections
+        with pytest.raises(ProtocolError, match="unknown operation"):
+            make_request(moved, sid="s1", model="m/a", keys=["k"])
     bad = [
         ("not a dict", "must be a dict"),
         ({**message, "v": PROTOCOL_VERSION + 1}, "version"),
@@ -39,6 +42,7 @@ def test_request_round_trip_and_checks() -> None:
         ({**message, "keys": "k"}, "must be a list"),
         ({**message, "keys": [1]}, "must be strings"),
         ({**message, "keys": ["k"] * (MAX_KEYS_PER_REQUEST + 1)}, "limit"),
+        ({**message, "touch": [1]}, "touch must be"),
     ]
     for value, match in bad:
         with pytest.raises(ProtocolError, match=match):

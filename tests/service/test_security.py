@@ -4,8 +4,9 @@ local user of another uid (we run as root: the attacker is a forked child at uid
 The attack itself is ``tests/reliability/harness_service_attack.py`` (its figures are in
 docs/reliability.md): a pickle whose unpickling would create a file as the server's user,
 sent through every door the attacker can find -- Pulsing without the passphrase, raw bytes
-to the port, the local channel, also with its folder opened up so that only the
-peer-credential check stands. Against the old server, the pickle ran and Pulsing answered.
+to its port and to the data port, the data path's Unix socket, also with its folder
+opened up so that only the peer-credential check stands. Against an old server, the
+pickle ran and Pulsing answered.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def test_another_user_gets_nothing_executed_and_no_answer_from_a_default_server(
     assert result["answered"] == dict.fromkeys(result["doors"], 0), result["doors"]
     doors = result["doors"]
     assert doors["passphrase_file"] == ["PermissionError"]
-    assert doors["local_channel"] == ["PermissionError"]  # its folder is private
-    assert doors["local_channel_opened_up"][0].startswith("no answer")  # peer credentials
+    assert doors["data_socket"] == ["PermissionError"]  # its folder is private
+    assert doors["data_socket_opened_up"][0].startswith("no answer")  # peer credentials
+    assert doors["data_port"][0].startswith("no answer")  # no credential: not a byte
     assert doors["pulsing_without_passphrase"][0].get("answered") is not True
     # Raw bytes to the port: at most a TLS alert (record type 0x15), never a frame of the
     # service's HTTP/2 transport (a server without TLS answers with its SETTINGS frame).

@@ -1,15 +1,15 @@
-"""The bulk data path: values of clients on other hosts move on TCP connections made for
-bytes, not in Pulsing actor messages.
+"""The data path: every value moves on connections made for bytes, never in a Pulsing
+message.
 
-Sessions, leases, placement and errors stay on the control path (Pulsing, with its
+Sessions, pins, placement and errors stay on the control path (Pulsing, with its
 passphrase); ``hello`` hands each session a credential for this path, and a data
-connection that cannot prove it holds one is closed before it is sent a single byte.
+connection that does not present one is closed before it is sent a byte.
 
-* :mod:`.auth` -- the per-session credential and the connection handshake (HMAC over a
-  counter that is never accepted twice);
-* :mod:`.stream` -- one connection's bytes: header frames, payloads received straight into
-  their destination and hashed as they land, payloads sent from the server's memory tier or
-  (``sendfile``) from a payload file; optionally sealed (AES-GCM records);
-* :mod:`.server` -- the listener, its caps, and the get and put requests it answers;
-* :mod:`.client` -- a client's connections to one member, and its gets and puts over them.
+* :mod:`.frames` -- the one stream protocol: frames, payloads, checksums, the requests;
+* :mod:`.tls` -- the per-server certificate clients pin, TLS 1.3 contexts;
+* :mod:`.conn` -- one connection on the server's side, every wait bounded by a deadline;
+* :mod:`.requests` -- the gets and puts the server answers;
+* :mod:`.server` -- the listeners (TCP, Unix socket), admission, caps.
+
+The client's side is :mod:`persisting.service.client.link`.
 """

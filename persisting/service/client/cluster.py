@@ -1,9 +1,10 @@
 """The members a client knows: discovery, hello, keepalive, failure marking, placement.
 
 Every storage actor registered under the service's name is a member. The client opens a
-session on each (``hello``), maps its shared pool and opens its local channel when they
-share a host, renews the sessions in the background, and takes a member that fails a
-request out of use until a probe reaches it again. Keys are placed on members by
+session on each (``hello``), which names the member's data path: its Unix socket and
+shared pool are used when they share a host, its TCP port otherwise. It renews the
+sessions in the background, and takes a member that fails a request out of use until a
+probe reaches it again. Keys are placed on members by
 rendezvous hashing (:mod:`persisting.service.routing`); :meth:`Cluster.on_owners` runs
 one owner's share of a batch at a time and moves a failed owner's share to the next live
 member in each key's ranking.
@@ -18,28 +19,28 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from persisting.config import ServiceSettings
 from persisting.errors import (
     AccessDeniedError,
+    CapacityError,
     PersistingError,
     ServiceUnavailableError,
     StorageIOError,
 )
-from persisting.service.client.bulk import (
-    BulkLink,
+from persisting.service.client.link import (
+    Closed,
     ConnectionLost,
+    DataLink,
     Endpoint,
-    Refused,
     Unreachable,
 )
 from persisting.service.client.member import TRANSPORT_ERRORS, Member, MemberFailed
 from persisting.service.client.transport import Transport
-from persisting.service.local_channel import LocalChannel
 from persisting.service.protocol import make_request, unwrap_reply
 from persisting.service.routing import Membership, group_by_owner
-from persisting.service.same_host import ClientArena
 from persisting.shm import SharedPoolReader
 
 logger = logging.getLogger("persisting.service.client")
@@ -57,20 +58,20 @@ class Cluster:
         model: str,
         service: ServiceSettings,
         counters: Counter[str],
-        arena: ClientArena | None,
+        *,
+        same_host: bool,
+        readers: Executor,
     ):
         self.system = system
         self.name = name
         self.model = model
         self.counters = counters
-        self.arena = arena
+        #: Whether members on this host are reached over their Unix socket and pool.
+        self.same_host = same_host
+        self.readers = readers
         self.max_inflight = service.max_inflight
         self.bulk_streams = service.bulk_streams
-        self.bulk_sealed = service.bulk_sealed
-        self.bulk_poll_s = service.bulk_poll_us / 1e6
         self.timeout_s = service.request_timeout_s
-        #: Largest payload part in one message (the smaller of ours and the servers').
-        self.message_part_bytes = service.message_part_bytes
         self.membership = Membership(retry_s=service.member_retry_s)
         self.members: dict[str, Member] = {}
         self.transport = Transport(
@@ -165,13 +166,11 @@ class Cluster:
         except TRANSPORT_ERRORS as exc:
             raise MemberFailed(addr, exc) from exc
         member = Member(
-            addr=addr, node_id=node_id, refs=[ref], semaphore=asyncio.Semaphore(self.max_inflight)
+            addr=addr, node_id=node_id, ref=ref, semaphore=asyncio.Semaphore(self.max_inflight)
         )
         previous = self.members.get(addr)
         if previous is not None:  # it restarted: what the old process held is gone
-            await self._drop_same_host(previous)
-            self.drop_bulk(previous)
-            member.loans = previous.loans  # freed once the old process is known gone
+            self.drop_data_path(previous)
         try:
             await self.hello(member)
             if self.model not in member.info.get("models", ()):
@@ -179,92 +178,103 @@ class Cluster:
                     f"{addr} serves {member.info.get('models')}, not {self.model!r}"
                 )
         except BaseException:
-            await self._drop_same_host(member)
-            self.drop_bulk(member)
+            self.drop_data_path(member)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.call(member, "bye"), timeout=0.5)
             raise
-        lanes = []
-        for lane in member.info.get("lanes", ()):
-            with contextlib.suppress(*TRANSPORT_ERRORS):
-                lanes.append(await self.system.resolve_named(lane, node_id=node_id, timeout=2.0))
-        if lanes:
-            member.refs = lanes
         self.members[addr] = member
         self.membership.add(addr)
 
     async def hello(self, member: Member) -> None:
-        """Open a session on ``member`` (and its same-host paths, if it maps our arena)."""
+        """Open a session on ``member``, and its data path with the session's credential
+        (the old credential died with the old session)."""
         client_info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname()}
-        arena = self.arena
-        if arena is not None:
-            client_info["arena"] = {
-                "path": str(arena.path),
-                "size": arena.size,
-                "nonce": arena.nonce,
-            }
         message = make_request("hello", model=self.model, client=client_info)
         info = unwrap_reply(await self.transport.ask(member, message))
         member.info = info
         member.sid = info["sid"]
-        member.same_host = bool(info.get("shm")) and arena is not None
         member.semaphore = asyncio.Semaphore(
             min(self.max_inflight, int(info.get("max_inflight", 16)))
         )
-        part = info.get("message_part_bytes")
-        if isinstance(part, int) and part > 0:
-            self.message_part_bytes = min(self.message_part_bytes, part)
-        await self._drop_same_host(member)
-        self._open_bulk(member)
+        self.drop_data_path(member)
+        endpoint = Endpoint.from_hello(info.get("data"), member.addr)
+        if endpoint is not None:
+            unix = (
+                self.same_host
+                and endpoint.unix is not None
+                and info.get("node", {}).get("host") == socket.gethostname()
+                and os.path.exists(endpoint.unix)
+            )
+            self._link(member, endpoint, unix)
         await self.restore(member)
 
-    def _open_bulk(self, member: Member) -> None:
-        """Data connections with the session's new credential (another host only; the old
-        credential died with the old session)."""
-        self.drop_bulk(member)
-        if member.same_host:
-            return
-        endpoint = Endpoint.from_hello(member.info.get("bulk"), member.addr, self.bulk_sealed)
-        if endpoint is not None:
-            member.bulk = BulkLink(
-                endpoint,
-                streams=self.bulk_streams,
-                timeout_s=self.timeout_s,
-                poll_s=self.bulk_poll_s,
-            )
+    def _link(self, member: Member, endpoint: Endpoint, unix: bool) -> None:
+        member.link = DataLink(
+            endpoint,
+            unix=unix,
+            streams=self.bulk_streams,
+            timeout_s=self.timeout_s,
+            readers=self.readers,
+        )
 
-    @staticmethod
-    def drop_bulk(member: Member) -> None:
-        if member.bulk is not None:
-            link, member.bulk = member.bulk, None
+    def drop_data_path(self, member: Member) -> None:
+        """Close the member's data connections, unmap its pool, forget every location."""
+        if member.link is not None:
+            link, member.link = member.link, None
             link.close()
+        self.forget_pool(member)
 
-    async def over_data_path(self, member: Member, op: Callable[[BulkLink], Awaitable[T]]) -> T:
+    async def over_data_path(self, member: Member, op: Callable[[DataLink], Awaitable[T]]) -> T:
         """``op(link)`` run on one of ``member``'s data connections, with the data path's
-        failure rules: a connection lost mid-request is tried once more on a fresh one
-        (what it carried was never delivered, and gets and puts are idempotent); a refused
-        credential once more after a new ``hello``; a member that cannot be reached, or
-        stalls past the timeout, raises MemberFailed (its keys are then misses)."""
-        lost = refused = False
+        failure rules:
+
+        * a connection lost mid-request is tried once more on a fresh one (what it carried
+          was never delivered, and gets and puts are idempotent); one that stalls past the
+          timeout, or a member that cannot be reached, raises MemberFailed (its keys are
+          then misses); a Unix socket that cannot be reached is given up for TCP;
+        * a new connection closed before it was authenticated: ``renew`` tells whether the
+          session is gone (a new ``hello`` follows) or the server is busy; one over the
+          server's caps is busy too. A busy server is asked again, pausing longer each
+          time, until ``request_timeout_s`` is spent: then ServiceUnavailableError (or the
+          CapacityError) says so, and the member stays in use.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        lost = False
+        pause = 0.05
         while True:
-            link = member.bulk
+            link = member.link
             if link is None:
-                raise MemberFailed(member.addr, ConnectionLost("no data connections"))
-            sid = member.sid
+                raise MemberFailed(member.addr, ConnectionLost("no data path"))
             try:
                 return await op(link)
-            except Refused as exc:
-                if refused:
-                    raise MemberFailed(member.addr, exc) from exc
-                refused = True
-                await self.rehello(member, sid)
             except Unreachable as exc:
-                raise MemberFailed(member.addr, exc) from exc
+                if not link.unix:
+                    raise MemberFailed(member.addr, exc) from exc
+                self.forget_pool(member)  # not on this host after all
+                self._link(member, link.endpoint, unix=False)
+                continue
             except ConnectionLost as exc:
-                self.counters["bulk_connections_lost"] += 1
+                self.counters["data_connections_lost"] += 1
                 if exc.timed_out or lost:
                     raise MemberFailed(member.addr, exc) from exc
                 lost = True
+                continue
+            except Closed as exc:
+                self.counters["data_connections_closed"] += 1
+                await self.call(member, "renew")  # a lost session: a new hello, a new link
+                busy: PersistingError = ServiceUnavailableError(
+                    f"{member.addr} closed new data connections before authenticating them "
+                    f"for {self.timeout_s:.0f}s although our session is valid: it is busy "
+                    f"(every slot for unauthenticated connections taken; last: {exc})"
+                )
+            except CapacityError as exc:
+                self.counters["data_connections_over_cap"] += 1
+                busy = exc
+            if loop.time() + pause > deadline:
+                raise busy
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
 
     async def rehello(self, member: Member, sid: str | None) -> None:
         """A new session on ``member`` unless another task opened one since ``sid``."""
@@ -273,29 +283,14 @@ class Cluster:
                 await self.hello(member)  # a transport failure is MemberFailed
 
     async def restore(self, member: Member) -> None:
-        """Map the member's shared pool and open its local channel (same host only)."""
+        """Map the member's shared pool (same host only)."""
         member.needs_restore = False
-        if not member.same_host:
-            return
         pool = member.info.get("pool")
-        if member.pool is None and isinstance(pool, dict):
+        if member.same_host and member.pool is None and isinstance(pool, dict):
             try:
                 member.pool = SharedPoolReader(str(pool["path"]), int(pool["size"]))
             except (StorageIOError, KeyError, TypeError, ValueError):
-                member.pool = None  # e.g. another mount namespace: the arena path still works
-        path = member.info.get("local_channel")
-        if member.channel is None and path:
-            try:
-                member.channel = await LocalChannel.open(str(path), member.sid)
-            except (OSError, ServiceUnavailableError):  # another mount namespace, or the
-                member.channel = None  # server's channel is full: stay on Pulsing
-
-    async def _drop_same_host(self, member: Member) -> None:
-        """Close the member's channel, unmap its pool and forget every location in it."""
-        if member.channel is not None:
-            channel, member.channel = member.channel, None
-            await channel.close()
-        self.forget_pool(member)
+                member.pool = None  # e.g. another /dev/shm: values come over the socket
 
     @staticmethod
     def forget_pool(member: Member) -> None:
@@ -370,8 +365,7 @@ class Cluster:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.call(member, "bye"), timeout=2.0)
         for member in self.members.values():
-            await self._drop_same_host(member)
-            self.drop_bulk(member)
+            self.drop_data_path(member)
 
     # -- placement ------------------------------------------------------------------------
 

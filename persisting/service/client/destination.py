@@ -1,7 +1,7 @@
 """Where the bytes of a value a client reads go.
 
-Every read path (a copy out of the server's pool, a leased file, a message, a data
-connection) lands its bytes in a :class:`Destination`: the caller's buffer for
+Every read (a copy out of the server's pool, a payload file, a data connection) lands its
+bytes in a :class:`Destination`: the caller's buffer for
 ``get_into``, else recycled private pages, as the in-process store returns values in.
 """
 
@@ -14,13 +14,15 @@ import numpy as np
 from persisting.errors import InvalidValueError
 from persisting.kv import Layout
 from persisting.kv.layout import decode_value
-from persisting.shm import RecycledBuffers, aligned_buffer, copy_bytes
+from persisting.shm import RecycledBuffers, aligned_buffer, copy_bytes, pages_resident, populate
 
 
 class Destination:
     """Where one value's bytes go: the caller's buffer (``get_into``), else recycled private
     pages (as the in-process store returns values in: no page faults once warm, and the
-    value owns them until it is dropped), else a fresh page-aligned buffer."""
+    value owns them until it is dropped), else a fresh page-aligned buffer. Pages of ours
+    are populated in one call before bytes land in them: a socket receive that faults
+    fresh pages in one at a time is far slower (docs/benchmarks.md)."""
 
     def __init__(self, results: RecycledBuffers | None, nbytes: int, out: memoryview | None):
         self.out = out
@@ -33,8 +35,13 @@ class Destination:
             self.target = out
             return
         buffer = results.take(nbytes) if results is not None else None
-        self.buffer = buffer if buffer is not None else aligned_buffer(nbytes)
-        self.target = self.buffer.data
+        if buffer is None:
+            buffer = aligned_buffer(nbytes)
+            populate(buffer)
+        elif not pages_resident(buffer):  # recycled pages are, once used: no second walk
+            populate(buffer)
+        self.buffer = buffer
+        self.target = buffer.data
 
     def value(self, layout: Layout) -> Any:
         """What the get returns once the bytes are in: the layout for ``get_into``, else

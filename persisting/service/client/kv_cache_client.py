@@ -40,13 +40,10 @@ from persisting.kv.load_plan import HitChunk, LoadPlan, plan_load
 from persisting.kv.tiers import KeyLike
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.member import Member, MemberFailed
-from persisting.service.client.reads import Reader
-from persisting.service.client.regions import ArenaLoans
+from persisting.service.client.reads import Reader, read_path
 from persisting.service.client.writes import Writer
 from persisting.service.passphrase import client_passphrase
 from persisting.service.routing import rank_members
-from persisting.service.same_host import ClientArena
-from persisting.shm import shm_available
 
 logger = logging.getLogger("persisting.service.client")
 
@@ -69,29 +66,25 @@ class KVCacheClient(AsyncKVApi):
         self.settings = settings
         self.counters: Counter[str] = Counter()
         self._owns_system = owns_system
-        self._arena = _open_arena(settings.service.shm_arena_bytes) if same_host else None
-        self.cluster = Cluster(system, name, model, settings.service, self.counters, self._arena)
-        call = self.cluster.call
-        self._loans = ArenaLoans(self._arena, self.counters, call) if self._arena else None
+        #: Threads that read the payload files a same-host member passes (in a batch).
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-read")
+        self.cluster = Cluster(
+            system,
+            name,
+            model,
+            settings.service,
+            self.counters,
+            same_host=same_host,
+            readers=self._readers,
+        )
         self._reader = Reader(
             self.cluster,
-            self._arena,
-            self._loans,
             self.counters,
             self._key,
             result_buffer_bytes=settings.kv.result_buffer_bytes,
             network_bytes_per_s=settings.service.network_bytes_per_s,
         )
-        self._copier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-client-copy")
-        self._writer = Writer(
-            self.cluster,
-            self._arena,
-            self._loans,
-            self.counters,
-            self._copier,
-            self._key,
-            remember=self._reader.remember,
-        )
+        self._writer = Writer(self.cluster, self.counters, self._key, self._reader.remember)
         self._tasks: list[asyncio.Task[Any]] = []
         self._closed = False
         #: The key dtype token lookups hash with by default (see KVStore.key_dtype).
@@ -118,7 +111,8 @@ class KVCacheClient(AsyncKVApi):
         this process already runs Pulsing, its system is used as it is: ``seeds`` and
         ``passphrase`` cannot change it, and passing them then is warned about
         (``RuntimeWarning`` and the log), never silently dropped.
-        ``same_host=False`` forces the message path even on the server's host. A server
+        ``same_host=False`` makes a client on a server's host use its TCP port, as a
+        client on another host does, instead of its Unix socket and shared pool. A server
         that answers but serves another model is an AccessDeniedError at once.
         """
         settings = settings or PersistingSettings()
@@ -154,16 +148,11 @@ class KVCacheClient(AsyncKVApi):
         return client
 
     async def _keepalive(self) -> None:
-        """Renew every session well inside its TTL, probe members that failed, pick up new
-        or restarted members, and settle arena loans of requests that ended early."""
+        """Renew every session well inside its TTL, probe members that failed, and pick
+        up new or restarted members."""
         while not self._closed:
             await asyncio.sleep(self.cluster.keepalive_period())
             await self.cluster.keepalive_round()
-            if self._loans is None:
-                continue
-            for member in list(self.cluster.members.values()):
-                if member.loans and self.cluster.membership.is_live(member.addr):
-                    await self._loans.settle(member)
 
     async def close(self) -> None:
         """Say goodbye to every member (their sessions end now) and stop background work."""
@@ -175,18 +164,13 @@ class KVCacheClient(AsyncKVApi):
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
-        if self._loans is not None:
-            await self._loans.close()
         await self.cluster.close()
-        self._reader.close()
-        self._copier.shutdown(wait=True)
-        if self._arena is not None:
-            self._arena.close()
+        self._readers.shutdown(wait=True)
         # Drop what holds Pulsing objects while the interpreter is whole: Pulsing's threads
         # releasing them during finalization can crash the process (entry 2 of
         # persisting.pulsing_compat).
         for member in self.cluster.members.values():
-            member.refs.clear()
+            member.ref = None
         self.cluster.members.clear()
         self.cluster.system = None
         if self._owns_system:
@@ -371,9 +355,9 @@ class KVCacheClient(AsyncKVApi):
         at a prefill rate of ``recompute_tokens_per_s``.
 
         Each hit chunk is priced at the bandwidth this client's own reads achieved lately
-        over the path a read of it takes now (a server on another host: its data
-        connections, so the network; same host: the shared pool or the payload file), so a
-        remote hit slower than recomputing is not loaded. A path not read yet is priced at
+        over the path a read of it takes now (``reads.read_path``: a server on another
+        host: the network; same host: the shared pool or the Unix socket), so a remote hit
+        slower than recomputing is not loaded. A path not read yet is priced at
         ``service.network_bytes_per_s`` for another host if set, else counts as free (the
         first reads measure it). Asks each owner once per 1,024 chunks where they are.
         """
@@ -390,7 +374,7 @@ class KVCacheClient(AsyncKVApi):
                 found = await self.cluster.call(member, "tiers", keys=[texts[i] for i in part])
                 for i, entry in zip(part, found, strict=True):
                     if entry is not None:
-                        where[i] = (self._reader.path_of(member, str(entry[0])), int(entry[1]))
+                        where[i] = (read_path(member, str(entry[0])), int(entry[1]))
 
         await self.cluster.on_owners(texts, ask, on_lost=self._reader.count_lost)
         hits: list[HitChunk] = []
@@ -484,7 +468,7 @@ class KVCacheClient(AsyncKVApi):
         return self.cluster.live()
 
     def same_host(self, member: str) -> bool:
-        """True if this client reads ``member``'s payloads directly (same-host path)."""
+        """True if this client reaches ``member`` over its Unix socket (same host)."""
         m = self.cluster.members.get(member)
         return bool(m and m.same_host)
 
@@ -502,15 +486,6 @@ def _warn_unhonoured(seeds: Sequence[str] | None, passphrase: str | None) -> Non
     )
     logger.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _open_arena(size: int) -> ClientArena | None:
-    if size <= 0 or not shm_available():
-        return None
-    try:
-        return ClientArena(size)
-    except OSError:
-        return None
 
 
 def _token_ids(tokens: Any) -> list[int]:

@@ -1,4 +1,4 @@
-"""One storage node as a client sees it: its actors, session and same-host resources.
+"""One storage node as a client sees it: its actor, session, data connections and pool.
 
 A member's failure (no connection, a broken socket, no answer in time) is
 :class:`MemberFailed`, distinct from an error the server *answered* with: the first takes
@@ -8,7 +8,6 @@ the member out of use until a probe reaches it again, the second is the caller's
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -17,9 +16,7 @@ from typing import Any
 import pulsing
 
 from persisting.kv import SharedLocation
-from persisting.service.client.bulk import BulkLink
-from persisting.service.local_channel import LocalChannel
-from persisting.service.same_host import Region
+from persisting.service.client.link import DataLink
 from persisting.shm import SharedPoolReader, pid_alive
 
 #: Failures of the transport (not of the request): the member is treated as gone.
@@ -55,49 +52,32 @@ def describe_failure(cause: BaseException) -> str:
 
 
 @dataclass
-class Loan:
-    """Arena regions lent to a member for one request of session ``sid`` (to the server
-    process ``pid``, on this host): the server may still read or write them, so they stay
-    out of use until it says it never will (see :mod:`~persisting.service.client.regions`)."""
-
-    sid: str | None
-    pid: int | None
-    regions: list[Region]
-
-
-@dataclass
 class Member:
-    """One storage node: its actors, session and same-host data path."""
+    """One storage node: its actor, session, data connections and shared pool."""
 
     addr: str
     node_id: int
-    refs: list[Any]
+    ref: Any
     semaphore: asyncio.Semaphore
     sid: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    #: The same-host paths are in use (the server mapped this client's arena).
-    same_host: bool = False
-    channel: LocalChannel | None = None
+    #: Its data connections (None until ``hello`` named them).
+    link: DataLink | None = None
+    #: Its shared pool, mapped read-only (same host only).
     pool: SharedPoolReader | None = None
-    #: Data connections for values (another host: the bulk data path), if the server has one.
-    bulk: BulkLink | None = None
-    #: Where memory-tier values lay in the member's shared pool when last reported. A hit
-    #: here needs no request; the generation check proves it current.
+    #: Where memory-tier values lay in the pool when last reported. A hit here needs no
+    #: request; the generation check proves it current.
     locations: OrderedDict[str, SharedLocation] = field(default_factory=OrderedDict)
     #: Keys read through ``locations`` that the server has not been told of yet (recency).
     touched: list[str] = field(default_factory=list)
-    #: Read leases to give back with the next request.
-    pending_release: list[str] = field(default_factory=list)
-    #: Arena regions the server may still touch, by the ticket of their request.
-    loans: dict[int, Loan] = field(default_factory=dict)
-    #: The pool and local channel were dropped when the member failed: restore them once
-    #: it answers again.
+    #: The pool was dropped when the member failed: map it again once it answers.
     needs_restore: bool = False
-    lane: itertools.count = field(default_factory=itertools.count)
     hello_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def next_ref(self) -> Any:
-        return self.refs[next(self.lane) % len(self.refs)]
+    @property
+    def same_host(self) -> bool:
+        """Its data connections go over its Unix socket (it runs on this host)."""
+        return self.link is not None and self.link.unix
 
     @property
     def pid(self) -> int | None:
@@ -112,4 +92,4 @@ class Member:
         return self.same_host and pid is not None and not pid_alive(pid)
 
 
-__all__ = ["TRANSPORT_ERRORS", "Loan", "Member", "MemberFailed", "describe_failure"]
+__all__ = ["TRANSPORT_ERRORS", "Member", "MemberFailed", "describe_failure"]

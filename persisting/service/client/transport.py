@@ -1,10 +1,9 @@
-"""Getting one request to one member and its reply back: the local channel or a Pulsing
-ask, flow control, timeouts, retries, and a transparent re-hello for a lost session.
+"""Getting one control request to one member and its reply back: a Pulsing ask, flow
+control, timeouts, retries, and a transparent re-hello for a lost session.
 
-What rides along on a request (read leases given back, hits the client served itself) is
-put back when the request fails before the server could have seen it, so a failed request
-never loses a release: a lost release would leave its payload file leased, renewed by
-every keepalive, and never evictable.
+The hits a same-host client served itself from remembered pool locations ride along on
+its next request (``touch``); they are put back when the request fails before the server
+could have seen it.
 """
 
 from __future__ import annotations
@@ -14,10 +13,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from persisting.errors import ProtocolError, ServiceUnavailableError, SessionExpiredError
+from persisting.errors import ProtocolError, SessionExpiredError
 from persisting.pulsing_compat import is_pool_exhausted
 from persisting.service.client.member import TRANSPORT_ERRORS, Member, MemberFailed
-from persisting.service.local_channel import ChannelRefused
 from persisting.service.protocol import (
     MAX_KEYS_PER_REQUEST,
     make_request,
@@ -26,9 +24,6 @@ from persisting.service.protocol import (
 )
 
 T = TypeVar("T")
-
-#: Broken local channels being closed in the background.
-_closing: set[asyncio.Future[None]] = set()
 
 
 class Transport:
@@ -58,32 +53,12 @@ class Transport:
         :mod:`persisting.pulsing_compat`). Such an ask was never sent, so it is retried
         after a pause instead of being taken for a dead member.
         """
-        channel = member.channel
-        if channel is not None and message.get("op") != "hello":
-            try:
-                return await with_timeout(channel.ask(message), self.timeout_s)
-            except ChannelRefused:  # the server is at a cap and did not run this request:
-                self.counters["channel_refused"] += 1  # Pulsing carries it, and the rest
-                if member.channel is channel:
-                    member.channel = None
-                    task = asyncio.ensure_future(channel.close())
-                    _closing.add(task)
-                    task.add_done_callback(_closing.discard)
-            except (ServiceUnavailableError, *TRANSPORT_ERRORS) as exc:
-                if channel.broken:  # Pulsing carries the requests until it is reopened
-                    member.channel = None
-                    member.needs_restore = True
-                    task = asyncio.ensure_future(channel.close())
-                    _closing.add(task)  # keeps the task alive until it is done
-                    task.add_done_callback(_closing.discard)
-                raise MemberFailed(member.addr, exc) from exc
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         pause = 0.002
         while True:
-            ref = member.next_ref()
             try:
-                reply = await with_timeout(ref.ask(message), self.timeout_s)
+                reply = await with_timeout(member.ref.ask(message), self.timeout_s)
                 break
             except TRANSPORT_ERRORS as exc:
                 if is_pool_exhausted(exc) and loop.time() < deadline:
@@ -103,14 +78,11 @@ class Transport:
         silent past the TTL)."""
         for attempt in range(2):
             async with member.semaphore:
-                released, touched = _ride_along(member, op, args)
+                touched = _ride_along(member, op, args)  # hits: still hits after a new hello
                 message = make_request(op, sid=member.sid, model=self.model, **args)
                 try:
                     reply = await self.ask(member, message)
-                except BaseException:
-                    # Perhaps never sent: keep what rode along for the next request (a
-                    # duplicate release of a lease already given back is harmless).
-                    member.pending_release[:0] = released
+                except BaseException:  # perhaps never sent: the next request carries them
                     member.touched[:0] = touched
                     raise
             try:
@@ -118,8 +90,6 @@ class Transport:
             except SessionExpiredError:
                 if attempt:
                     raise
-                args.pop("release", None)  # leases of a lost session are gone already
-                args.pop("touch", None)
                 async with member.hello_lock:
                     if member.sid == message["sid"]:
                         await self._rehello(member)
@@ -133,19 +103,16 @@ class Transport:
         raise ProtocolError("unreachable")  # pragma: no cover
 
 
-def _ride_along(member: Member, op: str, args: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """Move pending releases and touches into ``args``; returns what was moved."""
-    if op == "hello":
-        return [], []
-    released = member.pending_release[:MAX_KEYS_PER_REQUEST]
-    if released:
-        del member.pending_release[: len(released)]
-        args["release"] = released
+def _ride_along(member: Member, op: str, args: dict[str, Any]) -> list[str]:
+    """Move pending touches into ``args`` (unless a retry carries some already); returns
+    what was moved."""
+    if op == "hello" or "touch" in args:
+        return []
     touched = member.touched[:MAX_KEYS_PER_REQUEST]
     if touched:
         del member.touched[: len(touched)]
         args["touch"] = touched
-    return released, touched
+    return touched
 
 
 async def with_timeout(awaitable: Awaitable[T], timeout_s: float) -> T:

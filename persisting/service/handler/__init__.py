@@ -1,10 +1,10 @@
-"""The server side of the protocol: :class:`StorageHandler` and its request paths.
+"""The server side of the control protocol: :class:`StorageHandler`.
 
-``dispatch`` checks requests and owns sessions; ``puts``, ``gets`` and ``index_ops``
-implement the operations; ``common`` is what they share.
+``dispatch`` checks requests and owns sessions; ``index_ops`` implements the index
+operations; ``placements`` is the feed of recent pool placements; ``common`` is what they
+and the data path share.
 """
 
-from persisting.service.handler.common import DEFAULT_MESSAGE_PART_BYTES
 from persisting.service.handler.dispatch import StorageHandler
 
-__all__ = ["DEFAULT_MESSAGE_PART_BYTES", "StorageHandler"]
+__all__ = ["StorageHandler"]

@@ -29,7 +29,7 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 class IndexOps:
     """``contains``, ``layout``, ``tiers``, ``lookup_prefix``, ``lookup_tokens``, ``remove``,
-    ``pin``, ``unpin``, ``prefetch`` and ``stats``."""
+    ``pin``, ``unpin``, ``prefetch``, ``touch`` and ``stats``."""
 
     def __init__(self, state: ServerState, server_stats: Callable[[], dict[str, Any]]):
         self.state = state
@@ -121,6 +121,16 @@ class IndexOps:
 
     def prefetch(self, request: Request, _session: Session | None) -> int:
         return int(self.state.store(request.model).prefetch(request.args["keys"]))
+
+    def touch(self, request: Request, _session: Session | None) -> int:
+        return self.touch_keys(request.model, request.args["keys"])
+
+    def touch_keys(self, model: str | None, keys: list[str]) -> int:
+        """Hits a same-host client served itself from remembered pool locations."""
+        found = self.state.store(model).touch(keys)
+        self.state.counters["get_hits"] += found
+        self.state.counters["get_hits_remembered"] += found
+        return int(found)
 
     def stats(self, request: Request, _session: Session | None) -> dict[str, Any]:
         models = [request.model] if request.model else sorted(self.state.stores)

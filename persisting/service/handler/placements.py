@@ -1,10 +1,10 @@
 """Where values were recently placed in a store's shared pool, told to same-host readers.
 
 A same-host client copies a memory-tier value out of the server's pool itself once it
-knows where the value lies; without that it asks (one round trip, about a third of an
-8 MiB copy on a small host). A client learns locations from its own puts and gets; this
+knows where the value lies; without that it asks (one round trip on the Unix socket). A
+client learns locations from its own puts and gets; this
 feed lets it learn the ones *other* clients' puts created, riding on replies it already
-receives: each pooled ``get`` reply carries the placements recorded since that session's
+receives: each pooled ``get`` reply ends with the placements recorded since that session's
 last reply (newest first, at most :data:`TOLD_PER_REPLY`). So an engine reading a prefix
 another engine on the host just stored pays one request for its first key, not one per
 key. A told location is only a hint: the reader's generation check after the copy proves
