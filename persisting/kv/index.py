@@ -72,6 +72,9 @@ class DiskEntry(Entry):
 
 E = TypeVar("E", bound=Entry)
 
+#: How many removed keys an index remembers to tell a chunk cut off from its prefix.
+GONE_MEMORY = 1 << 16
+
 
 class LruIndex(Generic[E]):
     """Key -> entry in least-recently-used order, with byte totals, child counts, leaves
@@ -86,8 +89,14 @@ class LruIndex(Generic[E]):
         self._leaf_order: OrderedDict[str, None] = OrderedDict()
         self._leaf_list: list[str] = []
         self._leaf_at: dict[str, int] = {}
-        #: Stored chunks whose parent is not stored (a lookup never reaches them), by parent.
+        #: Stored chunks added while their parent was not stored, by parent. Such a parent
+        #: may still be on its way (written by another thread or job of the same batch), so
+        #: they count as orphans only once it is ``gone``.
         self._orphans: dict[str, set[str]] = {}
+        #: The keys removed most recently (up to ``GONE_MEMORY``): a chunk whose parent is
+        #: among them is cut off from its prefix (a lookup never reaches it) until the
+        #: parent is stored again; one whose parent is merely absent may be racing it.
+        self._gone: OrderedDict[str, None] = OrderedDict()
         self.reuse = reuse
         self.duel = RecencyDuel()
         self.bytes = 0
@@ -134,6 +143,7 @@ class LruIndex(Generic[E]):
         if key not in self._children:
             self._add_leaf(key)
         self._orphans.pop(key, None)  # its stored children have their parent back
+        self._gone.pop(key, None)
         parent = entry.parent
         if parent is not None:
             count = self._children.get(parent, 0)
@@ -149,6 +159,9 @@ class LruIndex(Generic[E]):
             return None
         self.bytes -= entry.layout.nbytes
         self._drop_leaf(key)
+        self._gone[key] = None
+        if len(self._gone) > GONE_MEMORY:
+            self._gone.popitem(last=False)
         parent = entry.parent
         if parent is not None:
             orphans = self._orphans.get(parent)
@@ -194,9 +207,21 @@ class LruIndex(Generic[E]):
         while iterating)."""
         return iter(self._leaf_order)
 
+    def cut_off(self, entry: Entry) -> bool:
+        """Whether ``entry``'s parent was removed lately (so a lookup never reaches it); a
+        parent not stored yet -- still being written by another thread -- does not count."""
+        parent = entry.parent
+        return parent is not None and parent in self._gone
+
     def orphans(self) -> Iterator[str]:
-        """Stored keys whose parent is not stored (lazy: do not mutate while iterating)."""
-        return (key for children in self._orphans.values() for key in children)
+        """Stored keys added while their parent was not stored, whose parent has since
+        been removed (lazy: do not mutate while iterating)."""
+        return (
+            key
+            for parent, children in self._orphans.items()
+            if parent in self._gone
+            for key in children
+        )
 
     def leaf_count(self) -> int:
         return len(self._leaf_list)

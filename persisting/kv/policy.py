@@ -141,8 +141,8 @@ class ValueEviction(EvictionPolicy):
         """The value per byte of keeping ``entry`` (higher: keep longer)."""
         reuse = index.reuse
         assert reuse is not None
-        if entry.parent is not None and entry.parent not in index:
-            return 0.0  # its prefix is gone: a lookup never reaches it
+        if index.cut_off(entry):
+            return 0.0  # its prefix was evicted: a lookup never reaches it
         refs, last = reuse.state(entry.khash)
         if refs == 0:  # forgotten (its slot was taken): what this process saw of it
             refs, last = 1, entry.tick

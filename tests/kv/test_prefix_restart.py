@@ -54,3 +54,21 @@ def test_one_batch_over_the_budget_keeps_its_head(
 def test_lru_without_chains_loses_the_head(root: Path) -> None:
     # what the connector did without parents: the first chunks are the oldest, and go
     assert reused_after_restart(root, "lru", batch=False) == 0
+
+
+@pytest.mark.parametrize("eviction", ["prefix", "value"])
+def test_a_chunk_stored_before_its_parent_is_not_taken_for_an_orphan(
+    root: Path, eviction: str
+) -> None:
+    # parallel writers (SGLang's I/O threads, vLLM's jobs in flight) may store a chunk
+    # before its parent: it is not cut off from its prefix, so the older chain goes instead
+    old = [key(100 + i) for i in range(10)]
+    new = [key(i) for i in range(3)]
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=BUDGET, eviction=eviction) as s:
+        for i, k in enumerate(old):
+            s.put(k, big(i), parent=old[i - 1] if i else None)
+        for i in (2, 1, 0):  # the last first
+            s.put(new[i], big(10 + i), parent=new[i - 1] if i else None)
+        assert s.stats()["disk_evictions"] == 2
+        assert s.lookup_prefix(new) == 3
+        assert s.lookup_prefix(old) == 8
