@@ -84,6 +84,10 @@ def size_bytes(value: Any, name: str) -> int:
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 KVDurability = Literal["sync", "async", "write_back"]
+#: The eviction policies (``persisting.kv.policy``), and the one every deployment kind uses
+#: unless told otherwise: it keeps what will be reused (docs/operating.md#eviction).
+Eviction = Literal["lru", "prefix", "value"]
+DEFAULT_EVICTION: Eviction = "value"
 QueueDurability = Literal["wal", "flush"]
 #: Who may read the files under the storage root: ``owner`` (directories 0700, files 0600)
 #: or ``group`` (0750/0640: the owner's group may read payloads, e.g. same-host readers
@@ -162,8 +166,10 @@ class KVSettings(BaseModel):
     its own: left unset, the weights are fingerprinted from the model's files when they are
     on this host (a local directory or the Hugging Face cache), else only the name is
     known and a warning asks for this setting. Change it whenever the weights change."""
-    eviction: Literal["lru", "prefix"] = "lru"
-    """Eviction order: "lru", or "prefix" (suffix chunks go before the prefixes they need)."""
+    eviction: Eviction = DEFAULT_EVICTION
+    """Eviction order: "value" (keeps what will be reused: frequency, recency, place in its
+    chain, miss cost per byte; docs/operating.md#eviction), "lru", or "prefix" (suffix
+    chunks go before the prefixes they need, oldest first)."""
     admission: Literal["always", "second_sighting"] = "always"
     """Which puts are stored: "always", or "second_sighting" (a key's second put)."""
     result_buffer_bytes: Bytes = Field(default=256 * MiB, ge=0)

@@ -86,6 +86,14 @@ STORE_FIGURES: tuple[StoreFigure, ...] = (
         "Payload bytes newly stored by puts, by the tier the put completed in.",
     ),
     StoreFigure(
+        "disk_written_bytes",
+        "persisting_kv_disk_written_bytes",
+        "counter",
+        "disk_written_bytes",
+        "Bytes of payload files this process wrote to the disk tier (headers and block "
+        "rounding included): what admission saves.",
+    ),
+    StoreFigure(
         "put_requests",
         "persisting_kv_put_requests",
         "counter",

@@ -1,5 +1,6 @@
-"""A PNG of a replay: latency CDF per operation, and token hit rate over trace time split
-into memory-tier and disk-tier hits, against the best rate an unbounded cache reaches.
+"""PNGs: a replay's latency CDF per operation and token hit rate over trace time (split
+into memory-tier and disk-tier hits, against the best rate an unbounded cache reaches); and
+a trace's hit ratio against capacity for a policy, LRU and the offline optimum.
 
 Drawn with matplotlib's object API on the Agg canvas, so it needs no display and leaves
 pyplot's global state alone.
@@ -7,12 +8,17 @@ pyplot's global state alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from persisting.bench.replay import OPS, ReplayResult
 from persisting.bench.report import hit_rates_over_time, summarize
+
+if TYPE_CHECKING:
+    from persisting.bench.curve import CurvePoint, TierBlocks
 
 
 def values_caption(result: ReplayResult) -> str:
@@ -99,4 +105,42 @@ def write_plot(result: ReplayResult, path: str | Path, bins: int = 20) -> Path:
     return path
 
 
-__all__ = ["values_caption", "write_plot"]
+def write_curve_plot(
+    points: Sequence[CurvePoint],
+    path: str | Path,
+    *,
+    eviction: str,
+    budgets: TierBlocks | None = None,
+    title: str = "",
+) -> Path:
+    """Token hit ratio against capacity (log scale) for ``eviction``, LRU and MIN, with the
+    memory and disk budgets marked when given; written to the PNG file ``path``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    x = [p.capacity_blocks for p in points]
+    styles = {eviction: ("tab:green", "-"), "lru": ("tab:orange", "--"), "min": ("gray", ":")}
+    labels = {eviction: f"store: {eviction}", "lru": "LRU", "min": "MIN (offline optimum)"}
+    for name, (color, line) in styles.items():
+        ys = [p.policies[name] * 100 for p in points]
+        ax.plot(x, ys, color=color, linestyle=line, marker="o", markersize=3, label=labels[name])
+    if budgets is not None:
+        for blocks, what in ((budgets.memory, "memory budget"), (budgets.disk, "disk budget")):
+            if blocks > 0:
+                ax.axvline(blocks, color="tab:blue", alpha=0.4, linestyle="-.", label=what)
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (blocks, log scale)")
+    ax.set_ylabel("token hit ratio (%)")
+    ax.set_ylim(0, max(5.0, max((p.policies["min"] for p in points), default=0) * 110))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", fontsize="small")
+    ax.set_title(f"Hit ratio against capacity{': ' + title if title else ''}")
+    fig.savefig(path, dpi=100)
+    return path
+
+
+__all__ = ["values_caption", "write_curve_plot", "write_plot"]

@@ -5,6 +5,11 @@ longest stored prefix (``lookup``), load those chunks (``get``), then store the 
 did not have (``put``). Each call is timed, and every loaded value is checked against the
 bytes that were stored for its key, so a store that returns the wrong chunk is caught.
 
+:func:`replay_blocks` does the same for a block trace (Mooncake's format,
+:mod:`persisting.bench.mooncake`): block ``i`` of a record is its key, no tokens are hashed,
+and with ``tp`` ranks each block is ``tp`` objects (one per rank, each its share of the
+block's bytes), as a tensor-parallel engine stores it.
+
 The target is anything with the small :class:`Target` protocol, so the same replay drives
 a local :mod:`persisting.kv` store or a running server through its client
 (:mod:`persisting.bench.targets`). Two more figures per request say what the cache could
@@ -21,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from persisting.bench.mooncake import BlockTrace
 from persisting.bench.trace import SegmentTokens, Trace
 from persisting.errors import InvalidValueError
 from persisting.kv import ChunkKey, TokenHasher
@@ -61,7 +67,9 @@ class ReplayOptions:
     ``bytes_per_token`` bytes per token: small by default so a library replay runs in
     seconds; :meth:`for_model` takes a real model's figure (``persisting bench replay``
     does by default). ``realtime`` paces requests at their trace times instead of sending
-    them back to back. ``kv_model`` names the model whose KV size the values have.
+    them back to back. ``kv_model`` names the model whose KV size the values have. With
+    ``tp`` ranks each chunk is stored as ``tp`` objects of ``1 / tp`` of its bytes (block
+    traces only).
     """
 
     chunk_size: int = 256
@@ -71,6 +79,7 @@ class ReplayOptions:
     realtime: bool = False
     verify: bool = True
     kv_model: str | None = None
+    tp: int = 1
 
     @classmethod
     def for_model(cls, name: str, **options: Any) -> ReplayOptions:
@@ -91,16 +100,29 @@ class ReplayOptions:
             )
         if self.layers < 1:
             raise InvalidValueError(f"layers must be >= 1, got {self.layers}").about("layers")
-        per_hidden = 2 * self.layers * 2  # K and V, layers, bfloat16 bytes
+        if self.tp < 1:
+            raise InvalidValueError(f"tp must be >= 1, got {self.tp}").about("tp")
+        per_hidden = 2 * self.layers * 2 * self.tp  # K and V, layers, bfloat16 bytes, ranks
         if self.bytes_per_token < per_hidden or self.bytes_per_token % per_hidden:
             raise InvalidValueError(
                 f"bytes_per_token must be a positive multiple of {per_hidden} "
-                f"(2 x layers x 2 bytes), got {self.bytes_per_token}"
-            ).about("bytes_per_token", "layers")
+                f"(2 x layers x 2 bytes x tp), got {self.bytes_per_token}"
+            ).about("bytes_per_token", "layers", "tp")
 
     @property
     def hidden(self) -> int:
-        return self.bytes_per_token // (2 * self.layers * 2)
+        """Hidden width of one rank's share of a value."""
+        return self.bytes_per_token // (2 * self.layers * 2 * self.tp)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one whole chunk, all ranks."""
+        return self.bytes_per_token * self.chunk_size
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one rank's object of a whole chunk."""
+        return self.chunk_bytes // self.tp
 
 
 @dataclass
@@ -123,6 +145,8 @@ class RequestRecord:
     disk_hit_chunks: int | None = None
     #: Tokens an unbounded cache would have served: the prefix of chunks seen before.
     best_hit_tokens: int = 0
+    #: The request's chunks in order (block ids, or chunk hashes), for reference policies.
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -210,6 +234,7 @@ def replay(
             chunks=len(chunks),
         )
         record.best_hit_tokens = _best_hit_tokens(chunks, seen)
+        record.blocks = tuple(key.chunk_hash for _s, _e, key in chunks)
         before = tier_hits() if tier_hits is not None and chunks else None
         if chunks:
             _serve_request(target, chunks, values, options.verify, record)
@@ -224,6 +249,118 @@ def replay(
             on_request(record)
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def replay_blocks(
+    trace: BlockTrace,
+    target: Target,
+    options: ReplayOptions,
+    *,
+    model: str,
+    target_name: str = "target",
+    on_request: Callable[[RequestRecord], None] | None = None,
+    tier_hits: TierHits | None = None,
+) -> ReplayResult:
+    """Send every request of the block trace to ``target`` in order (``options.chunk_size``
+    is the trace's tokens per block); see :func:`replay` for what is recorded."""
+    options.validate()
+    if options.chunk_size != trace.block_tokens:
+        raise InvalidValueError(
+            f"chunk_size {options.chunk_size} is not the trace's {trace.block_tokens} "
+            "tokens per block"
+        ).about("chunk_size")
+    values = ChunkValues(options)
+    tokens = trace.block_tokens
+    result = ReplayResult(model=model, target=target_name, options=options)
+    seen: set[int] = set()
+    start = time.perf_counter()
+    first_t = trace.requests[0].t if trace.requests else 0.0
+    for request in trace.requests:
+        arrival = request.t - first_t
+        if options.realtime:
+            delay = arrival - (time.perf_counter() - start)
+            if delay > 0:
+                time.sleep(delay)
+        blocks = request.blocks
+        record = RequestRecord(
+            id=f"line {request.line}",
+            arrival_s=arrival,
+            start_s=time.perf_counter() - start,
+            tokens=len(blocks) * tokens,
+            chunks=len(blocks),
+            blocks=blocks,
+        )
+        known = 0
+        for block in blocks:
+            if block not in seen:
+                break
+            known += 1
+        record.best_hit_tokens = known * tokens
+        seen.update(blocks)
+        ranks = [
+            [ChunkKey(model, options.tp, rank, block, "bfloat16") for block in blocks]
+            for rank in range(options.tp)
+        ]
+        before = tier_hits() if tier_hits is not None and blocks else None
+        if blocks:
+            _serve_ranks(target, ranks, tokens, values, options.verify, record)
+        if before is not None and tier_hits is not None:
+            memory = min(record.hit_chunks, max(0, tier_hits() - before) // options.tp)
+            record.memory_hit_chunks = memory
+            record.disk_hit_chunks = record.hit_chunks - memory
+        for op, seconds in record.latency_s.items():
+            result.latencies_s[op].append(seconds)
+        result.records.append(record)
+        if on_request is not None:
+            on_request(record)
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def _serve_ranks(
+    target: Target,
+    ranks: list[list[ChunkKey]],
+    tokens: int,
+    values: ChunkValues,
+    verify: bool,
+    record: RequestRecord,
+) -> None:
+    """Lookup (every rank must hold a block), load the hit blocks of every rank, store the
+    rest of every rank with each object's parent; fill ``record`` in place."""
+    t0 = time.perf_counter()
+    found = min(target.lookup_prefix(keys) for keys in ranks)
+    record.latency_s["lookup"] = time.perf_counter() - t0
+    hits = 0
+    if found:
+        wanted = [key for keys in ranks for key in keys[:found]]
+        t0 = time.perf_counter()
+        loaded = list(target.batched_get(wanted))
+        record.latency_s["get"] = time.perf_counter() - t0
+        hits = found
+        for r, keys in enumerate(ranks):
+            for i, key in enumerate(keys[:found]):
+                value = loaded[r * found + i]
+                if value is None:
+                    hits = min(hits, i)
+                    break
+                if verify and not values.check(key, tokens, value):
+                    record.mismatches += 1
+                    hits = min(hits, i)
+                    break
+                record.bytes_read += _nbytes(value)
+        record.hit_chunks = hits
+        record.hit_tokens = hits * tokens
+    if hits < len(ranks[0]):
+        new_keys: list[ChunkKey] = []
+        parents: list[ChunkKey | None] = []
+        for keys in ranks:
+            new_keys += keys[hits:]
+            parents += [keys[hits - 1] if hits else None, *keys[hits:-1]]
+        new_values = [values.make(key, tokens) for key in new_keys]
+        t0 = time.perf_counter()
+        target.batched_put(new_keys, new_values, fmt=values.fmt, parents=parents)
+        record.latency_s["put"] = time.perf_counter() - t0
+        record.bytes_written = sum(_nbytes(v) for v in new_values)
 
 
 def _best_hit_tokens(chunks: list[tuple[int, int, ChunkKey]], seen: set[ChunkKey]) -> int:
@@ -291,4 +428,5 @@ __all__ = [
     "Target",
     "TierHits",
     "replay",
+    "replay_blocks",
 ]

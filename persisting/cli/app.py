@@ -165,6 +165,8 @@ def command(group: typer.Typer, name: str | None = None, **kwargs: Any) -> Calla
             except PersistingError as exc:
                 code = EXIT_BAD_INPUT if isinstance(exc, ValueError) else EXIT_FAILED
                 fail(flag_names(str(exc), exc.fields, click_context()), code)
+            except OSError as exc:  # the machine said no (memory, space, permissions)
+                fail(f"{exc.strerror or exc} ({type(exc).__name__})")
 
         group.command(name, **kwargs)(run)
         return fn

@@ -1,11 +1,15 @@
 """``persisting plan``: the capacity and bandwidth budget of a KV tier, as tables or JSON.
 
 The flags are the fields of :class:`~persisting.planner.PlanInputs` one for one, so the
-command hands its parameters over whole and an error names the flag that caused it.
+command hands its parameters over whole and an error names the flag that caused it. With
+``--trace`` it plans from a workload's own requests instead: the token hit ratio against
+capacity for the store's eviction policy, LRU and the offline optimum, and the TTFT those
+hits save (:mod:`persisting.bench.curve`, worked out in blocks: nothing is allocated).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -13,14 +17,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from persisting.bench.mooncake import MOONCAKE_BLOCK_TOKENS
 from persisting.cli.app import JsonFlag, app, command
-from persisting.cli.output import emit, human_bytes, human_rate
+from persisting.cli.checks import module_for, output_file
+from persisting.cli.output import emit, human_bytes, human_rate, progress_bar
+from persisting.errors import ConfigError
 
 if TYPE_CHECKING:
-    from persisting.planner import CapacityPlan, PlanLine
+    from persisting.bench.curve import CurvePoint, TierBlocks
+    from persisting.bench.mooncake import BlockTrace
+    from persisting.planner import CapacityPlan, ModelShape, PlanLine
+    from persisting.planner.ttft import TtftModel
 
 MODEL_PANEL = "Model (a --model preset, its shape, or --bytes-per-token)"
 WORKLOAD_PANEL = "Workload"
+TRACE_PANEL = "Workload from a trace (instead of --prefix-tokens, --prefixes, --rps)"
 HARDWARE_PANEL = "Hardware, per node (optional)"
 RECOMPUTE_PANEL = "Load or recompute (optional)"
 
@@ -32,11 +43,46 @@ def _option(panel: str, help: str, *names: str, **kwargs: Any) -> Any:
 @command(app, "plan", rich_help_panel="Planning")
 def plan(
     ctx: typer.Context,
-    prefix_tokens: Annotated[int, _option(WORKLOAD_PANEL, "Tokens in one shared prefix.")],
-    prefixes: Annotated[int, _option(WORKLOAD_PANEL, "Distinct prefixes the tier keeps.")],
+    prefix_tokens: Annotated[
+        int | None, _option(WORKLOAD_PANEL, "Tokens in one shared prefix.")
+    ] = None,
+    prefixes: Annotated[
+        int | None, _option(WORKLOAD_PANEL, "Distinct prefixes the tier keeps.")
+    ] = None,
     rps: Annotated[
-        float, _option(WORKLOAD_PANEL, "Requests/s; each reads its whole prefix from the tier.")
-    ],
+        float | None,
+        _option(WORKLOAD_PANEL, "Requests/s; each reads its whole prefix from the tier."),
+    ] = None,
+    trace: Annotated[
+        Path | None,
+        _option(
+            TRACE_PANEL,
+            "A trace of your requests (Mooncake's format, or 'bench generate''s): plan the "
+            "hit ratio against capacity from it.",
+            exists=True,
+            dir_okay=False,
+        ),
+    ] = None,
+    trace_format: Annotated[
+        str, _option(TRACE_PANEL, "The trace's format: auto, mooncake or persisting.", "--format")
+    ] = "auto",
+    block_tokens: Annotated[
+        int, _option(TRACE_PANEL, "Tokens per block of a Mooncake trace.")
+    ] = MOONCAKE_BLOCK_TOKENS,
+    capacities: Annotated[
+        str | None,
+        _option(
+            TRACE_PANEL,
+            "Capacities to plan, in blocks, comma-separated (default: 8 from 1% to all of the "
+            "trace's distinct blocks); --memory-bytes and --disk-bytes are added.",
+        ),
+    ] = None,
+    eviction: Annotated[
+        str, _option(TRACE_PANEL, "The store's eviction policy to plan: value, lru or prefix.")
+    ] = "value",
+    plot: Annotated[
+        Path | None, _option(TRACE_PANEL, "Write the hit ratio against capacity as a PNG.")
+    ] = None,
     model: Annotated[
         str | None,
         _option(
@@ -137,9 +183,213 @@ def plan(
     """
     from persisting.planner import PlanInputs, plan_capacity
 
-    fields = {k: v for k, v in ctx.params.items() if k != "json_out"}
+    trace_flags = ("trace", "trace_format", "block_tokens", "capacities", "eviction", "plot")
+    fields = {k: v for k, v in ctx.params.items() if k != "json_out" and k not in trace_flags}
+    if trace is not None:
+        plan_trace(
+            trace,
+            fields,
+            trace_format=trace_format,
+            block_tokens=block_tokens,
+            capacities=capacities,
+            eviction=eviction,
+            plot=plot,
+            json_out=json_out,
+        )
+        return
+    workload = ("prefix_tokens", "prefixes", "rps")
+    missing = [f"--{k.replace('_', '-')}" for k in workload if fields[k] is None]
+    if missing:
+        raise ConfigError(
+            f"give the workload ({', '.join(missing)}), or a trace of it (--trace FILE)"
+        )
     result = plan_capacity(PlanInputs(**fields))
     emit(result.to_dict(), json_out, lambda console: render_plan(console, result))
+
+
+def plan_trace(
+    path: Path,
+    fields: dict[str, Any],
+    *,
+    trace_format: str,
+    block_tokens: int,
+    capacities: str | None,
+    eviction: str,
+    plot: Path | None,
+    json_out: bool,
+) -> None:
+    """The hit ratio against capacity for the trace at ``path``; ``fields`` are the other
+    flags (the model, TP, the budgets, the prefill rate and read bandwidth)."""
+    from persisting.bench.curve import blocks_in, default_capacities, hit_curve
+    from persisting.kv.policy import eviction_policy
+
+    if plot is not None:
+        output_file(plot, "--plot")
+        module_for("--plot", "matplotlib", "pip install matplotlib")
+    eviction_policy(eviction)  # an unknown name is refused before the work
+    blocks = _trace_blocks(path, trace_format, block_tokens, fields["chunk_size"])
+    requests = [r.blocks for r in blocks.requests]
+    shape, ttft = _trace_model(blocks, fields)
+    object_bytes = (
+        blocks.block_tokens * shape.stored_bytes_per_token // shape.objects_per_chunk
+        if shape is not None
+        else 0
+    )
+    budgets: TierBlocks | None = None
+    chosen = _capacity_list(capacities) or default_capacities(requests)
+    if shape is not None and (fields["memory_bytes"] or fields["disk_bytes"]):
+        from persisting.planner.inputs import size
+
+        memory = size(fields["memory_bytes"], "memory_bytes") if fields["memory_bytes"] else 0
+        disk = size(fields["disk_bytes"], "disk_bytes") if fields["disk_bytes"] else 0
+        budgets = blocks_in(memory, disk, object_bytes, shape.objects_per_chunk)
+        chosen = sorted({*chosen, *(b for b in (budgets.memory, budgets.disk) if b > 0)})
+    elif fields["memory_bytes"] or fields["disk_bytes"]:
+        raise ConfigError("--memory-bytes and --disk-bytes need the model (--model, ...)")
+    block_bytes = object_bytes * (shape.objects_per_chunk if shape is not None else 0)
+    with progress_bar("planning", 3 * len(chosen)) as advance:
+        points = hit_curve(
+            requests,
+            chosen,
+            eviction=eviction,
+            block_bytes=block_bytes,
+            block_tokens=blocks.block_tokens,
+            ttft=ttft,
+            on_point=advance,
+        )
+    if plot is not None:
+        from persisting.bench.plot import write_curve_plot
+
+        write_curve_plot(points, plot, eviction=eviction, budgets=budgets, title=path.name)
+    data = {
+        "trace": str(path),
+        "requests": len(blocks.requests),
+        "block_references": blocks.references,
+        "distinct_blocks": len({b for r in requests for b in r}),
+        "block_tokens": blocks.block_tokens,
+        "block_bytes": block_bytes or None,
+        "eviction": eviction,
+        "budget_blocks": (
+            {"memory": budgets.memory, "disk": budgets.disk} if budgets is not None else None
+        ),
+        "ttft": ttft.to_dict() if ttft is not None else None,
+        "points": [p.to_dict() for p in points],
+        "plot": plot,
+    }
+    emit(data, json_out, lambda console: render_trace_plan(console, data, points, budgets))
+
+
+def _trace_blocks(path: Path, trace_format: str, block_tokens: int, chunk_size: int) -> BlockTrace:
+    from persisting.bench.compare import token_blocks
+    from persisting.bench.mooncake import read_mooncake
+    from persisting.bench.mooncake import trace_format as detect
+    from persisting.bench.trace import read_trace
+
+    if trace_format not in ("auto", "persisting", "mooncake"):
+        raise ConfigError(f"--format must be auto, persisting or mooncake, got {trace_format!r}")
+    fmt = detect(path) if trace_format == "auto" else trace_format
+    if fmt == "mooncake":
+        return read_mooncake(path, block_tokens)
+    return token_blocks(read_trace(path), chunk_size)
+
+
+def _trace_model(
+    blocks: BlockTrace, fields: dict[str, Any]
+) -> tuple[ModelShape | None, TtftModel | None]:
+    """The model's shape (None when none was given) and the TTFT prices for the trace's
+    mean prompt (None without a prefill rate)."""
+    from persisting.planner import PlanInputs, plan_capacity
+
+    model_flags = ("model", "layers", "kv_heads", "head_dim", "bytes_per_token")
+    if not any(fields[k] is not None for k in model_flags):
+        if fields["gpu"] is not None or fields["prefill_tokens_per_s"] is not None:
+            raise ConfigError("a TTFT needs the model's KV size: give --model (or its shape)")
+        return None, None
+    prompt = max(1, blocks.references * blocks.block_tokens // max(1, len(blocks.requests)))
+    inputs = {
+        **{k: v for k, v in fields.items() if v is not None},
+        "prefix_tokens": prompt,
+        "prefixes": 1,
+        "rps": 1,
+    }
+    from persisting.planner.ttft import ttft_of
+
+    result = plan_capacity(PlanInputs(**inputs))
+    return result.model, ttft_of(result)
+
+
+def _capacity_list(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(
+            f"--capacities must be block counts like 1000,3000, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise ConfigError(f"--capacities must be block counts >= 1, got {text!r}")
+    return sorted(set(values))
+
+
+def render_trace_plan(
+    console: Console,
+    data: dict[str, Any],
+    points: list[CurvePoint],
+    budgets: TierBlocks | None,
+) -> None:
+    """The curve as a table: per capacity, each policy's hit ratio and TTFT saving."""
+    eviction = data["eviction"]
+    console.print(
+        f"[bold]Trace:[/] {escape(data['trace'])}: {data['requests']:,} requests, "
+        f"{data['block_references']:,} block references, {data['distinct_blocks']:,} distinct "
+        f"blocks of {data['block_tokens']} tokens"
+        + (f" ({human_bytes(data['block_bytes'])} each)" if data["block_bytes"] else "")
+        + ".",
+        highlight=False,
+    )
+    table = Table(title="Token hit ratio against capacity", title_justify="left")
+    table.add_column("Capacity (blocks)", justify="right")
+    if data["block_bytes"]:
+        table.add_column("Bytes", justify="right")
+    for name in (eviction, "LRU", "MIN (offline)"):
+        table.add_column(escape(name), justify="right")
+    table.add_column(f"{escape(eviction)} / LRU", justify="right")
+    if data["ttft"]:
+        table.add_column(f"TTFT saved per request ({escape(eviction)})", justify="right")
+    marks = {}
+    if budgets is not None:
+        marks = {budgets.memory: "memory budget", budgets.disk: "disk budget"}
+    for point in points:
+        rates = point.policies
+        row = [
+            f"{point.capacity_blocks:,}"
+            + (f" ({marks[point.capacity_blocks]})" if point.capacity_blocks in marks else "")
+        ]
+        if data["block_bytes"]:
+            row.append(human_bytes(point.capacity_bytes))
+        row += [f"{rates[eviction]:.1%}", f"{rates['lru']:.1%}", f"{rates['min']:.1%}"]
+        row.append(f"{rates[eviction] / rates['lru']:.2f}x" if rates["lru"] else "n/a")
+        if data["ttft"]:
+            row.append(f"{point.ttft_saving_ms[eviction]:,.1f} ms")
+        table.add_row(*row)
+    console.print(table)
+    if data["ttft"]:
+        t = data["ttft"]
+        console.print(
+            f"A hit token saves {t['saving_ms_per_hit_token'] * 1000:,.2f} us of TTFT "
+            f"(prefill {t['prefill_tokens_per_s']:,} tokens/s"
+            + (" estimated" if t["estimated"] else "")
+            + (
+                f", loads at {human_rate(t['read_bytes_per_s'])}"
+                if t["read_bytes_per_s"]
+                else ", loads taken as free"
+            )
+            + ").",
+            highlight=False,
+        )
+    if data["plot"] is not None:
+        console.print(f"Plot written to {escape(str(data['plot']))}", highlight=False)
 
 
 def render_plan(console: Console, result: CapacityPlan) -> None:

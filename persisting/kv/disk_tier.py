@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
-from persisting.kv import recency
+from persisting.kv.batch_fit import heads_that_fit
 from persisting.kv.disk_budget import DiskBudget, allocated
+from persisting.kv.eviction_memory import EvictionMemory
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout, Payload
 from persisting.kv.leases import Clock, Leases
@@ -132,6 +133,8 @@ class DiskTier:
             root_usage=root_usage,
         )
         self.index: LruIndex[DiskEntry] = LruIndex()
+        #: The eviction order and reuse counts kept beside the metadata.
+        self.remembered = EvictionMemory(directory, self.index, self._budget)
         # The index, its entries, their leases and the keys being written: every reader and
         # writer of them holds it. Lock order (persisting.kv.lock_order): taken under the
         # usage lock (eviction) or Tiers.lock (lookups, pins), never the other way round.
@@ -141,6 +144,9 @@ class DiskTier:
         self.leases = Leases(clock)
         self._closed = False
         self.evictions = 0
+        #: Payload files this process wrote, and their bytes on disk (header, block-rounded).
+        self.files_written = 0
+        self.bytes_written = 0
         self.corruptions = 0
         self.recovered_files = 0
         #: Payload files found that no store of this root wrote (never served, removed).
@@ -156,9 +162,9 @@ class DiskTier:
             with self.usage.metadata_locked(), self.usage.locked(), self._lock:
                 self._alive = self.files.register_writer()
                 self._load_index()
-                self._restore_order()
                 self.usage.recount(self.files)
                 self._budget.account_overhead()
+                self.remembered.restore(self.policy, self.capacity)
         except BaseException as exc:
             self.meta.close()
             if self._alive is not None:
@@ -214,34 +220,12 @@ class DiskTier:
             if existing is not None or (key_hash(row.key), row.tag) not in on_disk:
                 stale.append((row.key, row.tag))  # evicted/removed before its row was
                 continue
-            self.index.add(row.key, DiskEntry(row.layout, row.checksum, row.parent, row.tag))
+            self.index.add(
+                row.key, DiskEntry(row.layout, row.checksum, row.parent, row.tag), sighting=False
+            )
         if stale:
             self.meta.delete(stale)
         self._adopt_unknown_files(on_disk, record=True)
-
-    def _restore_order(self) -> None:
-        """Put the index back in the eviction order saved by the last close or flush."""
-        saved = recency.load_order(self.directory)
-        if saved:
-            self.index.reorder(
-                {
-                    key: rank
-                    for key, entry in self.index.items()
-                    if (rank := saved.get((key_hash(key), entry.tag))) is not None
-                }
-            )
-
-    def save_order(self) -> None:
-        """Snapshot the eviction order, so a reopened store evicts what this one would."""
-        with self._lock:
-            order = [(key_hash(key), entry.tag) for key, entry in self.index.items()]
-        # The new snapshot is written beside the old one, then renamed over it.
-        try:
-            bound = round_to_block(recency.file_bytes(len(order)))
-            with self._budget.metadata_growth(lambda: bound):
-                recency.save_order(self.directory, order)
-        except PersistingError as exc:  # only the order is lost: the store evicts by age
-            log.warning("eviction order of %s not saved: %s", self.directory, exc)
 
     def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
@@ -270,7 +254,9 @@ class DiskTier:
                 self._drop_file(path)  # a misnamed file, or a second copy of a stored key
                 continue
             self.index.add(
-                header.key, DiskEntry(header.layout, header.checksum, header.parent, tag)
+                header.key,
+                DiskEntry(header.layout, header.checksum, header.parent, tag),
+                sighting=False,
             )
             adopted.append(
                 MetaRow(header.key, tag, header.layout, header.checksum, header.parent, path)
@@ -302,7 +288,7 @@ class DiskTier:
         """
         if self._closed:
             return
-        self.save_order()
+        self.remembered.save(self._lock)
         for _ in range(FLUSH_ROUNDS):
             if not self.meta.flush():
                 break
@@ -368,6 +354,8 @@ class DiskTier:
             "disk_overhead_bytes": self.overhead_bytes(),
             "disk_capacity": self.capacity,
             "disk_evictions": self.evictions,
+            "disk_files_written": self.files_written,
+            "disk_written_bytes": self.bytes_written,
             "corruptions": self.corruptions,
             "recovered_files": self.recovered_files,
             "foreign_files": self.foreign_files,
@@ -430,7 +418,15 @@ class DiskTier:
             subdirs = {
                 self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)
             }
-            self._budget.reserve(sum(sizes), headroom=self._budget.growth_of(subdirs))
+            headroom = self._budget.growth_of(subdirs)
+            room = self.capacity - self.usage.overhead() - self.usage.reserved() - headroom
+            kept = heads_that_fit([i.key for i in todo], [i.parent for i in todo], sizes, room)
+            if len(kept) < len(todo):  # over the whole budget: its prefixes are kept
+                log.info("a batch over the disk budget: %d of %d stored", len(kept), len(todo))
+                todo[:] = [todo[i] for i in kept]
+                sizes[:] = [sizes[i] for i in kept]
+                tags[:] = [tags[i] for i in kept]
+            self._budget.reserve(sum(sizes), headroom=headroom)
             pending: list[PendingFile] = []
             try:
                 for it, tag, size in zip(todo, tags, sizes, strict=True):
@@ -460,6 +456,8 @@ class DiskTier:
                 it.checksum = header.checksum
             for p in pending:
                 done.append(self.files.publish(p))
+            self.files_written += len(done)
+            self.bytes_written += sum(sizes)
             self._budget.account_renames(subdir_bytes)
             if durable:
                 self.files.sync_dirs(done)
@@ -500,16 +498,9 @@ class DiskTier:
         while released < need:
             now = self.leases.clock()
             with self._lock:
-                victims: list[tuple[str, DiskEntry]] = []
-                planned = 0
-                for key in self.policy.candidates(self.index):
-                    entry = self.index.get(key)
-                    if entry is None or entry.busy or self.leases.held(key, now):
-                        continue
-                    victims.append((key, entry))
-                    planned += file_size(entry.layout.nbytes)
-                    if released + planned >= need:
-                        break
+                victims: list[tuple[str, DiskEntry]] = self.policy.victims(
+                    self.index, need - released, _file_bytes, self._unleased(now)
+                )
                 for key, _entry in victims:
                     self._drop_entry(key)
             if not victims:
@@ -578,6 +569,10 @@ class DiskTier:
             if self.index.get(key) is entry:
                 self._drop_entry(key)
 
+    def _unleased(self, now: float) -> Callable[[str, DiskEntry], bool]:
+        """Whether an entry may be evicted at ``now``: not busy, no read lease held."""
+        return lambda key, entry: not entry.busy and not self.leases.held(key, now)
+
     def _drop_entry(self, key: str) -> DiskEntry | None:
         """Take ``key`` out of the index, with its leases (caller holds ``_lock``)."""
         self.leases.drop(key)
@@ -630,13 +625,18 @@ class DiskTier:
             )
 
     def close(self) -> None:
-        self.save_order()
-        self.meta.close()
+        self.remembered.save(self._lock)
+        self.meta.close()  # its last commit may evict, which reads the reuse stats
+        self.remembered.close()
         self._closed = True
         if self._alive is not None:
             self.files.release_file(self._alive)
         self.usage.close()
         self.files.close()
+
+
+def _file_bytes(entry: DiskEntry) -> int:
+    return file_size(entry.layout.nbytes)
 
 
 def _raise_opening_error(directory: Path, exc: OSError) -> NoReturn:

@@ -1,8 +1,17 @@
 """The in-memory index both tiers keep: entries in LRU order plus prefix-chain links.
 
 Each entry remembers its chain parent (the previous chunk of the same prefix), so the
-index knows which chunks still have a stored child; the prefix-aware eviction policy uses
-that to drop a chain's suffix before its prefix.
+index knows which chunks still have a stored child. A chunk without one is a *leaf*: the
+tip of a stored chain. Evicting leaves only keeps every stored chain whole from its
+start, which is what a prefix lookup can use (a suffix whose prefix is gone never hits).
+The leaves are kept two ways, each O(1) to maintain: in least-recently-used order (the
+``prefix`` policy takes the oldest) and in a list the ``value`` policy samples at random.
+
+With :class:`~persisting.kv.reuse.ReuseStats` attached, the index reports every sighting
+of a key -- an entry added by a put or a read that finds it (``get(touch=True)``) -- to
+them and to its :class:`~persisting.kv.reuse.RecencyDuel`, so they count uses, not copies:
+loading what is already stored (on open, or files another process wrote) passes
+``sighting=False``.
 """
 
 from __future__ import annotations
@@ -14,12 +23,14 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from persisting.kv.layout import Layout
+from persisting.kv.reuse import RecencyDuel, ReuseStats, key_hash
 
 
 class Entry:
-    """What a tier knows about one stored chunk."""
+    """What a tier knows about one stored chunk. ``khash`` is the key's hash in the reuse
+    stats and ``tick`` the clock at its last sighting in this process (0 without stats)."""
 
-    __slots__ = ("checksum", "layout", "parent", "pins", "readers")
+    __slots__ = ("checksum", "khash", "layout", "parent", "pins", "readers", "tick")
 
     def __init__(self, layout: Layout, checksum: int, parent: str | None):
         self.layout = layout
@@ -27,6 +38,8 @@ class Entry:
         self.parent = parent
         self.pins = 0
         self.readers = 0
+        self.khash = 0
+        self.tick = 0
 
     @property
     def busy(self) -> bool:
@@ -59,51 +72,164 @@ class DiskEntry(Entry):
 
 E = TypeVar("E", bound=Entry)
 
+#: How many removed keys an index remembers to tell a chunk cut off from its prefix.
+GONE_MEMORY = 1 << 16
+
 
 class LruIndex(Generic[E]):
-    """Key -> entry in least-recently-used order, with byte totals and child counts."""
+    """Key -> entry in least-recently-used order, with byte totals, child counts, leaves
+    and (optionally) the reuse stats its sightings feed."""
 
-    def __init__(self) -> None:
+    def __init__(self, reuse: ReuseStats | None = None) -> None:
         self._entries: OrderedDict[str, E] = OrderedDict()
         self._children: dict[str, int] = {}
         self._layouts: dict[Layout, Layout] = {}
+        #: Leaves in LRU order, and the same leaves in a list (with each one's position)
+        #: for sampling at random.
+        self._leaf_order: OrderedDict[str, None] = OrderedDict()
+        self._leaf_list: list[str] = []
+        self._leaf_at: dict[str, int] = {}
+        #: Stored chunks added while their parent was not stored, by parent. Such a parent
+        #: may still be on its way (written by another thread or job of the same batch), so
+        #: they count as orphans only once it is ``gone``.
+        self._orphans: dict[str, set[str]] = {}
+        #: The keys removed most recently (up to ``GONE_MEMORY``): a chunk whose parent is
+        #: among them is cut off from its prefix (a lookup never reaches it) until the
+        #: parent is stored again; one whose parent is merely absent may be racing it.
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        self.reuse = reuse
+        self.duel = RecencyDuel()
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def attach(self, reuse: ReuseStats) -> None:
+        """Report sightings to ``reuse`` from now on (entries already here are looked up
+        in it, not counted)."""
+        self.reuse = reuse
+        for key, entry in self._entries.items():
+            entry.khash = key_hash(key)
+            entry.tick = reuse.state(entry.khash)[1]
+
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
     def get(self, key: str, *, touch: bool = False) -> E | None:
+        """The entry of ``key``; ``touch`` marks it used (most recent, and a sighting)."""
         entry = self._entries.get(key)
         if entry is not None and touch:
             self._entries.move_to_end(key)
+            if key in self._leaf_order:
+                self._leaf_order.move_to_end(key)
+            if self.reuse is not None:
+                entry.tick = self.reuse.sighted(entry.khash)
+                self.duel.sighted(key, True, len(self._entries))
         return entry
 
-    def add(self, key: str, entry: E) -> None:
-        """Insert as most recently used (the caller made sure the key is new)."""
+    def add(self, key: str, entry: E, *, sighting: bool = True) -> None:
+        """Insert as most recently used (the caller made sure the key is new); a
+        ``sighting`` unless the entry is only being loaded (stored earlier)."""
         entry.layout = self._layouts.setdefault(entry.layout, entry.layout)  # share layouts
         self._entries[key] = entry
         self.bytes += entry.layout.nbytes
-        if entry.parent is not None:
-            self._children[entry.parent] = self._children.get(entry.parent, 0) + 1
+        if self.reuse is not None:
+            entry.khash = key_hash(key)
+            if sighting:
+                entry.tick = self.reuse.sighted(entry.khash)
+                self.duel.sighted(key, False, len(self._entries))
+            else:
+                entry.tick = self.reuse.state(entry.khash)[1]
+        if key not in self._children:
+            self._add_leaf(key)
+        self._orphans.pop(key, None)  # its stored children have their parent back
+        self._gone.pop(key, None)
+        parent = entry.parent
+        if parent is not None:
+            count = self._children.get(parent, 0)
+            self._children[parent] = count + 1
+            if count == 0:
+                self._drop_leaf(parent)
+            if parent not in self._entries:
+                self._orphans.setdefault(parent, set()).add(key)
 
     def pop(self, key: str) -> E | None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
         self.bytes -= entry.layout.nbytes
-        if entry.parent is not None:
-            left = self._children.get(entry.parent, 0) - 1
+        self._drop_leaf(key)
+        self._gone[key] = None
+        if len(self._gone) > GONE_MEMORY:
+            self._gone.popitem(last=False)
+        parent = entry.parent
+        if parent is not None:
+            orphans = self._orphans.get(parent)
+            if orphans is not None:
+                orphans.discard(key)
+                if not orphans:
+                    del self._orphans[parent]
+            left = self._children.get(parent, 0) - 1
             if left > 0:
-                self._children[entry.parent] = left
+                self._children[parent] = left
             else:
-                self._children.pop(entry.parent, None)
+                self._children.pop(parent, None)
+                if parent in self._entries:  # the tip of its chain now: oldest leaf first
+                    self._add_leaf(parent, oldest=True)
         return entry
+
+    def _add_leaf(self, key: str, *, oldest: bool = False) -> None:
+        self._leaf_order[key] = None
+        if oldest:
+            self._leaf_order.move_to_end(key, last=False)
+        self._leaf_at[key] = len(self._leaf_list)
+        self._leaf_list.append(key)
+
+    def _drop_leaf(self, key: str) -> None:
+        at = self._leaf_at.pop(key, None)
+        if at is None:
+            return
+        del self._leaf_order[key]
+        last = self._leaf_list.pop()
+        if last != key:
+            self._leaf_list[at] = last
+            self._leaf_at[last] = at
 
     def has_children(self, key: str) -> bool:
         return key in self._children
+
+    def children(self, key: str) -> int:
+        """How many stored chunks name ``key`` as their parent."""
+        return self._children.get(key, 0)
+
+    def leaves(self) -> Iterator[str]:
+        """Keys without a stored child, least recently used first (lazy: do not mutate
+        while iterating)."""
+        return iter(self._leaf_order)
+
+    def cut_off(self, entry: Entry) -> bool:
+        """Whether ``entry``'s parent was removed lately (so a lookup never reaches it); a
+        parent not stored yet -- still being written by another thread -- does not count."""
+        parent = entry.parent
+        return parent is not None and parent in self._gone
+
+    def orphans(self) -> Iterator[str]:
+        """Stored keys added while their parent was not stored, whose parent has since
+        been removed (lazy: do not mutate while iterating)."""
+        return (
+            key
+            for parent, children in self._orphans.items()
+            if parent in self._gone
+            for key in children
+        )
+
+    def leaf_count(self) -> int:
+        return len(self._leaf_list)
+
+    def leaf_at(self, i: int) -> str:
+        """The ``i``-th leaf in no particular order (``0 <= i < leaf_count()``): draw ``i``
+        at random to sample the leaves."""
+        return self._leaf_list[i]
 
     def reorder(self, rank: dict[str, int]) -> None:
         """Put the keys in ``rank`` order (lowest first = least recently used); keys without
@@ -113,6 +239,9 @@ class LruIndex(Generic[E]):
             enumerate(self._entries), key=lambda item: (rank.get(item[1], last), item[0])
         )
         self._entries = OrderedDict((key, self._entries[key]) for _i, key in ordered)
+        self._leaf_order = OrderedDict(
+            (key, None) for key in self._entries if key in self._leaf_order
+        )
 
     def lru_order(self) -> Iterator[str]:
         """Keys from least to most recently used (lazy: do not mutate while iterating)."""

@@ -12,6 +12,11 @@ import numpy as np
 from persisting.kv.index import LruIndex, MemoryEntry
 from persisting.kv.layout import Layout
 from persisting.kv.policy import EvictionPolicy
+from persisting.kv.reuse import ReuseStats, slots_for
+
+#: The memory tier's reuse stats remember at least this many keys (1 MiB): reuse in real
+#: traces comes back after far more chunks than a small tier holds.
+MIN_MEMORY_SLOTS = 1 << 17
 
 
 class MemoryTier:
@@ -20,7 +25,12 @@ class MemoryTier:
     def __init__(self, capacity: int, policy: EvictionPolicy):
         self.capacity = capacity
         self.policy = policy
-        self.index: LruIndex[MemoryEntry] = LruIndex()
+        reuse = (
+            ReuseStats.in_memory(slots_for(capacity, MIN_MEMORY_SLOTS))
+            if policy.uses_reuse_stats
+            else None
+        )
+        self.index: LruIndex[MemoryEntry] = LruIndex(reuse)
         self.evictions = 0
 
     @property
@@ -76,20 +86,11 @@ class MemoryTier:
         need = self.index.bytes + nbytes - self.capacity
         if need <= 0:
             return []
-        victims: list[str] = []
-        freed = 0
-        for key in self.policy.candidates(self.index):
-            entry = self.index.get(key)
-            if entry is None or entry.busy:
-                continue
-            victims.append(key)
-            freed += entry.layout.nbytes
-            if freed >= need:
-                break
-        if freed < need:
+        victims = self.policy.victims(self.index, need, _nbytes, _evictable)
+        if sum(entry.layout.nbytes for _key, entry in victims) < need:
             return []
         evicted = []
-        for key in victims:
+        for key, _entry in victims:
             entry = self.index.pop(key)
             if entry is not None:
                 evicted.append((key, entry))
@@ -121,6 +122,14 @@ class MemoryTier:
 
     def remove(self, key: str) -> MemoryEntry | None:
         return self.index.pop(key)
+
+
+def _evictable(_key: str, entry: MemoryEntry) -> bool:
+    return not entry.busy
+
+
+def _nbytes(entry: MemoryEntry) -> int:
+    return entry.layout.nbytes
 
 
 __all__ = ["MemoryTier"]

@@ -136,6 +136,7 @@ class Writes:
         self.fsync = fsync
         self.durability: Durability = durability
         self.admission = admission
+        admission.attach(tiers.disk.index.reuse if tiers.disk is not None else None)  # ghosts
         self.max_value_bytes = max_value_bytes
         #: Keys with a write to disk in progress (write-behind or write-back).
         self._inflight: dict[str, PendingWrite] = {}

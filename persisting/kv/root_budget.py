@@ -67,6 +67,12 @@ class RootUsage:
         """Bytes the other namespaces hold (read at most every REFRESH_S unless ``fresh``)."""
         return sum(n.bytes for n in self._neighbours(fresh))
 
+    def forget(self) -> None:
+        """Read the other namespaces afresh at the next reservation (a reservation made while
+        opening must not stand for the root as it is once writing starts)."""
+        with self._lock:
+            self._read_at = None
+
     def _neighbours(self, fresh: bool) -> list[Neighbour]:
         with self._lock:
             now = self._clock()

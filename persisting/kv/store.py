@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from persisting.config import KVSettings, PersistingSettings, size_bytes
+from persisting.config import DEFAULT_EVICTION, KVSettings, PersistingSettings, size_bytes
 from persisting.cuda import DEFAULT_STAGING_BYTES
 from persisting.errors import StoreClosedError
 from persisting.kv import at_exit
@@ -68,8 +68,8 @@ class KVStore(KVApi):
     - ``durability``: when a put completes: ``"sync"`` (on disk), ``"async"`` (in memory,
       written behind) or ``"write_back"`` (written when evicted); see
       :mod:`persisting.kv.puts`. The last two need a memory tier.
-    - ``eviction``: ``"lru"``, ``"prefix"`` (chain suffixes first) or an
-      :class:`~persisting.kv.policy.EvictionPolicy`; both tiers use it.
+    - ``eviction``: ``"value"`` (default: keeps what will be reused), ``"lru"``, ``"prefix"``
+      (chain suffixes first) or an :class:`~persisting.kv.policy.EvictionPolicy`; both tiers.
     - ``admission``: which puts go to disk: ``"always"``, ``"second_sighting"`` or an
       :class:`~persisting.kv.policy.AdmissionPolicy`.
     - ``max_value_bytes``: the largest value a put takes (default: the larger tier).
@@ -106,7 +106,7 @@ class KVStore(KVApi):
         memory_bytes: int | str,
         disk_bytes: int | str,
         durability: Durability = "sync",
-        eviction: str | EvictionPolicy = "lru",
+        eviction: str | EvictionPolicy = DEFAULT_EVICTION,
         admission: str | AdmissionPolicy = "always",
         max_value_bytes: int | str | None = None,
         chunk_size: int = 256,

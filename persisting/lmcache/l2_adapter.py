@@ -98,7 +98,7 @@ class PersistingL2AdapterConfig(L2AdapterConfigBase):
             "- durability ('sync' | 'async' | 'write_back', default 'sync')\n"
             "- fsync (bool, default true): sync stores fsync before completing\n"
             "- memory_bytes (default 0), namespace (default 'lmcache'),\n"
-            "  eviction ('lru' | 'prefix'), io_threads (4), lock_ttl_s (300)"
+            "  eviction ('lru' | 'prefix' | 'value'), io_threads (4), lock_ttl_s (300)"
         )
 
 

@@ -12,11 +12,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from persisting.config import GiB, KVSettings, PersistingSettings, closest
+from persisting.config import (
+    DEFAULT_EVICTION,
+    Eviction,
+    GiB,
+    KVSettings,
+    PersistingSettings,
+    closest,
+)
 from persisting.errors import ConfigError
 
 #: extra_config keys start with this prefix.
@@ -158,8 +165,8 @@ class L2Params:
     memory_bytes: int = 0
     #: The Persisting model namespace (directory) that holds every key of this adapter.
     namespace: str = "lmcache"
-    #: Eviction order when the capacity is reached: ``lru`` or ``prefix``.
-    eviction: Literal["lru", "prefix"] = "lru"
+    #: Eviction order when the capacity is reached: ``lru``, ``prefix`` or ``value``.
+    eviction: Eviction = DEFAULT_EVICTION
     #: Threads running store and load tasks.
     io_threads: int = 4
     #: Seconds a lookup's lock holds a chunk when LMCache never unlocks it.
@@ -205,8 +212,8 @@ def l2_params(raw: Mapping[str, Any]) -> L2Params:
     if durability != "sync" and values.get("memory_bytes", 0) <= 0:
         raise ConfigError(f"adapter_params.durability={durability!r} needs memory_bytes > 0")
     eviction = raw.get("eviction", L2Params.eviction)
-    if eviction not in ("lru", "prefix"):
-        raise ConfigError(f"adapter_params.eviction must be lru or prefix, not {eviction!r}")
+    if eviction not in get_args(Eviction):
+        raise ConfigError(f"adapter_params.eviction must be lru, prefix or value, not {eviction!r}")
     values["eviction"] = eviction
     fsync = raw.get("fsync", True)
     if not isinstance(fsync, bool):

@@ -47,7 +47,7 @@ def bad(*args: str, says: str, **env: str) -> Bad:
 
 BAD_INVOCATIONS = [
     # usage errors: the flag named, one line, a pointer to --help
-    bad("plan", "--layers", "32", says="Missing option '--prefix-tokens'"),
+    bad("plan", "--layers", "32", says="give the workload (--prefix-tokens, --prefixes, --rps)"),
     bad("nosuch", says="No such command 'nosuch'"),
     bad("compact", "--older-than", "-1", says="Invalid value for '--older-than'"),
     bad("inspect", "--config", "{work}/missing.toml", says="'--config'"),

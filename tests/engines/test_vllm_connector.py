@@ -11,7 +11,8 @@ what they did:
    block file made unreadable (an I/O error) and the prompt again (recomputed, the blocks
    stored afresh), and once more (restored from the fresh blocks);
 3. ``float16``: a new process with another dtype (another KV layout: another namespace),
-   whose disk budget holds 6 of the prompt's 11 blocks;
+   whose disk budget (``eviction = "prefix"``) holds 7 of the prompt's 11 blocks; then
+   ``float16 again``, a new process on that namespace, the prompt once more;
 4. ``reweighted``: the model's directory rebuilt with other random weights (same config,
    same path), then the prompt in a new process on the same root.
 """
@@ -114,12 +115,12 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         work,
         "second",
     )
-    small = {"kind": "persisting", "extra": {**extra, "disk_bytes": "2MiB"}}
+    small = {"kind": "persisting", "extra": {**extra, "disk_bytes": "2MiB", "eviction": "prefix"}}
     float16 = run_engine(
         {
             **plan,
             "dtype": "float16",
-            "connector": small,  # room for 6 of the 11 blocks: the store evicts
+            "connector": small,  # room for 7 of the 11 blocks
             "steps": [
                 {"name": "prompt", "prompt": PROMPT, "max_tokens": 8},
                 {"action": "settle", "seconds": 5},
@@ -128,6 +129,16 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         },
         work,
         "float16",
+    )
+    float16_again = run_engine(
+        {
+            **plan,
+            "dtype": "float16",
+            "connector": small,
+            "steps": [{"name": "prompt", "prompt": PROMPT, "max_tokens": 8}],
+        },
+        work,
+        "float16-again",
     )
     build_model(model, layers=2, hidden=256, seed=1)  # other weights, same config and path
     reweighted = run_engine(
@@ -139,6 +150,7 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         "first": first,
         "second": second,
         "float16": float16,
+        "float16 again": float16_again,
         "reweighted": reweighted,
         "parents": parents,
         "stats": stats,
@@ -208,11 +220,18 @@ def test_each_block_is_stored_with_the_block_before_it_across_steps(
     assert len(set(parents.values())) == BLOCKS  # nobody's parent twice: a single chain
 
 
-def test_the_disk_budget_evicts_and_says_so(runs: dict[str, Any]) -> None:
+def test_a_prompt_longer_than_the_disk_budget_keeps_its_first_blocks(
+    runs: dict[str, Any],
+) -> None:
+    """The budget holds 7 of the 11 blocks: the store keeps the prompt's head (a prefix
+    still hits; its tail alone never would), and a new process reuses it."""
     figures = scraped(runs["float16"], 0)
-    assert figures["persisting_vllm_blocks_stored_total"] == BLOCKS
-    assert figures["persisting_vllm_evictions_total"] >= 1
+    stored = figures["persisting_vllm_blocks_stored_total"]
+    assert 1 <= stored < BLOCKS
     assert figures["persisting_vllm_disk_bytes"] <= figures["persisting_vllm_disk_capacity"]
+    again = step(runs["float16 again"], "prompt")
+    assert again["cached"] >= BLOCK * (stored - 1)
+    assert again["ids"] == step(runs["float16"], "prompt")["ids"]
 
 
 def test_metrics_count_the_restore(runs: dict[str, Any]) -> None:

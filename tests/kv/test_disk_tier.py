@@ -65,7 +65,9 @@ def test_prefix_aware_eviction_drops_suffixes_first(root: Path) -> None:
         assert store.lookup_prefix(chain_a) + store.lookup_prefix(chain_b) == 5
         assert store.contains(chain_a[0]) and store.contains(chain_b[0])
         assert not store.contains(chain_a[2])  # the least recent chain's tail
-    with open_kv_store(root / "lru", MODEL, memory_bytes=0, disk_bytes=capacity) as lru:
+    with open_kv_store(
+        root / "lru", MODEL, memory_bytes=0, disk_bytes=capacity, eviction="lru"
+    ) as lru:
         lru.batched_put(chain_a, [big(i) for i in range(3)], chain=True)
         lru.batched_put(chain_b, [big(i) for i in range(3)], chain=True)
         lru.put(key(99), big(9))

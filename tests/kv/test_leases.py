@@ -17,9 +17,15 @@ MiB = 1 << 20
 
 
 def small_store(root: Path, clock: ManualClock) -> KVStore:
-    """Room for three 1 MiB values on disk, none in memory: a fourth evicts one."""
+    """Room for three 1 MiB values on disk, none in memory: a fourth evicts one (the least
+    recently used: LRU, so which one goes depends on recency alone, not on reads)."""
     return open_kv_store(
-        root, MODEL, memory_bytes=0, disk_bytes=3 * MiB + 3 * 4096 + OVERHEAD_ROOM, clock=clock
+        root,
+        MODEL,
+        memory_bytes=0,
+        disk_bytes=3 * MiB + 3 * 4096 + OVERHEAD_ROOM,
+        clock=clock,
+        eviction="lru",
     )
 
 

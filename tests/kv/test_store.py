@@ -155,7 +155,7 @@ def test_lookup_tokens_counts_covered_tokens(root: Path) -> None:
 
 def test_memory_tier_lru_and_counted_pins(root: Path) -> None:
     value_bytes = tensor(0).numel() * 2
-    with open_store(root, memory_bytes=3 * value_bytes, disk_bytes=0) as store:
+    with open_store(root, memory_bytes=3 * value_bytes, disk_bytes=0, eviction="lru") as store:
         for i in range(3):
             store.put(key(i), tensor(i))
         assert store.pin(key(0)) and store.pin(key(0))

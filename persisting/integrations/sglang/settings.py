@@ -13,10 +13,11 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, get_args
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from persisting.config import DEFAULT_EVICTION, Eviction
 from persisting.errors import ConfigError
 
 #: Keys SGLang 0.5.23 itself reads from the same object (the dynamic backend's class, the
@@ -60,15 +61,16 @@ class StorageSettings:
     #: Whether pages are fsynced before a set returns (False: written whole and renamed into
     #: place, so they survive the process, not a power loss; a page lost so is a miss).
     fsync: bool = False
-    #: Eviction order: "lru", or "prefix" (a prompt's later pages go before earlier ones).
-    eviction: Literal["lru", "prefix"] = "lru"
+    #: Eviction order: "value" (keeps what will be reused: docs/operating.md#eviction),
+    #: "lru", or "prefix" (a prompt's later pages go before earlier ones).
+    eviction: Eviction = DEFAULT_EVICTION
     #: Seconds between rescans for pages other processes wrote or removed (done when an
     #: existence check misses, at most this often; 0: on every miss).
     refresh_interval_s: float = 2.0
 
 
 FIELDS = tuple(f.name for f in fields(StorageSettings))
-_CHOICES: dict[str, tuple[str, ...]] = {"eviction": ("lru", "prefix")}
+_CHOICES: dict[str, tuple[str, ...]] = {"eviction": get_args(Eviction)}
 
 
 def _size(name: str, value: Any) -> int:

@@ -15,10 +15,11 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from persisting.config import DEFAULT_EVICTION, Eviction
 from persisting.errors import ConfigError
 
 #: Keys vLLM's OffloadingConnector itself reads from the same dict (vLLM 0.32).
@@ -64,8 +65,10 @@ class ConnectorSettings:
     #: Whether sync stores are fsynced (False: whole and renamed into place, not flushed).
     #: A tier's default is False (:data:`TIER_DEFAULTS`).
     fsync: bool = True
-    #: Eviction order: "lru", or "prefix" (a prompt's later blocks go before earlier ones).
-    eviction: Literal["lru", "prefix"] = "lru"
+    #: Eviction order: "value" (keeps what will be reused; its counts are shared by the
+    #: namespace's engines), "lru", or "prefix" (a prompt's later blocks go before earlier
+    #: ones).
+    eviction: Eviction = DEFAULT_EVICTION
     #: A readable prefix of the namespace directory (default: the model's last path part);
     #: a digest of the KV layout is always appended.
     namespace: str | None = None
@@ -101,7 +104,7 @@ _CONNECTOR_ONLY = {
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "durability": ("sync", "async", "write_back"),
-    "eviction": ("lru", "prefix"),
+    "eviction": get_args(Eviction),
 }
 
 

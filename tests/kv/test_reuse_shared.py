@@ -1,0 +1,124 @@
+"""The value policy's state -- counts, ghosts, recency -- is one per namespace: shared by the
+processes writing it, and kept across restarts (real processes on one root)."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from persisting.kv import open_kv_store
+from persisting.kv.reuse import FILE_NAME, ReuseStats, key_hash
+from tests import child_env
+from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, disk_tier, key
+
+MiB = 1 << 20
+HOT = 3  # the chunk read over and over
+
+#: A writer of the namespace: stores chunks 0..5, reads chunk HOT twenty times, says so,
+#: and waits (holding the store open) until told to read it once more and leave.
+WRITER = """
+import sys
+from persisting.kv import open_kv_store
+from tests.kv.kv_helpers import big, key
+store = open_kv_store(sys.argv[1], sys.argv[2], memory_bytes=0, disk_bytes=int(sys.argv[3]))
+for i in range(6):
+    store.put(key(i), big(i))
+for _ in range(20):
+    assert store.get(key(3)) is not None
+print("ready", flush=True)
+sys.stdin.readline()
+print("got", store.get(key(3)) is not None, flush=True)
+store.close()
+"""
+
+
+def capacity(chunks: int) -> int:
+    from persisting.kv.payload_files import file_size
+
+    return chunks * file_size(big(0).numel() * 2) + OVERHEAD_ROOM
+
+
+def hot_count(root: Path) -> int:
+    """Sightings of chunk HOT, read in a fresh process from the namespace's file."""
+    script = (
+        "import sys; from persisting.kv import open_kv_store\n"
+        "from persisting.kv.reuse import key_hash\n"
+        "from tests.kv.kv_helpers import key, disk_tier\n"
+        f"s = open_kv_store(sys.argv[1], {MODEL!r}, memory_bytes=0, disk_bytes=64 << 20)\n"
+        "print(disk_tier(s).index.reuse.state(key_hash(key(3).to_string()))[0])\n"
+        "s.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(root)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return int(out.stdout.split()[-1])
+
+
+def test_counts_survive_a_restart_in_another_process(root: Path) -> None:
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
+        for i in range(6):
+            store.put(key(i), big(i))
+        for _ in range(4):
+            store.get(key(HOT))
+        path = disk_tier(store).directory / FILE_NAME
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert hot_count(root) == 5  # its put and four reads
+    # the restarted process counted into the same file: its open is not a sighting
+    assert hot_count(root) == 5
+
+
+def test_a_damaged_file_costs_the_history_only(root: Path) -> None:
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
+        store.put(key(HOT), big(HOT))
+        path = disk_tier(store).directory / FILE_NAME
+    path.write_bytes(b"not a table")
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
+        assert store.get(key(HOT)) is not None  # the chunk is there; its count starts over
+        reuse = disk_tier(store).index.reuse
+        assert isinstance(reuse, ReuseStats)
+        assert reuse.state(key_hash(key(HOT).to_string()))[0] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_processes_share_counts_and_evict_by_them(root: Path) -> None:
+    budget = capacity(8)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(root), MODEL, str(budget)],
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        assert writer.stdout.readline().strip() == "ready"
+        with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget) as store:
+            reuse = disk_tier(store).index.reuse
+            assert reuse is not None
+            # the writer's puts and reads, seen live through the shared file
+            assert reuse.state(key_hash(key(HOT).to_string()))[0] == 21
+            assert reuse.state(key_hash(key(0).to_string()))[0] == 1
+            for i in range(10, 16):  # six more chunks into room for eight: four go
+                store.put(key(i), big(i))
+            # this process never read chunk HOT, yet keeps it: the writer's reads count
+            assert store.contains(key(HOT))
+            gone = [i for i in range(6) if not store.contains(key(i))]
+            assert len(gone) >= 3 and HOT not in gone
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline().strip() == "got True"
+        assert writer.wait(timeout=60) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    assert hot_count(root) == 22
