@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/policy_bench.py --trace conversation_trace.jsonl \\
         --trace synthetic_trace.jsonl [--sizes 500,1000,2000,3000,5000,10000,20000,30000] \\
-        [--halves] [--store-sizes 1000,3000,10000] [--eviction value] [--json out.json]
+        [--parts 2,3] [--store-sizes 1000,3000,10000] [--eviction value] [--json out.json]
 
-For each Mooncake-format trace (and, with ``--halves``, its two halves cut at the middle of
-its time span, each replayed cold) and each capacity in blocks, it prints the token hit
+For each Mooncake-format trace (and, with ``--parts N``, its N parts cut at equal stretches
+of its time span, each replayed cold; several counts comma-separated) and each capacity in
+blocks, it prints the token hit
 ratio of LRU and of Belady's MIN (``persisting.bench.simulate``: the references
 ``bench replay`` reports) and of the store's ``--eviction`` policy, and the ratio of the
 policy to LRU, measured in the same run. At the ``--store-sizes`` the policy's figure
@@ -20,6 +21,7 @@ at least LRU on every row of the whole traces (the rule for making it the defaul
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import sys
@@ -27,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from persisting.bench.mooncake import BlockTrace, read_mooncake
+from persisting.bench.mooncake import BlockRequest, BlockTrace, read_mooncake
 from persisting.bench.replay import ReplayOptions, replay_blocks
 from persisting.bench.simulate import belady_run, lru_run, policy_run
 from persisting.kv import open_kv_store
@@ -35,16 +37,19 @@ from persisting.kv import open_kv_store
 BYTES_PER_TOKEN = 4  # a 512-token block is 2 KiB: the store replays ~300k blocks in minutes
 
 
-def halves(trace: BlockTrace) -> list[tuple[str, BlockTrace]]:
-    """The trace's two halves, cut at the middle of its time span."""
-    if not trace.requests:
+def cut(trace: BlockTrace, count: int) -> list[tuple[str, BlockTrace]]:
+    """The trace in ``count`` parts (named ``"2/3"``: the second of three), cut at equal
+    stretches of its time span."""
+    if not trace.requests or count < 2:
         return []
-    middle = (trace.requests[0].t + trace.requests[-1].t) / 2
-    first = tuple(r for r in trace.requests if r.t < middle)
-    second = tuple(r for r in trace.requests if r.t >= middle)
+    start, end = trace.requests[0].t, trace.requests[-1].t
+    bounds = [start + (end - start) * i / count for i in range(1, count)]
+    parts: list[list[BlockRequest]] = [[] for _ in range(count)]
+    for request in trace.requests:
+        parts[bisect.bisect_right(bounds, request.t)].append(request)
     return [
-        ("first half", BlockTrace(first, trace.block_tokens, trace.source)),
-        ("second half", BlockTrace(second, trace.block_tokens, trace.source)),
+        (f"{i + 1}/{count}", BlockTrace(tuple(part), trace.block_tokens, trace.source))
+        for i, part in enumerate(parts)
     ]
 
 
@@ -74,7 +79,7 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, action="append", required=True)
     parser.add_argument("--sizes", default="500,1000,2000,3000,5000,10000,20000,30000")
     parser.add_argument("--store-sizes", default="1000,3000,10000")
-    parser.add_argument("--halves", action="store_true")
+    parser.add_argument("--parts", default="", help="also cut each trace in N parts: 2,3")
     parser.add_argument("--eviction", default="value")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -87,7 +92,8 @@ def main() -> int:
     )
     for path in args.trace:
         whole = read_mooncake(path)
-        parts = [("whole", whole), *(halves(whole) if args.halves else [])]
+        counts = [int(x) for x in args.parts.split(",") if x]
+        parts = [("whole", whole), *(p for n in counts for p in cut(whole, n))]
         for part, trace in parts:
             requests = [r.blocks for r in trace.requests]
             for blocks in sizes:

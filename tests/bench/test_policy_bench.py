@@ -22,14 +22,16 @@ def test_the_policy_bench_prints_every_row_and_the_summary(tmp_path: Path) -> No
     out = tmp_path / "policy.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "policy_bench.py"), "--trace", str(path),
-         "--sizes", "5,20", "--store-sizes", "20", "--halves", "--json", str(out)],
+         "--sizes", "5,20", "--store-sizes", "20", "--parts", "2,3", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=child_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert [(r["part"], r["blocks"]) for r in rows] == [
-        (part, blocks) for part in ("whole", "first half", "second half") for blocks in (5, 20)
+        (part, blocks)
+        for part in ("whole", "1/2", "2/2", "1/3", "2/3", "3/3")
+        for blocks in (5, 20)
     ]
     total = sum(len(r) for r in trace)
     whole = {r["blocks"]: r for r in rows if r["part"] == "whole"}
