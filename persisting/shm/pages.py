@@ -38,8 +38,26 @@ def round_to_page(n: int) -> int:
     return -(-n // PAGE) * PAGE
 
 
+#: From this size numpy advises the kernel to back a new array with transparent huge
+#: pages (its ``hugepage`` default on Linux): :func:`aligned_buffer` maps such buffers
+#: itself instead.
+NUMPY_HUGE_PAGE_BYTES = 4 << 20
+
+
 def aligned_buffer(nbytes: int) -> np.ndarray:
-    """A writable uint8 array of ``nbytes`` starting on a page boundary (faster I/O, memcpy)."""
+    """A writable uint8 array of ``nbytes`` starting on a page boundary (faster I/O, memcpy).
+
+    Buffers of :data:`NUMPY_HUGE_PAGE_BYTES` or more get a private anonymous mapping of
+    their own, in 4 KiB pages: an array numpy allocates that large is advised to use huge
+    pages, and a buffer filled once on a request's path (a value read for a caller that
+    keeps it) is where a fresh huge page costs most -- on the development VM its first
+    touch is a lottery (free page reporting, docs/benchmarks.md), and remote batched gets
+    into such buffers ran at 0.3x of a socket in two rounds of three. The mapping goes
+    when the last array or tensor over it does.
+    """
+    if nbytes >= NUMPY_HUGE_PAGE_BYTES:
+        mapping = mmap.mmap(-1, round_to_page(nbytes), flags=mmap.MAP_PRIVATE)
+        return np.frombuffer(mapping, dtype=np.uint8, count=nbytes)
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     start = (-raw.ctypes.data) % PAGE
     return raw[start : start + nbytes]
