@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from persisting.bench.trace import is_int
 from persisting.errors import InvalidValueError
 
 TraceFormat = Literal["persisting", "mooncake"]
@@ -118,7 +119,7 @@ def _record(obj: Any, where: str, lineno: int) -> BlockRequest:
             f"{where}: not a Mooncake record ({known} has no 'hash_ids'); fields: {sorted(obj)[:8]}"
         )
     ids = obj["hash_ids"]
-    if not isinstance(ids, list) or not all(_is_int(x) and x >= 0 for x in ids):
+    if not isinstance(ids, list) or not all(is_int(x) and x >= 0 for x in ids):
         raise InvalidValueError(f"{where}: 'hash_ids' must be a list of integers >= 0")
     t = obj.get("timestamp")
     if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
@@ -126,14 +127,10 @@ def _record(obj: Any, where: str, lineno: int) -> BlockRequest:
     lengths = []
     for name in ("input_length", "output_length"):
         value = obj.get(name)
-        if value is not None and not (_is_int(value) and value >= 0):
+        if value is not None and not (is_int(value) and value >= 0):
             raise InvalidValueError(f"{where}: {name!r} must be an integer >= 0")
         lengths.append(value)
     return BlockRequest(t / 1000.0, tuple(ids), lengths[0], lengths[1], lineno)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 __all__ = [

@@ -238,15 +238,7 @@ def replay(
         before = tier_hits() if tier_hits is not None and chunks else None
         if chunks:
             _serve_request(target, chunks, values, options.verify, record)
-        if before is not None and tier_hits is not None:
-            memory = min(record.hit_chunks, max(0, tier_hits() - before))
-            record.memory_hit_chunks = memory
-            record.disk_hit_chunks = record.hit_chunks - memory
-        for op, seconds in record.latency_s.items():
-            result.latencies_s[op].append(seconds)
-        result.records.append(record)
-        if on_request is not None:
-            on_request(record)
+        _record(result, record, tier_hits, before, 1, on_request)
     result.wall_s = time.perf_counter() - start
     return result
 
@@ -304,17 +296,30 @@ def replay_blocks(
         before = tier_hits() if tier_hits is not None and blocks else None
         if blocks:
             _serve_ranks(target, ranks, tokens, values, options.verify, record)
-        if before is not None and tier_hits is not None:
-            memory = min(record.hit_chunks, max(0, tier_hits() - before) // options.tp)
-            record.memory_hit_chunks = memory
-            record.disk_hit_chunks = record.hit_chunks - memory
-        for op, seconds in record.latency_s.items():
-            result.latencies_s[op].append(seconds)
-        result.records.append(record)
-        if on_request is not None:
-            on_request(record)
+        _record(result, record, tier_hits, before, options.tp, on_request)
     result.wall_s = time.perf_counter() - start
     return result
+
+
+def _record(
+    result: ReplayResult,
+    record: RequestRecord,
+    tier_hits: TierHits | None,
+    before: int | None,
+    per_chunk: int,
+    on_request: Callable[[RequestRecord], None] | None,
+) -> None:
+    """File one served request: its hits split by tier (``tier_hits`` counts ``per_chunk``
+    hits per chunk: one per rank), its latencies, the record."""
+    if before is not None and tier_hits is not None:
+        memory = min(record.hit_chunks, max(0, tier_hits() - before) // per_chunk)
+        record.memory_hit_chunks = memory
+        record.disk_hit_chunks = record.hit_chunks - memory
+    for op, seconds in record.latency_s.items():
+        result.latencies_s[op].append(seconds)
+    result.records.append(record)
+    if on_request is not None:
+        on_request(record)
 
 
 def _serve_ranks(

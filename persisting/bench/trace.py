@@ -286,7 +286,7 @@ def _parse_header(obj: Any, where: str) -> TraceHeader:
     generator = obj.get("generator")
     if not isinstance(model, str) or not model:
         raise InvalidValueError(f"{where}: header needs a non-empty 'model'")
-    if not _is_int(vocab) or vocab < 2:
+    if not is_int(vocab) or vocab < 2:
         raise InvalidValueError(f"{where}: 'vocab_size' must be an integer >= 2")
     if generator is not None and not isinstance(generator, dict):
         raise InvalidValueError(f"{where}: 'generator' must be an object or null")
@@ -307,7 +307,7 @@ def _parse_request(obj: Any, where: str) -> TraceRequest:
     meta = {k: v for k, v in obj.items() if k not in ("id", "t", "tokens", "segments")}
     if has_tokens:
         tokens = obj["tokens"]
-        if not isinstance(tokens, list) or not all(_is_int(x) and x >= 0 for x in tokens):
+        if not isinstance(tokens, list) or not all(is_int(x) and x >= 0 for x in tokens):
             raise InvalidValueError(f"{where}: 'tokens' must be a list of token ids >= 0")
         return TraceRequest(id=request_id, t=float(t), tokens=tuple(tokens), meta=meta)
     segments = obj["segments"]
@@ -319,7 +319,7 @@ def _parse_request(obj: Any, where: str) -> TraceRequest:
             not isinstance(seg, dict)
             or not isinstance(seg.get("id"), str)
             or not seg["id"]
-            or not _is_int(seg.get("tokens"))
+            or not is_int(seg.get("tokens"))
             or seg["tokens"] < 0
         ):
             raise InvalidValueError(f"{where}: a segment is {{'id': str, 'tokens': int >= 0}}")
@@ -327,7 +327,8 @@ def _parse_request(obj: Any, where: str) -> TraceRequest:
     return TraceRequest(id=request_id, t=float(t), segments=tuple(parsed), meta=meta)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether a parsed JSON value is an integer (``true`` is not)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
