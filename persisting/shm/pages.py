@@ -92,6 +92,9 @@ def copy_bytes(dst: np.ndarray, src: Any) -> None:
 
 #: madvise(2) advice that faults a range in writable without changing it (Linux >= 5.14).
 MADV_POPULATE_WRITE = 23
+#: Linux's advice to fault pages in for reading (5.14+): a file's pages read into the page
+#: cache, none of them dirtied.
+MADV_POPULATE_READ = 22
 
 
 @functools.cache
@@ -324,24 +327,36 @@ class Prefault:
         self.done = 0
 
     def start(
-        self, address: int, nbytes: int, before_step: Callable[[int], bool] | None = None
+        self,
+        address: int,
+        nbytes: int,
+        before_step: Callable[[int], bool] | None = None,
+        *,
+        advice: int = MADV_POPULATE_WRITE,
     ) -> threading.Thread | None:
         """Fault ``[address, address + nbytes)`` in; ``before_step(end)`` (given) runs
         before each step and stops the prefault by returning False (a pool commits the
-        step's pages there). Returns the thread; None if one already ran or runs."""
+        step's pages there); ``advice`` :data:`MADV_POPULATE_READ` reads a file's pages in
+        without dirtying them. Returns the thread; None if one already ran or runs."""
         with self._lock:
             if self._thread is not None:
                 return None
             self._thread = threading.Thread(
                 target=self._run,
-                args=(address, nbytes, before_step),
+                args=(address, nbytes, before_step, advice),
                 name="persisting-prefault",
                 daemon=True,
             )
         self._thread.start()
         return self._thread
 
-    def _run(self, address: int, nbytes: int, before_step: Callable[[int], bool] | None) -> None:
+    def _run(
+        self,
+        address: int,
+        nbytes: int,
+        before_step: Callable[[int], bool] | None,
+        advice: int,
+    ) -> None:
         if not sys.platform.startswith("linux"):
             return  # the advice's number (and meaning) is Linux's
         madvise = _libc_function("madvise", ctypes.c_int)
@@ -349,7 +364,7 @@ class Prefault:
             step = min(PREFAULT_STEP, nbytes - self.done)
             if before_step is not None and not before_step(self.done + step):
                 return
-            if madvise(address + self.done, step, MADV_POPULATE_WRITE) != 0:
+            if madvise(address + self.done, step, advice) != 0:
                 err = ctypes.get_errno()
                 if err != errno.EINTR:
                     log.info(
@@ -465,6 +480,8 @@ class RecycledBuffers(PrefaultedMemory):
 
 __all__ = [
     "HUGE_PAGE",
+    "MADV_POPULATE_READ",
+    "MADV_POPULATE_WRITE",
     "PAGE",
     "PageAllocator",
     "Prefault",

@@ -3,6 +3,7 @@ processes writing it, and kept across restarts (real processes on one root)."""
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
@@ -122,3 +123,25 @@ def test_two_processes_share_counts_and_evict_by_them(root: Path) -> None:
         if writer.poll() is None:
             writer.kill()
     assert hot_count(root) == 22
+
+
+@pytest.mark.parametrize("reopened", [False, True])
+def test_the_table_is_in_memory_before_the_puts_need_it(tmp_path: Path, reopened: bool) -> None:
+    # each sighting writes a page picked by a hash: faulted in on first write, a new
+    # file's page cost a journaled write fault inside the put; the table is faulted in at
+    # open, in the background, new (written) or existing (read)
+    slots = 1 << 16
+    if reopened:
+        ReuseStats.open_file(tmp_path, slots).close()
+        fd = os.open(tmp_path / FILE_NAME, os.O_RDONLY)  # its pages out of the page cache
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    stats = ReuseStats.open_file(tmp_path, slots)
+    try:
+        stats.wait_prefault()
+        assert stats.resident()
+        assert stats.state(key_hash("k")) == (0, 0)  # nothing counted by faulting it in
+        stats.sighted(key_hash("k"))
+        assert stats.state(key_hash("k"))[0] == 1
+    finally:
+        stats.close()
