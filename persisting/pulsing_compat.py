@@ -15,10 +15,12 @@ in pyproject.
    passphrase (``actors/system.py``).
 2. **A process may crash at interpreter exit after ``pulsing.shutdown()``**: Pulsing's
    threads release the objects they hold while the interpreter is being torn down. A
-   server (``actors/launch.py``) and ``persisting stats --service`` (``cli/storage.py``)
-   end with :func:`exit_after_shutdown`; the client drops every actor reference it holds
-   before it shuts its own system down
-   (``KVCacheClient.close`` in ``service/client/kv_cache_client.py``).
+   server (``actors/launch.py``), ``persisting stats --service`` (``cli/storage.py``)
+   and the queue's examples (``docs/queue.md``, ``docs/user-guide.md``: seen in CI as an
+   abort or a segfault after the script's last line) end with
+   :func:`exit_after_shutdown`; the client drops every actor reference it holds before it
+   shuts its own system down (``KVCacheClient.close`` in
+   ``service/client/kv_cache_client.py``).
 3. **An ask is refused outright ("Connection pool exhausted")** when about 12 connections
    to one peer are opened at once from a cold start, below the pool's 16. Such an ask was
    never sent, so the client retries it after a pause (:func:`is_pool_exhausted`, in
