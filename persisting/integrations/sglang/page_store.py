@@ -21,10 +21,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError
+from persisting.integrations.counters import LockedCounters
 from persisting.kv import Gathered, KVStore, PutResult
 from persisting.kv.range_reads import read_file_range
 
@@ -37,7 +38,7 @@ RECENT_BATCHES = 1024
 
 
 @dataclass
-class Counters:
+class Counters(LockedCounters):
     """What the backend did in this process (all monotonic)."""
 
     pages_set: int = 0
@@ -52,16 +53,6 @@ class Counters:
     exists_pages: int = 0
     refreshes: int = 0
     errors: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
 
 
 @dataclass

@@ -15,16 +15,17 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from persisting.integrations.counters import LockedCounters
 from persisting.integrations.vllm.settings import ConnectorSettings
 from persisting.kv import KVStore, open_kv_store
 
 
 @dataclass
-class Counters:
+class Counters(LockedCounters):
     """What the connector did in this process (all monotonic)."""
 
     lookup_hits: int = 0
@@ -37,16 +38,6 @@ class Counters:
     store_errors: int = 0
     evictions: int = 0
     events_applied: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
 
 
 @dataclass
