@@ -163,16 +163,18 @@ def test_a_client_on_another_host_round_trips_bit_exact_over_the_data_path(
 
 class Capture:
     """Every frame crossing the client's end of the link, recorded in the client's
-    namespace by a raw packet socket (root)."""
+    namespace by a raw packet socket (root). Frames are read whole: a segmentation
+    offload frame of a large send exceeds 64 KiB, and a cut frame would hide its tail."""
 
     SCRIPT = (
         "import socket,sys\n"
         "s=socket.socket(socket.AF_PACKET,socket.SOCK_RAW,socket.ntohs(3))\n"
+        "s.setsockopt(socket.SOL_SOCKET,socket.SO_RCVBUF,1<<24)\n"
         "s.bind((sys.argv[1],0)); s.settimeout(0.2)\n"
         "out=open(sys.argv[2],'wb'); print('READY',flush=True)\n"
         "import select\n"
         "while not select.select([sys.stdin],[],[],0)[0]:\n"
-        "    try: out.write(s.recv(65535))\n"
+        "    try: out.write(s.recv(1<<18))\n"
         "    except socket.timeout: pass\n"
         "out.close()\n"
     )
