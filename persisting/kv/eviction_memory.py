@@ -34,8 +34,8 @@ class EvictionMemory:
 
     def restore(self, policy: EvictionPolicy, capacity: int) -> None:
         """Put the index back in the order the last close or flush saved, and attach the
-        namespace's reuse stats when ``policy`` ranks by them (caller holds the
-        directory's locks)."""
+        namespace's reuse stats when ``policy`` ranks by them, ordering by their last
+        sightings then (caller holds the directory's locks)."""
         saved = recency.load_order(self.directory)
         if saved:
             self.index.reorder(
@@ -48,6 +48,10 @@ class EvictionMemory:
         if policy.uses_reuse_stats:
             growth = self.budget.metadata_growth
             self.index.attach(reuse.open_shared(self.directory, capacity, growth))
+            # The namespace's table holds every process's last sighting of each chunk,
+            # fresher than a snapshot saved at some close: order by it (the snapshot only
+            # orders the chunks it forgot, as the oldest).
+            self.index.reorder({key: entry.tick for key, entry in self.index.items()})
             if self.budget.root_usage is not None:  # not the root as it was while opening
                 self.budget.root_usage.forget()
 

@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from persisting.kv.layout import Layout
-from persisting.kv.reuse import RecencyDuel, ReuseStats, key_hash
+from persisting.kv.reuse import TICK_MASK, RecencyDuel, ReuseStats, key_hash
 
 
 class Entry:
@@ -124,7 +124,7 @@ class LruIndex(Generic[E]):
                 self._leaf_order.move_to_end(key)
             if self.reuse is not None:
                 entry.tick = self.reuse.sighted(entry.khash)
-                self.duel.sighted(key, True, len(self._entries))
+                self.duel.sighted(entry.khash, len(self._entries), self.reuse)
         return entry
 
     def add(self, key: str, entry: E, *, sighting: bool = True) -> None:
@@ -137,7 +137,7 @@ class LruIndex(Generic[E]):
             entry.khash = key_hash(key)
             if sighting:
                 entry.tick = self.reuse.sighted(entry.khash)
-                self.duel.sighted(key, False, len(self._entries))
+                self.duel.sighted(entry.khash, len(self._entries), self.reuse)
             else:
                 entry.tick = self.reuse.state(entry.khash)[1]
         if key not in self._children:
@@ -194,6 +194,27 @@ class LruIndex(Generic[E]):
         if last != key:
             self._leaf_list[at] = last
             self._leaf_at[last] = at
+
+    def sighted_since(self, key: str) -> int | None:
+        """The clock at a sighting of ``key`` newer than its place in the LRU order (one
+        another process counted in a shared table), or None."""
+        entry = self._entries.get(key)
+        if entry is None or self.reuse is None or not entry.khash:
+            return None
+        last = self.reuse.state(entry.khash)[1]
+        ahead = (last - entry.tick) & TICK_MASK
+        return last if 0 < ahead <= TICK_MASK >> 1 else None
+
+    def catch_up(self, key: str, tick: int) -> None:
+        """Move ``key`` to most recently used for a sighting at ``tick`` counted elsewhere
+        (not a sighting here: it is counted already)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        entry.tick = tick
+        self._entries.move_to_end(key)
+        if key in self._leaf_order:
+            self._leaf_order.move_to_end(key)
 
     def has_children(self, key: str) -> bool:
         return key in self._children

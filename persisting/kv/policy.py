@@ -104,15 +104,17 @@ class PrefixAwareEviction(EvictionPolicy):
 
 class ValueEviction(EvictionPolicy):
     """Keep the chunks worth the most per byte: evict the leaf of least *value density*,
-    ``sightings ** w x tokens per byte / (age + 2 x entries)``, among ``SAMPLES`` leaves
-    drawn at random.
+    ``sightings x tokens per byte / (age + 2 x entries)``, among ``SAMPLES`` leaves drawn
+    at random -- while frequency pays; else the oldest leaf.
 
     - ``sightings``: puts and hits of the key, remembered after it is evicted (ghosts:
       :class:`~persisting.kv.reuse.ReuseStats`), so a chunk used often stays longer and
       one that comes back is known again: frequency.
-    - ``w``: how much frequency may count, in [0, 1], set by the tier's
-      :class:`~persisting.kv.reuse.RecencyDuel`: it falls while LRU would have hit more,
-      so the policy does not fall behind LRU where frequency predicts nothing.
+    - Whether frequency pays is the tier's :class:`~persisting.kv.reuse.RecencyDuel`'s
+      call: it plays LRU and this density beside the tier on keys alone and turns
+      frequency on only while the density would have hit clearly more. Off, the tier
+      evicts its oldest leaf, exactly (LRU among the chains' tips): the policy does not
+      fall behind LRU where frequency predicts nothing.
     - ``age``: sightings of any key since this one's last, against the tier's size in
       chunks: recency (untouched for two tier-fulls of traffic, a chunk is worth half).
     - ``tokens per byte``: what a miss costs to recompute per byte the chunk holds.
@@ -148,8 +150,7 @@ class ValueEviction(EvictionPolicy):
             refs, last = 1, entry.tick
         age = (reuse.now - last) & TICK_MASK
         horizon = self.HALF_LIFE * max(1, len(index))
-        frequency = float(refs) ** index.duel.weight
-        return frequency * miss_cost_per_byte(entry.layout) / (age + horizon)
+        return float(refs) * miss_cost_per_byte(entry.layout) / (age + horizon)
 
     def candidates(self, index: LruIndex[Any], evictable: Evictable | None = None) -> Iterator[str]:
         for group in self.groups(index, evictable):
@@ -161,27 +162,18 @@ class ValueEviction(EvictionPolicy):
         if index.reuse is None:  # stats not kept: the oldest leaves first
             yield from PrefixAwareEviction().groups(index, evictable)
             return
+        # Recency alone (the duel has frequency off): the oldest leaf, exactly.
+        oldest = None if index.duel.weight else _oldest_first(index, evictable)
         taken: set[str] = set()
         # Parents whose every stored child was taken: leaves once those go.
         became_leaves: list[str] = []
         gone_children: dict[str, int] = {}
         while True:
-            best: str | None = None
-            best_entry: Entry | None = None
-            best_density = math.inf
-            for _ in range(self.SAMPLES):
-                pool = index.leaf_count() + len(became_leaves)
-                if pool == 0:
-                    break
-                i = self._rng.randrange(pool)
-                stored = index.leaf_count()
-                key = index.leaf_at(i) if i < stored else became_leaves[i - stored]
-                entry = index.get(key)
-                if key in taken or entry is None or (evictable and not evictable(key, entry)):
-                    continue
-                density = self.density(index, entry)
-                if density < best_density:
-                    best, best_entry, best_density = key, entry, density
+            if oldest is None:
+                best = self._least_dense(index, evictable, taken, became_leaves)
+            else:
+                best = next((key for key in oldest if key not in taken), None)
+            best_entry = None if best is None else index.get(best)
             if best is None or best_entry is None:
                 break
             # The chunk's other ranks go with it: a block is a hit only with all of them.
@@ -201,6 +193,65 @@ class ValueEviction(EvictionPolicy):
         # Every draw met a busy or taken key: walk the rest, oldest leaves first.
         rest = PrefixAwareEviction().candidates(index, evictable)
         yield from ([key] for key in rest if key not in taken)
+
+    def _least_dense(
+        self,
+        index: LruIndex[Any],
+        evictable: Evictable | None,
+        taken: set[str],
+        became_leaves: list[str],
+    ) -> str | None:
+        """The leaf of least density among ``SAMPLES`` drawn (None: every draw was busy
+        or taken)."""
+        best: str | None = None
+        best_density = math.inf
+        for _ in range(self.SAMPLES):
+            pool = index.leaf_count() + len(became_leaves)
+            if pool == 0:
+                break
+            i = self._rng.randrange(pool)
+            stored = index.leaf_count()
+            key = index.leaf_at(i) if i < stored else became_leaves[i - stored]
+            entry = index.get(key)
+            if key in taken or entry is None or (evictable and not evictable(key, entry)):
+                continue
+            density = self.density(index, entry)
+            if density < best_density:
+                best, best_density = key, density
+        return best
+
+
+def _oldest_first(index: LruIndex[Any], evictable: Evictable | None) -> Iterator[str]:
+    """Orphans, then leaves least recently used first, then the rest -- in the order of
+    the namespace's sightings: a leaf another process sighted since this one did is moved
+    up when it is reached, and the walk starts over (once per such sighting). The caller
+    removes what it took only after the walk, so the walk skips what it already gave."""
+    given: set[str] = set()
+    orphans = [k for k in index.orphans() if not index.children(k)]
+    for key in _usable(index, orphans, evictable):
+        given.add(key)
+        yield key
+    while True:
+        found, tick = None, None
+        for key in index.leaves():
+            if key in given:
+                continue
+            entry = index.get(key)
+            if entry is None or (evictable is not None and not evictable(key, entry)):
+                continue
+            found, tick = key, index.sighted_since(key)
+            break
+        if found is None:
+            break
+        if tick is not None:
+            index.catch_up(found, tick)
+            continue
+        given.add(found)
+        yield found
+    for key in _usable(index, index.lru_order(), evictable):
+        if key not in given:
+            given.add(key)
+            yield key
 
 
 def _siblings(

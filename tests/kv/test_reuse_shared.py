@@ -145,3 +145,51 @@ def test_the_table_is_in_memory_before_the_puts_need_it(tmp_path: Path, reopened
         assert stats.state(key_hash("k"))[0] == 1
     finally:
         stats.close()
+
+
+#: A writer that stores chunks 0..5, then reads chunk 0 when told (after the other process
+#: opened the namespace), says so, and leaves when told.
+LATE_READER = """
+import sys
+from persisting.kv import open_kv_store
+from tests.kv.kv_helpers import big, key
+store = open_kv_store(sys.argv[1], sys.argv[2], memory_bytes=0, disk_bytes=int(sys.argv[3]))
+for i in range(6):
+    store.put(key(i), big(i))
+print("ready", flush=True)
+sys.stdin.readline()
+print("read", store.get(key(0)) is not None, flush=True)
+sys.stdin.readline()
+store.close()
+"""
+
+
+def test_a_read_in_another_process_counts_as_recent_for_eviction(root: Path) -> None:
+    """Recency is the namespace's: a chunk another process read after this one opened
+    the namespace is not evicted as this process's oldest."""
+    budget = capacity(8)
+    other = subprocess.Popen(
+        [sys.executable, "-c", LATE_READER, str(root), MODEL, str(budget)],
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout is not None and other.stdin is not None
+        assert other.stdout.readline().strip() == "ready"
+        with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget) as store:
+            assert disk_tier(store).index.lru_order().__next__() == key(0).to_string()
+            other.stdin.write("read\n")
+            other.stdin.flush()
+            assert other.stdout.readline().strip() == "read True"
+            for i in range(10, 14):  # four more chunks into room for eight: two go
+                store.put(key(i), big(i))
+            kept = [i for i in range(6) if store.contains(key(i))]
+            assert 0 in kept and len(kept) < 6, kept
+        other.stdin.write("leave\n")
+        other.stdin.flush()
+        assert other.wait(timeout=60) == 0
+    finally:
+        if other.poll() is None:
+            other.kill()

@@ -76,17 +76,22 @@ def test_a_full_bucket_forgets_the_key_sighted_longest_ago() -> None:
     assert [stats.state(h)[0] for h in found] == [2, 0, 1, 1, 1]
 
 
-def test_a_reused_chain_outlives_one_off_traffic_that_flushes_lru() -> None:
-    hot = ["h0", "h1", "h2"]
+def test_reused_chains_outlive_one_off_traffic_that_flushes_lru() -> None:
+    hot = [[f"h{c}-{i}" for i in range(2)] for c in range(4)]
     kept = {}
     for name, policy in (("value", ValueEviction()), ("lru", LRUEviction())):
-        t = tier(12, policy)
-        for _ in range(6):
-            chain(t, hot)
-        for r in range(3):  # one-off prompts, 4 blocks each: more than the tier's room
-            chain(t, [f"once{r}-{i}" for i in range(4)])
-        kept[name] = chain(t, hot)
-    assert kept == {"value": 3, "lru": 0}
+        t = tier(24, policy)
+        for n in range(60):  # each hot chain, then one-off prompts: more than the tier holds
+            for c, names in enumerate(hot):
+                chain(t, names)
+                for r in range(2):
+                    chain(t, [f"once{n}-{c}-{r}-{i}" for i in range(4)])
+        for r in range(7):  # and a burst of one-off prompts larger than the tier
+            chain(t, [f"burst{r}-{i}" for i in range(4)])
+        kept[name] = sum(chain(t, names) for names in hot)
+        if name == "value":  # frequency was turned on: its shadow kept the chains
+            assert t.index.duel.weight == 1.0
+    assert kept == {"value": 8, "lru": 0}
 
 
 def test_eviction_never_leaves_a_suffix_without_its_prefix() -> None:
@@ -148,19 +153,52 @@ def test_the_ranks_of_a_chunk_are_evicted_together(root) -> None:  # type: ignor
                 assert len(ranks) == world, ranks
 
 
-def test_the_duel_weighs_frequency_down_while_lru_hits_more_and_back_up() -> None:
-    duel = RecencyDuel()
-    # the tier missed keys LRU would have kept: each window halves the weight
-    for _ in range(3):
-        for i in range(40):
-            duel.sighted(f"k{i % 5}", False, 40)
-    assert duel.weight == pytest.approx(1 / 8)
-    # behind by no more than chance: left as it is
-    for i in range(40):
-        duel.sighted(f"k{i % 5}", i % 4 != 0, 40)
-    assert duel.weight == pytest.approx(1 / 8)
-    # the tier hits at least as often as LRU: back up a tenth a window
+def _sight(duel: RecencyDuel, reuse: ReuseStats, name: str, entries: int) -> None:
+    khash = key_hash(name)
+    reuse.sighted(khash)
+    duel.sighted(khash, entries, reuse)
+
+
+def test_the_duel_turns_frequency_on_where_it_hits_more_and_off_where_lru_does() -> None:
+    entries = 100
+    duel, reuse = RecencyDuel(), ReuseStats.in_memory(1 << 12)
+    assert duel.weight == 0.0  # recency until frequency shows it would hit more
+    # a hot set of 50 keys, each between keys used once: LRU loses the hot set to the
+    # one-off keys, the value shadow keeps it
+    for r in range(30):
+        for i in range(50):
+            _sight(duel, reuse, f"hot{i}", entries)
+            for j in range(7):
+                _sight(duel, reuse, f"once{r}-{i}-{j}", entries)
+    assert duel.weight == 1.0
+    # then a working set that fits, over and over (with a key used once now and then):
+    # LRU keeps it all, the value shadow keeps the old hot set for a while instead
     for r in range(20):
-        for i in range(40):
-            duel.sighted(f"new{i}-{r}", True, 40)
-    assert duel.weight == pytest.approx(1.0)
+        for i in range(70):
+            _sight(duel, reuse, f"work{i}", entries)
+            if i % 3 == 2:
+                _sight(duel, reuse, f"now{r}-{i}", entries)
+    assert duel.weight == 0.0
+    # both hit alike (a small set used over and over): the weight stays where it is
+    for _ in range(20):
+        for i in range(entries):
+            _sight(duel, reuse, f"small{i % 10}", entries)
+    assert duel.weight == 0.0
+
+
+def test_hits_that_come_as_one_prompt_count_as_one_event() -> None:
+    """A lead of one long prompt is not evidence: the duel weighs runs of hits, not
+    chunks, so one prompt that one shadow kept does not switch the policy."""
+    entries = 100
+    duel, reuse = RecencyDuel(), ReuseStats.in_memory(1 << 12)
+    prompt = [f"p{i}" for i in range(40)]
+    for name in prompt:
+        for _ in range(3):  # seen often: the value shadow keeps it longest
+            _sight(duel, reuse, name, entries)
+    for i in range(150):  # then traffic used once pushes it out of LRU
+        _sight(duel, reuse, f"once{i}", entries)
+    for name in prompt:  # it comes back: 40 hits for the value shadow, none for LRU
+        _sight(duel, reuse, name, entries)
+    for i in range(200):
+        _sight(duel, reuse, f"later{i}", entries)
+    assert duel.weight == 0.0
