@@ -90,16 +90,7 @@ class PrefixAwareEviction(EvictionPolicy):
     name = "prefix"
 
     def candidates(self, index: LruIndex[Any], evictable: Evictable | None = None) -> Iterator[str]:
-        taken: set[str] = set()
-        orphans = (k for k in index.orphans() if not index.children(k))
-        # Orphans, then leaves oldest first, then the rest in LRU order (evicting those still
-        # frees space; reached only when every leaf is busy or taken). Lazy: the caller
-        # stops as soon as it has room, so an eviction looks at few keys.
-        for keys in (orphans, index.leaves(), index.lru_order()):
-            for key in _usable(index, keys, evictable):
-                if key not in taken:
-                    taken.add(key)
-                    yield key
+        return _oldest_first(index, evictable)
 
 
 class ValueEviction(EvictionPolicy):
@@ -222,32 +213,32 @@ class ValueEviction(EvictionPolicy):
 
 
 def _oldest_first(index: LruIndex[Any], evictable: Evictable | None) -> Iterator[str]:
-    """Orphans, then leaves least recently used first, then the rest -- in the order of
-    the namespace's sightings: a leaf another process sighted since this one did is moved
-    up when it is reached, and the walk starts over (once per such sighting). The caller
-    removes what it took only after the walk, so the walk skips what it already gave."""
+    """Orphans, then leaves least recently used first, then the rest in LRU order (evicting
+    those still frees space; reached only when every leaf is busy or taken). Lazy: the
+    caller stops as soon as it has room, and removes what it took only after the walk.
+
+    The order is the namespace's: a leaf another process sighted since this one did (its
+    tick in shared reuse stats is newer) is moved up when the walk reaches it, and the walk
+    over the leaves starts again (once per such sighting; never without shared stats)."""
     given: set[str] = set()
-    orphans = [k for k in index.orphans() if not index.children(k)]
+    orphans = (k for k in index.orphans() if not index.children(k))
     for key in _usable(index, orphans, evictable):
         given.add(key)
         yield key
     while True:
-        found, tick = None, None
-        for key in index.leaves():
+        moved: tuple[str, int] | None = None
+        for key in _usable(index, index.leaves(), evictable):
             if key in given:
                 continue
-            entry = index.get(key)
-            if entry is None or (evictable is not None and not evictable(key, entry)):
-                continue
-            found, tick = key, index.sighted_since(key)
+            tick = index.sighted_since(key)
+            if tick is not None:
+                moved = (key, tick)
+                break
+            given.add(key)
+            yield key
+        if moved is None:
             break
-        if found is None:
-            break
-        if tick is not None:
-            index.catch_up(found, tick)
-            continue
-        given.add(found)
-        yield found
+        index.catch_up(*moved)  # not while iterating the leaves
     for key in _usable(index, index.lru_order(), evictable):
         if key not in given:
             given.add(key)

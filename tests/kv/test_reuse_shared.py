@@ -43,6 +43,23 @@ def capacity(chunks: int) -> int:
     return chunks * file_size(big(0).numel() * 2) + OVERHEAD_ROOM
 
 
+def start(script: str, root: Path, budget: int) -> subprocess.Popen[str]:
+    """Another process on the namespace running ``script``, once it said "ready"."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(root), MODEL, str(budget)],
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != "ready":
+        proc.kill()
+        raise AssertionError(f"the other process did not start: {line!r}")
+    return proc
+
+
 def hot_count(root: Path) -> int:
     """Sightings of chunk HOT, read in a fresh process from the namespace's file."""
     script = (
@@ -93,16 +110,9 @@ def test_a_damaged_file_costs_the_history_only(root: Path) -> None:
 @pytest.mark.timeout(240)
 def test_two_processes_share_counts_and_evict_by_them(root: Path) -> None:
     budget = capacity(8)
-    writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(root), MODEL, str(budget)],
-        env=child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    writer = start(WRITER, root, budget)
     try:
         assert writer.stdout is not None and writer.stdin is not None
-        assert writer.stdout.readline().strip() == "ready"
         with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget) as store:
             reuse = disk_tier(store).index.reuse
             assert reuse is not None
@@ -168,16 +178,9 @@ def test_a_read_in_another_process_counts_as_recent_for_eviction(root: Path) -> 
     """Recency is the namespace's: a chunk another process read after this one opened
     the namespace is not evicted as this process's oldest."""
     budget = capacity(8)
-    other = subprocess.Popen(
-        [sys.executable, "-c", LATE_READER, str(root), MODEL, str(budget)],
-        env=child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    other = start(LATE_READER, root, budget)
     try:
         assert other.stdout is not None and other.stdin is not None
-        assert other.stdout.readline().strip() == "ready"
         with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget) as store:
             assert disk_tier(store).index.lru_order().__next__() == key(0).to_string()
             other.stdin.write("read\n")
