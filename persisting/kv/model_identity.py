@@ -7,14 +7,26 @@ lives in also carries :func:`model_identity`, in this order of preference:
 
 1. a version string the operator pins (``model_version``): taken as is, nothing is read;
 2. a fingerprint of the model's files when the model is a local directory or a snapshot in
-   the Hugging Face cache: each file's size and a content hash (a snapshot's files are
-   links named by their content hash, so nothing is read), cached by device, inode, size,
-   mtime and ctime so a restart does not hash hundreds of GB again;
+   the Hugging Face cache: each file's size and a content hash, cached by device, inode,
+   size, mtime and ctime so a restart does not hash hundreds of GB again;
 3. otherwise ``"unverified"``, with a warning: the name alone then names the namespace.
 
 Docs, licences and images are left out of the fingerprint; every other file is in (the
 config, the weights, quantization files, the tokenizer): a change to any of them opens a
 new namespace -- a miss, never KV of other weights.
+
+Where a name can lie, content decides. A snapshot's files are links to blobs named by the
+hash their content had when downloaded, but writing through the link (what
+``PretrainedConfig.to_json_file`` or ``save_pretrained`` into a snapshot do) changes the
+blob and keeps its name. So every file up to ``_CONTENT_BYTES`` (configs, tokenizers,
+generation and quantization settings, small weights) is hashed by its bytes wherever it
+lives; a larger blob (a weights shard) is named by its blob name, its size and an xxh3 of
+``_SAMPLES`` slices of ``_SAMPLE_BYTES`` spread over it (a re-saved fine-tune changes
+every tensor, so every slice), which reads about 1 MiB per shard, not the shard. A
+subdirectory that is a link is followed, at most ``_MAX_DEPTH`` levels deep and over at
+most ``_MAX_FILES`` files in all; a link back to a directory on the walk's own path (a
+loop) is skipped. A tree past either bound raises a ``ConfigError``: pin
+``model_version`` for it.
 """
 
 from __future__ import annotations
@@ -31,6 +43,8 @@ from typing import Any
 
 import xxhash
 
+from persisting.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 #: Files that cannot change a model's KV, left out of its fingerprint.
@@ -38,6 +52,14 @@ _IGNORED_SUFFIXES = (".md", ".txt", ".png", ".jpg", ".jpeg", ".gif", ".pdf", ".l
 _IGNORED_NAMES = ("LICENSE", "LICENCE", "NOTICE", "USE_POLICY", "README")
 #: Read size while hashing a file.
 _READ_BYTES = 8 << 20
+#: Snapshot files up to this size are hashed by content, not trusted by their blob's name.
+_CONTENT_BYTES = 64 << 20
+#: Slices (and their size) read from a larger blob beside its name.
+_SAMPLES = 16
+_SAMPLE_BYTES = 64 << 10
+#: How deep, and over how many files, a model directory is walked (links followed).
+_MAX_DEPTH = 16
+_MAX_FILES = 100_000
 _CACHE_LOCK = threading.Lock()
 
 
@@ -116,37 +138,89 @@ def fingerprint_directory(directory: Path) -> str:
 
 
 def _relevant_files(directory: Path) -> Iterator[tuple[str, Path]]:
-    for base, dirs, files in os.walk(directory, followlinks=False):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            if name.startswith(".") or name.endswith(_IGNORED_SUFFIXES):
+    """Every relevant file under ``directory``, linked subdirectories followed (bounded by
+    ``_MAX_DEPTH`` and ``_MAX_FILES``; a link to a directory on the current path, a loop,
+    is skipped), by its path relative to ``directory``."""
+    seen = 0
+
+    def walk(
+        path: Path, relative: str, depth: int, ancestors: frozenset[tuple[int, int]]
+    ) -> Iterator[tuple[str, Path]]:
+        nonlocal seen
+        if depth > _MAX_DEPTH:
+            raise ConfigError(
+                f"model directory {directory} is more than {_MAX_DEPTH} directories deep"
+                " (links followed): cannot fingerprint its weights; set model_version"
+            )
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError:
+            return  # unreadable: a link to nowhere, or a directory gone meanwhile
+        for entry in entries:
+            name = entry.name
+            if name.startswith("."):
                 continue
-            if name.split(".")[0].upper() in _IGNORED_NAMES:
+            child = f"{relative}{name}"
+            try:
+                is_dir = entry.is_dir(follow_symlinks=True)
+                is_file = not is_dir and entry.is_file(follow_symlinks=True)
+            except OSError:
                 continue
-            path = Path(base) / name
-            if path.is_file():  # a dangling link is not part of the model
-                yield path.relative_to(directory).as_posix(), path
+            if is_dir:
+                try:
+                    info = entry.stat(follow_symlinks=True)
+                except OSError:
+                    continue
+                here = (info.st_dev, info.st_ino)
+                if here in ancestors:
+                    continue  # a link back up the walk: a loop, nothing new below it
+                yield from walk(Path(entry.path), f"{child}/", depth + 1, ancestors | {here})
+            elif is_file:  # a dangling link is not part of the model
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name.split(".")[0].upper() in _IGNORED_NAMES:
+                    continue
+                seen += 1
+                if seen > _MAX_FILES:
+                    raise ConfigError(
+                        f"model directory {directory} holds more than {_MAX_FILES} files"
+                        " (links followed): cannot fingerprint its weights; set"
+                        " model_version"
+                    )
+                yield child, Path(entry.path)
+
+    root = directory.stat()
+    yield from walk(directory, "", 0, frozenset({(root.st_dev, root.st_ino)}))
 
 
 def _file_digest(path: Path, info: os.stat_result, cache: _FingerprintCache) -> str:
-    """A file's content hash: a hub blob's name when the file links to one, else
-    xxh3-128 of its bytes (cached by the file's identity)."""
+    """A file's content hash: xxh3-128 of its bytes, or for a hub blob over
+    ``_CONTENT_BYTES`` its name, size and sampled slices (cached by the file's identity)."""
+    blob = None
     if path.is_symlink():
         target = Path(os.path.realpath(path))
-        if target.parent.name == "blobs" and len(target.name) >= 40:
-            return f"blob:{target.name}"
         info = target.stat()
         path = target
+        if target.parent.name == "blobs" and len(target.name) >= 40:
+            blob = target.name
     stamp = [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
-    known = cache.get(str(path), stamp)
+    big_blob = blob is not None and info.st_size > _CONTENT_BYTES
+    key = f"sampled:{path}" if big_blob else str(path)
+    known = cache.get(key, stamp)
     if known is not None:
         return known
     digest = xxhash.xxh3_128()
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_READ_BYTES):
-            digest.update(chunk)
-    value = f"xxh3:{digest.hexdigest()}"
-    cache.put(str(path), stamp, value)
+        if big_blob:
+            step = (info.st_size - _SAMPLE_BYTES) // (_SAMPLES - 1)
+            for i in range(_SAMPLES):
+                f.seek(i * step)
+                digest.update(f.read(_SAMPLE_BYTES))
+        else:
+            while chunk := f.read(_READ_BYTES):
+                digest.update(chunk)
+    value = f"blob:{blob}:{digest.hexdigest()}" if big_blob else f"xxh3:{digest.hexdigest()}"
+    cache.put(key, stamp, value)
     return value
 
 

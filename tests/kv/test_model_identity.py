@@ -87,15 +87,15 @@ def test_an_unknown_model_is_unverified_and_says_so(tmp_path, caplog, monkeypatc
 
 
 def test_a_hub_snapshot_is_named_by_its_blobs(tmp_path, monkeypatch):
-    """A model id found in the Hugging Face cache: its files are links to blobs named by
-    their content hash, which name the weights without reading them."""
+    """A model id found in the Hugging Face cache: its files are links to blobs; a new
+    revision with other weights is another model, the old revision still the old one."""
     hub = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     repo = hub / "models--org--tiny"
 
     def snapshot(revision: str, blob: str) -> None:
         (repo / "blobs").mkdir(parents=True, exist_ok=True)
-        (repo / "blobs" / blob).write_bytes(b"weights")
+        (repo / "blobs" / blob).write_bytes(f"weights {blob}".encode())
         (repo / "blobs" / ("c" * 64)).write_text("{}")
         snap = repo / "snapshots" / revision
         snap.mkdir(parents=True)
@@ -133,3 +133,84 @@ def test_weights_namespace_follows_the_weights(tmp_path, monkeypatch):
     first, _ = weights_namespace(str(model))
     write_model(model, b"\x02" * 64)
     assert weights_namespace(str(model))[0] not in (first, str(model))
+
+
+def hub_snapshot(hub: Path, files: dict[str, bytes]) -> Path:
+    """A Hugging Face cache snapshot of ``org/tiny``: each file a link to a blob named by
+    the sha256 of its content, as the hub client lays them out."""
+    import hashlib
+
+    repo = hub / "models--org--tiny"
+    snap = repo / "snapshots" / ("1" * 40)
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        blob = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        (snap / name).symlink_to(f"../../blobs/{blob}")
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("1" * 40)
+    return snap
+
+
+def test_a_config_edited_through_the_snapshot_link_is_another_model(tmp_path, monkeypatch):
+    """``PretrainedConfig.to_json_file`` writes through the snapshot's link into the blob:
+    the blob keeps its name and (rope_theta 10000 -> 50000) its size, not its content."""
+    from transformers import PretrainedConfig
+
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    config = PretrainedConfig(rope_theta=10000, hidden_size=64)
+    text = config.to_json_string().encode()
+    snap = hub_snapshot(hub, {"config.json": text, "model.safetensors": b"\x01" * 4096})
+    before = model_identity("org/tiny")
+    blob = (snap / "config.json").resolve()
+    size = blob.stat().st_size
+    PretrainedConfig(rope_theta=50000, hidden_size=64).to_json_file(snap / "config.json")
+    assert (snap / "config.json").is_symlink() and blob.stat().st_size == size
+    assert model_identity("org/tiny") != before
+
+
+def test_a_large_blob_rewritten_in_place_is_another_model(tmp_path, monkeypatch):
+    """A weights blob over the content-hash size is named by its blob name and sampled
+    slices: a fine-tune saved through the link (same shapes, so same size) is seen."""
+    monkeypatch.setattr(identity, "_CONTENT_BYTES", 1 << 20)
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    snap = hub_snapshot(hub, {"config.json": b"{}", "model.safetensors": b"\x01" * (4 << 20)})
+    before = model_identity("org/tiny")
+    assert model_identity("org/tiny") == before
+    (snap / "model.safetensors").write_bytes(b"\x02" * (4 << 20))  # through the link
+    assert model_identity("org/tiny") != before
+
+
+def test_weights_under_a_linked_subdirectory_are_in_the_fingerprint(tmp_path):
+    shards = tmp_path / "elsewhere" / "shards"
+    shards.mkdir(parents=True)
+    (shards / "model-00001.safetensors").write_bytes(b"\x01" * 4096)
+    model = write_model(tmp_path / "m", b"\x01" * 16)
+    (model / "weights").symlink_to(shards, target_is_directory=True)
+    before = model_identity(str(model))
+    (shards / "model-00001.safetensors").write_bytes(b"\x02" * 4096)
+    assert model_identity(str(model)) != before
+
+
+def test_a_link_loop_is_walked_once_and_a_deep_tree_is_refused(tmp_path, monkeypatch):
+    from persisting.errors import ConfigError
+
+    model = write_model(tmp_path / "m", b"\x01" * 16)
+    before = model_identity(str(model))
+    (model / "sub").mkdir()
+    (model / "sub" / "up").symlink_to(model, target_is_directory=True)  # a loop
+    (model / "self").symlink_to(".", target_is_directory=True)
+    assert model_identity(str(model)) == before  # nothing new below the loop
+    monkeypatch.setattr(identity, "_MAX_DEPTH", 3)
+    deep = model / "a" / "b" / "c" / "d"
+    deep.mkdir(parents=True)
+    (deep / "extra.safetensors").write_bytes(b"\x01")
+    with pytest.raises(ConfigError, match="model_version"):
+        model_identity(str(model))
+    monkeypatch.setattr(identity, "_MAX_DEPTH", 16)
+    monkeypatch.setattr(identity, "_MAX_FILES", 2)
+    with pytest.raises(ConfigError, match="more than 2 files"):
+        model_identity(str(model))

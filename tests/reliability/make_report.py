@@ -74,7 +74,16 @@ PROMISES = """\
   (`kv.model_version`, the engines' `model_version`), else a fingerprint of the model's
   files when they are on the host (a local directory: each file's size and xxh3-128,
   cached by device, inode, size, mtime and ctime so a restart rehashes nothing; a Hugging
-  Face cache snapshot: its blobs' content-hash names, nothing read). A fine-tune saved
+  Face cache snapshot the same, except that a blob over 64 MiB -- a weights shard -- is
+  named by its blob name, size and 16 slices of 64 KiB spread over it). A blob's name is
+  not trusted alone: writing `config.json` through the snapshot's link
+  (`PretrainedConfig.to_json_file`, same length) keeps the name, not the content, and opens
+  a new namespace. A subdirectory that is a link is followed, at most 16 levels deep and
+  over at most 100,000 files (past either, a `ConfigError` asks for `model_version`); a
+  link back up the walk (a loop) is skipped. Cost, measured on this 2-core VM (warm page
+  cache, a snapshot of a 9 MiB tokenizer, four small configs and four 1 GiB shards): 4 ms
+  the first time (about 14 MiB read: the small files whole, 1 MiB of each shard) against
+  0.6 ms by blob names only; 0.6 ms on a restart, as before. A fine-tune saved
   over the same directory, a new hub revision or a rebuilt checkpoint opens a new, empty
   namespace: a miss, never old KV. Docs, licences and images are left out; the config,
   weights, quantization and tokenizer files are in. Where the files cannot be found (a
