@@ -37,7 +37,10 @@ it saw in the output, written after every step):
 - ``{"action": "settle", "seconds": 2}``: ``os.sync()`` and a pause;
   ``{"action": "uncache", "dir": D}``: drop D's files from the page cache
   (``drop_caches`` when allowed, else ``posix_fadvise(DONTNEED)`` per file);
-- ``{"action": "usage", "dir": D}``: bytes the files under D occupy.
+- ``{"action": "usage", "dir": D}``: bytes the files under D occupy;
+- ``{"action": "raw_store", "tier": 0, "seed": 7, "index": 0, "row": R}``: a store job
+  submitted straight to that secondary tier (a ``TransferJob`` vLLM's manager would not
+  make when ``R`` is outside the CPU tier); records whether the tier reported success.
 """
 
 from __future__ import annotations
@@ -234,6 +237,24 @@ class Driver:
         self._step()
         return {"results": results}
 
+    def raw_store(self, tier: int, seed: int, index: int, row: int) -> dict[str, Any]:
+        from vllm.v1.kv_offload.tiering.base import TransferJob
+
+        target = self.manager.secondary_tiers[tier]
+        job_id = 1 << 40  # never one of the manager's own
+        target.submit_store(
+            TransferJob(job_id, [chunk_key(seed, index)], np.array([row]), False, self._request())
+        )
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:  # only this job is in flight: the manager's own have all been drained
+            results = list(target.get_finished_jobs())
+            assert all(r.job_id == job_id for r in results), results
+            if results:
+                return {"success": bool(results[0].success)}
+            if time.monotonic() > deadline:
+                raise TimeoutError("the tier never finished the job")
+            time.sleep(0.0005)
+
     def events(self) -> dict[str, Any]:
         stored = removed = 0
         for event in self.manager.take_events():
@@ -300,6 +321,8 @@ def run_step(driver: Driver, step: dict[str, Any]) -> dict[str, Any]:
         return driver.lookup(step["seed"], step["count"])
     if action == "events":
         return driver.events()
+    if action == "raw_store":
+        return driver.raw_store(step["tier"], step["seed"], step["index"], step["row"])
     if action == "damage":
         return {"damaged": damage(step["dir"], step.get("files", 1))}
     if action == "signal":

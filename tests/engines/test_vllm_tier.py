@@ -218,3 +218,26 @@ def test_a_metrics_port_another_process_holds_stops_the_engine_at_start(
     runs: dict[str, Any],
 ) -> None:
     assert "cannot serve metrics on 127.0.0.1:" in runs["held"]
+
+
+def test_a_store_job_that_fails_never_leaves_its_keys_pending(tmp_path: Path) -> None:
+    """A store job with a chunk id outside the CPU tier fails, and the catalog hears of it:
+    a later valid store of the same chunk (vLLM's own cascade) writes it."""
+    root = tmp_path / "root"
+    result = Tiering(
+        plan(
+            [tier(root)],
+            [
+                {"action": "raw_store", "tier": 0, "seed": 7, "index": 0, "row": 1 << 20},
+                {"action": "store", "seed": 7, "count": 1, "jobs": 1},
+                {"action": "usage", "dir": str(root)},
+            ],
+            chunks=8,
+        ),
+        tmp_path,
+        "stuck",
+    ).result()
+    (bad,) = steps_of(result, "raw_store")
+    assert bad["success"] is False
+    (usage,) = steps_of(result, "usage")
+    assert usage["payload_files"] == 1

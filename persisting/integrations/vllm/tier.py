@@ -165,7 +165,12 @@ class PersistingTier(SecondaryTierManager):
     # -- jobs -----------------------------------------------------------------------------
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        """Queue a job's chunks for writing. Every key claimed in the catalog here is
+        released by the job whatever happens to it (a chunk id out of range, a part that
+        cannot run or raises): a key left "being stored" would be a miss for the engine's
+        life, and a later store of it would report success and write nothing."""
         job = job_metadata
+        todo: set[str] = set()
         try:
             keys = list(job.keys)
             texts = [self.key(k) for k in keys]
@@ -173,20 +178,27 @@ class PersistingTier(SecondaryTierManager):
                 self.key(p) if p is not None else None
                 for p in chain_parents(keys, job.req_context, self._spans.__getitem__)
             ]
-            todo = set(self.catalog.claim_stores(texts))
             chunks = [int(c) for c in job.chunk_ids]
+            if len(chunks) != len(texts):
+                raise ValueError(f"{len(texts)} keys but {len(chunks)} chunk ids")
+            outside = [c for c in chunks if not 0 <= c < self.num_rows]
+            if outside:
+                raise IndexError(f"chunk {outside[0]} outside the CPU tier's {self.num_rows} rows")
+            todo = set(self.catalog.claim_stores(texts))
+            items = [(t, c, p) for t, c, p in zip(texts, chunks, parents, strict=True) if t in todo]
+            tracker = _Job(job.job_id, keys, texts, len(items), time.perf_counter())
         except Exception as exc:
             log.warning("Persisting: store job %d not started: %s", job.job_id, exc)
+            self.catalog.stored(todo, ok=False)
             self._finished.append(JobResult(job.job_id, False))
             return
-        items = [(t, c, p) for t, c, p in zip(texts, chunks, parents, strict=True) if t in todo]
-        tracker = _Job(job.job_id, keys, texts, len(items), time.perf_counter())
         if not items:
             self._finish_store(tracker)
             return
         for part in _parts(range(len(items)), self.settings.io_threads):
-            run = functools.partial(self._store, tracker, [items[i] for i in part])
-            self._submit(run, tracker, len(part))
+            chosen = [items[i] for i in part]
+            run = functools.partial(self._store, tracker, chosen)
+            self._submit(run, tracker, len(part), claimed=[t for t, _c, _p in chosen])
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         job = job_metadata
@@ -224,9 +236,17 @@ class PersistingTier(SecondaryTierManager):
 
     # -- on the tier's threads ------------------------------------------------------------
 
-    def _submit(self, run: Callable[[], None], job: _Job | None = None, size: int = 0) -> None:
+    def _submit(
+        self,
+        run: Callable[[], None],
+        job: _Job | None = None,
+        size: int = 0,
+        claimed: Sequence[str] = (),
+    ) -> None:
         """Run ``run`` (``size`` items of ``job``) on the tier's threads; a part that cannot
-        run, or raises, fails its job, which still finishes: vLLM waits for every job."""
+        run, or raises, fails its job, which still finishes: vLLM waits for every job. The
+        ``claimed`` keys of a store part that never runs are released in the catalog here
+        (a part that runs reports its keys itself, whatever happens: see ``_store``)."""
 
         def guarded() -> None:
             try:
@@ -239,6 +259,8 @@ class PersistingTier(SecondaryTierManager):
         try:
             future = self._pool.submit(guarded)
         except RuntimeError:  # shut down
+            if claimed:
+                self.catalog.stored(claimed, ok=False)
             if job is not None:
                 self._part_done(job, False, size)
             return
@@ -272,24 +294,26 @@ class PersistingTier(SecondaryTierManager):
         return self._rows[start : start + self.row_bytes]
 
     def _store(self, job: _Job, items: list[tuple[str, int, str | None]]) -> None:
-        """Write some of a job's chunks (one batch: one reservation, one metadata commit)."""
+        """Write some of a job's chunks (one batch: one reservation, one metadata commit).
+        The catalog hears how it ended whatever fails (a bad chunk id included)."""
         texts = [t for t, _c, _p in items]
-        rows = [self._row(c) for _t, c, _p in items]
-        ok = True
+        rows: list[memoryview] = []
+        ok = False
         try:
+            rows.extend(self._row(c) for _t, c, _p in items)
             results = self.store.batched_put(
                 texts, rows, fmt="binary", parents=[p for _t, _c, p in items], check_shape=False
             )
             stored = sum(1 for r in results if r.stored)
             self.counters.add(blocks_stored=stored, bytes_stored=stored * self.row_bytes)
+            ok = True
         except Exception as exc:  # a full disk, an I/O error: a future miss, never an error
             log.warning("Persisting: storing %d chunks failed: %s", len(items), exc)
             self.counters.add(store_errors=len(items))
-            ok = False
         finally:
             for row in rows:
                 row.release()
-        self.catalog.stored(texts, ok)
+            self.catalog.stored(texts, ok)
         self._forget_evicted()
         self._part_done(job, ok, len(items))
 
