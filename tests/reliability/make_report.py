@@ -131,6 +131,18 @@ PROMISES = """\
   write-behind thread survives raising callbacks and unexpected write errors (the value's
   `on_complete` gets `stored=False`, the error is counted), so `flush()` and `close()`
   never hang.
+- **A failed vLLM tier job is never a stuck key.** Every key a `PersistingTier` store job
+  claims in its catalog is released however the job ends -- a chunk id outside the CPU tier
+  (the job is refused before any key is claimed), a write that fails, a part that raises or
+  cannot run -- so a key is "being stored" only while its write runs, and the next store
+  of it writes it (a key used to stay pending for the engine's life, and a later store
+  reported success and wrote nothing).
+- **SGLang's two interface pairs never read each other's pages.** The v1 pair
+  (`batch_set_v1`/`batch_get_v1`: the host pool's parts end to end) and the generic pair
+  (`batch_set`/`batch_get`: SGLang's flat data page) lay a page out differently, so each has
+  a key space of its own in the namespace: the pair `interface_v1` names uses the plain keys
+  (which `batch_exists` counts), the other pair keys tagged `@pair%flat` or `@pair%v1`. A
+  caller mixing the pairs on one backend gets misses, never a page of other bytes as a hit.
 - **Acknowledged queue records survive a crash.** With the default `durability="wal"`, a
   put returns once its record is in a CRC-checked, fsynced log that is replayed on restart.
 - **A waiting queue reader holds nothing once it stops waiting.** Every wait for records

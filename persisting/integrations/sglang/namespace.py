@@ -128,13 +128,17 @@ class PageKeys:
         self._head = f"{namespace}@{world}@{worker}@"
         self._tail = f"@{dtype}{tags}"
 
-    def key(self, page_hash: str) -> str:
+    def key(self, page_hash: str, pair: str | None = None) -> str:
         """The key of the page SGLang names ``page_hash`` (a SHA-256 hex digest; any other
-        string is hashed into one, so every name SGLang uses maps to one valid key)."""
+        string is hashed into one, so every name SGLang uses maps to one valid key).
+        ``pair`` tags a page moved by the interface pair the backend was not configured
+        for (``"v1"`` or ``"flat"``): its bytes are laid out another way (the pool's parts
+        end to end, or SGLang's flat data page), so it lives in a key space of its own."""
         text = str(page_hash)
         if not _HEX.fullmatch(text):
             text = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-        return f"{self._head}{text}{self._tail}"
+        tag = f"@pair%{pair}" if pair else ""
+        return f"{self._head}{text}{self._tail}{tag}"
 
 
 __all__ = ["PAGE_FORMAT", "PageKeys", "PageShape", "Shard", "namespace_name"]

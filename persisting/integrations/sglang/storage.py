@@ -7,6 +7,13 @@ the pool's page shape). With ``"interface_v1": 1`` SGLang calls :meth:`batch_set
 :meth:`batch_get_v1` with host-pool indices: pages move straight between the pool and the
 payload files (:mod:`~persisting.integrations.sglang.page_store`).
 
+The two pairs lay a page's bytes out differently (the v1 pair: the pool's parts end to end;
+the generic pair: SGLang's flat data page), so a page set through one pair is never read
+through the other: the pair ``interface_v1`` names uses the namespace's plain keys (what
+``batch_exists`` answers for), the other pair a key space of its own (``@pair%flat`` or
+``@pair%v1`` on each key). A caller mixing the pairs gets misses, never a page of other
+bytes.
+
 SGLang runs these methods on its prefetch and backup threads, and an exception (or a
 ``None``) there stops that thread for the life of the server: every method here answers
 ``False``, ``0`` or ``None`` on any failure and logs it, and never raises. Only building
@@ -106,7 +113,9 @@ class PersistingHiCacheStorage(HiCacheStorage):
             "batch_set_v1",
             [False] * len(keys),
             lambda: self._page_store.write(
-                self._keys_of(keys), self._parts(keys, host_indices), self._parent(extra_info)
+                self._keys_of(keys, v1=True),
+                self._parts(keys, host_indices),
+                self._parent(extra_info),
             ),
         )
 
@@ -119,7 +128,9 @@ class PersistingHiCacheStorage(HiCacheStorage):
         return self._guard(
             "batch_get_v1",
             [False] * len(keys),
-            lambda: self._page_store.read(self._keys_of(keys), self._parts(keys, host_indices)),
+            lambda: self._page_store.read(
+                self._keys_of(keys, v1=True), self._parts(keys, host_indices)
+            ),
         )
 
     # -- the generic interface (flat page tensors) ----------------------------------------
@@ -135,7 +146,9 @@ class PersistingHiCacheStorage(HiCacheStorage):
         ok = self._guard(
             "batch_get",
             [False] * len(keys),
-            lambda: self._page_store.read(self._keys_of(keys), [[_bytes(t)] for t in targets]),
+            lambda: self._page_store.read(
+                self._keys_of(keys, v1=False), [[_bytes(t)] for t in targets]
+            ),
         )
         return [t if hit else None for t, hit in zip(targets, ok, strict=True)]
 
@@ -162,7 +175,7 @@ class PersistingHiCacheStorage(HiCacheStorage):
                 "batch_set",
                 [False] * len(keys),
                 lambda: self._page_store.write(
-                    self._keys_of(keys), [[_bytes(t)] for t in flat], None
+                    self._keys_of(keys, v1=False), [[_bytes(t)] for t in flat], None
                 ),
             )
         )
@@ -210,10 +223,15 @@ class PersistingHiCacheStorage(HiCacheStorage):
             raise RuntimeError("no host memory pool registered yet")
         return self.page_store
 
-    def _keys_of(self, keys: list[str]) -> list[str]:
+    def _keys_of(self, keys: list[str], v1: bool | None = None) -> list[str]:
+        """The store's keys of SGLang's ``keys`` as moved by the v1 pair (``v1=True``) or
+        the generic one (``False``); ``None``: the pair ``interface_v1`` names."""
         if self.keys is None:
             raise RuntimeError("no host memory pool registered yet")
-        return [self.keys.key(k) for k in keys]
+        pair = None
+        if v1 is not None and v1 != self.interface_v1:
+            pair = "v1" if v1 else "flat"
+        return [self.keys.key(k, pair) for k in keys]
 
     def _parts(self, keys: list[str], host_indices: torch.Tensor) -> list[list[memoryview]]:
         if self.pages is None:
@@ -225,7 +243,7 @@ class PersistingHiCacheStorage(HiCacheStorage):
 
     def _parent(self, extra_info: Any) -> str | None:
         prefix = getattr(extra_info, "prefix_keys", None)
-        return self._keys_of([prefix[-1]])[0] if prefix else None
+        return self._keys_of([prefix[-1]], v1=True)[0] if prefix else None
 
     def _stats(self) -> Any:
         from sglang.srt.observability.metrics_collector import StorageMetrics
