@@ -154,7 +154,23 @@ STORE_FIGURES: tuple[StoreFigure, ...] = (
         "persisting_kv_foreign_files",
         "counter",
         "foreign_files",
-        "Payload files found that no store of this storage root wrote (removed, never served).",
+        "Payload files found that no store of this storage root wrote (quarantined, never"
+        " served).",
+    ),
+    StoreFigure(
+        "quarantined_files",
+        "persisting_kv_quarantined_files",
+        "counter",
+        "quarantined_files",
+        "Payload files this store moved to its namespace's quarantine (unverifiable: never"
+        " served, never deleted but by the operator).",
+    ),
+    StoreFigure(
+        "restored_files",
+        "persisting_kv_restored_files",
+        "counter",
+        "restored_files",
+        "Quarantined payload files put back at open because they verify again.",
     ),
     StoreFigure(
         "load_plan_load_tokens",

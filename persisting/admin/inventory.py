@@ -35,6 +35,9 @@ class ModelInfo:
     #: What it holds in words, as its writers recorded it (engine, model, dtype, block
     #: size, layout, weights: see :mod:`persisting.kv.namespace_record`).
     describe: dict[str, Any] = field(default_factory=dict)
+    #: Payload files the namespace's stores could not verify, set aside (never served).
+    quarantined_files: int = 0
+    quarantined_bytes: int = 0
 
 
 @dataclass
@@ -74,6 +77,7 @@ def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
     """Count a model's payload files and describe its metadata table, changing nothing."""
     from persisting.kv.namespace_record import read_record
     from persisting.kv.payload_files import scan_payload
+    from persisting.kv.quarantine import Quarantine
 
     path = store.kv_path(model)
     chunks = sum(1 for _ in scan_payload(path))
@@ -111,6 +115,7 @@ def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
         owner.to_dict() if owner is not None else None,
         record.capacity if record is not None else None,
         record.describe if record is not None else {},
+        *Quarantine(path, store.modes).summary(),
     )
 
 

@@ -94,6 +94,12 @@ def render_inspect(console: Console, info: RootInfo) -> None:
             )
             if m.note:
                 notes.append(f"{m.model}: {m.note}")
+            if m.quarantined_files:
+                notes.append(
+                    f"{m.model}: {m.quarantined_files:,} file(s) "
+                    f"({human_bytes(m.quarantined_bytes)}) in quarantine, never served and"
+                    f" outside the budget: see `persisting quarantine {m.model}`"
+                )
         console.print(models)
         console.print(
             "[dim]on disk: what the namespace's files occupy (as du counts); `persisting "
@@ -239,6 +245,68 @@ def drop(
         )
 
     emit(result, json_out, render)
+
+
+@command(app, "quarantine", rich_help_panel="Storage root")
+def quarantine(
+    model: Annotated[str, typer.Argument(help="Model namespace, e.g. org/model.")],
+    add_key: Annotated[
+        Path | None,
+        typer.Option(
+            "--add-key",
+            help="Add this key file (another root's kv/.secret or kv/.keys/ID) to the root's"
+            " keys: the files sealed with it come back when a store next opens the model.",
+        ),
+    ] = None,
+    delete: Annotated[
+        bool, typer.Option("--delete", help="Delete every quarantined file of the model.")
+    ] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Do not ask; required when not on a terminal.")
+    ] = False,
+    storage_path: StoragePathOption = None,
+    config: ConfigOption = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Show the payload files a model's namespace set aside (never served, never deleted by
+    a store, outside its budget); add the key they were sealed with, or delete them."""
+    from persisting.admin.quarantine import (
+        add_root_key,
+        delete_quarantined,
+        quarantine_of,
+    )
+
+    writes = "--add-key and --delete change the root" if (add_key or delete) else None
+    store = open_storage_root(storage_path, config, writes=writes)
+    if not store.kv_path(model).exists():
+        known = ", ".join(store.list_models()) or "none"
+        fail(f"no model {model!r} under {store.root} (models: {known})")
+    report = quarantine_of(store, model)
+    if add_key is not None:
+        report.added_key = add_root_key(store, add_key)
+    if delete and report.files:
+        what = f"{report.files:,} quarantined file(s) ({human_bytes(report.bytes)}) of {model!r}"
+        if not yes:
+            if not sys.stdin.isatty():
+                fail(f"refusing to delete {what} without --yes", EXIT_BAD_INPUT)
+            if not typer.confirm(f"Delete {what}?", default=False, err=True):
+                fail("nothing deleted")
+        report.deleted_files, report.deleted_bytes = delete_quarantined(store, model)
+
+    def render(console: Console) -> None:
+        console.print(
+            f"{escape(model)}: {report.files:,} file(s), {human_bytes(report.bytes)} in"
+            f" quarantine ({escape(str(report.path))}).",
+            highlight=False,
+        )
+        if report.added_key:
+            console.print(f"Added key {report.added_key}: matching files return at next open.")
+        if report.deleted_files:
+            console.print(
+                f"Deleted {report.deleted_files:,} file(s), {human_bytes(report.deleted_bytes)}."
+            )
+
+    emit(report, json_out, render)
 
 
 @command(app, "compact", rich_help_panel="Storage root")

@@ -16,7 +16,6 @@ budget change together under one lock, and that invariant reads best in one clas
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,16 +41,17 @@ from persisting.kv.payload_files import (
     PayloadFiles,
     PendingFile,
     Reservation,
-    UnsealedFileError,
     file_size,
     key_hash,
-    round_to_block,
 )
 from persisting.kv.policy import EvictionPolicy
+from persisting.kv.quarantine import Quarantine
+from persisting.kv.reconcile import FileJudge
 from persisting.kv.root_budget import RootUsage
 from persisting.kv.shared_usage import SharedUsage
 from persisting.lance_store.access import OWNER_ONLY, FileModes, storage_error
 from persisting.lance_store.durable import makedirs_durable
+from persisting.lance_store.root_keys import RootKeys
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class DiskTier:
         on_evict: EvictionListener | None = None,
         modes: FileModes = OWNER_ONLY,
         *,
-        secret: bytes,
+        keys: RootKeys,
         root_usage: RootUsage | None = None,
         clock: Clock = time.monotonic,
     ):
@@ -121,8 +121,10 @@ class DiskTier:
         self.on_evict = on_evict
         self.modes = modes
         makedirs_durable(directory, modes)
-        self.files = PayloadFiles(directory, secret, modes)
+        self.files = PayloadFiles(directory, keys, modes)
         self.usage = SharedUsage(directory)
+        #: Unknown payload files: adopted, or quarantined if they do not verify.
+        self.judge = FileJudge(self.files, Quarantine(directory, modes), self._released)
         self._budget = DiskBudget(
             directory,
             capacity,
@@ -149,8 +151,6 @@ class DiskTier:
         self.bytes_written = 0
         self.corruptions = 0
         self.recovered_files = 0
-        #: Payload files found that no store of this root wrote (never served, removed).
-        self.foreign_files = 0
         try:
             self.meta = self._open_metadata()
         except OSError as exc:  # e.g. a read-only filesystem
@@ -161,6 +161,7 @@ class DiskTier:
         try:
             with self.usage.metadata_locked(), self.usage.locked(), self._lock:
                 self._alive = self.files.register_writer()
+                self.judge.put_back_verified()
                 self._load_index()
                 self.usage.recount(self.files)
                 self._budget.account_overhead()
@@ -229,29 +230,20 @@ class DiskTier:
 
     def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
-        before its metadata commit, or by another live process). With ``record`` their rows
-        are committed too (on open); on refresh the writer's own commit will add them."""
+        before its metadata commit, or by another live process); quarantine those that do
+        not verify (:mod:`~persisting.kv.reconcile`). With ``record`` their rows are
+        committed too (on open); on refresh the writer's own commit will add them."""
         known = {(key_hash(k), e.tag) for k, e in self.index.items()}
+        judging = not self.files.keys.changed()
         adopted: list[MetaRow] = []
         for (h, tag), path in on_disk.items():
             if (h, tag) in known:
                 continue
-            try:
-                header = self.files.read_header(path)
-            except FileNotFoundError:
+            header = self.judge.header(path, h, judging=judging)
+            if header is None:
                 continue
-            except UnsealedFileError:
-                log.warning("removing %s: no store of this storage root wrote it", path)
-                self.foreign_files += 1
-                self._drop_file(path)
-                continue
-            except (CorruptValueError, OSError, ValueError, KeyError) as exc:
-                log.warning("dropping damaged payload file %s: %s", path, exc)
-                self.corruptions += 1
-                self._drop_file(path)
-                continue
-            if key_hash(header.key) != h or header.key in self.index:
-                self._drop_file(path)  # a misnamed file, or a second copy of a stored key
+            if header.key in self.index:
+                self.judge.drop_copy(path)  # a second copy of a stored key
                 continue
             self.index.add(
                 header.key,
@@ -265,14 +257,6 @@ class DiskTier:
             self.meta.add(adopted)
             self.recovered_files += len(adopted)
         return len(adopted)
-
-    def _drop_file(self, path: Path) -> None:
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            return
-        if self.files.unlink(path):
-            self.usage.add(-round_to_block(size))
 
     @property
     def reclaimed_bytes(self) -> int:
@@ -356,9 +340,11 @@ class DiskTier:
             "disk_evictions": self.evictions,
             "disk_files_written": self.files_written,
             "disk_written_bytes": self.bytes_written,
-            "corruptions": self.corruptions,
+            "corruptions": self.corruptions + self.judge.verdicts.damaged,
             "recovered_files": self.recovered_files,
-            "foreign_files": self.foreign_files,
+            "foreign_files": self.judge.verdicts.foreign,
+            "quarantined_files": self.judge.verdicts.quarantined,
+            "restored_files": self.judge.verdicts.restored,
             "reclaimed_bytes": self.reclaimed_bytes,
         }
 
@@ -558,11 +544,22 @@ class DiskTier:
             with self._lock:
                 entry.readers -= 1
         if not ok:
-            log.warning("checksum mismatch for %r in %s: dropping it", key, path)
             self.corruptions += 1
-            self.remove(key)
+            self._set_aside(key, entry, "its payload fails its checksum")
             return None
         return entry.layout
+
+    def _set_aside(self, key: str, entry: DiskEntry, why: str) -> None:
+        """Quarantine ``key``'s file (never served again, not deleted)."""
+        with self._lock:
+            if self.index.get(key) is not entry:
+                return
+            self._drop_entry(key)
+        self.judge.set_aside(self.files.path(key, entry.tag), why)
+        self.meta.delete([(key, entry.tag)])
+
+    def _released(self, nbytes: int) -> None:
+        self.usage.add(-nbytes)
 
     def _forget(self, key: str, entry: DiskEntry) -> None:
         with self._lock:

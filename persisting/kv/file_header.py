@@ -2,10 +2,10 @@
 
 A payload file (:mod:`persisting.kv.payload_files`) starts with a :data:`HEADER_BYTES`
 header: magic, the length and xxh64 of a JSON body, then the body -- the chunk's key,
-layout, payload checksum and parent, and ``mac``, an HMAC-SHA256 of those fields under the
-storage root's key (``StorageRoot.kv_secret``). The xxh64 catches a damaged header; the
-seal tells a file a store of this root wrote from one planted or copied in, which is never
-indexed or served.
+layout, payload checksum and parent, and ``mac``, an HMAC-SHA256 of those fields under one
+of the storage root's keys, named by ``kid`` (:mod:`persisting.lance_store.root_keys`). The
+xxh64 catches a damaged header; the seal tells a file a store of this root wrote from one
+planted or copied in, which is never indexed or served.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import xxhash
 
 from persisting.errors import CorruptValueError, StorageIOError
 from persisting.kv.layout import Layout
+from persisting.lance_store.root_keys import RootKeys, SealingKey
 
 MAGIC = b"PKVCHNK1"
 #: The payload format's block: header size and payload alignment, and the unit disk use is
@@ -58,18 +59,17 @@ class FileHeader:
         text = json.dumps(self._fields(), sort_keys=True, separators=(",", ":"))
         return hmac.new(secret, b"persisting-chunk\0" + text.encode(), hashlib.sha256).hexdigest()
 
-    def encode(self, secret: bytes) -> bytes:
-        body = json.dumps(
-            {**self._fields(), "mac": self.seal(secret)}, separators=(",", ":")
-        ).encode("utf-8")
+    def encode(self, sealing: SealingKey) -> bytes:
+        fields = {**self._fields(), "kid": sealing.id, "mac": self.seal(sealing.key)}
+        body = json.dumps(fields, separators=(",", ":")).encode("utf-8")
         if _PREFIX.size + len(body) > HEADER_BYTES:
             raise StorageIOError(f"header of {self.key!r} does not fit in {HEADER_BYTES} bytes")
         head = _PREFIX.pack(MAGIC, len(body), xxhash.xxh64_intdigest(body)) + body
         return head + b"\0" * (HEADER_BYTES - len(head))
 
     @classmethod
-    def decode(cls, raw: bytes, secret: bytes | None) -> FileHeader:
-        """The header in ``raw``; with ``secret``, only if sealed with it (else
+    def decode(cls, raw: bytes, keys: RootKeys | None) -> FileHeader:
+        """The header in ``raw``; with ``keys``, only if sealed with one of them (else
         :class:`UnsealedFileError`)."""
         if len(raw) < _PREFIX.size:
             raise CorruptValueError("payload header is truncated")
@@ -79,12 +79,19 @@ class FileHeader:
             raise CorruptValueError("payload header is damaged")
         d = json.loads(body)
         header = cls(d["key"], Layout.from_dict(d["layout"]), int(d["checksum"]), d["parent"])
-        mac = d.get("mac")
-        if secret is not None and not (
-            isinstance(mac, str) and hmac.compare_digest(mac, header.seal(secret))
-        ):
-            raise UnsealedFileError("payload file is not sealed with this storage root's key")
+        if keys is not None and not header._sealed_by(d.get("mac"), d.get("kid"), keys):
+            raise UnsealedFileError("payload file is not sealed with a key of this storage root")
         return header
+
+    def _sealed_by(self, mac: object, kid: object, keys: RootKeys) -> bool:
+        if not isinstance(mac, str):
+            return False
+        if isinstance(kid, str):
+            key = keys.find(kid)
+            candidates = [] if key is None else [key]
+        else:  # written before headers named their key
+            candidates = keys.all()
+        return any(hmac.compare_digest(mac, self.seal(key)) for key in candidates)
 
 
 class UnsealedFileError(CorruptValueError):

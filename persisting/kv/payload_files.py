@@ -62,6 +62,7 @@ from persisting.lance_store.access import (
     restrict,
 )
 from persisting.lance_store.durable import fsync_dir, fsync_fd
+from persisting.lance_store.root_keys import RootKeys
 
 #: Files of one durable batch written (and fsynced) at once.
 WRITE_THREADS = 8
@@ -115,15 +116,15 @@ class PayloadFiles:
     """The payload directory of one model namespace."""
 
     def __init__(
-        self, directory: Path, secret: bytes, modes: FileModes = OWNER_ONLY, direct: bool = False
+        self, directory: Path, keys: RootKeys, modes: FileModes = OWNER_ONLY, direct: bool = False
     ):
         self.directory = directory
         self.modes = modes
         #: Move aligned payloads with O_DIRECT (see :mod:`persisting.kv.direct_io`); cleared
         #: once the filesystem refuses it.
         self.direct = direct
-        #: The storage root's key: headers are sealed with it (see :class:`FileHeader`).
-        self.secret = secret
+        #: The storage root's keys: headers are sealed with one (see :class:`FileHeader`).
+        self.keys = keys
         self.payload_dir = directory / "payload"
         self._payload_text = str(self.payload_dir)
         self.tmp_dir = directory / "tmp"
@@ -253,16 +254,16 @@ class PayloadFiles:
                 self.direct = digest is not None  # refused: not tried again
             if digest is not None:
                 header = dataclasses.replace(header, checksum=digest)
-                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
+                _write_all(pending.fd, [header.encode(self.keys.sealing)], offset=0)
             elif hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
-                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
+                _write_all(pending.fd, [header.encode(self.keys.sealing)], offset=0)
             elif pause is not None:
-                _write_all(pending.fd, [header.encode(self.secret)], offset=0)
+                _write_all(pending.fd, [header.encode(self.keys.sealing)], offset=0)
                 _write_paused(pending.fd, payload, HEADER_BYTES, pause)
             else:
-                _write_all(pending.fd, [header.encode(self.secret), *payload_parts(payload)])
+                _write_all(pending.fd, [header.encode(self.keys.sealing), *payload_parts(payload)])
             if durable:
                 if pause is not None:
                     pause()  # the fsync pushes the file to the disk: not beside reads
@@ -407,10 +408,10 @@ class PayloadFiles:
         return digest
 
     def read_header(self, path: Path) -> FileHeader:
-        """The header of ``path``, if sealed with this root's key (else
+        """The header of ``path``, if sealed with a key of this root (else
         :class:`UnsealedFileError`), and whole (else :class:`CorruptValueError`)."""
         with open(path, "rb") as f:
-            header = FileHeader.decode(f.read(HEADER_BYTES), self.secret)
+            header = FileHeader.decode(f.read(HEADER_BYTES), self.keys)
             f.seek(0, os.SEEK_END)
             if f.tell() < HEADER_BYTES + header.layout.nbytes:
                 raise CorruptValueError(f"{path.name} is truncated")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.payload_files import PayloadFiles, payload_subdirs, round_to_block
+from persisting.kv.quarantine import DIR_NAME as QUARANTINE_DIR
 from persisting.lance_store import disk_usage
 from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
 
@@ -204,13 +205,14 @@ class SharedUsage:
     @staticmethod
     def measure_overhead(directory: Path) -> int:
         """Allocated bytes of everything in ``directory`` but payload and in-flight files (those
-        are counted exactly as they are reserved): directories, metadata, small files."""
+        are counted exactly as they are reserved) and quarantined files (not the store's to
+        evict, see :mod:`~persisting.kv.quarantine`): directories, metadata, small files."""
         total = _allocated(directory)
         for entry in os.scandir(directory):
             if entry.name == "payload":
                 total += _allocated(entry.path)
                 total += sum(_allocated(sub) for sub in payload_subdirs(directory))
-            elif entry.name == "tmp":
+            elif entry.name in ("tmp", QUARANTINE_DIR):  # quarantine: outside the budget
                 total += _allocated(entry.path)
             elif entry.is_dir(follow_symlinks=False):
                 total += disk_usage(entry.path, directories=True)

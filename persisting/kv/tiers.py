@@ -150,7 +150,7 @@ class Tiers:
                     policy,
                     on_disk_evict,
                     root.modes,
-                    secret=root.kv_secret(),
+                    keys=root.kv_keys(),
                     root_usage=RootUsage(root, directory),
                     clock=clock,
                 )

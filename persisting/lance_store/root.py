@@ -13,22 +13,19 @@ share one.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import pyarrow as pa
 
-from persisting.errors import InvalidNameError, StorageIOError, UnsafeStorageError
+from persisting.errors import InvalidNameError, StorageIOError
 from persisting.lance_store.access import (
-    CONTROL_FILE_MODE,
     FileModes,
     check_private,
     file_modes,
     make_dir,
     restrict,
-    storage_error,
 )
 from persisting.lance_store.durable import fsync_dir, makedirs_durable
 from persisting.lance_store.names import decode_name, encode_name
@@ -38,6 +35,7 @@ from persisting.lance_store.namespace_lock import (
     hold_namespace,
 )
 from persisting.lance_store.ownership import Holder, OwnerClaim, claim_owner, read_owner
+from persisting.lance_store.root_keys import RootKeys
 from persisting.lance_store.table import LanceTable, disk_usage
 
 QUEUE_DIR = "queue"
@@ -48,9 +46,6 @@ QUEUE_DATASET = "data.lance"
 CONSUMER_CLAIMS_DIR = ".consumers"
 #: Under ``kv/``: one directory per model holding the claim of the process serving it.
 OWNER_CLAIMS_DIR = ".owners"
-#: Under ``kv/``: the key that seals what the root's stores write (see ``kv_secret``).
-SECRET_FILE = ".secret"
-SECRET_BYTES = 32
 
 
 class StorageRoot:
@@ -105,37 +100,15 @@ class StorageRoot:
         restrict(real, self.modes.directory)
         check_private(real, "storage root")
 
-    def kv_secret(self) -> bytes:
-        """The root's key for sealing what its stores write (``kv/.secret``: 32 random
-        bytes made on first use, readable by this user alone). A payload file whose
-        header is not sealed with it was not written by a store of this root, and is never
-        served (:mod:`persisting.kv.payload_files`)."""
-        path = self.root / KV_DIR / SECRET_FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise storage_error(f"cannot create {path}", exc) from exc
-        else:
-            try:
-                os.write(fd, secrets.token_bytes(SECRET_BYTES))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            fsync_dir(path.parent)
-        check_private(path, "the storage root's key")
-        restrict(path, CONTROL_FILE_MODE)  # ours: nobody else reads it
-        try:
-            key = path.read_bytes()
-        except OSError as exc:
-            raise storage_error(f"cannot read {path}", exc) from exc
-        if len(key) != SECRET_BYTES:
-            raise UnsafeStorageError(
-                f"{path} is damaged ({len(key)} bytes, {SECRET_BYTES} expected): remove it"
-                " and the namespaces under kv/ it sealed (`persisting drop`), then reopen"
-            )
-        return key
+    def kv_keys(self) -> RootKeys:
+        """The keys that seal what the root's stores write (see
+        :mod:`~persisting.lance_store.root_keys`): the current one made on first use. A
+        payload file whose header is sealed with none of them was not written by a store of
+        this root, and is never served (:mod:`persisting.kv.payload_files`)."""
+        self.make_private_root()
+        make_dir(self.root / KV_DIR, self.modes)
+        check_private(self.root / KV_DIR, "the KV directory")
+        return RootKeys(self.root / KV_DIR)
 
     def hold_model(self, model: str) -> NamespaceHold:
         """Open ``model``'s namespace for a store: its directory exists and stays (a drop

@@ -127,7 +127,9 @@ def test_group_access_widens_data_to_the_group_but_never_the_lock(root: Path) ->
                 "recency.bin",  # the eviction order: the owner's bookkeeping, like usage.bin
                 "reuse.bin",  # the reuse counts the eviction policy ranks by: the same
             )
-            control |= p == root / "kv" / ".secret"  # the root's sealing key: never shared
+            control |= (
+                p == root / "kv" / ".secret" or p.parent == root / "kv" / ".keys"
+            )  # keys: never shared
             assert m == (0o600 if control else 0o640), (p, oct(m))
 
 

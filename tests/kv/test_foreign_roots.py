@@ -19,6 +19,7 @@ import pytest
 from persisting.errors import UnsafeStorageError
 from persisting.kv import open_kv_store
 from persisting.kv.payload_files import HEADER_BYTES, FileHeader, key_hash
+from persisting.lance_store.root_keys import SealingKey
 from persisting.queue import LanceBackend
 
 MODEL = "org/victim-model"
@@ -105,7 +106,8 @@ def test_our_directories_left_open_are_tightened_and_a_link_inside_is_refused(
 
 
 def forged_file(root: Path, k: str, payload: bytes, secret: bytes) -> Path:
-    """A payload file as a store would write it, sealed with ``secret``."""
+    """A payload file as a store would write it, sealed with ``secret`` (a key not the
+    root's)."""
     from persisting.kv.layout import checksum, encode_value
 
     layout, _ = encode_value(payload, "binary")
@@ -114,7 +116,7 @@ def forged_file(root: Path, k: str, payload: bytes, secret: bytes) -> Path:
     namespace = next(p for p in (root / "kv").iterdir() if not p.name.startswith("."))
     path = namespace / "payload" / f"{h >> 56:02x}" / f"{h:016x}-{0x1234:08x}.kv"
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = header.encode(secret)
+    body = header.encode(SealingKey.of(secret))
     path.write_bytes(body + payload + b"\0" * (-(len(payload)) % 4096))
     assert len(body) == HEADER_BYTES
     return path
@@ -122,7 +124,8 @@ def forged_file(root: Path, k: str, payload: bytes, secret: bytes) -> Path:
 
 def test_files_no_store_of_the_root_wrote_are_never_served(tmp_path: Path) -> None:
     """Planted in a running store (found by the rescan an engine runs), or there at open:
-    never a hit, removed and counted. A file sealed by another root is foreign too."""
+    never a hit, moved to the quarantine (not deleted) and counted. A file sealed by another
+    root is foreign too."""
     root = tmp_path / "root"
     with store(root) as kv:
         kv.put(key(1), b"ours" * 1024, fmt="binary")
@@ -130,7 +133,8 @@ def test_files_no_store_of_the_root_wrote_are_never_served(tmp_path: Path) -> No
         kv.refresh()
         assert kv.get(key(2)) is None and not kv.contains(key(2))
         assert not planted.exists()
-        assert kv.stats()["foreign_files"] == 1
+        assert (kv.directory / "quarantine" / planted.name).exists()
+        assert kv.stats()["foreign_files"] == kv.stats()["quarantined_files"] == 1
         assert kv.get(key(1)) == b"ours" * 1024
     other = tmp_path / "other-root"
     with store(other) as elsewhere:

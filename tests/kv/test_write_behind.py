@@ -53,7 +53,7 @@ class Held:
 def disk(root: Path) -> Iterator[DiskTier]:
     storage = StorageRoot(root)
     directory = storage.make_kv_dir(MODEL)
-    tier = DiskTier(directory, 64 * MiB, eviction_policy("lru"), secret=storage.kv_secret())
+    tier = DiskTier(directory, 64 * MiB, eviction_policy("lru"), keys=storage.kv_keys())
     yield tier
     tier.close()
 

@@ -97,14 +97,24 @@ PROMISES = """\
   target is checked). Directories of ours with wider bits are tightened first.
   `storage_access = "group"` lets the owner's group *read*; several users writing one
   root is not supported (run the writers as one service user).
-- **Files the store did not write are never served.** Each payload file's header is sealed
-  with the root's key (`kv/.secret`, 32 random bytes, 0600: an HMAC-SHA256 over the key,
-  layout, payload checksum and parent). A file whose seal does not verify -- planted, or
-  copied from another root -- is removed and counted (`foreign_files`) when a store opens or
-  rescans (`refresh()`, which engines run periodically), never indexed or read; payload
-  bytes are checked against the sealed checksum on every read. Files written before seals
-  existed are served while the metadata that recorded them stands; one found only by its
-  header is dropped.
+- **Files the store did not write are never served; none is deleted for not verifying.**
+  Each payload file's header is sealed with a key of its root and names it (an HMAC-SHA256
+  over the key, layout, payload checksum and parent). The root's current key is
+  `kv/.secret`; every key its stores ever sealed with is kept in `kv/.keys/<id>` (32
+  random bytes each, 0600, in a 0700 directory), created whole (written aside, fsynced,
+  linked into place: processes making it at once agree on one; a full disk is a
+  `CapacityError` and leaves no key). A file whose seal verifies under none of the root's
+  keys -- planted, copied without its key, damaged, truncated, misnamed, or failing its
+  checksum on a read -- is moved to `<namespace>/quarantine/` when a store opens, rescans
+  (`refresh()`, which engines run periodically) or reads it: never served, counted
+  (`foreign_files`, `quarantined_files`), reported by `persisting inspect`, outside the
+  namespace's budget, deleted only by `persisting quarantine MODEL --delete`. A store that
+  sees the root's key replaced under it puts its own back in `kv/.keys/` and quarantines
+  nothing in that pass. Every open puts back the quarantined files that verify again,
+  header and payload (`restored_files`). To move a root or a namespace, copy `kv/.secret`
+  and `kv/.keys/` with it; forgotten, `persisting quarantine MODEL --add-key
+  SRC/kv/.secret` brings the files back at the next open. Files written before seals named
+  their key are checked against every key of the root.
 - **Reports only read.** `persisting stats` and `inspect` list directories and read
   records; they never open a store for writing, so they never evict, delete or rewrite
   anything whatever the settings of the shell that runs them (a `stats` under
