@@ -33,6 +33,8 @@ class Session:
     """One connected client and what it holds."""
 
     sid: str
+    #: What the client said of itself in ``hello`` (host, pid): for reports only, never
+    #: for a cap (the data path's caps count what the kernel says of the peer).
     client: dict[str, Any]
     deadline: float
     pins: Counter[Holding] = field(default_factory=Counter)
@@ -46,12 +48,6 @@ class Session:
     #: Its right to open data connections: an id and a secret ``hello`` hands out.
     key_id: bytes = field(default_factory=lambda: secrets.token_bytes(16))
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32))
-
-    @property
-    def client_id(self) -> tuple[str, int]:
-        """Which client process this is (host and pid, as its hello named them)."""
-        pid = self.client.get("pid")
-        return str(self.client.get("host", "")), pid if isinstance(pid, int) else -1
 
 
 class SessionTable:

@@ -188,8 +188,14 @@ PROMISES = """\
   bytes come), is closed without a byte sent; at most 128 connections are unauthenticated
   at once, at most 16 of them from one address (one process, on the Unix socket), and one
   more is closed unread. Authenticated ones: at most 16 per session, 32 per client process
-  (its host and pid) and `service.bulk_connections` per server; over a cap an error frame
-  says which. Each value of a reply or a put must move, first byte to last, within
+  on the Unix socket, half of `service.bulk_connections` per peer address over TCP, and
+  `service.bulk_connections` per server; over a cap an error frame says which. Each cap
+  counts what the server verifies -- the session's credential, the Unix peer's pid as the
+  kernel reports it (`SO_PEERCRED`), the TCP peer's address -- never the host and pid a
+  client names in `hello` (a client that named other pids used to fill all 256 slots, and
+  a new client got `CapacityError` after 29.9 s): one process holds at most 32 over the
+  Unix socket and one host at most half the server over TCP, so another host always has
+  room. Each value of a reply or a put must move, first byte to last, within
   `service.request_timeout_s` (30 s by default), or its connection is closed: a reader that
   stops, or takes a little now and then, holds a connection and its thread that long at
   most per value. Every connection has its own thread, so a stalled one never holds up

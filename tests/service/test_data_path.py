@@ -138,13 +138,22 @@ class Raw:
         self.sock = sock
 
     @classmethod
-    def connect(cls, server: Server, info: dict[str, Any] | None = None, unix: bool = False) -> Raw:
+    def connect(
+        cls,
+        server: Server,
+        info: dict[str, Any] | None = None,
+        unix: bool = False,
+        source: str | None = None,
+    ) -> Raw:
+        """Authenticated with ``info``'s credential (a fresh session's if None), over the
+        Unix socket or TCP (from the loopback address ``source`` if given)."""
         endpoint = server.endpoint(info=info)
         if unix:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(str(endpoint.unix))
         else:
-            sock = socket.create_connection(("127.0.0.1", server.bulk.port))
+            bind = (source, 0) if source is not None else None
+            sock = socket.create_connection(("127.0.0.1", server.bulk.port), source_address=bind)
         raw = cls(sock)
         raw.send(pack({"id": endpoint.key_id, "secret": endpoint.secret}))
         raise_error(raw.frame())
@@ -410,26 +419,48 @@ def test_pending_connections_are_capped_per_source_and_in_all(tmp_path: Path) ->
 def test_connections_are_capped_per_session_per_client_process_and_per_server(
     tmp_path: Path,
 ) -> None:
-    options = {"max_per_session": 2, "max_per_client": 3, "max_connections": 5}
-    with serving(tmp_path, 16 << 20, **options) as srv:
-        one = {"host": "h", "pid": 42}
-        a, b = srv.session(one), srv.session(one)  # one process, two sessions
-        held = [Raw.connect(srv, a), Raw.connect(srv, a)]
+    """The caps count what the server verifies: the session's credential, the Unix peer's
+    pid as the kernel reports it, the TCP peer's address. Sessions whose ``hello`` names
+    other pids (what any client may write there) share their process's and their address's
+    slots; another address still gets in."""
+    options = {"max_per_session": 2, "max_per_client": 3, "max_per_address": 3}
+    with serving(tmp_path, 16 << 20, max_connections=7, **options) as srv:
+        a, b, c = (srv.session({"host": "h", "pid": pid}) for pid in (1, 2, 3))
+        held = [Raw.connect(srv, a, unix=True), Raw.connect(srv, a, unix=True)]
         with pytest.raises(CapacityError, match="a session holds at most 2"):
-            Raw.connect(srv, a)
-        held.append(Raw.connect(srv, b))
+            Raw.connect(srv, a, unix=True)
+        held.append(Raw.connect(srv, b, unix=True))
         with pytest.raises(CapacityError, match="a client process holds at most 3"):
-            Raw.connect(srv, b)
-        c = srv.session({"host": "h", "pid": 43})  # another process still gets in
-        held += [Raw.connect(srv, c), Raw.connect(srv, c, unix=True)]
-        d = srv.session({"host": "h", "pid": 44})
-        with pytest.raises(CapacityError, match="the server holds at most 5"):
-            Raw.connect(srv, d)
-        assert srv.bulk.stats()["refused_cap"] == 3
+            Raw.connect(srv, c, unix=True)  # this process, whatever its hello said
+        held.append(Raw.connect(srv, c))  # over TCP: counted by its address
+        held += [Raw.connect(srv, srv.session({"pid": pid})) for pid in (4, 5)]
+        with pytest.raises(CapacityError, match="an address holds at most 3"):
+            Raw.connect(srv, srv.session({"pid": 6}))  # 127.0.0.1 again
+        held.append(Raw.connect(srv, srv.session({"pid": 7}), source="127.0.0.2"))
+        with pytest.raises(CapacityError, match="the server holds at most 7"):
+            Raw.connect(srv, srv.session({"pid": 8}), source="127.0.0.3")
+        assert srv.bulk.stats()["refused_cap"] == 4
         for raw in held:
             raw.close()
         _wait_until(lambda: srv.bulk.stats()["connections"] == 0)
-        Raw.connect(srv, d).close()
+        Raw.connect(srv, srv.session({"pid": 9}), unix=True).close()
+
+
+def test_sessions_naming_other_pids_cannot_fill_the_server(tmp_path: Path) -> None:
+    """Issue 47, finding 10: one authenticated process opening sessions that each name
+    another pid in ``hello`` held every slot, and a new client was refused. Now it holds
+    at most its process's share on the Unix socket and its address's over TCP."""
+    with serving(tmp_path, 16 << 20, max_connections=16, max_per_client=4) as srv:
+        taken: list[Raw] = []
+        for pid in range(100, 116):
+            for unix in (True, False):
+                with contextlib.suppress(CapacityError):
+                    taken.append(Raw.connect(srv, srv.session({"pid": pid}), unix=unix))
+        assert len(taken) == 4 + 8  # its process's slots and its address's (half)
+        newcomer = Raw.connect(srv, srv.session({"pid": 999}), source="127.0.0.2")
+        newcomer.close()
+        for raw in taken:
+            raw.close()
 
 
 def test_a_client_of_a_busy_server_sees_its_connections_closed_not_its_credential_refused(

@@ -10,9 +10,13 @@ Unix socket in a private folder for clients on this host. A connection goes thro
 2. **Handshake**, within :data:`HANDSHAKE_TIMEOUT_S` in all, however slowly bytes come:
    TLS 1.3 on TCP off loopback unless encryption is turned off (:mod:`.tls`), then the
    session's credential frame. Anything else: closed without a byte sent.
-3. **Caps** on authenticated connections: :data:`MAX_PER_SESSION` per session,
-   :data:`MAX_PER_CLIENT` per client process (its host and pid), ``max_connections`` per
-   server. Over one, the answer is an error frame saying which, and the connection ends.
+3. **Caps** on authenticated connections, keyed by what the server verifies, never by
+   what a client says (``hello``'s host and pid are the client's word):
+   :data:`MAX_PER_SESSION` per session (its credential), :data:`MAX_PER_CLIENT` per client
+   process on the Unix socket (the peer's pid from ``SO_PEERCRED``), ``max_per_address``
+   per peer address over TCP (half of ``max_connections`` by default, so one host never
+   holds them all), ``max_connections`` per server. Over one, the answer is an error frame
+   saying which, and the connection ends.
 4. **Requests**, one at a time (:mod:`.requests`), each renewing its session; each value of
    a reply or a put must move within ``io_timeout_s`` or the connection is closed.
 5. **End**: the client closes, its session ends (its connections are shut down with it),
@@ -51,7 +55,8 @@ MAX_PENDING = 128
 MAX_PENDING_PER_SOURCE = 16
 #: How long a connection may take, in all, from its accept to its credential.
 HANDSHAKE_TIMEOUT_S = 5.0
-#: Authenticated connections one session, and one client process, may hold.
+#: Authenticated connections one session, and one client process (on the Unix socket, by
+#: its kernel-reported pid), may hold.
 MAX_PER_SESSION = 16
 MAX_PER_CLIENT = 32
 #: Folders of the Unix sockets: ``persisting-kv-<pid>-...`` in the temporary directory.
@@ -87,6 +92,7 @@ class BulkServer:
         max_pending_per_source: int = MAX_PENDING_PER_SOURCE,
         max_per_session: int = MAX_PER_SESSION,
         max_per_client: int = MAX_PER_CLIENT,
+        max_per_address: int | None = None,
     ):
         self.state = state
         self.host = host
@@ -99,12 +105,17 @@ class BulkServer:
         self.max_pending_per_source = max_pending_per_source
         self.max_per_session = max_per_session
         self.max_per_client = max_per_client
+        #: Authenticated TCP connections from one peer address (default: half the server's).
+        self.max_per_address = (
+            max_per_address if max_per_address is not None else max(1, max_connections // 2)
+        )
         self.requests = Requests(state, io_timeout_s)
         self._listening: list[socket.socket] = []
         self._folder: Path | None = None
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()
-        self._per_client: Counter[tuple[str, int]] = Counter()
+        #: Authenticated connections per verified peer: ``pid:<n>`` (Unix) or an address.
+        self._per_peer: Counter[str] = Counter()
         self._active = 0
         self._closed = False
         #: Refused connections by reason, and other figures (read by ``stats``).
@@ -193,7 +204,7 @@ class BulkServer:
 
     def _connection(self, sock: socket.socket, kind: str, source: str) -> None:
         try:
-            opened = self._handshake(sock, kind)
+            opened = self._handshake(sock, kind, source)
         finally:
             with self._lock:
                 self._pending[source] -= 1
@@ -209,10 +220,12 @@ class BulkServer:
         except Exception:  # a bug: log it, drop the connection, keep serving others
             logger.exception("data connection failed")
         finally:
-            self._unregister(conn, session)
+            self._unregister(conn, session, source)
             conn.close()
 
-    def _handshake(self, sock: socket.socket, kind: str) -> tuple[Conn, Session] | None:
+    def _handshake(
+        self, sock: socket.socket, kind: str, source: str
+    ) -> tuple[Conn, Session] | None:
         """The authenticated connection and its session, or None (closed without a
         byte): TLS where needed and the credential, within the handshake's deadline."""
         deadline = time.monotonic() + self.handshake_s
@@ -239,7 +252,7 @@ class BulkServer:
             self._count("refused_credential")
             conn.close()
             return None
-        refusal = self._register(conn, session)
+        refusal = self._register(conn, session, source)
         try:
             if refusal is not None:
                 self._count("refused_cap")
@@ -248,7 +261,7 @@ class BulkServer:
                 conn.send_frame({"ok": True}, deadline)
         except (ConnectionLost, OSError):
             if refusal is None:  # registered: counted no more
-                self._unregister(conn, session)
+                self._unregister(conn, session, source)
                 refusal = "gone before it was answered"
         if refusal is not None:
             conn.close()
@@ -259,28 +272,31 @@ class BulkServer:
         self._count("connections_opened")
         return conn, session
 
-    def _register(self, conn: Conn, session: Session) -> str | None:
-        """Count ``conn`` against the caps; why it is refused (None: it is not)."""
-        client = session.client_id
+    def _register(self, conn: Conn, session: Session, source: str) -> str | None:
+        """Count ``conn`` against the caps; why it is refused (None: it is not).
+        ``source`` is the peer as the kernel names it (:func:`_source`): a Unix peer's
+        pid, or a TCP peer's address -- never what the client said in ``hello``."""
         with self.state.lock, self._lock:
             if len(session.connections) >= self.max_per_session:
                 return f"a session holds at most {self.max_per_session} data connections"
-            if self._per_client[client] >= self.max_per_client:
-                return f"a client process holds at most {self.max_per_client} data connections"
+            if source.startswith("pid:"):
+                if self._per_peer[source] >= self.max_per_client:
+                    return f"a client process holds at most {self.max_per_client} data connections"
+            elif self._per_peer[source] >= self.max_per_address:
+                return f"an address holds at most {self.max_per_address} data connections"
             if self._active >= self.max_connections:
                 return f"the server holds at most {self.max_connections} data connections"
             session.connections.add(conn)
-            self._per_client[client] += 1
+            self._per_peer[source] += 1
             self._active += 1
         return None
 
-    def _unregister(self, conn: Conn, session: Session) -> None:
-        client = session.client_id
+    def _unregister(self, conn: Conn, session: Session, source: str) -> None:
         with self.state.lock, self._lock:
             session.connections.discard(conn)
-            self._per_client[client] -= 1
-            if not self._per_client[client]:
-                del self._per_client[client]
+            self._per_peer[source] -= 1
+            if not self._per_peer[source]:
+                del self._per_peer[source]
             self._active -= 1
 
     def _count(self, name: str) -> None:
