@@ -93,7 +93,7 @@ def shims(env: dict[str, str]) -> str:
 def test_the_shell_blocks_run_in_order(tmp_path: Path, served: tuple[str, KVMetrics]) -> None:
     url, _metrics = served
     shell = blocks("bash")
-    assert len(shell) == 6
+    assert len(shell) == 7
     env = shell_env(url)
     run = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", shims(env) + "\n".join(shell)],
@@ -115,6 +115,7 @@ def test_the_shell_blocks_run_in_order(tmp_path: Path, served: tuple[str, KVMetr
     assert [(d["kind"], d["name"], d["error"]) for d in compaction["datasets"]] == [
         ("kv", "demo/llama", None)
     ]
+    assert "demo/llama: 0 file(s)" in run.stdout  # nothing quarantined
     assert "Dropped demo/llama" in run.stdout
     assert lines[-1].endswith("0 model(s), 0 queue topic(s).")  # the last inspect
     assert not (tmp_path / "ops-demo" / "kv" / "demo%2Fllama").exists()
