@@ -94,6 +94,18 @@ def test_a_gpu_engine_gets_vllms_tiering_spec_with_persisting_behind_its_cpu_tie
         tiering_config({"storage_path": "/r", "spec_name": "CPUOffloadingSpec"})
 
 
+def test_vllm_0_33_and_0_34_keys_are_passed_to_vllm_not_refused() -> None:
+    """``sync_load_budget_bytes`` (the connector's loads waited for within the step) and
+    ``tier_poll_interval_s`` (TieringOffloadingSpec's): vLLM's keys since 0.33, passed on
+    untouched on either path (vLLM 0.32 ignores them)."""
+    extra = {"storage_path": "/r", "sync_load_budget_bytes": 1 << 30, "tier_poll_interval_s": 0.5}
+    assert connector_settings(extra).storage_path == Path("/r")
+    config = tiering_config(extra)
+    assert config["sync_load_budget_bytes"] == 1 << 30 and config["tier_poll_interval_s"] == 0.5
+    (entry,) = config["secondary_tiers"]
+    assert "sync_load_budget_bytes" not in entry and "tier_poll_interval_s" not in entry
+
+
 def test_every_layout_field_changes_the_namespace() -> None:
     base = {"dtype": "bfloat16", "groups": [[128, ["l0", "l1"]]], "parallel": [0, 1, 1, 1]}
     names = {namespace_name("org/model", base)}

@@ -75,6 +75,12 @@ def on_gpu() -> bool:
     return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
 
 
+def _carried(meta: OffloadingWorkerMetadata) -> dict[str, Any]:
+    """The fields of vLLM's worker metadata, whichever this vLLM has (0.34 adds
+    ``failed_jobs``): what a :class:`PersistingWorkerMetadata` made of it carries."""
+    return {name: getattr(meta, name) for name in OffloadingWorkerMetadata.__dataclass_fields__}
+
+
 @dataclass
 class PersistingWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's worker -> scheduler metadata, plus the keys of blocks that failed to load."""
@@ -85,8 +91,7 @@ class PersistingWorkerMetadata(OffloadingWorkerMetadata):
         merged = super().aggregate(other)
         assert isinstance(merged, OffloadingWorkerMetadata)
         return PersistingWorkerMetadata(
-            completed_jobs=merged.completed_jobs,
-            transfer_stats=merged.transfer_stats,
+            **_carried(merged),
             failed_keys=[*self.failed_keys, *getattr(other, "failed_keys", [])],
         )
 
@@ -129,6 +134,13 @@ class PersistingConnector(OffloadingConnector):
                 transfer.kv_load_failure_policy,
             )
         self._hybrid = len(kv_cache_config.kv_cache_groups) > 1
+        if self._hybrid and not self.tiered and extra.get("sync_load_budget_bytes"):
+            raise ConfigError(
+                "PersistingConnector: sync_load_budget_bytes does not apply to a model with"
+                " several KV-cache groups on vLLM's CPU backend: a block that fails to load"
+                " within the step cannot be recomputed there (vLLM takes such failures by"
+                " request only, and the request has already run); leave it out"
+            )
         watch_parent(stop_metrics)
         with building_engine(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
@@ -147,14 +159,22 @@ class PersistingConnector(OffloadingConnector):
         return blocks
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's results, plus the requests of load jobs that failed as a whole (their
+        blocks could not be told) and, for a hybrid model, of every load job with a block
+        that failed. A load vLLM waits for within the step (0.33, 0.34; no request here)
+        is reported by block id instead: see ``get_block_ids_with_load_errors``."""
         worker = self._persisting_worker()
-        if worker is None or not self._hybrid:
+        if worker is None:
             return super().get_transfer_results(finished_req_ids)
         assert self.connector_worker is not None
         requests = dict(self.connector_worker._load_jobs)  # job -> request, before it drains
         results = super().get_transfer_results(finished_req_ids)
-        _blocks, jobs = worker.take_load_errors()
-        results.failed_recving |= {requests[job] for job in jobs if job in requests}
+        jobs = worker.take_unplaced_jobs()
+        if self._hybrid:
+            jobs |= worker.take_load_errors()[1]
+        failed = {requests.get(job) for job in jobs} - {None}
+        if failed:
+            results.failed_recving = set(results.failed_recving or ()) | failed
         return results
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
@@ -164,11 +184,7 @@ class PersistingConnector(OffloadingConnector):
         if not failed:
             return meta
         base = meta if isinstance(meta, OffloadingWorkerMetadata) else OffloadingWorkerMetadata()
-        return PersistingWorkerMetadata(
-            completed_jobs=base.completed_jobs,
-            transfer_stats=base.transfer_stats,
-            failed_keys=failed,
-        )
+        return PersistingWorkerMetadata(**_carried(base), failed_keys=failed)
 
     # -- the scheduler's side -------------------------------------------------------------
 

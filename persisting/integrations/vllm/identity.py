@@ -10,7 +10,9 @@ lay it out the same way. So a namespace's digest covers:
 - the KV's layout as vLLM's offloading config says it (cache dtype, KV-cache groups and
   block size, tokens per hash, bytes per block, parallel sizes, the cache layout, replicated
   and canonical layouts: :func:`~persisting.integrations.vllm.namespace.offloading_layout`);
-- the block hash algorithm (another one names the same tokens otherwise);
+- the block hash algorithm (another one names the same tokens otherwise), and vLLM 0.34's
+  lookahead block hashes when they are on (the hash of a block then covers the tokens after
+  it too: an engine that turns them on, or off, opens another namespace);
 - the stored format: the connector's rows of each layer (CPU engines), or a whole row of
   vLLM's CPU tier with every rank's shard and its length (``PersistingTier``).
 
@@ -84,6 +86,13 @@ def engine_facts(vllm_config: Any) -> dict[str, Any]:
         if getattr(model, name, None) not in (None, {}, "")
     }
     facts["hash_algorithm"] = vllm_config.cache_config.prefix_caching_hash_algo
+    # vLLM 0.34's lookahead block hashes (EAGLE-like speculative decoding under a connector
+    # that takes them, as the offloading connector does): each block's hash also covers the
+    # tokens after it, so the same tokens are other blocks. Recorded only when on, so the
+    # namespaces of engines without them stay where they were.
+    lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", 0)
+    if isinstance(lookahead, int) and lookahead > 0:
+        facts["hash_lookahead_tokens"] = lookahead
     return facts
 
 
@@ -108,7 +117,11 @@ def engine_namespace(
         "layout": {"stored": stored, "kv_cache_layout": layout["kv_cache_layout"], **extra},
         "parallel": layout["parallel"],
         **weights,
-        **{k: v for k, v in facts.items() if k in ("quantization", "hf_overrides")},
+        **{
+            k: v
+            for k, v in facts.items()
+            if k in ("quantization", "hf_overrides", "hash_lookahead_tokens")
+        },
     }
     return name, describe
 

@@ -22,7 +22,8 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 from persisting.config import DEFAULT_EVICTION, Eviction
 from persisting.errors import ConfigError
 
-#: Keys vLLM's OffloadingConnector itself reads from the same dict (vLLM 0.32).
+#: Keys vLLM's OffloadingConnector itself reads from the same dict (vLLM 0.32 to 0.34; a
+#: key a version does not know is ignored by it).
 VLLM_KEYS = frozenset(
     {
         "spec_name",
@@ -38,6 +39,10 @@ VLLM_KEYS = frozenset(
         "backpressure",
         "store_threshold",
         "max_tracker_size",
+        # vLLM 0.33 and 0.34: loads waited for within the step (the connector's scheduler;
+        # bytes, no units), and TieringOffloadingSpec's pause between polls of its tiers.
+        "sync_load_budget_bytes",
+        "tier_poll_interval_s",
     }
 )
 

@@ -29,7 +29,7 @@ from persisting.integrations.vllm.metrics import serve_metrics
 from persisting.integrations.vllm.namespace import key_dtype
 from persisting.integrations.vllm.settings import connector_settings
 from persisting.integrations.vllm.shared import acquire
-from persisting.integrations.vllm.worker import PersistingWorker
+from persisting.integrations.vllm.worker import DeviceRows, PersistingWorker
 
 
 def refuse(what: str) -> ConfigError:
@@ -115,7 +115,8 @@ class PersistingOffloadingSpec(OffloadingSpec):
             pages = block_pages(kv_caches, self.group_ids)
             self._serve_metrics(1)
             state = acquire(self.settings, self.namespace, self.describe)
-            self._worker = PersistingWorker(state, pages, self.settings.io_threads)
+            rows = DeviceRows(kv_caches, self.group_ids)
+            self._worker = PersistingWorker(state, pages, self.settings.io_threads, rows)
         return self._worker
 
 

@@ -5,6 +5,12 @@ held up; vLLM collects them with ``get_finished``. A load reads each block with 
 positioned vectored read into the block's rows of vLLM's cache tensors and checks its
 checksum (:func:`~persisting.integrations.vllm.blocks.read_rows`).
 
+vLLM names the engine's blocks of a job in two ways: 0.32 and 0.33 hand the worker their
+block ids (a ``GPULoadStoreSpec``), 0.34 the blocks' addresses (``DevicePointers``: one per
+block and cache tensor), which the worker maps back to block ids over the caches it was
+given (:class:`DeviceRows`). An expedited load (0.33 and 0.34: a load vLLM waits for within
+the step) runs on a thread of its own, never queued behind the other jobs.
+
 A block the scheduler offers may have been stored by another engine sharing the root
 after this worker's store last looked: a block this worker does not know is looked up on
 disk (the store rescanned, once per load job) before it counts as missing. A block that
@@ -13,9 +19,14 @@ if loaded: the worker reports it to vLLM, which recomputes it
 (``kv_load_failure_policy="recompute"``: by block id for a model with one KV-cache group,
 by request for several, see the connector), and reports its key to the scheduler, whose
 catalog stops offering it until it is stored afresh. A block found on disk but not
-loadable is removed from the store, so it is written afresh once recomputed. The job
-itself reports success either way: vLLM's offloading worker asserts that every job
-succeeded.
+loadable is removed from the store, so it is written afresh once recomputed. A load job
+reports success either way (0.32 and 0.33's offloading worker asserts that every job
+succeeded, and 0.34 ends the engine when a load it waits for within the step fails), unless
+its blocks cannot even be told -- then it is failed as a whole: on 0.34 it reports failure,
+before that its request is reported (``failed_recving``). A store job that raises reports
+failure where vLLM takes one (0.34: ``failed_jobs``, and the blocks are not published).
+Whatever a job raises, it finishes: ``get_finished`` never raises, so the worker outlives
+any job.
 """
 
 from __future__ import annotations
@@ -26,8 +37,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
 from vllm.v1.kv_offload.base import (
-    GPULoadStoreSpec,
+    CanonicalKVCaches,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -45,20 +60,88 @@ log = logging.getLogger(__name__)
 #: Seconds a load's lease keeps a block's file from being evicted while it is read.
 LEASE_S = 60.0
 
+#: Whether this vLLM takes a failed job (0.34: ``OffloadingWorkerMetadata.failed_jobs``;
+#: before, its offloading worker asserts that every job succeeded).
+JOB_FAILURES = "failed_jobs" in getattr(OffloadingWorkerMetadata, "__dataclass_fields__", {})
+
+
+class DeviceRows:
+    """Where vLLM's device pointers point (0.34): for each offloaded KV-cache group, each of
+    its cache references' tensor base address and row stride in bytes, as vLLM's
+    ``resolve_device_pointers`` computes a block's address (``base + block_id * stride``)."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, group_ids: list[int]):
+        self.groups = group_ids
+        self.refs: list[tuple[tuple[int, int], ...]] = []
+        for refs in kv_caches.group_data_refs:
+            rows = []
+            for ref in refs:
+                tensor = kv_caches.tensors[ref.tensor_idx].tensor
+                rows.append((int(tensor.data_ptr()), int(tensor.stride(0) * tensor.element_size())))
+            self.refs.append(tuple(rows))
+
+    def block_ids(self, device: Any) -> tuple[list[int], list[int]]:
+        """A job's block ids and its blocks per group, from vLLM's ``DevicePointers``
+        (its ``ptrs`` are, group by group, each cache reference's address of each block).
+        ValueError for pointers that are not rows of this worker's caches."""
+        counts = [int(n) for n in device.group_block_counts]
+        refs = [int(n) for n in device.group_data_ref_counts]
+        if len(counts) != len(self.refs) or len(refs) != len(self.refs):
+            raise ValueError(f"pointers for {len(counts)} groups, {len(self.refs)} offloaded")
+        ptrs = np.asarray(device.ptrs, dtype=np.uint64)
+        ids: list[int] = []
+        at = 0
+        for count, nrefs, rows in zip(counts, refs, self.refs, strict=True):
+            if count == 0:
+                continue
+            if nrefs != len(rows):
+                raise ValueError(f"{nrefs} cache references for a group of {len(rows)}")
+            block = ptrs[at : at + count * nrefs].reshape(nrefs, count)
+            at += count * nrefs
+            base, stride = rows[0]
+            offsets = block[0].astype(np.int64) - base
+            if stride <= 0 or (offsets % stride).any():
+                raise ValueError("a device pointer is not a row of this worker's KV cache")
+            group_ids = offsets // stride
+            for (ref_base, ref_stride), pointers in zip(rows, block, strict=True):
+                expected = np.uint64(ref_base) + group_ids.astype(np.uint64) * np.uint64(ref_stride)
+                if not np.array_equal(pointers, expected):
+                    raise ValueError("the device pointers of one block disagree across tensors")
+            ids += [int(b) for b in group_ids]
+        if at != len(ptrs):
+            raise ValueError(f"{len(ptrs)} device pointers, {at} expected")
+        return ids, counts
+
+
+def device_blocks(device: Any, rows: DeviceRows | None) -> tuple[list[int], list[int] | None]:
+    """A job's engine block ids and its blocks per group (None: one group), from what vLLM
+    hands the worker: a ``GPULoadStoreSpec`` (0.32, 0.33) or ``DevicePointers`` (0.34)."""
+    if hasattr(device, "block_ids"):
+        sizes = getattr(device, "group_sizes", None)
+        return [int(b) for b in device.block_ids], None if sizes is None else list(sizes)
+    if hasattr(device, "ptrs") and hasattr(device, "group_block_counts"):
+        if rows is None:
+            raise ValueError("device pointers, but no KV caches to read them against")
+        ids, counts = rows.block_ids(device)
+        return ids, counts
+    raise ValueError(f"cannot tell a job's blocks from a {type(device).__name__}")
+
 
 def pair_blocks(
-    keys: list[str], spec: GPULoadStoreSpec, groups: list[int]
+    keys: list[str], block_ids: list[int], group_sizes: list[int] | None, groups: list[int]
 ) -> list[tuple[str, int, int]]:
     """``(key, group, block id)`` of a job: vLLM lists a job's block ids group by group
     (``group_sizes``, in the order of the offloaded groups ``groups``), and each key names
-    its group. ValueError if the two do not match."""
-    block_ids = [int(b) for b in spec.block_ids]
-    sizes = list(spec.group_sizes) if spec.group_sizes is not None else [len(block_ids)]
+    its group. ValueError if the two do not match (or a key is not a block's)."""
+    sizes = list(group_sizes) if group_sizes is not None else [len(block_ids)]
     if len(sizes) != len(groups):
         raise ValueError(f"{len(sizes)} block groups for {len(groups)} KV-cache groups")
     by_group: dict[int, list[str]] = {g: [] for g in groups}
     for key in keys:
-        group = block_hash_of(key)[1]
+        try:
+            group = block_hash_of(key)[1]
+        except (IndexError, ValueError):
+            raise ValueError(f"{key!r} is not a block's key") from None
         if group not in by_group:
             raise ValueError(f"block {key} of KV-cache group {group}, not offloaded here")
         by_group[group].append(key)
@@ -94,33 +177,47 @@ class _Refresh:
 class PersistingWorker(OffloadingWorker):
     """Runs a worker's loads and stores against the namespace's store."""
 
-    def __init__(self, namespace: Namespace, pages: dict[int, BlockPages], io_threads: int):
+    def __init__(
+        self,
+        namespace: Namespace,
+        pages: dict[int, BlockPages],
+        io_threads: int,
+        rows: DeviceRows | None = None,
+    ):
         self.namespace = namespace
         self.store = namespace.store
         self.counters = namespace.counters
         #: Where each offloaded KV-cache group's blocks are, by group id (vLLM's order).
         self.pages = pages
         self.groups = list(pages)
-        # Jobs run on one pool; a load's blocks are read in parallel on the other.
+        #: Where vLLM 0.34's device pointers point (None: block ids only).
+        self.rows = rows
+        # Jobs run on one pool, expedited loads on a thread of their own; a load's blocks
+        # are read in parallel on the third.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="persisting-vllm-job")
+        self._urgent = ThreadPoolExecutor(1, thread_name_prefix="persisting-vllm-expedited")
         self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix="persisting-vllm-read")
         self._lock = threading.Lock()
         self._jobs: dict[int, Future[TransferResult]] = {}
         self._failed_blocks: set[int] = set()
         self._failed_keys: list[str] = []
         self._failed_jobs: set[int] = set()
+        self._unplaced_jobs: set[int] = set()
         self._closed = False
 
     # -- vLLM's interface -----------------------------------------------------------------
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        """``dst_spec``: the engine blocks to fill (0.32, 0.33: a ``GPULoadStoreSpec``;
+        0.34: ``DevicePointers``); ``expedited``: vLLM waits for it within the step."""
         assert isinstance(src_spec, PersistingBlocks)
-        self._submit(job_id, self._load, src_spec, dst_spec)
+        self._submit(job_id, self._load, src_spec, dst_spec, expedited)
         return True
 
-    def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
-    ) -> bool:
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
+        """``src_spec``: the engine blocks to store (as ``submit_load``'s ``dst_spec``)."""
         assert isinstance(dst_spec, PersistingBlocks)
         # The rows are copied out on the pool: vLLM keeps the blocks until the job is done.
         self._submit(job_id, self._store, dst_spec, src_spec)
@@ -129,8 +226,16 @@ class PersistingWorker(OffloadingWorker):
     def get_finished(self) -> list[TransferResult]:
         with self._lock:
             done = [job for job, future in self._jobs.items() if future.done()]
-            futures = [self._jobs.pop(job) for job in done]
-        return [future.result() for future in futures]
+            futures = {job: self._jobs.pop(job) for job in done}
+        out = []
+        for job, future in futures.items():
+            error = future.exception()
+            if error is None:
+                out.append(future.result())
+            else:  # not one of the jobs' own errors (they are caught): never raised here
+                log.error("Persisting: job %d ended with %r", job, error)
+                out.append(TransferResult(job, not JOB_FAILURES, 0, 0.0))
+        return out
 
     def wait(self, job_ids: set[int]) -> None:
         with self._lock:
@@ -145,6 +250,13 @@ class PersistingWorker(OffloadingWorker):
             jobs, self._failed_jobs = self._failed_jobs, set()
         return blocks, jobs
 
+    def take_unplaced_jobs(self) -> set[int]:
+        """Load jobs failed as a whole since last asked (their blocks could not be told)
+        on a vLLM that takes no failed job: their requests are recomputed instead."""
+        with self._lock:
+            jobs, self._unplaced_jobs = self._unplaced_jobs, set()
+        return jobs
+
     def take_failed_keys(self) -> list[str]:
         """Keys whose load failed since last asked (for the scheduler's catalog)."""
         with self._lock:
@@ -157,37 +269,71 @@ class PersistingWorker(OffloadingWorker):
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._urgent.shutdown(wait=True)
         self._reads.shutdown(wait=True)
         release(self.namespace)
 
     # -- the jobs -------------------------------------------------------------------------
 
-    def _submit(self, job_id: int, run: Any, blocks: PersistingBlocks, spec: Any) -> None:
-        future = self._pool.submit(self._timed, job_id, run, blocks, spec)
+    def _submit(
+        self, job_id: int, run: Any, blocks: PersistingBlocks, device: Any, urgent: bool = False
+    ) -> None:
+        pool = self._urgent if urgent else self._pool
+        future = pool.submit(self._timed, job_id, run, blocks, device)
         with self._lock:
             self._jobs[job_id] = future
 
     def _timed(
-        self, job_id: int, run: Any, blocks: PersistingBlocks, spec: GPULoadStoreSpec
+        self, job_id: int, run: Any, blocks: PersistingBlocks, device: Any
     ) -> TransferResult:
+        """Run a job; whatever it raises ends it as failed, never the worker."""
         start = time.perf_counter()
-        size = run(job_id, blocks, spec)
-        return TransferResult(job_id, True, size, time.perf_counter() - start)
-
-    def _load(self, job_id: int, blocks: PersistingBlocks, spec: GPULoadStoreSpec) -> int:
-        """Read a job's blocks, all but the first on the read pool, the first right here."""
         try:
-            pairs = pair_blocks(blocks.keys, spec, self.groups)
+            size, ok = run(job_id, blocks, device)
+        except Exception as exc:
+            log.warning("Persisting: job %d failed: %r", job_id, exc)
+            size, ok = 0, not JOB_FAILURES
+        return TransferResult(job_id, ok, size, time.perf_counter() - start)
+
+    def _load(self, job_id: int, blocks: PersistingBlocks, device: Any) -> tuple[int, bool]:
+        """Read a job's blocks, all but the first on the read pool, the first right here.
+        ``(bytes read, success)``: blocks that fail are reported one by one (the job
+        succeeds); a job whose blocks cannot be told fails as a whole."""
+        try:
+            block_ids, sizes = device_blocks(device, self.rows)
+        except Exception as exc:  # where would the blocks go? nothing is loaded
+            log.warning("Persisting: load job %d not run: %r", job_id, exc)
+            self.counters.add(load_errors=len(blocks.keys))
+            with self._lock:
+                self._failed_keys.extend(blocks.keys)
+                if not JOB_FAILURES:
+                    self._unplaced_jobs.add(job_id)
+            return 0, not JOB_FAILURES
+        try:
+            pairs = pair_blocks(blocks.keys, block_ids, sizes, self.groups)
         except ValueError as exc:  # vLLM's spec and ours disagree: nothing is loaded
-            for key, block in zip(blocks.keys, [int(b) for b in spec.block_ids], strict=False):
-                self._failed(job_id, key, block, exc)
-            return 0
-        refresh = _Refresh(self.namespace)
-        helpers = [
-            self._reads.submit(self._load_one, job_id, k, g, b, refresh) for k, g, b in pairs[1:]
-        ]
-        first = self._load_one(job_id, *pairs[0], refresh) if pairs else 0
-        return first + sum(h.result() for h in helpers)
+            self._fail_all(job_id, blocks.keys, block_ids, exc)
+            return 0, True
+        try:
+            refresh = _Refresh(self.namespace)
+            helpers = [
+                self._reads.submit(self._load_one, job_id, k, g, b, refresh)
+                for k, g, b in pairs[1:]
+            ]
+            first = self._load_one(job_id, *pairs[0], refresh) if pairs else 0
+            return first + sum(h.result() for h in helpers), True
+        except Exception as exc:  # the read pool shut down, ...: no block counts as loaded
+            self._fail_all(job_id, blocks.keys, block_ids, exc)
+            return 0, True
+
+    def _fail_all(self, job_id: int, keys: list[str], block_ids: list[int], exc: Exception) -> None:
+        """Every block of a load job failed (the stored blocks are left as they are)."""
+        log.warning("Persisting: load job %d: no block loaded (%s); vLLM recomputes", job_id, exc)
+        self.counters.add(load_errors=max(len(keys), len(block_ids)))
+        with self._lock:
+            self._failed_blocks.update(block_ids)
+            self._failed_keys.extend(keys)
+            self._failed_jobs.add(job_id)
 
     def _load_one(self, job_id: int, key: str, group: int, block_id: int, refresh: _Refresh) -> int:
         """Load one block into ``block_id``; 0 bytes (and the block reported) on any failure."""
@@ -244,13 +390,16 @@ class PersistingWorker(OffloadingWorker):
             except Exception as remove_error:
                 log.warning("Persisting: cannot remove block %s: %s", key, remove_error)
 
-    def _store(self, job_id: int, blocks: PersistingBlocks, spec: GPULoadStoreSpec) -> int:
+    def _store(self, job_id: int, blocks: PersistingBlocks, device: Any) -> tuple[int, bool]:
+        """Store a job's blocks: ``(bytes stored, success)``; a job that cannot run, or
+        whose batch fails, fails (where vLLM takes it: its blocks are not published)."""
         try:
-            pairs = pair_blocks(blocks.keys, spec, self.groups)
+            block_ids, sizes = device_blocks(device, self.rows)
+            pairs = pair_blocks(blocks.keys, block_ids, sizes, self.groups)
         except ValueError as exc:
             log.warning("Persisting: store job %d not run: %s", job_id, exc)
             self.counters.add(store_errors=len(blocks.keys))
-            return 0
+            return 0, not JOB_FAILURES
         parent_of = dict(zip(blocks.keys, blocks.parents or [None] * len(blocks.keys), strict=True))
         keys = [k for k, _g, _b in pairs]
         values = [self.pages[g].gather(b) for _k, g, b in pairs]
@@ -268,12 +417,12 @@ class PersistingWorker(OffloadingWorker):
         except Exception as exc:  # a failed store is a future miss, never an engine error
             log.warning("Persisting: storing %d blocks failed: %s", len(keys), exc)
             self.counters.add(store_errors=len(keys))
-            return 0
+            return 0, not JOB_FAILURES
         group_of = {k: g for k, g, _b in pairs}
         stored = [r for r in results if r.stored]
         size = sum(self.pages[group_of[r.key]].block_bytes for r in stored)
         self.counters.add(blocks_stored=len(stored), bytes_stored=size)
-        return size
+        return size, True
 
     def _put_one(self, key: str, value: Any, parent: str | None) -> PutResult | None:
         try:
@@ -284,4 +433,4 @@ class PersistingWorker(OffloadingWorker):
             return None
 
 
-__all__ = ["PersistingWorker", "pair_blocks"]
+__all__ = ["JOB_FAILURES", "DeviceRows", "PersistingWorker", "device_blocks", "pair_blocks"]
