@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import lance
@@ -18,22 +17,23 @@ from persisting.errors import (
     StoreClosedError,
 )
 from persisting.queue import LanceBackend
+from persisting.queue import backend as backend_module
 from persisting.queue.backend import WAL_DIR
 from tests.queue.queue_helpers import small_records
-
-
-def eventually(predicate: Callable[[], bool], timeout: float = 15.0) -> bool:
-    """Poll ``predicate`` until it holds (background work finishing) or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+from tests.timing import HANG_S, ManualClock, wait_until, wait_until_async
 
 
 def flat(batches: list[list[dict]]) -> list[dict]:
     return [record for batch in batches for record in batch]
+
+
+async def waiting(backend: LanceBackend) -> bool:
+    """Whether a stream of ``backend`` is waiting for records now."""
+    return (await backend.stats())["waiters"] > 0
+
+
+def persisted(backend: LanceBackend) -> int:
+    return int(asyncio.run(backend.stats())["persisted_count"])
 
 
 def offsets_in(backend: LanceBackend) -> list[int]:
@@ -90,7 +90,7 @@ def test_get_stream_returns_what_exists_or_waits_for_more(open_backend) -> None:
         assert [b async for b in backend.get_stream(10, 5, wait=True, timeout=0.2)] == []
 
         async def later() -> None:
-            await asyncio.sleep(0.2)
+            await wait_until_async(lambda: waiting(backend), "the stream waits")
             await backend.put_batch(small_records(5, 3))
 
         task = asyncio.create_task(later())
@@ -110,11 +110,11 @@ def test_a_reader_opened_before_a_flush_sees_it_and_wakes_up(open_backend) -> No
         await writer.put_batch(small_records(0, 4))
         assert await reader.get(10, 0) == []  # only flushed records are visible elsewhere
         await writer.flush()
-        assert eventually(lambda: reader.total_count() == 4)
+        await wait_until_async(lambda: reader.total_count() == 4, "the reader sees the flush")
         assert await reader.get(10, 0) == small_records(0, 4)
 
         async def later() -> None:
-            await asyncio.sleep(0.2)
+            await wait_until_async(lambda: waiting(reader), "the reader's stream waits")
             await writer.put_batch(small_records(4, 2))
             await writer.flush()
 
@@ -133,8 +133,8 @@ def test_auto_flush_by_size_and_by_interval(tmp_path: Path, open_backend) -> Non
     by_time = open_backend(tmp_path / "time", flush_interval_s=0.2)
     asyncio.run(by_size.put_batch(small_records(0, 25)))
     asyncio.run(by_time.put_batch(small_records(0, 3)))
-    assert eventually(lambda: asyncio.run(by_size.stats())["persisted_count"] == 25)
-    assert eventually(lambda: asyncio.run(by_time.stats())["persisted_count"] == 3)
+    wait_until(lambda: persisted(by_size) == 25, "a flush by size")
+    wait_until(lambda: persisted(by_time) == 3, "a flush by interval")
     assert asyncio.run(by_time.stats())["flushes"] >= 1
 
 
@@ -190,8 +190,8 @@ def test_compaction_and_cleanup_keep_fragments_and_versions_bounded(open_backend
             backend._worker.wake()
 
     asyncio.run(go())
-    assert eventually(lambda: asyncio.run(backend.stats())["fragments"] <= 6)
-    assert eventually(lambda: asyncio.run(backend.stats())["versions"] <= 8)
+    wait_until(lambda: asyncio.run(backend.stats())["fragments"] <= 6, "compaction")
+    wait_until(lambda: asyncio.run(backend.stats())["versions"] <= 8, "version cleanup")
     stats = asyncio.run(backend.stats())
     assert stats["compactions"] >= 1
     assert offsets_in(backend) == list(range(400))
@@ -228,14 +228,18 @@ def test_trimming_never_renumbers_offsets(bucket_dir, open_backend) -> None:
     assert offsets_in(again) == [21]
 
 
-def test_retention_by_age_and_by_slowest_committed_consumer(tmp_path: Path, open_backend) -> None:
-    aged = open_backend(tmp_path / "age", retention_s=0.5, retention_interval_s=0.1)
+def test_retention_by_age_and_by_slowest_committed_consumer(
+    tmp_path: Path, open_backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = ManualClock(time.time())  # the records' timestamps and retention's "now"
+    monkeypatch.setattr(backend_module, "_now_us", lambda: int(clock() * 1_000_000))
+    aged = open_backend(tmp_path / "age", retention_s=60, retention_interval_s=0.1)
     asyncio.run(aged.put_batch(small_records(0, 5)))
     asyncio.run(aged.flush())
-    time.sleep(0.6)
+    clock.advance(61)  # past the first five's retention, without waiting for it
     asyncio.run(aged.put_batch(small_records(5, 5)))
     asyncio.run(aged.flush())
-    assert eventually(lambda: aged.earliest_offset() == 5)
+    wait_until(lambda: aged.earliest_offset() == 5, "retention by age")
     assert asyncio.run(aged.get(10, 5)) == small_records(5, 5)
 
     consumed = open_backend(
@@ -245,11 +249,11 @@ def test_retention_by_age_and_by_slowest_committed_consumer(tmp_path: Path, open
     asyncio.run(consumed.flush())
     asyncio.run(consumed.commit_position("slow", 7))  # (only consumers that committed count)
     asyncio.run(consumed.commit_position("fast", 15))
-    assert eventually(lambda: consumed.earliest_offset() == 7)
+    wait_until(lambda: consumed.earliest_offset() == 7, "retention up to the slowest")
     assert asyncio.run(consumed.committed_position("slow")) == 7
     assert asyncio.run(consumed.committed_position("nobody")) is None
     asyncio.run(consumed.commit_position("slow", 18))
-    assert eventually(lambda: consumed.earliest_offset() == 15)
+    wait_until(lambda: consumed.earliest_offset() == 15, "retention up to the next slowest")
     assert asyncio.run(consumed.get(100, 15)) == small_records(15, 5)
 
 
@@ -450,17 +454,19 @@ def test_a_stream_waits_at_most_its_timeout_in_all(open_backend) -> None:
 
     async def go() -> None:
         async def trickle() -> None:
-            for i in range(15):  # one record every 0.2 s for 3 s
-                await asyncio.sleep(0.2)
+            for i in range(1_000_000):  # a record now and then, for as long as the stream lasts
+                await asyncio.sleep(0.05)  # real duration: the trickle is the case tested
                 await backend.put(small_records(i, 1)[0])
 
+        async def stream() -> list[list[dict]]:
+            return [b async for b in backend.get_stream(1000, 0, wait=True, timeout=0.5)]
+
         feeder = asyncio.create_task(trickle())
-        started = time.monotonic()
-        got = flat([b async for b in backend.get_stream(1000, 0, wait=True, timeout=1.0)])
-        elapsed = time.monotonic() - started
-        await feeder
-        assert 1 <= len(got) < 15 and got == small_records(0, len(got))
-        assert 0.9 <= elapsed < 2.5, elapsed
+        try:  # a timeout per wait would keep the stream open for as long as the trickle
+            got = flat(await asyncio.wait_for(stream(), HANG_S))
+        finally:
+            feeder.cancel()
+        assert got and got == small_records(0, len(got))
 
     asyncio.run(go())
 
