@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ from persisting.queue.maintenance import (
 )
 from persisting.queue.positions import ConsumerPositions
 from tests.queue.queue_helpers import small_records
+from tests.timing import HANG_S, wait_until_async
 
 PROTOCOL_METHODS = [
     "put",
@@ -119,12 +119,16 @@ def test_pulsing_queue_writes_and_reads_through_the_lance_backend(tmp_path: Path
             backend.close()
 
 
-def test_a_waiting_reader_waits_at_most_its_timeout_over_all_buckets(tmp_path: Path) -> None:
+def test_a_waiting_reader_waits_at_most_its_timeout_over_all_buckets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pulsing's reader gave each of 4 buckets the whole timeout (4 x 1 s for nothing) and
-    waited on a bucket that had a record for more (4 x 2 s for one record)."""
+    waited on a bucket that had a record for more (4 x 2 s for one record): this one only
+    ever asks its buckets what they hold now, and returns as soon as a record is there."""
     import pulsing as pul
 
     root, topic = tmp_path / "root", "waits"
+    never = HANG_S * 100  # a timeout no wait below may reach: each returns on a record
 
     async def go() -> None:
         system = await pul.actor_system()
@@ -132,26 +136,33 @@ def test_a_waiting_reader_waits_at_most_its_timeout_over_all_buckets(tmp_path: P
             writer = await open_writer(system, topic, storage_root=root, num_buckets=4)
             reader = await open_reader(system, topic, storage_root=root, num_buckets=4)
             assert isinstance(reader, TopicReader)
+            asked: list[dict] = []
+            ask = reader.reader.get
+
+            async def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+                asked.append(kwargs)
+                return await ask(*args, **kwargs)
+
+            monkeypatch.setattr(reader.reader, "get", spy)
             assert await reader.get(limit=10) == []
 
-            started = time.monotonic()
-            assert await reader.get(limit=100, wait=True, timeout=1.0) == []
-            assert 0.9 <= time.monotonic() - started < 2.5
+            got = await asyncio.wait_for(reader.get(limit=100, wait=True, timeout=0.5), HANG_S)
+            assert got == [] and asked
+            assert not any("wait" in kw or "timeout" in kw for kw in asked)  # no bucket waits
 
             await writer.put({"id": "one", "seq": 1})
-            started = time.monotonic()
-            assert await reader.get(limit=100, wait=True, timeout=2.0) == [{"id": "one", "seq": 1}]
-            assert time.monotonic() - started < 1.5
+            got = await asyncio.wait_for(reader.get(limit=100, wait=True, timeout=never), HANG_S)
+            assert got == [{"id": "one", "seq": 1}]
 
             async def later() -> None:
-                await asyncio.sleep(0.3)
+                await wait_until_async(lambda: len(asked) > seen, "the reader waits")
                 await writer.put({"id": "two", "seq": 2})
 
+            seen = len(asked) + 1  # the reader's first look finds nothing: it then waits
             task = asyncio.create_task(later())
-            started = time.monotonic()
-            got = await reader.get(limit=100, wait=True, timeout=30)
+            got = await asyncio.wait_for(reader.get(limit=100, wait=True, timeout=never), HANG_S)
             await task
-            assert got == [{"id": "two", "seq": 2}] and time.monotonic() - started < 10
+            assert got == [{"id": "two", "seq": 2}]
             assert await reader.get(limit=100) == []  # the reader moved past both
         finally:
             close_all()
