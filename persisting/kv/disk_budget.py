@@ -56,18 +56,18 @@ class DiskBudget:
         #: The root's other namespaces, which the same budget bounds (None: this
         #: namespace alone; see :mod:`persisting.kv.root_budget`).
         self.root_usage = root_usage
+        if root_usage is not None:
+            root_usage.bind(files.read_header)  # to choose another namespace's victims
 
     def room(self, need: int) -> int:
         """The bytes this namespace may hold once ``need`` more are added: its capacity,
-        less what the root's other namespaces hold -- idle ones dropped first, oldest
-        opened first, when the root would not fit (caller holds the usage lock)."""
+        less what the root's other namespaces hold once room was taken where the root would
+        go over -- from idle namespaces past their grace period first, then from the
+        namespace most over its floor, this one included -- and never less than its floor
+        (see :mod:`persisting.kv.root_budget`; caller holds the usage lock)."""
         if self.root_usage is None:
             return self.capacity
-        others = self.root_usage.others_bytes()
-        if others and self.usage.total() + need + others > self.capacity:
-            self.root_usage.drop_idle(self.usage.total() + need + others - self.capacity)
-            others = self.root_usage.others_bytes()
-        return self.capacity - others
+        return self.root_usage.room(self.capacity, self.usage.total(), need, self._evict)
 
     def reserve(self, nbytes: int, headroom: int = 0, *, metadata: bool = False) -> None:
         """Count ``nbytes`` in the shared usage (as payload, or with ``metadata`` as a
@@ -93,7 +93,7 @@ class DiskBudget:
                 used = self.usage.total()
         if used + need > room:
             others = self.capacity - room
-            shared = f"; the root's other live namespaces hold {others}" if others else ""
+            shared = f"; the root's other namespaces keep {others}" if others else ""
             raise CapacityError(
                 f"disk tier full: {used} of {self.capacity} bytes in use "
                 f"({self.usage.overhead()} of them metadata and directories{shared}), "

@@ -4,6 +4,7 @@ Every open store takes a shared ``flock`` on ``<namespace>/.namespace.lock`` and
 until it closes; dropping the namespace takes the same lock exclusively *without waiting*,
 so it fails at once with :class:`~persisting.errors.NamespaceInUseError` while any process
 (a server, a job) has the namespace open, and the kernel lets go of a killed holder's lock.
+The file's mtime says when a store last took or let go of it.
 
 A store that opens while a drop is in progress waits for the drop to finish, then finds that
 its lock file is no longer the one at the path (the drop renamed the directory away) and
@@ -34,6 +35,7 @@ class NamespaceHold:
 
     def release(self) -> None:
         if self._fd >= 0:
+            _mark_held(self._fd)
             with contextlib.suppress(OSError):
                 os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = -1
@@ -51,11 +53,19 @@ def hold_namespace(directory: Path, make_dir: Callable[[], object]) -> Namespace
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a drop is in progress
             if is_open_at(fd, directory / LOCK_NAME):
+                _mark_held(fd)
                 return NamespaceHold(directory, fd)
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # the namespace was dropped while we waited: start again
+
+
+def _mark_held(fd: int) -> None:
+    """Set the lock file's mtime to now: when the namespace was last held (an idle
+    namespace's grace period counts from it, see :mod:`persisting.kv.root_budget`)."""
+    with contextlib.suppress(OSError):
+        os.utime(fd)
 
 
 @contextmanager
