@@ -8,14 +8,16 @@ readers print one JSON line with what they read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tests.timing import wait_until_async
 
 
 def record(i: int) -> dict[str, Any]:
@@ -128,14 +130,11 @@ async def pulsing_producer(args: dict[str, Any]) -> None:
     for i in range(half):
         await queue.put(record(i))
     Path(args["ready"]).write_text("ready")
-    deadline = time.monotonic() + 60
-    while not Path(args["joined"]).exists() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await wait_until_async(Path(args["joined"]).exists, "a reader joined")
     for i in range(half, args["count"]):
         await queue.put(record(i))
-        await asyncio.sleep(0.01)
-    while not Path(args["done"]).exists() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)  # real duration: the rest arrive one by one as it reads
+    await wait_until_async(Path(args["done"]).exists, "the reader done")
 
 
 async def pulsing_consumer(args: dict[str, Any]) -> None:
@@ -148,23 +147,26 @@ async def pulsing_consumer(args: dict[str, Any]) -> None:
         addr=f"127.0.0.1:{args['port']}", seeds=[f"127.0.0.1:{args['seed_port']}"]
     )
     reader = None
-    deadline = time.monotonic() + 60
-    while reader is None:
-        try:
+
+    async def opened() -> bool:  # the producer's buckets may not be known here yet
+        nonlocal reader
+        with contextlib.suppress(Exception):
             reader = await open_reader(
                 system, args["topic"], storage_root=args["root"], num_buckets=2
             )
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
+        return reader is not None
+
+    await wait_until_async(opened, "the topic opened through the producer's cluster")
+    assert reader is not None
     got: list[dict[str, Any]] = []
-    joined = False
-    while len(got) < args["count"] and time.monotonic() < deadline:
+
+    async def all_read() -> bool:
+        assert reader is not None
         got.extend(await reader.get(limit=100, wait=True, timeout=0.5))
-        if not joined:
-            Path(args["joined"]).write_text("joined")
-            joined = True
+        Path(args["joined"]).write_text("joined")
+        return len(got) >= args["count"]
+
+    await wait_until_async(all_read, "every record")
     print(json.dumps([summary(r) for r in got]), flush=True)
 
 
@@ -177,9 +179,12 @@ async def direct_consumer(args: dict[str, Any]) -> None:
     )
     Path(args["ready"]).write_text("ready")
     got: list[tuple[int, dict[str, Any]]] = []
-    deadline = time.monotonic() + 60
-    while len(got) < args["count"] and time.monotonic() < deadline:
+
+    async def all_read() -> bool:
         got.extend(await consumer.poll(100, wait=True, timeout=1))
+        return len(got) >= args["count"]
+
+    await wait_until_async(all_read, "every record")
     await consumer.commit()
     print(json.dumps([[offset, summary(r)] for offset, r in got]), flush=True)
     await consumer.close()

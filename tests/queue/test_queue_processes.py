@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from persisting.queue import LanceBackend, open_bucket
 from persisting.queue.backend import WAL_DIR
 from tests.queue.queue_helpers import free_port
 from tests.queue.queue_procs import record, summary
+from tests.timing import HANG_S, wait_until
 
 PROCS = Path(__file__).with_name("queue_procs.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -45,15 +45,16 @@ def acked(path: Path) -> list[int]:
     return [int(line) for line in path.read_text().splitlines()]
 
 
-def wait_until(predicate, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"child exited early: {proc.communicate()[1][-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"child made no progress: {proc.communicate()[1][-3000:]}")
-        time.sleep(0.02)
+def progress(predicate, proc: subprocess.Popen, what: str, timeout: float = HANG_S) -> None:
+    """Wait until ``predicate()`` holds, as ``proc`` works towards it: an AssertionError
+    with its stderr if it exits first, or makes no progress (a hang: then it is killed)."""
+    try:
+        wait_until(lambda: predicate() or proc.poll() is not None, what, timeout)
+    except AssertionError:
+        proc.kill()
+        raise AssertionError(f"child made no progress: {proc.communicate()[1][-3000:]}") from None
+    if not predicate():
+        raise AssertionError(f"child exited early: {proc.communicate()[1][-3000:]}")
 
 
 def output_of(proc: subprocess.Popen, timeout: float = 90) -> Any:
@@ -77,7 +78,7 @@ def test_sigkill_of_a_writer_before_any_flush_loses_no_acknowledged_put(tmp_path
     bucket = tmp_path / "bucket_0"
     acks = tmp_path / "acks"
     proc = start("writer", bucket_dir=str(bucket), acks=str(acks))
-    wait_until(lambda: len(acked(acks)) >= 400, proc)
+    progress(lambda: len(acked(acks)) >= 400, proc, "400 acknowledged puts")
     with pytest.raises(StorageIOError, match="another process"):
         LanceBackend(bucket_id=0, storage_path=bucket, lock_timeout_s=0.2)
     sigkill(proc)  # mid-stream: it was still putting
@@ -105,7 +106,7 @@ def test_sigkill_of_the_process_hosting_a_pulsing_bucket_loses_no_acknowledged_p
     root, topic = tmp_path / "root", "prefill/events"
     acks = tmp_path / "acks"
     proc = start("pulsing_writer", root=str(root), topic=topic, acks=str(acks))
-    wait_until(lambda: len(acked(acks)) >= 150, proc, timeout=90)
+    progress(lambda: len(acked(acks)) >= 150, proc, "150 acknowledged puts", 90)
     sigkill(proc)
 
     confirmed = acked(acks)
@@ -123,7 +124,7 @@ def test_flush_durability_takes_over_the_log_of_a_killed_wal_writer(tmp_path: Pa
     bucket = tmp_path / "bucket_0"
     acks = tmp_path / "acks"
     proc = start("writer", bucket_dir=str(bucket), acks=str(acks))
-    wait_until(lambda: len(acked(acks)) >= 50, proc)
+    progress(lambda: len(acked(acks)) >= 50, proc, "50 acknowledged puts")
     sigkill(proc)
     confirmed = acked(acks)
     backend = LanceBackend(bucket_id=0, storage_path=bucket, durability="flush")
@@ -146,7 +147,7 @@ def test_pulsing_producer_and_consumer_in_separate_processes(tmp_path: Path) -> 
         "pulsing_producer", root=str(root), topic=topic, port=seed_port, count=count, **files
     )
     try:
-        wait_until(lambda: Path(files["ready"]).exists(), producer, timeout=90)
+        progress(Path(files["ready"]).exists, producer, "the producer ready", 90)
         consumer = start(
             "pulsing_consumer",
             root=str(root),
@@ -178,7 +179,7 @@ def test_a_consumer_elsewhere_sees_flushes_and_resumes_from_its_commit(tmp_path:
     first = start(
         "direct_consumer", root=str(root), topic=topic, name="evictor", count=30, ready=str(ready)
     )
-    wait_until(ready.exists, first)  # the reader exists before any flush
+    progress(ready.exists, first, "the consumer ready")  # the reader exists before any flush
     writer = open_bucket(root, topic, 0, flush_interval_s=0, batch_size=10**6)
     try:
         for part in range(3):
