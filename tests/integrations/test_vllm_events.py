@@ -10,8 +10,6 @@ blocks).
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +21,10 @@ from persisting.integrations.vllm.namespace import block_key
 from persisting.integrations.vllm.settings import connector_settings
 from persisting.integrations.vllm.shared import acquire, release
 from persisting.kv import open_kv_store
+from tests.timing import wait_until
 
 NAMESPACE = "vllm.llama.0123456789abcdef"
 TOPIC = "kv-events"
-
-
-def _until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_evict_removes_the_blocks_and_prewarm_is_applied(tmp_path: Path) -> None:
@@ -52,7 +44,10 @@ def test_evict_removes_the_blocks_and_prewarm_is_applied(tmp_path: Path) -> None
             {"op": "prewarm", "model": NAMESPACE, "tokens": [1, 2, 3], "chunk_size": 2},
         ]
         asyncio.run(publish_events(settings, events, topic=TOPIC))
-        _until(lambda: follower.applied["evict"] == 1 and follower.applied["skipped"] == 1)
+        wait_until(
+            lambda: follower.applied["evict"] == 1 and follower.applied["skipped"] == 1,
+            "the evict applied and the foreign event skipped",
+        )
         assert follower.applied["prewarm"] == 1
         assert forgotten == [keys[1]]
         assert state.counters.snapshot()["events_applied"] == 2
