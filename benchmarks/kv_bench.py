@@ -1,6 +1,6 @@
 """KV store throughput against raw baselines measured in the same run.
 
-    .venv/bin/python benchmarks/kv_bench.py [--sizes-mib 4 8 32] [--count 24] [--json out.json]
+    .venv/bin/python benchmarks/kv_bench.py [--sizes-mib 4 8 32] [--count 16] [--json out.json]
 
 For each chunk size it measures, alternating store and baseline rounds:
 

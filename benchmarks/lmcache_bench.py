@@ -106,8 +106,9 @@ def _staging_allocator(staging: str, nbytes: int) -> Any:
     ``resident`` (default): one buffer of ``nbytes`` faulted in before the round, as
     LMCache's own CPU backend preallocates (and, with CUDA, pins) its whole buffer; a read
     then measures the backend, not the kernel zeroing fresh destination pages. ``adhoc``:
-    a fresh tensor per read (AdHocMemoryAllocator), as this harness did before; in this VM
-    each fresh page costs a host fault, ~25 ms per 28 MiB chunk on either side.
+    a fresh tensor per read (AdHocMemoryAllocator), as this harness did before: every read
+    then also pays the kernel faulting and zeroing its destination's pages, on either
+    side, which is the machine's cost and not the backend's.
     """
     if staging == "adhoc":
         return AdHocMemoryAllocator(device="cpu")

@@ -109,8 +109,8 @@ class Driver:
         # What vLLM's EngineCore does once it is built, before it serves (and where the
         # scheduler, so the manager and its tiers, run): the startup heap (vLLM's and
         # torch's modules) is frozen out of the cyclic collector. Without it a full
-        # collection walks that heap while the tiers move bytes -- on this VM it halved
-        # both tiers' throughput in some runs, depending on the import order.
+        # collection walks that heap while the tiers move bytes, taking the CPU their
+        # threads need, and the driver would measure a process the engine never is.
         freeze_gc_heap()
 
     def close(self) -> None:

@@ -2,9 +2,9 @@
 
 For a store whose values already live in a memory cache of their own -- vLLM's CPU tier,
 in front of :class:`~persisting.integrations.vllm.tier.PersistingTier` -- the page cache
-would hold every value a second time, and copying through it costs the CPU more than the
-copy itself (measured on a 2-core VM, 4 MiB values: 0.19 s of CPU per GB written with
-O_DIRECT against 0.51 through the page cache, 0.17 against 0.37-0.64 read). With
+would hold every value a second time, and each byte would cost a CPU copy into or out of
+it on top of the transfer, where O_DIRECT leaves the moving to the disk's DMA: on a host
+whose cores the engine also needs, CPU per byte is throughput. With
 ``direct_io`` a store writes and reads payloads this way when the memory and the size allow
 it (4 KiB-aligned address and length: O_DIRECT's rule) and the filesystem takes it (tmpfs
 and some others refuse: then, and for any other value, the page cache is used). The

@@ -23,8 +23,9 @@ PART_ALIGN = 4096
 
 #: Bytes per positioned read where a read is also hashed. Larger than the
 #: :data:`~persisting.kv.layout.HASH_PIECE` of writes and copies: each read is a system
-#: call that lets go of the GIL, and the loading threads then queue to get it back; the
-#: piece is still hashed while in cache (``docs/benchmarks.md``, cold reads).
+#: call that lets go of the GIL, and the loading threads then queue to get it back, so
+#: fewer, larger reads mean fewer hand-offs; 1 MiB is still small enough to be hashed
+#: while it is in the CPU's cache.
 READ_PIECE = 1 << 20
 #: Buffers one vectored read takes at most (Linux's IOV_MAX is 1024).
 MAX_IOV = 512

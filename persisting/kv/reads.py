@@ -283,8 +283,9 @@ class Reads:
     def _read_disk(self, text: str, view: memoryview, parts: int = 1) -> Layout | None:
         """One timed disk read (on a reader thread, or on the caller's in ``parts`` reads
         at once on the reader threads). The destination's pages are not prepared: those
-        not yet touched fault in inside the reads, as in any ``read`` into fresh memory
-        (``docs/benchmarks.md``, reads into memory nobody touched yet)."""
+        not yet touched fault in inside the reads, as in any ``read`` into fresh memory.
+        Populating first would walk the range under the process's memory-map lock, which
+        stalls the batch's other reads and any allocation in the process meanwhile."""
         t = self._t
         if t.disk is None:
             t.op_stats.record("get", "", 0.0, 0, "miss")
@@ -304,7 +305,8 @@ class Reads:
         into parts read at once: when it has too few values to keep ``read_threads`` reads
         in flight (fewer than half as many). Otherwise each value is read whole by one
         reader thread, up to ``read_threads`` at once: sequential reads of whole files,
-        which the kernel reads ahead of (``docs/benchmarks.md``, cold reads)."""
+        which the kernel reads ahead of, where parts of one file read at once are several
+        streams over one file."""
         return self.read_threads > 1 and batch * 2 <= self.read_threads
 
     def _submit(self, text: str, view: memoryview, split: bool) -> Future[Layout | None]:

@@ -284,7 +284,7 @@ class Tiers:
 
         The arena matters most: a fresh array faults a zeroed page per 4 KiB on first
         touch (costing more than the copy itself), the arena's pages are faulted 2 MiB at
-        a time once and then reused by later values (``docs/benchmarks.md``).
+        a time once and then reused by later values.
         """
         if self.pool is not None:
             buffer = self.pool.allocate(nbytes)

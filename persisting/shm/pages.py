@@ -50,10 +50,11 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
     Buffers of :data:`NUMPY_HUGE_PAGE_BYTES` or more get a private anonymous mapping of
     their own, in 4 KiB pages: an array numpy allocates that large is advised to use huge
     pages, and a buffer filled once on a request's path (a value read for a caller that
-    keeps it) is where a fresh huge page costs most -- on the development VM its first
-    touch is a lottery (free page reporting, docs/benchmarks.md), and remote batched gets
-    into such buffers ran at 0.3x of a socket in two rounds of three. The mapping goes
-    when the last array or tensor over it does.
+    keeps it) is where a fresh huge page costs most: its first touch makes the kernel find
+    and zero 2 MiB of contiguous memory, and in a VM that hands freed memory back to its
+    host (free page reporting) such a block is exactly what the host took back, so the
+    touch faults on the host as well. 4 KiB pages come from any free fragment and cost
+    the same every time. The mapping goes when the last array or tensor over it does.
     """
     if nbytes >= NUMPY_HUGE_PAGE_BYTES:
         mapping = mmap.mmap(-1, round_to_page(nbytes), flags=mmap.MAP_PRIVATE)
@@ -79,8 +80,8 @@ _PARALLEL_COPY_BYTES = 1 << 20
 def copy_bytes(dst: np.ndarray, src: Any) -> None:
     """Copy the bytes of ``src`` into the uint8 array ``dst`` (same length).
 
-    Large copies use torch's parallel copy when torch is already loaded (several GB/s more
-    than numpy's single-threaded one here); numpy-only processes keep numpy.
+    Large copies use torch's parallel copy when torch is already loaded (it spreads the
+    copy over the cores, where numpy's runs on one); numpy-only processes keep numpy.
     """
     source = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
     torch = loaded_torch()
@@ -154,11 +155,11 @@ def copy_into(dst: np.ndarray, src: Any) -> None:
     an engine's preallocated buffer), else populated in one call (:func:`populate`) and
     copied on this thread.
 
-    Several threads faulting fresh pages in at once contend on the process's page tables
-    (torch's parallel copy into just-allocated memory ran at under half numpy's
-    single-threaded speed on the 2-core machine, and once at a tenth of it); into resident
-    pages the parallel copy runs at twice numpy's speed there (30-34 against 14.5 GB/s for
-    8 MiB). Checking costs one ``mincore`` call (a few microseconds per 8 MiB).
+    Several threads faulting fresh pages in at once serialize on the process's page tables,
+    so a parallel copy into fresh memory is no faster than one thread's and often slower,
+    while one populate call maps the pages without a fault per page; into resident pages
+    nothing faults and the parallel copy gains what the cores give. Checking costs one
+    ``mincore`` call, small beside the copy.
     """
     source = src if isinstance(src, np.ndarray) else np.frombuffer(src, dtype=np.uint8)
     if dst.nbytes < _PARALLEL_COPY_BYTES:
@@ -294,10 +295,10 @@ HUGE_PAGE = 2 << 20
 def advise_huge_pages(mapping: mmap.mmap) -> bool:
     """Ask the kernel to back ``mapping`` (anonymous) with transparent huge pages.
 
-    A first touch of a 4 KiB page costs one fault and a zeroed page: ~4.6 us here (a VM),
-    so filling 28 MiB of fresh memory took 37 ms against 3 ms for the copy itself. With
-    huge pages one fault maps 2 MiB (5 ms for the same 28 MiB, copy included). Hosts whose
-    THP setting is ``never`` (or without ``madvise``) keep 4 KiB pages; nothing breaks.
+    A first touch of a 4 KiB page costs one fault and a zeroed page, so filling fresh
+    memory costs more than the copy into it; with huge pages one fault maps 2 MiB, 512
+    times fewer faults for the same bytes. Hosts whose THP setting is ``never`` (or
+    without ``madvise``) keep 4 KiB pages; nothing breaks.
     """
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     if advise is None:
@@ -409,11 +410,10 @@ class RecycledBuffers(PrefaultedMemory):
     """Page-aligned buffers whose pages stay mapped from one use to the next.
 
     A fresh multi-MiB array costs a page fault (and the kernel zeroing the page) per page
-    on first touch, which makes copying a value into a new array 2-10x slower than the
-    copy itself. :meth:`take` hands out ranges of one private anonymous mapping instead,
-    aligned to huge pages and, with ``huge_pages`` (the default), advised to use them
-    (:func:`advise_huge_pages`: the first use of a range faults 2 MiB at a time); a range
-    returns when its array (and
+    on first touch, which costs more than copying the value into it. :meth:`take` hands
+    out ranges of one private anonymous mapping instead, aligned to huge pages and, with
+    ``huge_pages`` (the default), advised to use them (:func:`advise_huge_pages`: the
+    first use of a range faults 2 MiB at a time); a range returns when its array (and
     every tensor or view made from it) is garbage, and the next value reuses its
     already-mapped pages (first fit: freed ranges low in the mapping before fresh ones).
     :meth:`start_prefault` faults the whole mapping in ahead of use, in the background.
@@ -424,7 +424,8 @@ class RecycledBuffers(PrefaultedMemory):
     the background). A range used once, on a request's path, may do better without: in a
     VM that gives free memory back to its host (free page reporting, as on the
     development machine), a fresh huge page comes from exactly the blocks given back, and
-    its first touch took 3-20x longer than 4 KiB pages' (see ``docs/benchmarks.md``).
+    its first touch faults on the host as well as in the guest; 4 KiB pages come from
+    smaller free fragments and cost the same every time.
     """
 
     def __init__(self, capacity: int, *, huge_pages: bool = True):
@@ -470,8 +471,9 @@ class RecycledBuffers(PrefaultedMemory):
         background thread (:class:`Prefault`); returns it (None if one already ran or runs).
 
         Costs those bytes of resident memory from now on instead of as values arrive, and
-        the CPU time of the faults (about 1 s per GiB in this VM, a fraction of that on
-        bare metal), spent before the first put rather than inside it.
+        the CPU time of the faults (a fault and a zeroed page per page, more in a VM,
+        where a fault can reach the host), spent before the first put rather than
+        inside it.
         """
         self._mapped()
         end = self.capacity if nbytes is None else min(round_to_page(nbytes), self.capacity)

@@ -106,9 +106,9 @@ class SharedPool(PrefaultedMemory):
     def start_prefault(self, nbytes: int) -> threading.Thread | None:
         """Commit and map the lowest ``nbytes`` of the data area on a background thread
         (:class:`~persisting.shm.pages.Prefault`), so the first values put there land in
-        mapped pages: committed but unmapped, each 4 KiB page of a fresh 8 MiB put faulted
-        on the way in (2,048 faults, 1-2 us each in this VM), where populating maps them
-        at about 1 us per page ahead of time. Returns the thread (None if one already ran)."""
+        mapped pages: committed but unmapped, each 4 KiB page of a fresh put would fault on
+        the way in, one fault per page on the put's path; populating maps them ahead of
+        time, off that path. Returns the thread (None if one already ran)."""
         end = min(round_to_page(nbytes), self.size - self.data_offset)
         return self._prefault.start(
             self._address + self.data_offset,

@@ -201,11 +201,12 @@ def connector_settings(extra_config: Mapping[str, Any] | None) -> ConnectorSetti
 #: The keys a ``PersistingTier`` entry of ``secondary_tiers`` takes.
 TIER_FIELDS = tuple(f for f in _FIELDS if f not in _CONNECTOR_ONLY)
 #: Where a tier's defaults differ from a CPU engine's. It moves whole rows of vLLM's CPU
-#: tier with O_DIRECT, so the disk's queue depth is its throughput: as many transfers in
-#: flight as vLLM's own fs tier keeps (16 threads a side; measured on the VM here, 4 MiB
-#: rows: 16 threads 1.4-2.1 GB/s, 4 threads 0.9-1.0). And it is a cache behind vLLM's CPU
-#: tier: a chunk lost to a machine crash before the disk flushed it is a miss (its header
-#: and checksum are checked), so a store does not wait for a flush unless fsync is set.
+#: tier with O_DIRECT, which bypasses the kernel's readahead and write-back, so the
+#: transfers in flight are all the disk is asked at once, and a disk serves more the more
+#: requests it has queued: as many as vLLM's own fs tier keeps (16 a side). And it is a
+#: cache behind vLLM's CPU tier: a chunk lost to a machine crash before the disk flushed
+#: it is a miss (its header and checksum are checked), so a store does not wait for a
+#: flush unless fsync is set.
 TIER_DEFAULTS: dict[str, Any] = {"io_threads": 16, "fsync": False}
 
 

@@ -21,8 +21,9 @@ class Destination:
     """Where one value's bytes go: the caller's buffer (``get_into``), else recycled private
     pages (as the in-process store returns values in: no page faults once warm, and the
     value owns them until it is dropped), else a fresh page-aligned buffer. Pages of ours
-    are populated in one call before bytes land in them: a socket receive that faults
-    fresh pages in one at a time is far slower (docs/benchmarks.md)."""
+    are populated in one call before bytes land in them: a socket receive into fresh pages
+    takes a fault per page inside the receive, one at a time, where one populate call maps
+    them all at once."""
 
     def __init__(self, results: RecycledBuffers | None, nbytes: int, out: memoryview | None):
         self.out = out

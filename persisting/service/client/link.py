@@ -8,9 +8,9 @@ of :mod:`persisting.service.bulk.frames`. A value's bytes are received straight 
 destination and hashed as they land; a value is returned only once all its bytes arrived
 and matched the checksum the server stored with it (else it is a miss).
 
-Why the event loop and not a blocking socket on a helper thread: a request then crosses
-two threads, and on a machine with few cores the scheduler often wakes the helper on the
-core where the peer is busy sending (docs/benchmarks.md).
+Why the event loop and not a blocking socket on a helper thread: a request would then
+cross two threads, each hand-off a wake-up, and on a machine with few cores the scheduler
+can wake the helper on the core where the peer is busy sending.
 
 What can go wrong, and what the caller makes of it:
 

@@ -69,7 +69,8 @@ class Reader:
         self._key = key_of
         #: Pages values read by this client are returned in (as the in-process store does),
         #: without huge pages: a caller that keeps its values uses each range once, and a
-        #: fresh huge page can cost far more to fault in (docs/benchmarks.md).
+        #: fresh huge page costs far more to fault in than 4 KiB pages where the host has
+        #: taken freed memory back (:func:`persisting.shm.aligned_buffer` says why).
         self.results = (
             RecycledBuffers(result_buffer_bytes, huge_pages=False)
             if result_buffer_bytes > 0
