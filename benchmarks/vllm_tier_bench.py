@@ -12,7 +12,8 @@ nothing checked). Per round and side:
   ``--jobs`` requests, timed from the first cascade vLLM submits to the last one finished;
 - **promote, warm**: a new process looks them up and waits until every one is promoted
   into the CPU tier (bytes checked afterwards, outside the timing); the files were just
-  written, so Persisting's come from the page cache (the fs tier's O_DIRECT reads never do);
+  written, so a tier that reads through the page cache finds them there (both tiers read
+  with O_DIRECT where the filesystem allows it, so neither does);
 - **promote, cold**: the page cache dropped first (``drop_caches`` as root, else
   ``posix_fadvise(DONTNEED)`` on the side's files), then the same in a new process.
 
