@@ -161,6 +161,8 @@ class DiskTier:
         try:
             with self.usage.metadata_locked(), self.usage.locked(), self._lock:
                 self._alive = self.files.register_writer()
+                # the side files judged before anything (a commit in _load_index) counts them
+                self.remembered.prepare(self.policy, self.capacity)
                 self.judge.put_back_verified()
                 self._load_index()
                 self.usage.recount(self.files)

@@ -8,6 +8,10 @@ temporary file and renamed into place (a reader sees the old or the new snapshot
 mix). It is saved on close and on flush; chunks stored after the last snapshot rank as the
 most recently used, in the order they were written. A missing or damaged snapshot costs
 only the order (the store then evicts in creation order), never data.
+
+It holds at most one entry per 4 KiB of the budget (every chunk takes a block at least):
+on open, before anything is counted, a damaged snapshot is removed and a longer one cut to
+its newest entries (:func:`prepare`), so none can make the store evict a chunk for it.
 """
 
 from __future__ import annotations
@@ -53,6 +57,56 @@ def save_order(directory: Path, order: Iterable[tuple[int, int]]) -> None:
             os.unlink(tmp)
 
 
+def prepare(directory: Path, most: int) -> dict[tuple[int, int], int]:
+    """Judge the snapshot before the namespace is counted, for a budget that holds at most
+    ``most`` chunks (the caller holds the namespace's metadata lock, under which every
+    snapshot is saved): a damaged one is removed, one of more entries is cut to its
+    ``most`` newest (read from its end, the rest never read) and removed, to be saved
+    again by the next flush or close; what is kept is returned as :func:`load_order`
+    does. Leftovers of a save that died are removed."""
+    for leftover in directory.glob(f".{FILE_NAME}.*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            leftover.unlink()
+    path = directory / FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        log.warning("cannot read the eviction order of %s: %s", directory, exc)
+        return {}
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, _HEAD.size, 0)
+        magic, count = _HEAD.unpack(head) if len(head) == _HEAD.size else (b"", -1)
+        whole = magic == _MAGIC and size == file_bytes(count)
+        keep = max(0, min(count, most)) if whole else 0
+        raw = os.pread(fd, keep * _ENTRY.size, file_bytes(count - keep)) if keep else b""
+    except OSError as exc:
+        log.warning("cannot read the eviction order of %s: %s", directory, exc)
+        whole, keep, raw = False, 0, b""
+    finally:
+        os.close(fd)
+    if not whole or keep < count or len(raw) != keep * _ENTRY.size:
+        log.warning(
+            "the eviction order of %s is %s; removed before it is counted",
+            directory,
+            f"longer than this budget's {most} chunks: kept its newest" if whole else "damaged",
+        )
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        if len(raw) != keep * _ENTRY.size:
+            return {}
+    return _ranks(raw)
+
+
+def _ranks(raw: bytes | memoryview) -> dict[tuple[int, int], int]:
+    ranks: dict[tuple[int, int], int] = {}
+    for i, entry in enumerate(_ENTRY.iter_unpack(raw)):
+        ranks.setdefault(entry, i)
+    return ranks
+
+
 def load_order(directory: Path) -> dict[tuple[int, int], int]:
     """The saved rank of each ``(key hash, tag)`` (0 = least recently used); empty when
     there is no snapshot or it is damaged."""
@@ -69,15 +123,13 @@ def load_order(directory: Path) -> dict[tuple[int, int], int]:
     if magic != _MAGIC or len(raw) != _HEAD.size + count * _ENTRY.size:
         log.warning("the eviction order of %s is damaged; using creation order", directory)
         return {}
-    ranks: dict[tuple[int, int], int] = {}
-    for i, entry in enumerate(_ENTRY.iter_unpack(memoryview(raw)[_HEAD.size :])):
-        ranks.setdefault(entry, i)
-    return ranks
+    return _ranks(memoryview(raw)[_HEAD.size :])
 
 
 __all__ = [
     "FILE_NAME",
     "file_bytes",
     "load_order",
+    "prepare",
     "save_order",
 ]
