@@ -154,8 +154,7 @@ STORE_FIGURES: tuple[StoreFigure, ...] = (
         "persisting_kv_foreign_files",
         "counter",
         "foreign_files",
-        "Payload files found that no store of this storage root wrote (quarantined, never"
-        " served).",
+        "Payload files found that no store of this storage root wrote (quarantined, never served).",
     ),
     StoreFigure(
         "quarantined_files",
