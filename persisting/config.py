@@ -135,9 +135,9 @@ class KVSettings(BaseModel):
     memory_bytes: Bytes = Field(default=2 * GiB, ge=0)
     """Memory tier budget per model (0: no memory tier)."""
     disk_bytes: Bytes = Field(default=64 * GiB, ge=0)
-    """Disk budget of the storage root (0: no disk tier): a model's namespace holds at most
-    this, less what the root's other namespaces hold; idle namespaces (an old layout or
-    weights version no live store holds) are dropped, oldest first, when in the way."""
+    """Disk budget of the storage root (0: no disk tier), shared by its namespaces: room is
+    taken chunk by chunk from those idle over 10 minutes first, then from the one most over
+    its fair share (this divided by the namespaces live or idle under 10 minutes)."""
     durability: KVDurability = "sync"
     """When a put returns: "sync" (fsynced on disk), "async" (in memory, disk write
     behind), "write_back" (in memory, written when evicted or on close)."""

@@ -229,14 +229,36 @@ PROMISES = """\
   its replacement written into a directory it has yet to reach), so it can read above any
   moment's figure by what was written during the walk; taken under the directory's
   `.metadata.lock` and `.lock`, it sees one moment (figures below).
-- **One budget for the whole root.** `disk_bytes` bounds the storage root, not each
-  namespace: a writer keeps its namespace within `disk_bytes` less what the root's other
-  namespaces hold (their usage counters, read at most once a second). An idle namespace (an
-  engine's old layout or weights version, a model no live store holds) is dropped whole,
-  the one opened longest ago first, when it is in the way; live namespaces never evict each
-  other (the first to fill keeps its room, the others evict their own chunks to fit beside
-  it). Writers of different namespaces may each add one batch at the same moment, so the
-  root may exceed the budget by that much until the next reservation.
+- **One budget for the whole root, that neither drops a restarting model nor starves a
+  live one.** `disk_bytes` bounds the storage root, not each namespace. When a reservation
+  would take the root over it, room is taken chunk by chunk: first from namespaces idle
+  past a grace period of 10 minutes (no store has held them since: an engine's old layout
+  or weights version, a model not served now), the one held longest ago first, its least
+  valuable chunks first; such a namespace is dropped whole only once it holds no chunk.
+  Then from whichever namespace is most over its floor, the writer's own included, so
+  that they level. The floor of a live namespace, and of an idle one within its grace
+  period (a model restarting: its engine loading and fingerprinting the weights), is its
+  fair share, `disk_bytes` divided by the number of such namespaces: it loses only chunks
+  above it, and a writer below its floor is never refused for the root's sake. The grace
+  period counts from when the namespace was last seen held (a store opened or closed it,
+  or a writer of the root found it held, at most once a second while writing). Chunks
+  taken from another namespace are its least valuable by the `prefix` policy's order --
+  what the `value` policy does without that namespace's reuse counts: chunks cut off from
+  their prefix, then the tips of chains, least recently written first, read from the
+  headers of its 4,096 oldest files (a file that does not verify under the root's key is
+  never taken) -- and removed as its own eviction removes them: the payload file unlinked
+  and its usage counter lowered under its usage lock (an idle namespace's lock held too,
+  so a store opening it waits). Its stores see a miss, as for another process's eviction.
+  Every reservation reads the other namespaces' counters (the root's listing at most once
+  a second, and whenever a namespace is made or dropped), so writers of different
+  namespaces exceed the budget only by the reservations they make at the same moment (one
+  each: a batch's files, or a metadata commit's bound), and, when a namespace over its
+  floor keeps its usage lock over a second, by what a writer below its floor adds up to
+  its floor meanwhile; the next reservation that finds the root over takes either back.
+  Two engine processes writing 48 chunks of 256 KiB at once on a 16 MiB root that one of
+  them had filled: no put refused (the old rule refused every put of a live model beside
+  one that filled the root), 29-30 chunks each, the root's counters at most 455 KiB over
+  the budget in 4 runs (the test bounds it at three chunks).
 - **A process may exit without closing.** A store still open when the interpreter exits
   is closed by an exit hook (its write-behind finished, metadata committed, threads
   joined), as are queue backends and blocking service clients (whose sessions then end at
