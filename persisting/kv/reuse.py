@@ -31,6 +31,7 @@ and the value policy beside the tier on key hashes alone and follows whichever h
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import mmap
@@ -552,7 +553,11 @@ def prepare(directory: Path, slots: int, *, keep: bool) -> np.ndarray | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise storage_error(f"cannot open {path}", exc) from exc
+        if exc.errno != errno.ELOOP:
+            raise storage_error(f"cannot open {path}", exc) from exc
+        log.warning("%s is a link, not a table: removing it", path)
+        path.unlink()
+        return None
     try:
         found = _valid_slots(fd, os.fstat(fd).st_size)
         if found == slots or (found is not None and found < slots and not keep):

@@ -105,6 +105,21 @@ def test_garbage_in_a_side_file_costs_no_chunk(root: Path, name: str) -> None:
     assert (directory / recency.FILE_NAME).stat().st_size == recency.file_bytes(10)
 
 
+def test_a_linked_table_is_replaced_and_its_target_left_alone(root: Path, tmp_path: Path) -> None:
+    budget = 16 * MiB
+    directory = fill(root, budget, 4)
+    target = tmp_path / "elsewhere.bin"
+    target.write_bytes(b"x" * MiB)
+    (directory / FILE_NAME).unlink()
+    (directory / FILE_NAME).symlink_to(target)
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=budget) as store:
+        assert kept(store, 4) == list(range(4))
+        table = directory / FILE_NAME
+        assert not table.is_symlink()
+        assert table.stat().st_size == file_bytes(slots_for(budget))
+    assert target.read_bytes() == b"x" * MiB
+
+
 def test_an_oversized_snapshot_is_cut_to_the_bound_before_it_is_counted(root: Path) -> None:
     """A valid ``recency.bin`` of 15 MiB (a crafted header and entries) in a 16 MiB
     namespace: cut to its newest ``budget / 4 KiB`` entries (every chunk takes a block at
