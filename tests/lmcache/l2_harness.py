@@ -14,7 +14,6 @@ import json
 import os
 import select
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform import consume_fd, current_device_spec
 
 from persisting.lmcache import PersistingL2Adapter
+from tests.timing import wait_until
 
 MODEL = "meta-llama/Llama-3-8B"
 #: One chunk of a small model as LMCache's L1 lays it out: 64 KiB of bfloat16.
@@ -170,13 +170,16 @@ def wait_fd(fd: int, timeout_s: float = 30.0) -> None:
 def store(adapter: PersistingL2Adapter, keys: list[ObjectKey], objs: list[Any]) -> Any:
     """A store task, waited for through its event fd; returns its L2StoreResult."""
     task = adapter.submit_store_task(keys, objs)
-    deadline = time.monotonic() + 30
     done: dict = {}
-    while task not in done:
-        if time.monotonic() > deadline:
-            raise TimeoutError("store task did not complete")
-        wait_fd(adapter.get_store_event_fd(), 30)
+
+    def completed() -> bool:
         done.update(adapter.pop_completed_store_tasks())
+        if task not in done:
+            with contextlib.suppress(TimeoutError):
+                wait_fd(adapter.get_store_event_fd(), 1)
+        return task in done
+
+    wait_until(completed, "the store task")
     return done[task]
 
 
@@ -193,23 +196,17 @@ def load(adapter: PersistingL2Adapter, keys: list[ObjectKey], objs: list[Any]) -
 
 
 def _wait_result(fd: int, query: Any, task: int) -> list[int]:
-    deadline = time.monotonic() + 30
-    while True:
-        result = query(task)
-        if result is not None:
-            return list(result.get_indices_list())
-        if time.monotonic() > deadline:
-            raise TimeoutError("task did not complete")
-        with contextlib.suppress(TimeoutError):
-            wait_fd(fd, 1)
+    results: list[Any] = []
 
+    def answered() -> bool:
+        results.append(query(task))
+        if results[-1] is None:
+            with contextlib.suppress(TimeoutError):
+                wait_fd(fd, 1)
+        return results[-1] is not None
 
-def wait_until(predicate: Any, timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+    wait_until(answered, "the task's result")
+    return list(results[-1].get_indices_list())
 
 
 class Recorder(L2AdapterListener):
@@ -244,7 +241,7 @@ def write_through_l1(manager: StorageManager, keys: list[ObjectKey], seed: int =
         lambda: all(
             adapter.debug_has_key(key) and manager._l1_manager.is_key_evictable(key) for key in keys
         ),
-        what="L2 stores",
+        "L2 stores",
     )
 
 

@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 from tests.kv.kv_helpers import in_flight
@@ -32,6 +31,7 @@ from tests.lmcache.l2_harness import (
     tensor_obj,
     write_through_l1,
 )
+from tests.timing import wait_until
 
 #: Keys of several salts, ranks and groups: all must come back as they were.
 KEYS = [
@@ -75,9 +75,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         big = [object_key(1000 + i) for i in range(BIG)]
         adapter.submit_store_task(big, [tensor_obj(1000 + i, BIG_SHAPE) for i in range(BIG)])
-        deadline = time.monotonic() + 60
-        while not in_flight(root / "kv" / "lmcache") and time.monotonic() < deadline:
-            time.sleep(0.0005)
+        wait_until(lambda: in_flight(root / "kv" / "lmcache"), "a store in flight")
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -167,14 +166,6 @@ def filled(
     assert obj is not None and obj.tensor is not None
     obj.tensor.copy_(payload(seed, obj.tensor.shape, obj.tensor.dtype))
     return obj
-
-
-def wait_until(predicate: Any, timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 class CPUConnector(GPUConnectorInterface):

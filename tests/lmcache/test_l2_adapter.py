@@ -8,7 +8,6 @@ and prefetch controllers observe it.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -37,8 +36,8 @@ from tests.lmcache.l2_harness import (
     payload,
     store,
     tensor_obj,
-    wait_until,
 )
+from tests.timing import ManualClock, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 CHUNK_BYTES = 2 * 4 * 16 * 256 * 2
@@ -112,12 +111,12 @@ def test_store_lookup_load_unlock_delete_round_trip(root: Path) -> None:
         # A locked chunk is not deleted; once unlocked it is.
         adapter.delete([keys[0]])
         adapter.submit_unlock([keys[2], keys[3]])
-        wait_until(lambda: adapter.report_status()["locked_key_count"] == 1, what="unlock")
+        wait_until(lambda: adapter.report_status()["locked_key_count"] == 1, "unlock")
         assert adapter.debug_has_key(keys[0])
         adapter.submit_unlock([keys[0]])
         adapter.delete([keys[0], keys[2], missing])
-        wait_until(lambda: not adapter.debug_has_key(keys[2]), what="delete")
-        wait_until(lambda: len(listener.deleted) == 2, what="deleted notification")
+        wait_until(lambda: not adapter.debug_has_key(keys[2]), "delete")
+        wait_until(lambda: len(listener.deleted) == 2, "deleted notification")
         assert sorted(k.chunk_hash for k in listener.deleted) == sorted(
             k.chunk_hash for k in (keys[0], keys[2])
         )
@@ -272,20 +271,22 @@ def test_list_l2_keys_pages_through_every_key(root: Path) -> None:
             adapter.list_l2_keys(page_size=0)
 
 
-def test_a_lock_lmcache_never_releases_expires(root: Path) -> None:
-    with l2_adapter(root, capacity="16MiB", lock_ttl_s=0.2) as adapter:
+def test_a_lock_lmcache_never_releases_expires(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with l2_adapter(root, capacity="16MiB", lock_ttl_s=60) as adapter:
+        clock = ManualClock()  # the locks' clock: moved past the TTL, not waited through
+        monkeypatch.setattr(adapter._locks, "_clock", clock)
         key = object_key(3)
         assert store(adapter, [key], [tensor_obj(3)]).is_successful()
         assert lookup(adapter, [key]) == [0]
         adapter.delete([key])  # locked: kept
         assert adapter.debug_has_key(key)
-        wait_until(lambda: adapter.report_status()["locked_key_count"] == 1)
-        time.sleep(0.3)
+        wait_until(lambda: adapter.report_status()["locked_key_count"] == 1, "the lock")
+        clock.advance(61)
         assert lookup(adapter, [object_key(4)]) == []  # the next lookup reaps it
         status = adapter.report_status()
         assert status["locked_key_count"] == 0 and status["expired_locks"] == 1
         adapter.delete([key])
-        wait_until(lambda: not adapter.debug_has_key(key), what="delete after expiry")
+        wait_until(lambda: not adapter.debug_has_key(key), "delete after expiry")
         adapter.submit_unlock([key])  # a late unlock releases nothing twice
 
 
@@ -303,7 +304,7 @@ def test_tasks_from_many_threads_never_mix_bytes(root: Path) -> None:
                         keys[j : j + 5], [tensor_obj(i) for i in mine[j : j + 5]]
                     )
                     assert isinstance(result, int)
-                wait_until(lambda: all(adapter.debug_has_key(k) for k in keys), what="stores")
+                wait_until(lambda: all(adapter.debug_has_key(k) for k in keys), "stores")
                 dest = [tensor_obj(None) for _ in keys]
                 got = load(adapter, keys, dest)
                 assert got == list(range(10))

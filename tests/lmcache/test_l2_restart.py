@@ -29,9 +29,9 @@ from tests.lmcache.l2_harness import (
     prefetch,
     storage_manager,
     tensor_obj,
-    wait_until,
 )
 from tests.lmcache.l2_writer import BIG, BIG_SHAPE, KEYS
+from tests.timing import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 HERE = Path(__file__).parent
@@ -116,7 +116,7 @@ def test_lmcache_evicts_in_the_order_kept_across_the_restart(
     with storage_manager(entry) as manager:
         adapter = adapter_of(manager)
         first = {k for k in KEYS if repr(k) in report["order"][:3]}
-        wait_until(lambda: not any(adapter.debug_has_key(k) for k in first), 30, "eviction")
+        wait_until(lambda: not any(adapter.debug_has_key(k) for k in first), "eviction")
         survivors = [k for k in KEYS if repr(k) in report["order"][3:]]
         assert any(adapter.debug_has_key(k) for k in survivors)
         # What LMCache evicted, it evicted least recently used first.

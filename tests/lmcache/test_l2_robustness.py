@@ -38,9 +38,9 @@ from tests.lmcache.l2_harness import (
     storage_manager,
     store,
     tensor_obj,
-    wait_until,
     write_through_l1,
 )
+from tests.timing import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 CHUNK_BYTES = 2 * 4 * 16 * 256 * 2
@@ -79,7 +79,7 @@ def test_capacity_holds_in_bytes_on_disk(root: Path) -> None:
         evicted = len(keys) - len(kept)
         assert 3 <= len(kept) < len(keys)
         adapter.get_usage()  # LMCache hears of evictions the next time it asks the adapter
-        wait_until(lambda: len(listener.deleted) == evicted, what="eviction notices")
+        wait_until(lambda: len(listener.deleted) == evicted, "eviction notices")
         assert set(listener.deleted) == set(keys) - set(kept)
         assert du_bytes(namespace_dir(root)) == adapter.get_usage().total_bytes_used
         assert files_bytes(namespace_dir(root)) == len(kept) * ON_DISK
@@ -103,7 +103,7 @@ def test_a_failed_store_is_never_visible_and_its_errno_is_reported(root: Path) -
             make_uncreatable(namespace_dir(root), text)
         reserved = manager.reserve_write(failed, LAYOUT)
         manager.finish_write(list(reserved))
-        wait_until(lambda: adapter.report_status()["io_errors"] >= 1, what="the failed store")
+        wait_until(lambda: adapter.report_status()["io_errors"] >= 1, "the failed store")
         status = manager.report_status()["l2_adapters"][0]  # LMCache's own status API
         assert status["type"] == "PersistingL2Adapter" and not status["is_healthy"]
         assert status["store_failures"] >= 1

@@ -19,8 +19,8 @@ from tests.lmcache.lmcache_harness import (
     plugin_of,
     same_bytes,
     storage_manager,
-    wait_until,
 )
+from tests.timing import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,7 +90,7 @@ def test_storage_manager_prefetches_the_hit_prefix_from_the_plugin(root: Path) -
         keys = [key(i) for i in range(5)]
         lengths = [CHUNK * i for i in range(6)]
         on_loop(manager, manager.async_lookup_and_prefetch("req-9", keys, lengths, pin=True))
-        wait_until(lambda: "req-9" in inbox.responses, what="prefetch")
+        wait_until(lambda: "req-9" in inbox.responses, "prefetch")
         assert inbox.responses["req-9"] == 3 * CHUNK
         (tier,) = manager.event_manager.pop_event(EventType.LOADING, "req-9").result()
         assert [k for k, _obj in tier] == keys[:3]

@@ -18,8 +18,8 @@ from tests.lmcache.lmcache_harness import (
     payload,
     plugin_of,
     same_bytes,
-    wait_until,
 )
+from tests.timing import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,7 +41,7 @@ def test_store_lookup_retrieve_round_trip_through_the_plugin(root: Path) -> None
         plugin = plugin_of(manager)
         engine.store(tokens, slot_mapping=slots)
         keys = [k for _s, _e, k in engine.token_database.process_tokens(tokens)]
-        wait_until(lambda: plugin.batched_contains(keys) == 5, what="plugin puts")
+        wait_until(lambda: plugin.batched_contains(keys) == 5, "plugin puts")
         # Its put tasks have let go of LMCache's objects (contains is true from the moment
         # a value is in the plugin's memory tier): clear() then drops them all, and only
         # the plugin can serve the retrieve.

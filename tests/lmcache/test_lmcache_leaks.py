@@ -10,7 +10,6 @@ import asyncio
 import errno
 import logging
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from tests.lmcache.lmcache_harness import (
     same_bytes,
     storage_manager,
 )
+from tests.timing import ManualClock
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,14 +107,18 @@ def test_pins_lmcache_releases_itself_are_not_released_twice(manager: StorageMan
     assert plugin.unpin(keys[2]) and soft_removable(plugin, 2)  # ...until its owner unpins
 
 
-def test_pins_of_a_lookup_that_is_never_loaded_expire(root: Path) -> None:
-    with storage_manager(make_config(root, lookup_pin_ttl_s=0.2)) as manager:
+def test_pins_of_a_lookup_that_is_never_loaded_expire(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with storage_manager(make_config(root, lookup_pin_ttl_s=60)) as manager:
         store_chunks(manager, [0, 1])
         plugin = plugin_of(manager)
+        clock = ManualClock()  # the pins' clock: moved past the TTL, not waited through
+        monkeypatch.setattr(plugin._lookup_pins, "_clock", clock)
         keys = [key(0), key(1)]
         assert on_loop(manager, plugin.batched_async_contains("gone", keys, pin=True)) == 2
         assert not soft_removable(plugin, 0)  # pinned while the lookup may still load
-        time.sleep(0.3)
+        clock.advance(61)
         # The next lookup finds the abandoned one expired and releases its pins.
         assert on_loop(manager, plugin.batched_async_contains("next", keys[1:], pin=False)) == 1
         assert soft_removable(plugin, 0) and soft_removable(plugin, 1)

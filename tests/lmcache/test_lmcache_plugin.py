@@ -32,8 +32,8 @@ from tests.lmcache.lmcache_harness import (
     plugin_of,
     same_bytes,
     storage_manager,
-    wait_until,
 )
+from tests.timing import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,7 +55,7 @@ def put_and_wait(manager: StorageManager, keys, objs) -> None:  # type: ignore[n
     """StorageManager.batched_put (what LMCacheEngine.store calls), then wait for the plugin."""
     manager.batched_put(keys, objs)
     plugin = plugin_of(manager)
-    wait_until(lambda: not any(plugin.exists_in_put_tasks(k) for k in keys), what="puts")
+    wait_until(lambda: not any(plugin.exists_in_put_tasks(k) for k in keys), "puts")
     plugin.flush()
 
 
@@ -154,7 +154,7 @@ def test_puts_are_asynchronous_hold_references_and_report_every_key(root: Path) 
         gate.set()
         for f in futures:
             assert f.result(timeout=30) is None
-        wait_until(lambda: len(completed) == 5, what="callbacks")
+        wait_until(lambda: len(completed) == 5, "callbacks")
         assert sorted(k.chunk_hash for k in completed) == sorted(
             [k.chunk_hash for k in keys] + [keys[0].chunk_hash]
         )
@@ -191,7 +191,7 @@ def test_a_failed_put_releases_its_reference_and_fires_no_callback(
     assert futures[1].result(timeout=30) is None
     with pytest.raises(Exception, match="key"):
         futures[2].result(timeout=30)
-    wait_until(lambda: bad.get_ref_count() == 1 and good.get_ref_count() == 1, what="release")
+    wait_until(lambda: bad.get_ref_count() == 1 and good.get_ref_count() == 1, "release")
     assert [k.chunk_hash for k in completed] == [key(7).chunk_hash]
     assert not plugin.contains(key(8)) and plugin.contains(key(7))
     assert not plugin.contains(odd) and plugin.get_blocking(odd) is None

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,8 +36,8 @@ from tests.lmcache.lmcache_harness import (
     make_metadata,
     payload,
     plugin_of,
-    wait_until,
 )
+from tests.timing import wait_until, wait_until_async
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,7 +51,7 @@ def engine_stores(root: Path, tokens: torch.Tensor) -> None:
     kv = payload(21, (layers, 2, len(tokens), hidden), torch.bfloat16)
     with cache_engine(make_config(root), make_metadata(), CPUConnector(kv.clone())) as engine:
         engine.store(tokens, slot_mapping=torch.arange(len(tokens)))
-        wait_until(lambda: engine.lookup(tokens) == 4 * CHUNK, what="stores")
+        wait_until(lambda: engine.lookup(tokens) == 4 * CHUNK, "stores")
         plugin_of(engine.storage_manager).flush()
 
 
@@ -70,14 +69,6 @@ def prewarm_cli(root: Path, tokens_file: Path, *extra: str, model: str = MODEL) 
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-async def until(probe, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not probe():
-        if time.monotonic() > deadline:
-            pytest.fail("the prewarm event was not applied in time")
-        await asyncio.sleep(0.1)
 
 
 def test_prewarm_by_token_ids_loads_what_lmcache_stored_into_memory(
@@ -108,13 +99,17 @@ def test_prewarm_by_token_ids_loads_what_lmcache_stored_into_memory(
             # Persisting's own scheme names other chunks: applied, but nothing is loaded.
             published = prewarm_cli(root, tokens_file, "--hash-scheme", "persisting")
             assert published["hash_scheme"] == "persisting"
-            await until(lambda: consumer.counters["applied_prewarm"] == 1)
+            await wait_until_async(
+                lambda: consumer.counters["applied_prewarm"] == 1, "the prewarm event applied"
+            )
             assert not any(store.in_memory(k) for k in keys)
             # LMCache's scheme names the chunks the engine stored: all four reach memory.
             published = prewarm_cli(root, tokens_file, "--hash-scheme", "lmcache")
             assert (published["published"], published["hash_scheme"]) == (1, "lmcache")
-            await until(lambda: all(store.in_memory(k) for k in keys))
-            assert consumer.counters["prewarmed_chunks"] == 4
+            await wait_until_async(  # counted once the prefetch is done
+                lambda: consumer.counters["prewarmed_chunks"] == 4, "the prewarm counted"
+            )
+            assert all(store.in_memory(k) for k in keys)
             # A client hashes (and the server looks up) with the servers' scheme.
             client = await KVCacheClient.connect(name=running.name, model=MODEL, settings=settings)
             assert client.hash_scheme == "lmcache"
@@ -159,9 +154,12 @@ def test_prewarm_by_token_ids_loads_what_lmcache_s_server_stored_through_the_l2_
             assert len(texts) == 3 and not any(store.in_memory(t) for t in texts)
             published = prewarm_cli(root, tokens_file, *mp, model="lmcache")
             assert (published["published"], published["chunks"]) == (1, 3)
-            await until(lambda: all(store.in_memory(t) for t in texts))
-            assert running.consumer is not None
-            assert running.consumer.counters["prewarmed_chunks"] == 3
+            consumer = running.consumer
+            assert consumer is not None
+            await wait_until_async(  # counted once the prefetch is done
+                lambda: consumer.counters["prewarmed_chunks"] == 3, "the prewarm counted"
+            )
+            assert all(store.in_memory(t) for t in texts)
         finally:
             await running.stop()
 

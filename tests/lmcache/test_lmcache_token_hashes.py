@@ -25,8 +25,8 @@ from tests.lmcache.lmcache_harness import (
     make_metadata,
     payload,
     plugin_of,
-    wait_until,
 )
+from tests.timing import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,7 +76,7 @@ def test_chunks_an_engine_stored_are_found_and_prewarmed_by_token_ids(root: Path
     slots = torch.arange(len(tokens))
     with cache_engine(make_config(root), make_metadata(), CPUConnector(kv.clone())) as engine:
         engine.store(tokens, slot_mapping=slots)
-        wait_until(lambda: engine.lookup(tokens) == 4 * CHUNK, what="stores")
+        wait_until(lambda: engine.lookup(tokens) == 4 * CHUNK, "stores")
         plugin_of(engine.storage_manager).flush()
     lmcache = TokenHasher(MODEL, chunk_size=CHUNK, scheme="lmcache")
     with open_kv_store(root, MODEL, memory_bytes=1 << 24) as store:
