@@ -216,37 +216,31 @@ class SharedReuseStats(ReuseStats):
         self._since_check = 0
         self._last = 0
         try:
-            fd = open_private(path, os.O_RDWR | os.O_CREAT, CONTROL_FILE_MODE)
-        except StorageIOError:
+            fd = open_private(path, os.O_RDWR, CONTROL_FILE_MODE)
+        except StorageIOError:  # absent, a link, ...: made afresh
             fd = -1
         try:
             found = None if fd < 0 else _valid_slots(fd, os.fstat(fd).st_size)
             if found is None:
-                if fd >= 0 and os.fstat(fd).st_size:
-                    log.warning("%s is damaged or of another version: starting it afresh", path)
-                fresh = _create(path, slots, table)
                 if fd >= 0:
+                    log.warning("%s is damaged or of another version: starting it afresh", path)
                     os.close(fd)
-                fd, found = fresh, slots
+                    fd = -1
+                fd, found, fresh = _create(path, slots, table), slots, True
             else:
+                fresh = False
                 with contextlib.suppress(OSError):  # blocks a crafted sparse file lacks
                     os.posix_fallocate(fd, 0, file_bytes(found))
-                self._warm = threading.Thread(
-                    target=_read_through, args=(fd, self._stop), daemon=True
-                )
+            self._ident = _identity(os.fstat(fd))
         except OSError as exc:
             if fd >= 0:
                 os.close(fd)
             raise storage_error(f"cannot open {path}", exc) from exc
         self._fd = fd
-        self._ident = _identity(os.fstat(fd))
         self.slots = found
         self._mask = found - 1
-        # Every sighting reads and writes a page of the table picked by a hash: an
-        # existing file is read through once at open, in the background, so the puts find
-        # its pages in the page cache (a new one was just written whole).
-        if self._warm is not None:
-            self._warm.start()
+        if not fresh:  # a new file was just written whole: its pages are in the cache
+            self._start_warming(fd)
 
     # -- counting ---------------------------------------------------------------------
 
@@ -316,15 +310,35 @@ class SharedReuseStats(ReuseStats):
         if slots is None:
             os.close(fd)
             return
+        self._stop_warming()  # it reads the old descriptor
         with self._lock:
+            if self._fd < 0:  # closed meanwhile
+                os.close(fd)
+                return
             old, self._fd, self._ident = self._fd, fd, ident
             self.slots, self._mask = slots, slots - 1
         os.close(old)
+        self._start_warming(fd)
         log.info("%s was replaced: counting into the new table (%d slots)", self._path, slots)
+
+    def _start_warming(self, fd: int) -> None:
+        """Read the table through once in the background, so that sightings find its
+        pages in the page cache."""
+        self._stop = threading.Event()
+        self._warm = threading.Thread(target=_read_through, args=(fd, self._stop), daemon=True)
+        self._warm.start()
+
+    def _stop_warming(self) -> None:
+        self._stop.set()
+        if self._warm is not None:
+            self._warm.join()
+            self._warm = None
 
     def flush(self) -> None:
         """Ask the kernel to write the table's pages now (they reach the file anyway), and
         move to a table another process put in its place."""
+        if self._fd < 0:
+            return
         self._follow()
         with self._lock, contextlib.suppress(OSError):
             os.fdatasync(self._fd)
@@ -347,9 +361,7 @@ class SharedReuseStats(ReuseStats):
                     del pages
 
     def close(self) -> None:
-        self._stop.set()
-        if self._warm is not None:
-            self._warm.join()
+        self._stop_warming()
         self.flush()
         with self._lock:
             if self._fd >= 0:
