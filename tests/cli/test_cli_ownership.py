@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -31,6 +30,7 @@ from tests.service.service_helpers import (
     spawn,
     wait_for_log,
 )
+from tests.timing import wait_until
 
 PERSISTING = str(Path(sys.executable).with_name("persisting"))
 
@@ -65,14 +65,16 @@ def get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def wait_ready(base: str, timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
+def wait_ready(base: str) -> dict:
+    bodies: list[str] = []
+
+    def ready() -> bool:
         status, body = get(f"{base}/readyz")
-        if status == 200 or time.monotonic() > deadline:
-            assert status == 200, body
-            return json.loads(body)
-        time.sleep(0.5)
+        bodies.append(body)
+        return status == 200
+
+    wait_until(ready, "/readyz answering 200")
+    return json.loads(bodies[-1])
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:

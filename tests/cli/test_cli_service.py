@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tests.service.service_helpers import (
     spawn,
     wait_for_log,
 )
+from tests.timing import wait_until
 
 PERSISTING = str(Path(sys.executable).with_name("persisting"))
 
@@ -108,14 +108,13 @@ def test_serve_answers_clients_exposes_metrics_and_takes_prewarm_events(tmp_path
         (consumer,) = evict.pop("consumers")  # the server's, which will apply it
         assert f"pid {server.pid} " in consumer
         assert evict == {"model": MODEL, "op": "evict", "published": 1, "topic": "kv-events"}
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            present = run_client("present_keys", {"seeds": seeds, "start": 100, "stop": 104})
-            if present["present"] == 2:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail("the evict event published by `persisting prewarm` was never applied")
+        wait_until(
+            lambda: (
+                run_client("present_keys", {"seeds": seeds, "start": 100, "stop": 104})["present"]
+                == 2
+            ),
+            "the evict event published by `persisting prewarm` applied",
+        )
         tokens = subprocess.run(
             [
                 PERSISTING,
