@@ -13,8 +13,10 @@
 # The extras installed: service (Pulsing), hf (transformers), plot (matplotlib), dev.
 # Then scripts/install_engine_env.sh builds ./.venv-vllm: vLLM 0.32's CPU build and LMCache,
 # with Persisting installed into it the way an engine's users do (below); the engine tests
-# (tests/engines/) and benchmarks/vllm_ttft.py run engines there. PERSISTING_SKIP_VLLM=1
-# leaves it out (the engine tests then fail), PERSISTING_SKIP_LMCACHE=1 leaves LMCache out of
+# (tests/engines/) and benchmarks/vllm_ttft.py run engines there; and ./.venv-vllm-0.34 over
+# it: vLLM 0.34's wheel (what GPU users install) without its dependencies, whose Python classes
+# the tier's and the CPU worker's engine tests run against too. PERSISTING_SKIP_VLLM=1
+# leaves both out (the engine tests then fail), PERSISTING_SKIP_LMCACHE=1 leaves LMCache out of
 # .venv. Then scripts/install_sglang_env.sh builds ./.venv-sglang: SGLang 0.5.23's storage
 # classes on CPU, with Persisting installed into it the same way; the SGLang tests
 # (tests/sglang/) and benchmarks/sglang_l3_bench.py run there. PERSISTING_SKIP_SGLANG=1

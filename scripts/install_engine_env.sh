@@ -14,6 +14,15 @@
 # with vLLM's requirements so one set satisfies both. About 3.5 GB and a few minutes; a
 # second run finds vLLM and LMCache in place and only reinstalls Persisting. A metapackage
 # named `vllm` (below) lets vLLM's own command line, `vllm serve`, run on the CPU build.
+#
+# Then ./.venv-vllm-0.34 (ENGINE_OVERLAY_VENV): vLLM 0.34.0, the wheel GPU users install
+# from PyPI (a CUDA build: there is no CPU build after 0.32), installed with --no-deps into
+# an environment of its own that sees .venv-vllm's packages behind its own (a .pth file):
+# torch 2.13 CPU (0.34 names 2.14), LMCache, Persisting. Its Python classes run on the CPU,
+# its engine does not (docs/vllm.md says what runs); the tests of vLLM's tiering and of the
+# connector's worker run against it as well as 0.32 (tests/engines/engine_helpers.py).
+# About 240 MB downloaded, 480 MB on disk, under a minute. PERSISTING_SKIP_VLLM_034=1
+# leaves it out (those tests then fail).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENGINE_VENV=${ENGINE_VENV:-.venv-vllm}
@@ -21,14 +30,16 @@ PY=${PYTHON:-python3}
 VLLM_VERSION=0.32.0
 LMCACHE_VERSION=0.5.6
 TORCH_VERSION=2.13.0
+VLLM_GPU_VERSION=0.34.0
+OVERLAY_VENV=${ENGINE_OVERLAY_VENV:-$ENGINE_VENV-0.34}
 
 if [ ! -x "$ENGINE_VENV/bin/python" ]; then
   "$PY" -m venv "$ENGINE_VENV"
 fi
 PIP="$ENGINE_VENV/bin/python -m pip"
 
-have() {  # have DIST VERSION: is that distribution installed at that version?
-  "$ENGINE_VENV/bin/python" - "$1" "$2" <<'PYTHON'
+have() {  # have DIST VERSION [VENV]: is that distribution installed at that version?
+  "${3:-$ENGINE_VENV}/bin/python" - "$1" "$2" <<'PYTHON'
 import sys
 from importlib import metadata
 
@@ -110,3 +121,20 @@ fi
 
 # Persisting, the way docs/user-guide.md tells a vLLM user to install it.
 PERSISTING_EXISTING_ENV=1 VENV="$ENGINE_VENV" bash scripts/install.sh
+
+# vLLM 0.34.0's own classes over this environment (see the top). The wheel is installed
+# before the .pth naming .venv-vllm's packages is written, so pip sees nothing else there.
+if [ "${PERSISTING_SKIP_VLLM_034:-0}" != "1" ] \
+    && ! { [ -x "$OVERLAY_VENV/bin/python" ] && have vllm "$VLLM_GPU_VERSION" "$OVERLAY_VENV"; }; then
+  echo "install_engine_env.sh: installing vllm $VLLM_GPU_VERSION (no dependencies) into $OVERLAY_VENV over $ENGINE_VENV"
+  started=$(date +%s)
+  rm -rf "$OVERLAY_VENV"
+  "$PY" -m venv "$OVERLAY_VENV"
+  "$OVERLAY_VENV/bin/python" -m pip install --quiet --no-deps "vllm==$VLLM_GPU_VERSION"
+  base=$("$ENGINE_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  own=$("$OVERLAY_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  base=$(cd "$base" && pwd)
+  echo "import site; site.addsitedir('$base')" > "$own/zz_persisting_vllm_base.pth"
+  "$OVERLAY_VENV/bin/python" -c "import importlib.metadata as m, torch; print('vllm', m.version('vllm'), 'over torch', torch.__version__)"
+  echo "install_engine_env.sh: $OVERLAY_VENV took $(( $(date +%s) - started ))s"
+fi

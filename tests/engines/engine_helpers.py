@@ -3,6 +3,12 @@
 The engine environment is ``.venv-vllm`` at the repository root (built by
 ``scripts/install.sh`` through ``scripts/install_engine_env.sh``); each engine is a process
 of ``benchmarks/vllm_engine.py`` running a JSON plan (see its docstring).
+
+Beside it, ``.venv-vllm-0.34``: vLLM 0.34.0 -- the wheel GPU users install from PyPI --
+installed without its dependencies over ``.venv-vllm``'s (:data:`ENGINES`). Its Python
+classes run on the CPU, its engine does not (no CPU build of 0.34; its CUDA wheel's CPU
+platform wants triton-cpu): the tests of vLLM's tiering and of the connector's worker run
+against both versions, the engine runs against 0.32 only.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_VENV = REPO / ".venv-vllm"
 ENGINE_PYTHON = ENGINE_VENV / "bin" / "python"
+#: The vLLM versions the engine-free engine tests run against, and their environments.
+ENGINES = {"0.32": ENGINE_VENV, "0.34": REPO / ".venv-vllm-0.34"}
+VLLM_VERSIONS = tuple(ENGINES)
 ENGINE_KIT = REPO / "benchmarks" / "vllm_engine.py"
 TIERING_KIT = REPO / "benchmarks" / "vllm_tiering.py"
 #: Tokens per CPU KV block (vLLM's CPU backend default).
@@ -39,9 +48,14 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(4, vocab, length)]
 
 
-def require_engine() -> None:
-    if not ENGINE_PYTHON.exists():
-        raise AssertionError(f"no engine environment at {ENGINE_VENV}: run bash scripts/install.sh")
+def require_engine(version: str = "0.32") -> Path:
+    """The Python of vLLM ``version``'s engine environment (AssertionError if not built)."""
+    python = ENGINES[version] / "bin" / "python"
+    if not python.exists():
+        raise AssertionError(
+            f"no engine environment at {ENGINES[version]}: run bash scripts/install.sh"
+        )
+    return python
 
 
 def build_model(directory: Path, **shape: int | str) -> Path:
@@ -85,8 +99,8 @@ class Tiering:
     """One process of ``benchmarks/vllm_tiering.py`` (vLLM's tiered offloading on the CPU)
     running a plan, started at once; :meth:`result` waits for it."""
 
-    def __init__(self, plan: dict[str, Any], work: Path, name: str):
-        require_engine()
+    def __init__(self, plan: dict[str, Any], work: Path, name: str, version: str = "0.32"):
+        python = require_engine(version)
         work.mkdir(parents=True, exist_ok=True)
         plan = {"engine_id": f"{name}-{os.getpid()}-{work.name}", **plan}
         self.name = name
@@ -96,7 +110,7 @@ class Tiering:
         plan_file.write_text(json.dumps(plan))
         with open(self.log_file, "wb") as log:
             self.proc = subprocess.Popen(
-                [str(ENGINE_PYTHON), str(TIERING_KIT), str(plan_file), str(self.out_file)],
+                [str(python), str(TIERING_KIT), str(plan_file), str(self.out_file)],
                 env=engine_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -18,6 +18,7 @@ from tests.engines.engine_helpers import (
     ENGINE_PYTHON,
     ENGINE_VENV,
     REPO,
+    VLLM_VERSIONS,
     engine_env,
     require_engine,
 )
@@ -35,10 +36,10 @@ VLLM_EXPECTED = (
 )
 
 
-def _engine(code: str) -> str:
-    require_engine()
+def _engine(code: str, version: str = "0.32") -> str:
+    python = require_engine(version)
     return subprocess.run(
-        [str(ENGINE_PYTHON), "-c", code],
+        [str(python), "-c", code],
         env=engine_env(),
         capture_output=True,
         text=True,
@@ -100,12 +101,19 @@ def test_the_documented_install_moves_no_version() -> None:
     assert _freeze() == before
 
 
-def test_connector_modules_import_in_the_engine_without_pulsing() -> None:
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_connector_modules_import_in_the_engine_without_pulsing(version: str) -> None:
+    """Every module that imports vLLM imports against vLLM 0.32 and 0.34 (what moved in
+    0.34 is imported where it is used, or read by attribute)."""
     modules = ", ".join(ENGINE_ONLY)
     out = _engine(
         "import importlib.util, sys\n"
         f"import {modules}\n"
         "from persisting.integrations.vllm import PersistingConnector\n"
-        "print(importlib.util.find_spec('pulsing') is None, 'pulsing' in sys.modules)"
+        "from importlib.metadata import version\n"
+        "print(importlib.util.find_spec('pulsing') is None, 'pulsing' in sys.modules,"
+        " version('vllm'))",
+        version,
     )
-    assert out.split() == ["True", "False"]
+    assert out.split()[:2] == ["True", "False"]
+    assert out.split()[2].startswith(version + ".")
