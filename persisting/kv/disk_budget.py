@@ -84,6 +84,7 @@ class DiskBudget:
         if used + need > self.capacity and self.usage.reclaim_abandoned(self.files):
             used = self.usage.total()
         room = self.room(need)
+        used = self.usage.total()  # room() may have evicted some of ours
         if used + need > room:
             self._evict(used + need - room)
             used = self.usage.total()
