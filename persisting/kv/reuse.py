@@ -16,13 +16,13 @@ process): every process writing the namespace counts into it and sees the others
 at once, and it survives a restart. Updates take no lock: two processes counting at the
 same instant may lose a count, which can change an eviction choice and never data.
 
-Its size follows the budget a store opens the namespace with (:func:`slots_for`, at most
-1/256 of it), judged before anything of the namespace is counted (:func:`prepare`): a file
-of another size is replaced by one of the right size holding its counts (re-bucketed, the
-most recent kept), a damaged one or one of another version by an empty one (only history
-is lost). A file is only ever replaced -- written whole beside its place, synced, renamed
-over it -- never shortened in place, so a process still counting into the old one keeps
-a whole file until it notices and moves to the new one.
+Its size follows the budget a store opens the namespace with (:func:`slots_for`: 1/256 of
+it, rounded up to a power of two), judged before anything of the namespace is counted
+(:func:`prepare`): a file of another size is replaced by one of the right size holding its
+counts (re-bucketed, the most recent kept), a damaged one or one of another version by an
+empty one (only history is lost). A file is only ever replaced -- written whole beside its
+place, synced, renamed over it -- never shortened in place, so a process still counting
+into the old one keeps a whole file until it notices and moves to the new one.
 
 :class:`RecencyDuel` decides, per tier and process, whether frequency counts: it runs LRU
 and the value policy beside the tier on key hashes alone and follows whichever hit more.
