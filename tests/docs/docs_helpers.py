@@ -20,10 +20,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from tests.timing import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^<!--\s*([a-z-]+):\s*(.+?)\s*-->$")
@@ -161,23 +162,22 @@ def start_background(
         block, proc, log, [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", block.code)]
     )
     stack.callback(stop_group, proc)
-    deadline = time.monotonic() + timeout_s
     for port in running.ports:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"{block.where()} exited ({proc.returncode}):\n{running.output()}"
-                )
-            with socket.socket() as sock:
-                sock.settimeout(1)
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"{block.where()}: port {port} never opened:\n{running.output()}"
-                )
-            time.sleep(0.1)
+        wait_until(
+            lambda port=port: listening(running, port), f"{block.where()}: port {port}", timeout_s
+        )
     return running
+
+
+def listening(running: Background, port: int) -> bool:
+    """Whether ``port`` accepts connections; AssertionError if the block exited first."""
+    if running.proc.poll() is not None:
+        raise AssertionError(
+            f"{running.block.where()} exited ({running.proc.returncode}):\n{running.output()}"
+        )
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 20) -> None:
