@@ -213,3 +213,52 @@ def test_two_writers_at_once_neither_starves_and_the_bound_holds(root: Path) -> 
         assert items >= 20, outcome  # about half the budget: 32 chunks, less metadata
         assert highest <= BUDGET + 3 * CHUNK_FILE, (name, highest - BUDGET)
     assert kv_bytes(root) <= 1.05 * BUDGET
+
+
+def reopener(root: str, rounds: int, barrier, results) -> None:
+    """Open and close model ``a``'s namespace over and over while another model takes room
+    from it: each time, its usage counter must match its files, and each of its chunks
+    read whole or miss."""
+    wrong = 0
+    barrier.wait()
+    for _ in range(rounds):
+        with open_ns(Path(root), "a") as store:
+            usage = disk_tier(store).usage
+            with usage.locked():
+                files = payload_files(Path(root), "a")
+                on_disk = sum(round_to_block(p.stat().st_size) for p in files)
+                wrong += usage.get() != on_disk
+            for i in range(14):
+                got = store.get(chunk_key("a", i))
+                wrong += got is not None and len(got) != MiB
+    results.put(wrong)
+
+
+@pytest.mark.timeout(240)
+def test_taking_from_a_namespace_while_its_store_opens_keeps_it_whole(root: Path) -> None:
+    """Another process opens and closes the namespace room is taken from, over and over:
+    its counter always matches its files (under its usage lock), and no chunk reads
+    wrong -- the taking holds its usage lock, and its namespace lock while it is idle."""
+    with open_ns(root, "a") as a:
+        fill(a, "a", 14)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    results = ctx.Queue()
+    proc = ctx.Process(target=reopener, args=(str(root), 12, barrier, results))
+    proc.start()
+    try:
+        with open_ns(root, "b") as b:
+            barrier.wait()
+            fill(b, "b", 14)
+            assert b.stats()["disk_items"] >= 6
+        wrong = results.get(timeout=200)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0 and wrong == 0
+    assert 6 <= len(payload_files(root, "a")) <= 8  # down to its floor, not below
+    with open_ns(root, "a") as a:
+        files = payload_files(root, "a")
+        assert disk_tier(a).usage.get() == sum(round_to_block(p.stat().st_size) for p in files)
+        assert kv_bytes(root) <= 1.05 * BUDGET
