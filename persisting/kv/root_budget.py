@@ -21,9 +21,9 @@ chunk by chunk:
   cannot give at once: its usage lock held longer than :data:`LOCK_WAIT_S`).
 
 The grace period counts from when the namespace was last seen held: a store opening or
-closing it marks its namespace lock file (its mtime), and so does every writer of the
-root that finds it held while reading the root (its own included, at most every
-:data:`REFRESH_S` while it writes).
+closing it marks its namespace lock file (its mtime; the opening is in its record too),
+and so does every writer of the root that finds it held while reading the root (its own
+included, at most every :data:`REFRESH_S` while it writes).
 
 The chunks taken from another namespace are that namespace's least valuable by the order
 the ``prefix`` policy uses (and the ``value`` policy does without reuse counts, which
@@ -62,8 +62,10 @@ from pathlib import Path
 from persisting.errors import NamespaceInUseError, PersistingError
 from persisting.kv.file_header import FileHeader
 from persisting.kv.index import DiskEntry, LruIndex
+from persisting.kv.namespace_record import read_record
 from persisting.kv.payload_files import file_size, key_hash, round_to_block, scan_payload
 from persisting.kv.policy import PrefixAwareEviction
+from persisting.kv.quarantine import DIR_NAME as QUARANTINE_DIR
 from persisting.lance_store import StorageRoot, disk_usage
 from persisting.lance_store.namespace_lock import LOCK_NAME
 from persisting.lance_store.root import KV_DIR
@@ -225,6 +227,9 @@ class RootUsage:
         except OSError:
             return None
         live, held_at = _probe(directory, self._wall)
+        record = read_record(directory)  # its last opening, should its lock file say less
+        if record is not None and record.opened_at > held_at:
+            held_at = record.opened_at
         return Neighbour(name, directory, held, live, held_at, counted)
 
     # -- taking room --------------------------------------------------------------------
@@ -277,9 +282,9 @@ class RootUsage:
 
     def _take_expired(self, neighbour: Neighbour, need: int) -> int:
         """Take up to ``need`` bytes of an idle namespace past its grace period, and drop
-        it whole once it holds no chunk."""
+        it whole once it holds no chunk (nor a file set aside for its operator)."""
         got = self._take(neighbour, need, idle=True) if neighbour.counted else 0
-        if got < need and _counter(neighbour.directory, 1, slot_only=True) == 0:
+        if got < need and not _holds_files(neighbour.directory):
             got += self._drop(neighbour)
         return got
 
@@ -447,17 +452,29 @@ def _locked(path: Path, *, wait_s: float) -> Iterator[int | None]:
         os.close(fd)  # and with it the lock
 
 
-def _counter(directory: Path, default: int, *, slot_only: bool = False) -> int:
-    """The bytes ``directory``'s usage counter holds (``slot_only``: its payload slot),
-    or ``default`` if it cannot be read."""
+def _counter(directory: Path, default: int) -> int:
+    """The bytes ``directory``'s usage counter holds, or ``default`` if it cannot be read."""
     try:
         raw = (directory / _COUNTER).read_bytes()
     except OSError:
         return default
     if len(raw) != _SLOTS.size:
         return default
-    slots = [max(0, v) for v in _SLOTS.unpack(raw)]
-    return slots[0] if slot_only else sum(slots)
+    return sum(max(0, v) for v in _SLOTS.unpack(raw))
+
+
+def _holds_files(directory: Path) -> bool:
+    """Whether namespace ``directory`` holds a payload file, or a quarantined file (kept
+    for its operator: never removed by a writer, see :mod:`persisting.kv.quarantine`)."""
+    if next(iter(scan_payload(directory)), None) is not None:
+        return True
+    try:
+        with os.scandir(directory / QUARANTINE_DIR) as entries:
+            return next(iter(entries), None) is not None
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: kept
 
 
 def _lower_counter(directory: Path, freed: int) -> None:

@@ -6,6 +6,7 @@ within its grace period)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import time
@@ -15,6 +16,7 @@ import pytest
 
 from persisting.errors import CapacityError
 from persisting.kv import open_kv_store
+from persisting.kv.namespace_record import FILE_NAME
 from persisting.kv.payload_files import round_to_block
 from persisting.kv.root_budget import GRACE_S
 from persisting.lance_store import disk_usage
@@ -51,7 +53,10 @@ def idle_for(root: Path, model: str, seconds: float) -> None:
     """Make ``model``'s namespace look last held ``seconds`` ago (as if that much time had
     passed since its store closed)."""
     then = time.time() - seconds
-    os.utime(root / "kv" / model / LOCK_NAME, (then, then))
+    directory = root / "kv" / model
+    os.utime(directory / LOCK_NAME, (then, then))
+    record = json.loads((directory / FILE_NAME).read_text())
+    (directory / FILE_NAME).write_text(json.dumps({**record, "opened_at": then}))
 
 
 def kept(store, model: str, count: int) -> list[int]:
