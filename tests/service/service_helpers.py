@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from persisting.kv import ChunkKey
+from tests.timing import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "meta-llama/Llama-3-8B"
@@ -94,14 +94,18 @@ def start_serve(root: Path, port: int, log: Path, **extra: str) -> subprocess.Po
 def wait_for_log(
     log: Path, text: str, proc: subprocess.Popen[bytes], timeout_s: float = 60
 ) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if log.exists() and text in log.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}):\n{log.read_text()}")
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not seen in {timeout_s}s:\n{log.read_text()}")
+    """Wait until ``text`` is in ``log``, which ``proc`` writes: an AssertionError with the
+    log if it exits first or never writes it."""
+
+    def logged() -> bool:
+        return log.exists() and text in log.read_text(errors="replace")
+
+    try:
+        wait_until(lambda: logged() or proc.poll() is not None, f"{text!r}", timeout_s)
+    except AssertionError:
+        raise AssertionError(f"{text!r} not seen in {timeout_s}s:\n{log.read_text()}") from None
+    if not logged():
+        raise AssertionError(f"process exited ({proc.returncode}):\n{log.read_text()}")
 
 
 def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:

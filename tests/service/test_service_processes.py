@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tests.service.service_helpers import (
     start_serve,
     wait_for_log,
 )
+from tests.timing import HANG_S, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,15 +58,15 @@ def actor_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_a_served_store_maps_its_memory_tier_in_at_start(actor_server: str) -> None:
     """``service.prefault_memory`` (on by default): the first values put after a start land
     in mapped pages, not in pages each faulted on the way in."""
-    deadline = time.monotonic() + 60
-    while True:
-        task = {"seeds": [actor_server], "start": 0, "stop": 0}
-        store = run_client("present_keys", task)["store"]
-        done = store["memory_prefaulted"] == store["memory_capacity"]
-        if done or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert store["memory_prefaulted"] == store["memory_capacity"] > 0
+    task = {"seeds": [actor_server], "start": 0, "stop": 0}
+    stores: list[dict] = []
+
+    def prefaulted() -> bool:
+        stores.append(run_client("present_keys", task)["store"])
+        return bool(stores[-1]["memory_prefaulted"] == stores[-1]["memory_capacity"])
+
+    wait_until(prefaulted, "the memory tier mapped in")
+    assert stores[-1]["memory_prefaulted"] == stores[-1]["memory_capacity"] > 0
 
 
 @pytest.mark.slow
@@ -354,10 +354,7 @@ def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -
         assert run_client("put_keys", {**seeds, "start": 0, "stop": total + 10})["stored"] == 260
         events = [evict_event(MODEL, [key(i)]) for i in range(first)]
         asyncio.run(publish_events(settings, events))
-        deadline = time.monotonic() + 60
-        while (positions.get("kv-service/kvstore") or 0) < 20:
-            assert time.monotonic() < deadline, "the consumer made no progress"
-            time.sleep(0.05)
+        wait_until(lambda: (positions.get("kv-service/kvstore") or 0) >= 20, "20 events applied")
         kill_group(procs[0])  # mid-stream: SIGKILL, no clean shutdown
         killed_at = positions.get("kv-service/kvstore")
         assert killed_at is not None and 20 <= killed_at < first
@@ -373,10 +370,9 @@ def test_the_event_consumer_resumes_after_a_restart_mid_stream(tmp_path: Path) -
         log = tmp_path / "serve2.log"
         procs.append(start_serve(root, port, log, **slow))
         wait_for_log(log, "persisting: serving", procs[-1])
-        deadline = time.monotonic() + 90
-        while positions.get("kv-service/kvstore") != total + 1:
-            assert time.monotonic() < deadline, positions.get("kv-service/kvstore")
-            time.sleep(0.1)
+        wait_until(
+            lambda: positions.get("kv-service/kvstore") == total + 1, "every event applied", 90
+        )
         result = run_client("present_keys", {**seeds, "start": 0, "stop": total + 10})
     assert result["present"] == 10  # every evicted key is gone, the prewarmed ones stay
     events = result["events"]
@@ -413,23 +409,19 @@ def test_a_client_of_another_model_is_refused_at_once_and_leaves_nothing_pending
     actor_server: str,
 ) -> None:
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    runs = []
-    for _ in range(2):  # the better of two: a loaded machine may stall one process start
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "tests/service/wrong_model_client.py"), actor_server],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            cwd=REPO,
-        )
-        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-        runs.append((json.loads(line[7:]), proc))
-    result, proc = min(runs, key=lambda run: run[0].get("seconds", 99))
+    # The client's discovery may wait an hour: it returns only because it was refused.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests/service/wrong_model_client.py"), actor_server],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S * 2,
+        env=env,
+        cwd=REPO,
+    )
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[7:])
     assert result["error"] == "AccessDeniedError", result
     assert MODEL in result["message"] and "other/model" in result["message"]
-    assert result["seconds"] < 1.0  # not the 10 s discovery timeout
-    for _result, each in runs:
-        assert each.returncode == 0
-        assert "Task was destroyed" not in each.stderr and "Traceback" not in each.stderr
-        assert each.stderr.strip() == "", each.stderr
+    assert proc.returncode == 0
+    assert "Task was destroyed" not in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "", proc.stderr
