@@ -44,8 +44,9 @@ ALLOWED: dict[str, set[str]] = {
     "service": _STORAGE | {"kv", "pulsing_compat"},
     "lmcache": _BOTTOM | {"kv"},
     "lmcache_backend": {"lmcache"},
-    # The vLLM connector follows prewarm/evict events on a queue topic of its root.
-    "integrations": _BOTTOM | {"kv", "queue"},
+    # The vLLM connector follows prewarm/evict events on a queue topic of its root; the
+    # engine adapters' opener reaches a cluster through the service's client.
+    "integrations": _BOTTOM | {"kv", "queue", "service", "pulsing_compat"},
     "admin": _DATA | {"figures", "metrics"},
     "bench": _DATA | {"planner", "service"},
     "actors": _DATA | {"service", "figures", "metrics", "pulsing_compat"},

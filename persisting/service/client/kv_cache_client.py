@@ -223,6 +223,13 @@ class KVCacheClient(AsyncKVApi):
         """Copy the payload of ``key`` into ``out`` (a writable buffer of exactly its size)."""
         return await self._reader.get_into(key, out, expect=expect)
 
+    async def batched_get_into(
+        self, keys: Sequence[KeyLike], outs: Sequence[Any], expect: Layout | None = None
+    ) -> list[Layout | None]:
+        """:meth:`get_into` for a batch: one request per owner (not one per key); the
+        layout per key read, None per miss. Not part of the KV API contract."""
+        return await self._reader.batched_get_into(keys, outs, expect=expect)
+
     # -- index operations ---------------------------------------------------------------
 
     async def contains(self, key: KeyLike) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from persisting.errors import InvalidValueError
 from persisting.kv import Layout, SharedLocation
 from persisting.kv.layout import writable_bytes
 from persisting.kv.load_plan import TierBandwidth
@@ -115,6 +116,34 @@ class Reader:
 
         await self.cluster.on_owners([text], share_fn, on_lost=self.count_lost)
         return box[0]
+
+    async def batched_get_into(
+        self, keys: Sequence[KeyLike], outs: Sequence[Any], expect: Layout | None = None
+    ) -> list[Layout | None]:
+        """:meth:`get_into` for a batch: each owner is asked once for its share (in pieces
+        of :data:`GET_BATCH` keys); every destination is checked before anything is asked.
+        A miss, or a key of a member that is down, leaves None."""
+        texts = [self._key(k) for k in keys]
+        if len(outs) != len(texts):
+            raise InvalidValueError(f"{len(texts)} keys but {len(outs)} destinations")
+        targets = [writable_bytes(out) for out in outs]
+        layouts: list[Layout | None] = [None] * len(texts)
+
+        async def get_share(member: Member, share: list[int]) -> None:
+            for start in range(0, len(share), GET_BATCH):
+                part = share[start : start + GET_BATCH]
+                got: list[Any] = [None] * len(part)
+                try:
+                    await self.from_member(
+                        member, [texts[i] for i in part], expect, [targets[i] for i in part], got
+                    )
+                finally:
+                    for i, value in zip(part, got, strict=True):
+                        if value is not None:
+                            layouts[i] = value
+
+        await self.cluster.on_owners(texts, get_share, on_lost=self.count_lost)
+        return layouts
 
     def count_lost(self, indices: list[int]) -> None:
         self.counters["lost_member_misses"] += len(indices)

@@ -79,6 +79,7 @@ class SyncKVCacheClient(KVApi):
     get = through_loop(KVCacheClient.get)
     batched_get = through_loop(KVCacheClient.batched_get)
     get_into = through_loop(KVCacheClient.get_into)
+    batched_get_into = through_loop(KVCacheClient.batched_get_into)
     layout = through_loop(KVCacheClient.layout)
     contains = through_loop(KVCacheClient.contains)
     batched_contains = through_loop(KVCacheClient.batched_contains)

@@ -1,0 +1,82 @@
+"""One opener for every engine adapter: the store its settings name, behind
+:class:`~persisting.integrations.common.store.EngineStore`.
+
+``storage_path`` opens the namespace on that local root (:func:`~persisting.kv.open_kv_store`
+with the settings' budget, eviction and fsync, and the engine's own store options);
+``cluster`` joins the members named by its seeds with the cluster's passphrase and opens
+the namespace there (the service's :class:`~persisting.service.SyncKVCacheClient`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from persisting.integrations.common.settings import ClusterSettings, EngineSettings
+from persisting.integrations.common.store import EngineStore, LocalStore
+from persisting.kv import KVStore, open_kv_store
+
+
+def open_local(
+    settings: EngineSettings,
+    namespace: str,
+    *,
+    describe: Mapping[str, Any] | None = None,
+    memory_bytes: int = 0,
+    durability: str = "sync",
+    **options: Any,
+) -> KVStore:
+    """The namespace's :class:`KVStore` on ``settings.storage_path`` (``options``: any other
+    store option the engine sets, e.g. ``on_disk_evict``)."""
+    if settings.storage_path is None:
+        raise ValueError("open_local needs settings with storage_path")
+    options.setdefault("read_threads", settings.io_threads)
+    return open_kv_store(
+        settings.storage_path,
+        namespace,
+        memory_bytes=memory_bytes,
+        disk_bytes=settings.disk_bytes,
+        durability=durability,  # type: ignore[arg-type]
+        eviction=settings.eviction,
+        fsync=settings.fsync,
+        describe=describe,
+        **options,
+    )
+
+
+def connect_cluster(cluster: ClusterSettings, namespace: str) -> Any:
+    """A :class:`~persisting.service.SyncKVCacheClient` of ``namespace`` in ``cluster``."""
+    from persisting.service import SyncKVCacheClient
+
+    return SyncKVCacheClient.connect(
+        seeds=cluster.seeds, name=cluster.name, model=namespace, passphrase=cluster.passphrase()
+    )
+
+
+def open_engine_store(
+    settings: EngineSettings,
+    namespace: str,
+    *,
+    describe: Mapping[str, Any] | None = None,
+    memory_bytes: int = 0,
+    durability: str = "sync",
+    **options: Any,
+) -> EngineStore:
+    """The store ``settings`` name, for ``namespace`` (the local options are ignored for
+    a cluster: its members' settings hold)."""
+    if settings.cluster is not None:
+        from persisting.integrations.common.cluster import ClusterStore
+
+        return ClusterStore(connect_cluster(settings.cluster, namespace))
+    store = open_local(
+        settings,
+        namespace,
+        describe=describe,
+        memory_bytes=memory_bytes,
+        durability=durability,
+        **options,
+    )
+    return LocalStore(store, settings.io_threads, memory_tier=memory_bytes > 0)
+
+
+__all__ = ["connect_cluster", "open_engine_store", "open_local"]
