@@ -17,7 +17,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ from persisting.service.client.link import Closed, DataLink, Endpoint, PutItem, 
 from persisting.service.handler import StorageHandler
 from persisting.service.protocol import make_request, unwrap_reply
 from tests.service.service_helpers import MODEL, OTHER_MODEL, key
+from tests.timing import HANG_S, wait_until, wait_until_async
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,13 +122,6 @@ def disk_server(tmp_path: Path) -> Iterator[Server]:
 def _get(link: DataLink, keys: list[str], **kw: Any) -> list[Any]:
     reply = asyncio.run(link.get(MODEL, keys, kw.get("expect"), kw.get("outs"), None))
     return [r.value if isinstance(r, Read) else r for r in reply.entries]
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 class Raw:
@@ -308,7 +302,7 @@ def test_frames_too_large_or_cut_short_end_only_their_connection(server: Server)
     unknown = Raw.connect(server)
     unknown.send(pack({"op": "drop-everything"}))
     assert unknown.frame()["error"]["code"] == "protocol" and unknown.closed()
-    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    wait_until(lambda: server.bulk.stats()["connections"] == 0, "connections closed")
     link = server.link()  # the server serves on
     try:
         assert _get(link, [str(key(0))]) == [None]
@@ -324,7 +318,7 @@ def test_ending_the_session_closes_its_data_connections(server: Server) -> None:
     try:
         assert _get(link, [str(key(1))]) == [None]
         server.handler.answer(make_request("bye", sid=str(info["sid"])))
-        _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+        wait_until(lambda: server.bulk.stats()["connections"] == 0, "connections closed")
         with pytest.raises((ConnectionLost, Closed)):
             _get(link, [str(key(1))])
         with pytest.raises(Closed):  # the credential died with the session
@@ -356,7 +350,7 @@ def test_an_unauthenticated_peer_gets_no_byte_and_holds_nothing_for_long(tmp_pat
                 assert _nothing_until_closed(sock)
         with socket.create_connection(("127.0.0.1", srv.bulk.port), timeout=30) as sock:
             assert _nothing_until_closed(sock)  # silence: closed at the deadline
-        _wait_until(lambda: srv.bulk.stats()["pending"] == 0)
+        wait_until(lambda: srv.bulk.stats()["pending"] == 0, "0 pending")
         figures = srv.bulk.stats()
         assert figures["refused_handshake"] + figures["refused_credential"] == 5
         assert figures["connections"] == 0
@@ -372,7 +366,7 @@ def test_the_handshake_deadline_holds_however_slowly_bytes_come(tmp_path: Path) 
             for byte in frame:  # a byte every 0.2 s: ~12 s for the whole frame
                 try:
                     sock.sendall(bytes([byte]))
-                    time.sleep(0.2)
+                    time.sleep(0.2)  # real duration: the trickle is the case tested
                     ready, _, _ = select.select([sock], [], [], 0)
                     cut = bool(ready) and sock.recv(1) == b""
                 except OSError:  # reset: closed with our bytes unread
@@ -396,19 +390,19 @@ def test_pending_connections_are_capped_per_source_and_in_all(tmp_path: Path) ->
     ) as srv:
         port = srv.bulk.port
         held = [_from("127.0.0.1", port) for _ in range(2)]
-        _wait_until(lambda: srv.bulk.stats()["pending"] == 2)
+        wait_until(lambda: srv.bulk.stats()["pending"] == 2, "2 pending")
         with _from("127.0.0.1", port) as extra:  # a third from that address: closed unread
             extra.settimeout(10)
             assert extra.recv(10) == b""
         held += [_from("127.0.0.2", port) for _ in range(2)]  # another address still gets in
-        _wait_until(lambda: srv.bulk.stats()["pending"] == 4)
+        wait_until(lambda: srv.bulk.stats()["pending"] == 4, "4 pending")
         with _from("127.0.0.3", port) as extra:  # over the cap of all
             extra.settimeout(10)
             assert extra.recv(10) == b""
         assert srv.bulk.stats()["refused_pending"] == 2
         for sock in held:
             sock.close()
-        _wait_until(lambda: srv.bulk.stats()["pending"] == 0)
+        wait_until(lambda: srv.bulk.stats()["pending"] == 0, "0 pending")
         link = srv.link()
         try:
             assert _get(link, [str(key(0))]) == [None]
@@ -442,7 +436,7 @@ def test_connections_are_capped_per_session_per_client_process_and_per_server(
         assert srv.bulk.stats()["refused_cap"] == 4
         for raw in held:
             raw.close()
-        _wait_until(lambda: srv.bulk.stats()["connections"] == 0)
+        wait_until(lambda: srv.bulk.stats()["connections"] == 0, "connections closed")
         Raw.connect(srv, srv.session({"pid": 9}), unix=True).close()
 
 
@@ -470,13 +464,13 @@ def test_a_client_of_a_busy_server_sees_its_connections_closed_not_its_credentia
     then asks the control path whether the session lives), never taken for a refusal."""
     with serving(tmp_path, 16 << 20, handshake_s=30.0, max_pending_per_source=1) as srv:
         squatter = _from("127.0.0.1", srv.bulk.port)
-        _wait_until(lambda: srv.bulk.stats()["pending"] == 1)
+        wait_until(lambda: srv.bulk.stats()["pending"] == 1, "1 pending")
         link = srv.link()
         try:
             with pytest.raises(Closed):
                 _get(link, [str(key(0))])
             squatter.close()
-            _wait_until(lambda: srv.bulk.stats()["pending"] == 0)
+            wait_until(lambda: srv.bulk.stats()["pending"] == 0, "0 pending")
             assert _get(link, [str(key(0))]) == [None]  # served once a slot is free
         finally:
             link.close()
@@ -501,8 +495,7 @@ def test_a_reader_that_reads_slowly_or_not_at_all_is_dropped_by_the_deadline(
         slow.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         slow.send(pack({"op": "get", "model": MODEL, "keys": keys}))
         taken, ended = 0, False
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # 64 KiB every 0.2 s: 320 KB/s
+        for _ in range(int(HANG_S / 0.2)):  # 64 KiB every 0.2 s: 320 KB/s
             try:
                 got = slow.sock.recv(64 << 10)
             except OSError:
@@ -511,9 +504,9 @@ def test_a_reader_that_reads_slowly_or_not_at_all_is_dropped_by_the_deadline(
                 ended = True
                 break
             taken += len(got)
-            time.sleep(0.2)
+            time.sleep(0.2)  # real duration: a slow reader is the case tested
         assert ended and taken < 8 * CHUNK  # dropped mid-reply
-        _wait_until(lambda: srv.bulk.stats()["connections"] == 0)
+        wait_until(lambda: srv.bulk.stats()["connections"] == 0, "connections closed")
         assert silent.closed(timeout_s=30)
 
 
@@ -537,7 +530,7 @@ def test_stalled_readers_on_the_unix_socket_do_not_stop_another_clients_puts(
     finally:
         other.close()
     # and each stalled one is closed by the deadline (5 s here), not waited for
-    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    wait_until(lambda: server.bulk.stats()["connections"] == 0, "connections closed")
     for raw in stalled:
         assert raw.closed(timeout_s=30)
 
@@ -554,6 +547,8 @@ class Relay:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.listener.getsockname()[1])
         self.sockets: list[socket.socket] = []
+        #: Set once a stalling relay holds the rest back; ``closing``: once it is closed.
+        self.stalled, self.closing = threading.Event(), threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -576,13 +571,14 @@ class Relay:
                     for start in range(0, len(data), 3000):
                         dst.sendall(data[start : start + 3000])
                         if moved + start >= self.after:
-                            time.sleep(0.0002)
+                            time.sleep(0.0002)  # real duration: a trickle, as tested
                     moved += len(data)
                     continue
                 if name == self.direction and moved + len(data) > self.after:
                     dst.sendall(data[: max(0, self.after - moved)])
                     if self.action == "stall":
-                        time.sleep(60)
+                        self.stalled.set()
+                        self.closing.wait(HANG_S)  # holds the rest back until closed
                     break
                 dst.sendall(data)
                 moved += len(data)
@@ -591,6 +587,7 @@ class Relay:
                 sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        self.closing.set()
         self.listener.close()
         for sock in self.sockets:  # shut down first: a pump blocked in recv on it wakes
             with contextlib.suppress(OSError):
@@ -640,7 +637,7 @@ def test_a_connection_killed_mid_get_is_lost_never_a_partial_value(server: Serve
     finally:
         link.close()
         relay.close()
-    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    wait_until(lambda: server.bulk.stats()["connections"] == 0, "connections closed")
     assert server.staged() == 0
 
 
@@ -670,7 +667,7 @@ def test_a_put_cut_anywhere_in_its_stream_stores_nothing_and_leaks_no_staging(
     finally:
         link.close()
         relay.close()
-    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    wait_until(lambda: server.bulk.stats()["connections"] == 0, "connections closed")
     assert server.staged() == 0
     assert not server.store.contains(key(12)) and not server.store.contains(key(13))
     link = server.link()  # the server serves on, and the same put then goes through
@@ -710,7 +707,7 @@ def test_a_client_that_stalls_mid_put_is_dropped_by_the_server_and_holds_nothing
     finally:
         link.close()
         relay.close()
-    _wait_until(lambda: server.bulk.stats()["connections"] == 0)
+    wait_until(lambda: server.bulk.stats()["connections"] == 0, "connections closed")
     assert server.staged() == 0 and not server.store.contains(key(15))
 
 
@@ -743,7 +740,8 @@ def test_a_get_cancelled_mid_transfer_closes_its_connection_and_writes_no_more(
 
     async def cancel_mid_transfer() -> None:
         task = asyncio.ensure_future(link.get(MODEL, [str(key(0))], None, [out.data], None))
-        await asyncio.sleep(0.5)  # the relay holds the rest of the payload back
+        await asyncio.to_thread(relay.stalled.wait, HANG_S)  # it holds the rest back
+        await wait_until_async(lambda: np.count_nonzero(out) > 0, "part of the value read")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -756,7 +754,7 @@ def test_a_get_cancelled_mid_transfer_closes_its_connection_and_writes_no_more(
     finally:
         link.close()
         relay.close()
-    time.sleep(0.3)
+    time.sleep(0.3)  # real duration: a late write into the buffer would land within it
     assert np.array_equal(out, written)  # nothing wrote into the buffer after the cancel
     fresh = server.link()
     try:
