@@ -21,6 +21,11 @@ The module fixture runs, on one root:
    for a few (and a second tier too small for any chunk); ``chain`` stores one request's
    chunks over several steps; ``held`` configures the tier with a metrics port another
    process holds.
+
+The fixture runs once with vLLM 0.32's classes (its CPU build, ``.venv-vllm``) and once with
+vLLM 0.34's (the wheel GPU users install, over it: ``.venv-vllm-0.34``), so an interface a
+release moves fails here. What 0.34 runs here is its Python: the tiering manager, its CPU
+tier's shared rows and the tier factory; its GPU worker (the device copies) runs in neither.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 import pytest
 
 from persisting.integrations.vllm.settings import tiering_config
-from tests.engines.engine_helpers import Tiering, stored_parents
+from tests.engines.engine_helpers import VLLM_VERSIONS, Tiering, stored_parents
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -71,9 +76,12 @@ def steps_of(result: dict[str, Any], action: str) -> list[dict[str, Any]]:
     return [s for s in result["steps"] if s["action"] == action]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("vllm-tier")
+@pytest.fixture(scope="module", params=VLLM_VERSIONS)
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    version = request.param
+    work = tmp_path_factory.mktemp(f"vllm-tier-{version}")
     root = work / "root"
     a_ready, c_up, c_ready = work / "a.ready", work / "c.up", work / "c.ready"
     a = Tiering(
@@ -90,6 +98,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         work,
         "a",
+        version,
     )
     c = Tiering(
         plan(
@@ -105,6 +114,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         work,
         "c",
+        version,
     )
     shared = {"a": a.result(), "c": c.result()}
     budget_root, chain_root = work / "budget", work / "chain"
@@ -124,6 +134,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         work,
         "b",
+        version,
     )
     budget = Tiering(
         plan(
@@ -140,6 +151,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         work,
         "budget",
+        version,
     )
     chain = Tiering(
         plan(
@@ -149,6 +161,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         work,
         "chain",
+        version,
     )
     with socket.socket() as taken:  # a metrics port another process holds
         taken.bind(("127.0.0.1", 0))
@@ -160,6 +173,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             ),
             work,
             "held",
+            version,
         ).failure()
     later = {"b": b.result(), "budget": budget.result(), "chain": chain.result(), "held": held}
     return {**shared, **later, "chain_root": chain_root, "budget_bytes": budget_bytes}
