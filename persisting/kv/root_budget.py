@@ -55,6 +55,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,9 +147,13 @@ class RootUsage:
         self._wall = wall
         self._lock = threading.Lock()
         self._read_at: float | None = None
+        self._kv_dir = str(root.root / KV_DIR)
         #: The mtime of ``kv/`` when it was listed (a namespace made or dropped changes it).
         self._listed = 0
         self._others: list[Neighbour] = []
+        #: The others' usage counters, open (closed with this object, or at the next listing).
+        self._counters: dict[str, int] = {}
+        weakref.finalize(self, _close_all, self._counters)
         self._views: dict[str, _View] = {}
         self._read_header: HeaderReader | None = None
         #: Idle namespaces this writer dropped whole (they held no chunk any more).
@@ -199,17 +204,29 @@ class RootUsage:
     def _neighbours(self, fresh: bool) -> list[Neighbour]:
         with self._lock:
             now = self._clock()
-            listed = _mtime_ns(self.root.root / KV_DIR)  # a namespace made or dropped
+            listed = _mtime_ns(self._kv_dir)  # a namespace made or dropped
             stale = self._read_at is None or now - self._read_at >= REFRESH_S
             if fresh or stale or listed != self._listed:
                 self._others = [n for n in map(self._survey, self._names()) if n is not None]
                 self._read_at, self._listed = now, listed
+                self._open_counters()
                 _touch(self.root.kv_path(self.own) / LOCK_NAME)  # seen held: by us
             else:
                 for n in self._others:
-                    if n.counted:
-                        n.bytes = _counter(n.directory, n.bytes)
+                    counter = self._counters.get(n.name)
+                    if counter is not None:
+                        n.bytes = _read_counter(counter, n.bytes)
             return list(self._others)
+
+    def _open_counters(self) -> None:
+        """Keep the others' counter files open until the next listing: a reservation reads
+        each with one ``pread`` (a dropped namespace changes ``kv/``, and the listing)."""
+        _close_all(self._counters)
+        for n in self._others:
+            if n.counted:
+                with contextlib.suppress(OSError):
+                    path = n.directory / _COUNTER
+                    self._counters[n.name] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     def _names(self) -> list[str]:
         return [name for name in self.root.list_models() if name != self.own]
@@ -452,15 +469,23 @@ def _locked(path: Path, *, wait_s: float) -> Iterator[int | None]:
         os.close(fd)  # and with it the lock
 
 
-def _counter(directory: Path, default: int) -> int:
-    """The bytes ``directory``'s usage counter holds, or ``default`` if it cannot be read."""
+def _read_counter(fd: int, default: int) -> int:
+    """The bytes an open usage counter holds, or ``default`` if it cannot be read."""
     try:
-        raw = (directory / _COUNTER).read_bytes()
+        raw = os.pread(fd, _SLOTS.size, 0)
     except OSError:
         return default
     if len(raw) != _SLOTS.size:
         return default
-    return sum(max(0, v) for v in _SLOTS.unpack(raw))
+    payload, overhead, reserved = _SLOTS.unpack(raw)
+    return max(0, payload) + max(0, overhead) + max(0, reserved)
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
 
 
 def _holds_files(directory: Path) -> bool:
@@ -497,7 +522,7 @@ def _touch(path: Path) -> None:
         os.utime(path)
 
 
-def _mtime_ns(path: Path) -> int:
+def _mtime_ns(path: str) -> int:
     try:
         return os.stat(path).st_mtime_ns
     except OSError:
