@@ -276,7 +276,10 @@ PROMISES = """\
   written back on eviction or close), and `on_complete` fires once it is, or once it will
   not be (`stored=False`).
 - Pins and leases belong to the process that took them. Another process sharing the
-  directory may evict a chunk this one pinned; this one then sees a miss, never wrong data.
+  directory may evict a chunk this one pinned, and so may a writer of another namespace
+  taking room above this one's floor (above); this one then sees a miss, never wrong data
+  (and a put of that key is taken as already stored until the miss, or `refresh()`, tells
+  it otherwise).
 - There is one copy: no replication across machines (yet).
 """
 
