@@ -6,6 +6,7 @@ within its grace period)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing as mp
 import os
@@ -267,3 +268,24 @@ def test_taking_from_a_namespace_while_its_store_opens_keeps_it_whole(root: Path
         files = payload_files(root, "a")
         assert disk_tier(a).usage.get() == sum(round_to_block(p.stat().st_size) for p in files)
         assert kv_bytes(root) <= 1.05 * BUDGET
+
+
+def test_a_writer_below_its_floor_goes_on_while_the_namespace_over_it_is_busy(root: Path) -> None:
+    """The namespace over its floor keeps its usage lock (a long eviction, a stalled
+    process): a writer below its floor waits a bounded time for it, then writes anyway --
+    the root goes over by what it adds meanwhile -- and the next reservation that can take
+    from it brings the root back within the budget."""
+    with open_ns(root, "a") as a:
+        fill(a, "a", 15)
+        with open_ns(root, "b") as b:
+            fd = os.open(root / "kv" / "a" / ".lock", os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # a's usage lock, held as a busy a would
+                fill(b, "b", 3)  # refused at once under the old rule
+                assert b.stats()["disk_items"] == 3
+                assert kv_bytes(root) <= BUDGET + 3 * (MiB + 4096) + 512 * 1024
+            finally:
+                os.close(fd)
+            fill(b, "b", 1, start=3)
+            assert b.stats()["disk_items"] == 4
+            assert kv_bytes(root) <= 1.05 * BUDGET
