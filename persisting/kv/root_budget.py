@@ -37,13 +37,16 @@ namespace lock held exclusively, so a store opening it waits). Its stores, live 
 opening, see the files gone as they see another process's evictions: a miss, a stale
 metadata row dropped on their next open.
 
-Every reservation reads the other namespaces' usage counters (one small read each); the
+Every reservation reads the other namespaces' usage counters (one ``pread`` each); the
 root's listing and who holds what are read at most every :data:`REFRESH_S`, and as soon
-as a namespace is made or dropped (``kv/`` changed). So writers of
-different namespaces exceed the budget only by reservations made at the same moment (one
-batch per writer), and by what a writer below its floor adds while the namespace over
-its floor cannot give; either is taken back at the next reservation that finds the root
-over.
+as a namespace is made or dropped (``kv/`` changed). So writers of different namespaces
+exceed the budget only by the reservations they make at the same moment (one each: a
+batch's files, or a metadata commit's bound), and by what a writer below its floor adds
+while the namespace over its floor cannot give; either is taken back by the next
+reservation that finds the root over.
+
+Each writer judges by its own ``disk_bytes``: writers of one root are meant to be given
+the same (a root's processes share a config); with different ones, the floors differ.
 """
 
 from __future__ import annotations
