@@ -8,6 +8,7 @@ Interactive tasks print ``READY <json>`` and wait for a line on stdin before goi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from persisting.errors import PersistingError
 from persisting.kv import Layout, TokenHasher
 from persisting.service import KVCacheClient, SyncKVCacheClient
 from tests.service.service_helpers import MODEL, key, tensor
+from tests.timing import HANG_S, wait_until_async
 
 #: What the ``marker`` command's value is made of (a capture of the wire looks for it).
 MARKER = b"persisting-plaintext-marker:0123456789abcdef"
@@ -138,7 +140,7 @@ async def pin_and_hang(args: dict[str, Any]) -> dict[str, Any]:
     await client.put(key(700), tensor(700))
     pinned = await client.pin(key(700))
     print("READY " + json.dumps({"pinned": pinned}), flush=True)
-    await asyncio.sleep(3600)
+    await asyncio.Event().wait()  # never set: the test kills this process
     return {}
 
 
@@ -146,16 +148,16 @@ async def service_stats(args: dict[str, Any]) -> dict[str, Any]:
     """The service counters of every member, optionally after waiting for a condition."""
     client = await _connect(args)
     try:
-        deadline = time.monotonic() + args.get("wait_s", 0)
-        while True:
+        field, want = args.get("until", (None, None))
+        members: list[dict[str, Any]] = []
+
+        async def reached() -> bool:
             stats = await client.stats()
-            member = next(iter(stats["members"].values()))
-            field, want = args.get("until", (None, None))
-            if field is None or member["service"].get(field) == want:
-                break
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
+            members.append(next(iter(stats["members"].values())))
+            return field is None or members[-1]["service"].get(field) == want
+
+        await wait_until_async(reached, f"service {field} == {want}")
+        member = members[-1]
         if "remove_unforced" in args:
             member["removed_unforced"] = await client.remove(
                 key(args["remove_unforced"]), force=False
@@ -221,15 +223,18 @@ async def cluster(args: dict[str, Any]) -> dict[str, Any]:
         }
         print("PHASE1 " + json.dumps(phase1), flush=True)
         sys.stdin.readline()  # the test restarted the member on the same address and disk
-        deadline = time.monotonic() + 30
-        while True:
+        recovered = 0
+
+        async def all_back() -> bool:
+            nonlocal recovered
             back = await client.batched_get(keys)
             recovered = sum(
                 g is not None and torch.equal(g, v) for g, v in zip(back, values, strict=True)
             )
-            if recovered == n or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.25)
+            return recovered == n
+
+        with contextlib.suppress(AssertionError):  # not all back: the test sees how many
+            await wait_until_async(all_back, "every value read back")
         return {"recovered": recovered, "members": client.members}
     finally:
         await client.close()
@@ -298,8 +303,8 @@ async def stalled_readers(args: dict[str, Any]) -> dict[str, Any]:
         print("READY", flush=True)
         await asyncio.to_thread(sys.stdin.readline)
         closed = 0
-        for raw in raws:
-            raw.settimeout(30)
+        for raw in raws:  # the server closes each at its value's deadline: read to the end
+            raw.settimeout(HANG_S)
             try:
                 while raw.recv(1 << 16):
                     pass
@@ -516,7 +521,7 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
     bf16; ``read`` reads them every way once; ``churn <s>`` reads them one by one for ``s``
     seconds; ``putchurn <s>`` puts fresh keys one by one for ``s`` seconds, then reads each
     back (``stored``, ``put_error``, then hit/miss/wrong as reads count them);
-    ``wait <s>`` reads until every value is back (or ``s`` seconds passed);
+    ``wait`` reads until every value is back (or a hang is evident);
     ``marker`` puts and gets 1 MiB of :data:`MARKER` over and over; ``stats`` the
     servers' figures; ``quit``. Reads count hits, misses, wrong values and
     errors: a failure must be a miss (or a typed error), never a wrong value."""
@@ -561,7 +566,7 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
             elif command == "putchurn":
                 deadline = time.monotonic() + float(rest[0])
                 fresh: list[tuple[Any, torch.Tensor]] = []
-                while time.monotonic() < deadline:
+                while time.monotonic() < deadline:  # real duration: puts for the seconds asked
                     j = len(fresh)
                     fresh.append((key(base + 100_000 + j), values[j % n]))
                     try:
@@ -572,22 +577,23 @@ async def remote_reader(args: dict[str, Any]) -> dict[str, Any]:
                     tally[outcome] = tally.get(outcome, 0) + 1
                 for k, want in fresh:
                     count(await client.get(k), want)
-            elif command in ("churn", "wait"):
+            elif command == "churn":
                 deadline = time.monotonic() + float(rest[0])
-                while time.monotonic() < deadline:
-                    if command == "churn":
-                        for i in range(n):
-                            await read_one(i)
-                        continue
+                while time.monotonic() < deadline:  # real duration: reads for the seconds asked
+                    for i in range(n):
+                        await read_one(i)
+            elif command == "wait":
+
+                async def all_back() -> bool:
                     got = await client.batched_get(keys)
-                    if all(
+                    return all(
                         g is not None and torch.equal(g, v)
                         for g, v in zip(got, values, strict=True)
-                    ):
-                        tally["recovered"] = n
-                        break
-                    await asyncio.sleep(0.2)
-                result["seconds"] = round(float(rest[0]) - (deadline - time.monotonic()), 2)
+                    )
+
+                with contextlib.suppress(AssertionError):  # not back: no "recovered"
+                    await wait_until_async(all_back, "every value read back")
+                    tally["recovered"] = n
             elif command == "marker":  # a value whose bytes are easy to find on a wire
                 marker = MARKER * ((1 << 20) // len(MARKER))
                 put = await client.put(key(base + 999), marker, fmt="binary")

@@ -20,6 +20,7 @@ from persisting.kv import TokenHasher
 from persisting.service import KVCacheClient
 from persisting.service.protocol import make_request
 from tests.service.service_helpers import MODEL
+from tests.timing import wait_until_async
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,19 +159,25 @@ def test_a_busy_data_path_is_waited_for_then_reported_busy_never_a_dead_member(
         bulk = running.actor.data_path
         assert bulk is not None
         bulk.max_pending_per_source = 1  # one silent peer from here fills this address
-        loop = asyncio.get_running_loop()
         squatter = socket.create_connection(("127.0.0.1", bulk.port))
         try:
-            while bulk.stats()["pending"] < 1:
-                await asyncio.sleep(0.05)
-            loop.call_later(1.0, squatter.close)  # a slot frees while the client waits
+            await wait_until_async(lambda: bulk.stats()["pending"] >= 1, "the squatter pending")
+            refused = squatter
+
+            async def free_a_slot_once_refused() -> None:  # a slot frees while the client waits
+                await wait_until_async(
+                    lambda: client.counters["data_connections_closed"] >= 1, "a refusal"
+                )
+                refused.close()
+
+            freeing = asyncio.create_task(free_a_slot_once_refused())
             assert (await client.put(keys[0], values[0])).stored
+            await freeing
             assert client.counters["data_connections_closed"] >= 1
             client.cluster.drop_data_path(client.cluster.members[client.members[0]])
             await client.cluster.hello(client.cluster.members[client.members[0]])
             squatter = socket.create_connection(("127.0.0.1", bulk.port))
-            while bulk.stats()["pending"] < 1:
-                await asyncio.sleep(0.05)
+            await wait_until_async(lambda: bulk.stats()["pending"] >= 1, "the squatter pending")
             with pytest.raises(ServiceUnavailableError, match="busy"):  # still busy at the end
                 await client.get(keys[0])
             assert client.members  # and the member is still in use
