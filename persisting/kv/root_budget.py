@@ -40,10 +40,10 @@ metadata row dropped on their next open.
 Every reservation reads the other namespaces' usage counters (one ``pread`` each); the
 root's listing and who holds what are read at most every :data:`REFRESH_S`, and as soon
 as a namespace is made or dropped (``kv/`` changed). So writers of different namespaces
-exceed the budget only by the reservations they make at the same moment (one each: a
-batch's files, or a metadata commit's bound), and by what a writer below its floor adds
-while the namespace over its floor cannot give; either is taken back by the next
-reservation that finds the root over.
+exceed the budget only by the reservations they make at the same moment (a writer's
+batch, and its metadata commit's bound on the table's own thread), and by what a writer
+below its floor adds while the namespace over its floor cannot give; either is taken
+back by the next reservation that finds the root over.
 
 Each writer judges by its own ``disk_bytes``: writers of one root are meant to be given
 the same (a root's processes share a config); with different ones, the floors differ.
