@@ -293,7 +293,7 @@ class Kit:
 
     def damage(self, key: str) -> str:
         """Flip one byte in the middle of the page's payload file."""
-        store = self.backend.page_store.store
+        store = self.backend.page_store.store.kv
         text = self.backend.keys.key(key)
         location = store.lease(text, 5.0)
         store.release(text, location.token)

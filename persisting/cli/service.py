@@ -412,8 +412,8 @@ def live_consumers(settings: PersistingSettings, model: str) -> list[str] | None
 
 def _lmcache_mp_keys(namespace: str, tokens: list[int], **settings: Any) -> list[str]:
     """Keys of the chunks LMCache's multiprocess server stores for ``tokens`` (see
-    :func:`persisting.lmcache.object_keys.object_keys_for_tokens`)."""
-    from persisting.lmcache.object_keys import object_keys_for_tokens
+    :func:`persisting.integrations.lmcache.object_keys.object_keys_for_tokens`)."""
+    from persisting.integrations.lmcache.object_keys import object_keys_for_tokens
 
     try:
         keys = object_keys_for_tokens(namespace, tokens, **settings)

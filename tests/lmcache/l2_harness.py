@@ -44,7 +44,7 @@ from lmcache.v1.distributed.storage_manager import StorageManager
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform import consume_fd, current_device_spec
 
-from persisting.lmcache import PersistingL2Adapter
+from persisting.integrations.lmcache import PersistingL2Adapter
 from tests.timing import wait_until
 
 MODEL = "meta-llama/Llama-3-8B"

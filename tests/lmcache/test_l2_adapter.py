@@ -17,11 +17,11 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
 
 from persisting.errors import ConfigError
+from persisting.integrations.lmcache import PersistingL2Adapter, PersistingL2AdapterConfig
+from persisting.integrations.lmcache.l2_io import layout_of
+from persisting.integrations.lmcache.object_keys import object_key_of, object_key_text
 from persisting.kv import key_string
 from persisting.kv.payload_files import file_size
-from persisting.lmcache import PersistingL2Adapter, PersistingL2AdapterConfig
-from persisting.lmcache.l2_io import layout_of
-from persisting.lmcache.object_keys import object_key_of, object_key_text
 from tests.lmcache.l2_harness import (
     MODEL,
     Recorder,

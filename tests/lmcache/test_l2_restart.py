@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from persisting.lmcache import PersistingL2Adapter
+from persisting.integrations.lmcache import PersistingL2Adapter
 from tests import child_env
 from tests.kv.kv_helpers import in_flight
 from tests.lmcache.l2_harness import (

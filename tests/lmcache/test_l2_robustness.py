@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
+from persisting.integrations.lmcache import PersistingL2Adapter
+from persisting.integrations.lmcache.object_keys import object_key_text
 from persisting.kv.payload_files import file_size
-from persisting.lmcache import PersistingL2Adapter
-from persisting.lmcache.object_keys import object_key_text
 from tests.kv.kv_helpers import make_uncreatable
 from tests.lmcache.l2_harness import (
     LAYOUT,

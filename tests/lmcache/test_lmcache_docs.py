@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
 
-from persisting.lmcache import PersistingL2Adapter, settings_from_extra_config
+from persisting.integrations.lmcache import PersistingL2Adapter, settings_from_extra_config
 from tests.lmcache.l2_harness import l2_config
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "lmcache.md"

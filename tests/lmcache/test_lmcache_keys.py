@@ -13,8 +13,8 @@ from lmcache.utils import (
     parse_cache_key,
 )
 
+from persisting.integrations.lmcache.compat import cache_engine_key_of, chunk_key_of
 from persisting.kv import ChunkKey, LayerChunkKey, parse_key
-from persisting.lmcache.compat import cache_engine_key_of, chunk_key_of
 
 MODEL = "meta-llama/Llama-3-8B"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from lmcache.utils import LayerCacheEngineKey
 
+from persisting.integrations.lmcache.compat import LayoutGuard
 from persisting.kv import Layout
-from persisting.lmcache.compat import LayoutGuard
 from tests.lmcache.lmcache_harness import key, make_metadata
 
 

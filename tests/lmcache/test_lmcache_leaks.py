@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-from persisting.lmcache import PersistingKVBackend
+from persisting.integrations.lmcache import PersistingKVBackend
 from tests.kv.kv_helpers import make_uncreatable
 from tests.lmcache.lmcache_harness import (
     cpu_of,

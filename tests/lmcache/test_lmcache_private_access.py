@@ -1,6 +1,6 @@
-"""LMCache's private state is read in one module only (``persisting/lmcache/compat.py``,
-behind its release check), so an LMCache upgrade that renames it breaks one place, and
-says so there."""
+"""LMCache's private state is read in one module only
+(``persisting/integrations/lmcache/compat.py``, behind its release check), so an LMCache
+upgrade that renames it breaks one place, and says so there."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from lmcache.v1.distributed.l2_adapters import base as l2_base
 from lmcache.v1.memory_management import TensorMemoryObj
 
-from persisting.lmcache import compat
+from persisting.integrations.lmcache import compat
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,19 +24,23 @@ def open_local(
     describe: Mapping[str, Any] | None = None,
     memory_bytes: int = 0,
     durability: str = "sync",
+    environment: bool = True,
     **options: Any,
 ) -> KVStore:
     """The namespace's :class:`KVStore` on ``settings.storage_path`` (``options``: any other
-    store option the engine sets, e.g. ``on_disk_evict``)."""
+    store option the engine sets, e.g. ``on_disk_evict``). Options neither ``settings``
+    nor ``options`` give come from the ``PERSISTING_*`` environment and TOML, unless
+    ``environment`` is False (then the store's own defaults)."""
     if settings.storage_path is None:
         raise ValueError("open_local needs settings with storage_path")
     options.setdefault("read_threads", settings.io_threads)
-    return open_kv_store(
+    opener: Any = open_kv_store if environment else KVStore
+    return opener(
         settings.storage_path,
         namespace,
         memory_bytes=memory_bytes,
         disk_bytes=settings.disk_bytes,
-        durability=durability,  # type: ignore[arg-type]
+        durability=durability,
         eviction=settings.eviction,
         fsync=settings.fsync,
         describe=describe,

@@ -164,10 +164,12 @@ def read_settings(
     passed: Iterable[str] = (),
     refused: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    noun: str = "key",
 ) -> S:
     """``model`` from the Persisting keys of ``options``: ``passed`` (the engine's own
     keys) are skipped; an unknown key, or one of ``refused`` (key: why it does not apply
-    here), is a ConfigError naming it; a bad value is a ConfigError naming its key."""
+    here), is a ConfigError naming it (``noun``: what the engine calls its keys); a bad
+    value is a ConfigError naming its key."""
     passed = frozenset(passed)
     refused = refused or {}
     known = tuple(name for name in model.model_fields if name not in refused)
@@ -180,7 +182,7 @@ def read_settings(
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             why = f" ({refused[key]})" if key in refused else ""
             raise ConfigError(
-                f"{where}: unknown key {key!r}{hint}{why}; Persisting's keys: {', '.join(known)}"
+                f"{where}: unknown {noun} {key!r}{hint}{why}; Persisting's keys: {', '.join(known)}"
             )
         values[key] = value
     if "storage_path" not in values and "cluster" not in values:

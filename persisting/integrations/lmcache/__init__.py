@@ -5,7 +5,8 @@
   ``persisting.lmcache_backend`` still names it for existing configurations.
 * :class:`PersistingL2Adapter` (:mod:`.l2_adapter`): an L2 adapter of LMCache's
   multiprocess mode (``L2AdapterInterface``), loaded through a plugin adapter entry with
-  ``module_path: persisting.lmcache`` (LMCache finds :class:`PersistingL2AdapterConfig`
+  ``module_path: persisting.lmcache`` (the documented path, re-exporting this package) or
+  ``persisting.integrations.lmcache`` (LMCache finds :class:`PersistingL2AdapterConfig`
   beside it by name).
 
 Modules: :mod:`.settings` (configuration, no LMCache import), :mod:`.health` (I/O errors),
@@ -22,13 +23,13 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "L2Params": "persisting.lmcache.settings",
-    "PersistingKVBackend": "persisting.lmcache.backend",
-    "PersistingL2Adapter": "persisting.lmcache.l2_adapter",
-    "PersistingL2AdapterConfig": "persisting.lmcache.l2_adapter",
-    "l2_params": "persisting.lmcache.settings",
-    "PluginOptions": "persisting.lmcache.settings",
-    "settings_from_extra_config": "persisting.lmcache.settings",
+    "L2Params": "persisting.integrations.lmcache.settings",
+    "PersistingKVBackend": "persisting.integrations.lmcache.backend",
+    "PersistingL2Adapter": "persisting.integrations.lmcache.l2_adapter",
+    "PersistingL2AdapterConfig": "persisting.integrations.lmcache.l2_adapter",
+    "l2_params": "persisting.integrations.lmcache.settings",
+    "PluginOptions": "persisting.integrations.lmcache.settings",
+    "settings_from_extra_config": "persisting.integrations.lmcache.settings",
 }
 
 

@@ -10,9 +10,9 @@ Enable it with configuration only::
 
 Chunks are stored under their LMCache key string in ``<storage_path>/kv/<model>/``, so they
 survive engine restarts (LMCache's own local-disk backend forgets everything on restart).
-Puts run on a writer pool (:mod:`persisting.lmcache.puts`); gets allocate from LMCache's
-``LocalCPUBackend`` without waiting (a full allocator is a miss) and read the payload
-straight into the object's buffer.
+Puts run on a writer pool (:mod:`persisting.integrations.lmcache.puts`); gets allocate from
+LMCache's ``LocalCPUBackend`` without waiting (a full allocator is a miss) and read the
+payload straight into the object's buffer.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from persisting.errors import ConfigError, StoreClosedError
+from persisting.integrations.lmcache.compat import LayoutGuard, memory_format
+from persisting.integrations.lmcache.health import IOErrors, errno_of, logger
+from persisting.integrations.lmcache.pins import LookupPins
+from persisting.integrations.lmcache.puts import UNREPRESENTABLE, CompletionCallback, PutWriter
+from persisting.integrations.lmcache.settings import settings_from_extra_config
 from persisting.kv import KVStore, Layout
 from persisting.kv.model_identity import weights_namespace
-from persisting.lmcache.compat import LayoutGuard, memory_format
-from persisting.lmcache.health import IOErrors, errno_of, logger
-from persisting.lmcache.pins import LookupPins
-from persisting.lmcache.puts import UNREPRESENTABLE, CompletionCallback, PutWriter
-from persisting.lmcache.settings import settings_from_extra_config
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig

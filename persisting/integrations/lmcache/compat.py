@@ -78,7 +78,7 @@ def seed_adapter_usage(adapter: L2AdapterInterface, by_salt: Mapping[str, int]) 
         return
     raise ConfigError(
         f"seeding the usage of an L2 adapter is written for LMCache 0.5, not "
-        f"{'.'.join(map(str, LMCACHE_RELEASE))}: see persisting/lmcache/compat.py"
+        f"{'.'.join(map(str, LMCACHE_RELEASE))}: see persisting/integrations/lmcache/compat.py"
     )
 
 

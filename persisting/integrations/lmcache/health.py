@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-logger = logging.getLogger("persisting.lmcache")
+logger = logging.getLogger("persisting.lmcache")  # the name it always had
 
 
 def errno_of(exc: BaseException) -> int | None:

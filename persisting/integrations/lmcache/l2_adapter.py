@@ -2,7 +2,7 @@
 
 Loaded by configuration only, through LMCache's plugin adapter entry::
 
-    --l2-adapter '{"type": "plugin", "module_path": "persisting.lmcache",
+    --l2-adapter '{"type": "plugin", "module_path": "persisting.integrations.lmcache",
                    "class_name": "PersistingL2Adapter",
                    "adapter_params": {"storage_path": "/var/lib/persisting",
                                       "capacity": "500GiB", "durability": "sync"}}'
@@ -42,15 +42,17 @@ from sortedcontainers import SortedDict
 
 from persisting.config import size_text
 from persisting.errors import InvalidKeyError, InvalidNameError, StoreClosedError
+from persisting.integrations.common.opener import open_local
+from persisting.integrations.common.settings import EngineSettings
+from persisting.integrations.lmcache.compat import seed_adapter_usage
+from persisting.integrations.lmcache.health import IOErrors, errno_of, logger
+from persisting.integrations.lmcache.l2_io import L2Counters, Stored, load_object, store_objects
+from persisting.integrations.lmcache.l2_tasks import KeyLocks, TaskBoard, next_task_id
+from persisting.integrations.lmcache.object_keys import object_key_of, object_key_text
+from persisting.integrations.lmcache.settings import L2Params, l2_params
 from persisting.kv import KVStore, key_string
 from persisting.kv.owners import OwnerClaim, claim_model
 from persisting.kv.payload_files import file_size
-from persisting.lmcache.compat import seed_adapter_usage
-from persisting.lmcache.health import IOErrors, errno_of, logger
-from persisting.lmcache.l2_io import L2Counters, Stored, load_object, store_objects
-from persisting.lmcache.l2_tasks import KeyLocks, TaskBoard, next_task_id
-from persisting.lmcache.object_keys import object_key_of, object_key_text
-from persisting.lmcache.settings import L2Params, l2_params
 
 #: An I/O error within this many seconds makes ``report_status`` say unhealthy.
 UNHEALTHY_AFTER_IO_ERROR_S = 60.0
@@ -153,14 +155,20 @@ class PersistingL2Adapter(L2AdapterInterface):
         )
 
     def _open_store(self, params: L2Params) -> KVStore:
-        return KVStore(
-            params.storage_path,
-            params.namespace,
-            memory_bytes=params.memory_bytes,
+        settings = EngineSettings(
+            storage_path=params.storage_path,
             disk_bytes=params.capacity,
-            durability=params.durability,
             eviction=params.eviction,
             fsync=params.fsync,
+            io_threads=params.io_threads,
+        )
+        return open_local(
+            settings,
+            params.namespace,
+            memory_bytes=params.memory_bytes,
+            durability=params.durability,
+            environment=False,  # adapter_params alone configure the adapter
+            describe=None,
             result_buffer_bytes=0,
             # Each chunk is read whole on the io thread that loads it (the task's chunks
             # are spread over io_threads already), its checksum made as it lands; parts

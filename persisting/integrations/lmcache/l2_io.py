@@ -19,9 +19,9 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_management import MemoryObj
 
 from persisting.errors import PersistingError
+from persisting.integrations.lmcache.compat import is_plain_tensor_object
 from persisting.kv import KVStore, Layout
 from persisting.kv.layout import dtype_name
-from persisting.lmcache.compat import is_plain_tensor_object
 
 if sys.version_info >= (3, 11):
     from typing import assert_never

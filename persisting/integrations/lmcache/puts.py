@@ -23,9 +23,9 @@ from persisting.errors import (
     PersistingError,
     StoreClosedError,
 )
+from persisting.integrations.lmcache.compat import format_name, tensor_of
+from persisting.integrations.lmcache.health import logger
 from persisting.kv import KVStore
-from persisting.lmcache.compat import format_name, tensor_of
-from persisting.lmcache.health import logger
 
 CompletionCallback = Callable[[CacheEngineKey], None]
 #: LMCache keys Persisting cannot represent (e.g. a model name with '@'): never stored here.

@@ -3,8 +3,8 @@
 The in-process plugin reads LMCache's ``extra_config`` keys ``persisting.*``
 (:func:`settings_from_extra_config`); the L2 adapter of LMCache's multiprocess mode reads
 the ``adapter_params`` of its plugin adapter entry (:func:`l2_params`). Sizes are bytes or
-a number with a unit (:func:`parse_size`: ``64GiB``, ``512MB``), since LMCache users size
-in GB. Nothing here imports LMCache.
+a number with a unit (:func:`parse_size`, the engine adapters' one parser: ``64GiB``,
+``512MB``), since LMCache users size in GB. Nothing here imports LMCache.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from persisting.config import (
     DEFAULT_EVICTION,
@@ -25,30 +25,14 @@ from persisting.config import (
     closest,
 )
 from persisting.errors import ConfigError
+from persisting.integrations.common.settings import parse_size
 
 #: extra_config keys start with this prefix.
 PREFIX = "persisting."
 _KV_FIELDS = frozenset(KVSettings.model_fields)
 #: KV settings that are byte sizes (and so accept units).
 SIZE_FIELDS = frozenset(name for name in _KV_FIELDS if name.endswith("_bytes"))
-_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 _BOOL: TypeAdapter[bool] = TypeAdapter(bool)
-
-
-def parse_size(value: Any, name: str) -> int:
-    """Bytes from ``value``: an int, or a string with an optional unit (``512MB`` is
-    512*10^6, ``64GiB`` 64*2^30, ``1.5GiB``, ``16 MiB``, ``4096``). ``name`` is the key
-    the user wrote, for the error message."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{name} must be a size in bytes or with a unit, got {value!r}")
-    if isinstance(value, int | float) and value < 0:
-        raise ConfigError(f"{name} must not be negative, got {value!r}")
-    try:
-        return int(_BYTE_SIZE.validate_python(value))
-    except ValidationError as exc:
-        raise ConfigError(
-            f"{name} must be a size in bytes or with a unit (512MB, 64GiB), got {value!r}"
-        ) from exc
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,15 @@ two servers of one model reuse each other's pages. Nothing here imports SGLang.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from persisting.errors import InvalidKeyError
-from persisting.kv.keys import key_dtype
+from persisting.integrations.common.namespace import KeyBuilder, weights_fields
+from persisting.integrations.common.namespace import namespace_name as common_namespace
 
 #: Bumped when the stored page format changes (it is part of every namespace digest).
 PAGE_FORMAT = 1
-_HEX = re.compile(r"[0-9a-f]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -97,36 +93,29 @@ def namespace_name(
     shard: Shard,
     prefix: str | None = None,
 ) -> str:
-    """``sglang.<prefix>.<digest>``: the prefix (default: the model's last path part, made
-    safe) says whose pages these are to a person reading ``persisting inspect``; the digest
-    keeps incompatible KV apart."""
-    label = prefix if prefix is not None else model.rstrip("/").rsplit("/", 1)[-1]
-    label = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-")[:64] or "model"
+    """``sglang.<prefix>.<digest>`` (:func:`~persisting.integrations.common.namespace.
+    namespace_name`): the prefix (default: the model's last path part, made safe) says
+    whose pages these are to a person reading ``persisting inspect``; the digest keeps
+    incompatible KV apart."""
     fields_ = {
         "page_format": PAGE_FORMAT,
         "engine": "sglang",
         "model": model,
-        **{f"weights_{k}": v for k, v in weights.items()},
+        **weights_fields(weights),
         **{k: v for k, v in asdict(shape).items() if k != "geometry"},
         **{f"pool_{k}": v for k, v in shape.geometry.items()},
         **shard.identity(),
     }
-    text = json.dumps(fields_, sort_keys=True, default=str)
-    return f"sglang.{label}.{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    return common_namespace("sglang", model, fields_, prefix)
 
 
-class PageKeys:
+class PageKeys(KeyBuilder):
     """Persisting keys of one rank's pages: LMCache's key shape with SGLang's page hash as
     the chunk hash, the TP size and rank as world size and worker id."""
 
     def __init__(self, namespace: str, shape: PageShape, shard: Shard):
         world, worker, tags = shard.key_parts()
-        try:
-            dtype = key_dtype(shape.dtype)
-        except InvalidKeyError:
-            dtype = "uint8"  # a dtype keys have no name for: the digest holds the exact one
-        self._head = f"{namespace}@{world}@{worker}@"
-        self._tail = f"@{dtype}{tags}"
+        super().__init__(namespace, shape.dtype, world=world, worker=worker, tags=tags)
 
     def key(self, page_hash: str, pair: str | None = None) -> str:
         """The key of the page SGLang names ``page_hash`` (a SHA-256 hex digest; any other
@@ -134,11 +123,7 @@ class PageKeys:
         ``pair`` tags a page moved by the interface pair the backend was not configured
         for (``"v1"`` or ``"flat"``): its bytes are laid out another way (the pool's parts
         end to end, or SGLang's flat data page), so it lives in a key space of its own."""
-        text = str(page_hash)
-        if not _HEX.fullmatch(text):
-            text = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-        tag = f"@pair%{pair}" if pair else ""
-        return f"{self._head}{text}{self._tail}{tag}"
+        return super().key(page_hash, f"@pair%{pair}" if pair else "")
 
 
 __all__ = ["PAGE_FORMAT", "PageKeys", "PageShape", "Shard", "namespace_name"]

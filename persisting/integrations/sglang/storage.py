@@ -5,7 +5,8 @@ class (see ``docs/sglang.md``); its factory builds it with ``cls(storage_config,
 and then registers the host memory pool, which is when the namespace opens (its name needs
 the pool's page shape). With ``"interface_v1": 1`` SGLang calls :meth:`batch_set_v1` and
 :meth:`batch_get_v1` with host-pool indices: pages move straight between the pool and the
-payload files (:mod:`~persisting.integrations.sglang.page_store`).
+payload files, or the members of a cluster (:mod:`~persisting.integrations.sglang.
+page_store`, on the engine adapters' store: :mod:`persisting.integrations.common`).
 
 The two pairs lay a page's bytes out differently (the v1 pair: the pool's parts end to end;
 the generic pair: SGLang's flat data page), so a page set through one pair is never read
@@ -30,11 +31,11 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from persisting.integrations.common.opener import open_engine_store
 from persisting.integrations.sglang.namespace import PageKeys, PageShape, Shard, namespace_name
 from persisting.integrations.sglang.page_store import PageStore
 from persisting.integrations.sglang.pages import HostPages, pool_geometry
 from persisting.integrations.sglang.settings import StorageSettings, storage_settings
-from persisting.kv import open_kv_store
 from persisting.kv.model_identity import model_identity
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,11 @@ class PersistingHiCacheStorage(HiCacheStorage):
         )
         s = self.settings
         self.namespace = namespace_name(self.model, self.weights, shape, self.shard, s.namespace)
-        store = open_kv_store(
-            s.storage_path,
+        store = open_engine_store(
+            s,
             self.namespace,
             memory_bytes=0,  # SGLang's host pool is the memory tier
-            disk_bytes=s.disk_bytes,
             durability="sync",
-            eviction=s.eviction,
-            fsync=s.fsync,
-            read_threads=s.io_threads,
             result_buffer_bytes=0,
             pinned_memory="off",
             pinned_staging_bytes=0,
@@ -90,11 +87,11 @@ class PersistingHiCacheStorage(HiCacheStorage):
         )
         self.pages = pages
         self.keys = PageKeys(self.namespace, shape, self.shard)
-        self.page_store = PageStore(store, shape.page_bytes, s.io_threads, s.refresh_interval_s)
+        self.page_store = PageStore(store, shape.page_bytes, s.refresh_interval_s)
         log.info(
             "Persisting HiCache storage: namespace %s under %s (%d-byte pages, %s budget)",
             self.namespace,
-            s.storage_path,
+            s.storage_path or f"the cluster of {s.cluster.seeds if s.cluster else ()}",
             shape.page_bytes,
             s.disk_bytes,
         )
