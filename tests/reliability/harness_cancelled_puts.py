@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from tests.reliability.rel_common import emit
+from tests.service.service_helpers import wait_for_log
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "reliability/cancelled-puts"
@@ -75,11 +76,7 @@ def _start_server(root: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 90
-    while "persisting: serving" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"server did not start:\n{log.read_text(errors='replace')}")
-        time.sleep(0.1)
+    wait_for_log(log, "persisting: serving", proc, timeout_s=90)
     return proc
 
 
@@ -123,7 +120,7 @@ async def _run(root: Path, runs: int) -> dict[str, Any]:
                     asyncio.create_task(client.put(key_text(run, i), value(run, i)))
                     for i in range(PUTS)
                 ]
-                await asyncio.sleep(CANCEL_AFTER_S)
+                await asyncio.sleep(CANCEL_AFTER_S)  # real duration: cancelled mid-put
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)

@@ -142,7 +142,7 @@ def run_case(
             if directory.exists():
                 samples.append(du_locked(directory) if locked else du(directory))
                 counters.append(counter(directory))
-            time.sleep(SAMPLE_S)
+            time.sleep(SAMPLE_S)  # real duration: the usage sampled as the writers run
         counts = [results.get(timeout=60) for _ in ps]
         for p in ps:
             p.join(30)

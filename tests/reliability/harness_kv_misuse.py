@@ -33,6 +33,7 @@ from persisting.kv.payload_files import file_size
 from persisting.lance_store import StorageRoot
 from tests import child_env
 from tests.reliability.rel_common import MODEL, emit, key_text, value
+from tests.timing import finishes
 
 MiB = 1 << 20
 NOBODY = 65534
@@ -44,13 +45,6 @@ def _store(root: Path, **kw: Any) -> KVStore:
     kw.setdefault("memory_bytes", 0)
     kw.setdefault("disk_bytes", 64 * MiB)
     return open_kv_store(root, MODEL, **kw)
-
-
-def _finishes(fn: Any, seconds: float = 30.0) -> bool:
-    thread = threading.Thread(target=fn, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return not thread.is_alive()
 
 
 def foreign_user(base: Path) -> dict[str, int]:
@@ -83,14 +77,14 @@ def foreign_user(base: Path) -> dict[str, int]:
                 except OSError:
                     locked = 0
                 os.write(write_end, f"{readable} {locked}\n".encode())
-                time.sleep(60)
+                signal.pause()  # holds the lock until the harness kills it
                 code = 0
             finally:
                 os._exit(code)
         os.close(write_end)
         with os.fdopen(read_end) as report:
             readable, locked = (int(x) for x in report.readline().split())
-        stalled = not _finishes(
+        stalled = not finishes(
             lambda: [store.put(key_text(i), value(i, 64), fmt="KV_2TD") for i in range(4, 8)]
         )
         os.kill(pid, signal.SIGKILL)
@@ -165,10 +159,10 @@ def raising_callback(base: Path) -> dict[str, int]:
     durable: list[PutResult] = []
     store = _store(base, memory_bytes=64 * MiB, durability="async")
     store.put(key_text(1), value(1, 64), fmt="KV_2TD", on_complete=explode)
-    hung = not _finishes(store.flush)
+    hung = not finishes(store.flush)
     store.put(key_text(2), value(2, 64), fmt="KV_2TD", on_complete=durable.append)
-    hung += not _finishes(store.flush)
-    hung += not _finishes(store.close)
+    hung += not finishes(store.flush)
+    hung += not finishes(store.close)
     return {"flush_or_close_hung": int(hung), "writes_after": int(bool(durable))}
 
 

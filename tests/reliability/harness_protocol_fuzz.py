@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import pickle
 import signal
@@ -24,7 +25,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,8 @@ from persisting.service.bulk.server import BulkServer
 from persisting.service.handler import StorageHandler
 from persisting.service.protocol import OPS, PROTOCOL_VERSION, safe_loads
 from tests.reliability.rel_common import MODEL, emit, key_text, value
+from tests.service.service_helpers import wait_for_log
+from tests.timing import wait_until_async
 
 SCALARS = st.one_of(
     st.none(),
@@ -319,14 +321,14 @@ async def _raw_garbage_then_client(addr: str, rounds: int) -> dict[str, Any]:
     )
     system = pulsing.get_system()
     ref = None
-    deadline = time.monotonic() + 30
-    while ref is None:
-        try:
+
+    async def resolved() -> bool:  # the server's actor may not be known here yet
+        nonlocal ref
+        with contextlib.suppress(Exception):
             ref = await system.resolve_named("kvstore")
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
+        return ref is not None
+
+    await wait_until_async(resolved, "the server's kvstore actor")
     outcomes: Counter[str] = Counter()
     garbage: list[Any] = [
         None,
@@ -394,11 +396,7 @@ def fuzz_server(root: Path, rounds: int) -> dict[str, Any]:
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + 60
-        while "serving" not in log.read_text(errors="replace"):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.1)
+        wait_for_log(log, "serving", server)
         result = asyncio.run(_raw_garbage_then_client(f"127.0.0.1:{port}", rounds))
         result["server_alive_after"] = server.poll() is None
         return result

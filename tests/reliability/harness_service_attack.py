@@ -44,6 +44,7 @@ import pulsing
 import pulsing.core.remote
 
 from tests.reliability.rel_common import emit
+from tests.service.service_helpers import wait_for_log
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "reliability/attacked"
@@ -236,11 +237,7 @@ def run(rounds: int = 3) -> dict[str, Any]:
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 90
-        while "persisting: serving" not in log.read_text(errors="replace"):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{log.read_text(errors='replace')}")
-            time.sleep(0.1)
+        wait_for_log(log, "persisting: serving", server, timeout_s=90)
         legit = _legit_client(addr)
         [channel] = glob.glob(f"/tmp/persisting-kv-{server.pid}-*/data.sock")
         found = re.search(r"data path at 127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))

@@ -39,7 +39,7 @@ def run_and_kill(args: list[str], delay_s: float) -> list[int]:
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout])  # type: ignore[union-attr]
     reader.start()
-    time.sleep(delay_s)
+    time.sleep(delay_s)  # real duration: the kill lands at a chosen point of the writing
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     reader.join(30)  # what was printed before the kill was acknowledged before it
