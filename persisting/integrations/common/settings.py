@@ -197,7 +197,8 @@ def read_settings(
 
 
 def _first_error(exc: ValidationError) -> str:
-    error = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     where = ".".join(str(part) for part in error["loc"])
     if error["type"] == "extra_forbidden":
         return f"unknown key {where!r}"
