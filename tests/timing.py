@@ -1,10 +1,11 @@
 """Time in tests, without sleeping for it: one helper that waits for a condition (and its
-form for an event loop), and a
-clock a test moves by hand.
+form for an event loop), and a clock a test moves by hand.
 
 Tests never assert how long something took (the machines running them are shared and
 their load varies): they wait for what must happen, up to a generous deadline that only
 a hang reaches, and move an injected clock past a TTL instead of sleeping through it.
+A test sleeps only where a real duration is what it is about (a peer that trickles, a
+stall), and says so; ``tests/test_architecture.py`` holds the list.
 """
 
 from __future__ import annotations
