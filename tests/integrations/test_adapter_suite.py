@@ -101,3 +101,16 @@ def test_the_store_is_a_root_or_a_cluster_never_both(tmp_path: Path) -> None:
         read_settings(EngineSettings, {"storage_path": "/p", "disk_bytes": "lots"}, where="t")
     settings = read_settings(EngineSettings, {"cluster": cluster}, where="t")
     assert settings.cluster is not None and settings.cluster.name == "kvstore"
+
+
+@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
+def test_values_the_memory_tier_alone_holds_are_read_too(adapter: str, tmp_path: Path) -> None:
+    """With a memory tier and writes behind (nothing on disk yet), reads take the values
+    from memory: into one buffer or into parts."""
+    engine = ADAPTERS[adapter]()
+    settings = read_settings(EngineSettings, {"storage_path": str(tmp_path)}, where="test")
+    store = open_engine_store(
+        settings, engine.namespace, memory_bytes=32 << 20, durability="write_back"
+    )
+    with store:
+        assert run_suite(engine, store) == ALL_OK

@@ -188,7 +188,20 @@ class LocalStore(EngineStore):
         except Exception as exc:  # a failed write is a future miss, never an engine error
             log.warning("Persisting: storing %d values failed: %s", len(keys), exc)
             return ["failed"] * len(keys)
-        return [outcome(r) for r in results]
+        return self._present(keys, [outcome(r) for r in results], results)
+
+    def _present(
+        self, keys: list[str], writes: list[Write], results: list[PutResult]
+    ) -> list[Write]:
+        """A key present before, in the memory tier only (not durable yet), is present too;
+        a value no tier could take is not (the store is asked which)."""
+        unsure = [i for i, r in enumerate(results) if not r.stored and not r.conflict]
+        unsure = [i for i in unsure if not results[i].durable]
+        if unsure:
+            flags = self.kv.batched_contains([keys[i] for i in unsure])
+            for i, there in zip(unsure, flags, strict=True):
+                writes[i] = "present" if there else "failed"
+        return writes
 
     def _put_one(self, key: str, value: Gathered, parent: str | None) -> Write:
         try:
