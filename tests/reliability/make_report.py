@@ -64,6 +64,28 @@ PROMISES = """\
 - **Damage degrades to misses.** Damaged payload files, a damaged or missing Lance
   metadata table, a missing manifest: the store still opens, rebuilds its index from the
   self-describing payload headers, serves what is intact, and counts what it dropped.
+- **Side files within the budget, and harmless to a live process.** A namespace's
+  `reuse.bin` (the `value` policy's counts) and `recency.bin` (the LRU order) are sized by
+  the budget the namespace is opened with -- `reuse.bin` one 16-byte slot per 4 KiB of it,
+  rounded up to a power of two (16 KiB to 128 MiB), `recency.bin` at most one 12-byte entry
+  per 4 KiB -- and judged on open before anything of the namespace is counted: one that is
+  damaged, crafted (a valid header on a sparse or oversized file) or left by a larger
+  budget is rebuilt (its counts kept), cut to its newest entries or dropped first, so no
+  chunk is evicted for it and it never holds the namespace over its budget; only eviction
+  history is lost. `disk_bytes` lowered from 4 GiB (a 16 MiB table) to room for 8 chunks
+  kept all 6 chunks and took puts, and 15 MiB of garbage in either file of a 16 MiB
+  namespace cost none of its 10 chunks (before: every chunk evicted, every put refused).
+  Neither file is ever shortened in place: a new one is written beside its place, synced
+  and renamed over it. `reuse.bin` is read and written with `pread`/`pwrite`, never
+  mapped, so a live process survives any size or content of it, a truncation by another
+  process included (which used to kill it with SIGBUS on its next put); a sighting whose
+  part of the file is missing counts nothing. A process whose table another opener
+  replaced moves to the new file within 4,096 sightings or at its next flush, counting
+  into the old, whole file meanwhile; until it moves, the old file's blocks stay allocated
+  outside the directory (one table, 1/128 of that process's budget at most). The cost, on
+  this 2-core VM: a sighting about 5 us and a lookup 2 us, where the mapped table took
+  1-3 us and 0.6-1.2 us (a store's puts and gets unchanged beyond the runs' spread), and
+  1.6-1.7 s at open to rebuild the largest table (8 Mi slots) for another budget.
 - **Bad input gets a typed error.** Malformed keys, path-unsafe names, wrong shapes,
   dtypes and formats, zero-size and oversized values, meta-device and sparse tensors,
   strided memoryviews, token ids that are not 64-bit integers, a closed store's `stats()`
