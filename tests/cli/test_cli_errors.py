@@ -96,10 +96,8 @@ BAD_INVOCATIONS = [
     bad("drop", "no/such-model", "--storage-path", "{work}/nope", says="no storage root"),
     bad("drop", MODEL, "--storage-path", "{work}/root", says="refusing to drop"),
     bad("quarantine", MODEL, "--storage-path", "{work}/nope", says="no storage root"),
-    bad(
-        "quarantine", MODEL, "--add-key", "{work}/nope", "--storage-path", "{work}/root",
-        says="cannot read key file",
-    ),  # fmt: skip
+    bad("quarantine", MODEL, "--add-key", "{work}/nope", "--storage-path", "{work}/root",
+        says="cannot read key file"),
     # service commands that fail before any server starts
     bad("prewarm", MODEL, "--key", "x", "--storage-path", "{work}/nope", says="no storage root at"),
     bad("prewarm", MODEL, "--storage-path", "{work}/root", says="give --key (one or more)"),
