@@ -32,8 +32,10 @@ sys.meta_path.insert(0, _NoPulsing())
 ENGINE_MODULES = [
     "persisting.kv",
     "persisting.lmcache",
-    "persisting.lmcache.l2_adapter",
+    "persisting.integrations.lmcache.l2_adapter",
     "persisting.lmcache_backend",
+    "persisting.integrations.common",
+    "persisting.integrations.sglang.page_store",
     "persisting.integrations.vllm",
     "persisting.integrations.vllm.settings",
     "persisting.integrations.vllm.namespace",
