@@ -16,6 +16,7 @@ budget change together under one lock, and that invariant reads best in one clas
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.eviction_memory import EvictionMemory
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.layout import Layout, Payload
-from persisting.kv.leases import Clock, Leases
+from persisting.kv.leases import Clock, Leases, Location
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.payload_files import (
@@ -54,20 +55,6 @@ from persisting.lance_store.durable import makedirs_durable
 from persisting.lance_store.root_keys import RootKeys
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Location:
-    """Where a chunk's payload bytes are on disk (for same-host readers under a lease), and
-    the ``token`` of the lease that keeps them there: :meth:`DiskTier.release` of that
-    token ends this lease only, never another holder's."""
-
-    path: str
-    offset: int
-    nbytes: int
-    layout: Layout
-    checksum: int
-    token: int = 0
 
 
 #: Metadata commits a flush runs at most (see :meth:`DiskTier.flush`).
@@ -299,6 +286,17 @@ class DiskTier:
         with self._lock:
             return key in self.index
 
+    def present(self, key: str) -> DiskEntry | None:
+        """``key``'s entry while its file is there: one removed behind the index (a writer of
+        another namespace made room in the root) before a refresh saw it is forgotten, so a
+        put writes it again."""
+        with self._lock:
+            entry = self.index.get(key)
+            if entry is None or entry.busy or os.path.exists(self.files.path_text(key, entry.tag)):
+                return entry
+            self._drop_entry(key)
+            return None
+
     def entry(self, key: str) -> DiskEntry | None:
         with self._lock:
             return self.index.get(key)
@@ -372,7 +370,7 @@ class DiskTier:
         with self._lock:
             first_of_key: dict[str, WriteItem] = {}
             for it in items:
-                if it.cancelled or it.key in self.index or it.key in self._writing:
+                if it.cancelled or self.present(it.key) is not None or it.key in self._writing:
                     continue
                 first_of_key.setdefault(it.key, it)
             todo = list(first_of_key.values())

@@ -11,9 +11,26 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+
+from persisting.kv.layout import Layout
 
 #: A monotonic clock in seconds (``time.monotonic``; tests pass one they advance).
 Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a chunk's payload bytes are on disk (for same-host readers under a lease), and
+    the ``token`` of the lease that keeps them there: releasing that token ends this lease
+    only, never another holder's."""
+
+    path: str
+    offset: int
+    nbytes: int
+    layout: Layout
+    checksum: int
+    token: int = 0
 
 
 class Leases:
@@ -72,4 +89,4 @@ class Leases:
         self._held.pop(key, None)
 
 
-__all__ = ["Clock", "Leases"]
+__all__ = ["Clock", "Leases", "Location"]

@@ -329,7 +329,7 @@ class Writes:
         """The no-op result of putting a key that is already stored (or, with ``writes``,
         being written), flagged ``conflict`` when what is there has another layout."""
         t = self._t
-        disk = t.disk.entry(key) if t.disk is not None else None
+        disk = t.disk.present(key) if t.disk is not None else None
         if disk is not None:
             return PutResult(key, "disk", True, False, not disk.layout.matches(layout))
         entry = t.memory.index.get(key, touch=False)

@@ -179,3 +179,15 @@ def test_damaged_metadata_rebuilds_from_payload_headers(root: Path, damage: str)
         store.put(key(5), tensor(5))
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
         assert store.lookup_prefix([key(0), key(1), key(2)]) == 3 and store.contains(key(5))
+
+
+def test_a_chunk_removed_behind_the_index_is_written_again_by_the_next_put(root: Path) -> None:
+    """Another process took the file (a writer of another namespace making room in the
+    root) before this one refreshed: the next put of that key stores it, never reports it
+    already stored while nothing is on disk."""
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=16 * MiB) as store:
+        assert store.put(key(1), tensor(1)).stored
+        (taken,) = payload_files(root)
+        taken.unlink()
+        assert store.put(key(1), tensor(1)).stored
+        assert torch.equal(store.get(key(1)), tensor(1))
