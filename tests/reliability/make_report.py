@@ -302,9 +302,8 @@ PROMISES = """\
   not be (`stored=False`).
 - Pins and leases belong to the process that took them. Another process sharing the
   directory may evict a chunk this one pinned, and so may a writer of another namespace
-  taking room above this one's floor (above); this one then sees a miss, never wrong data
-  (and a put of that key is taken as already stored until the miss, or `refresh()`, tells
-  it otherwise).
+  taking room above this one's floor (above); this one then sees a miss, never wrong data,
+  and its next put of that key writes it again.
 - There is one copy: no replication across machines (yet).
 """
 
