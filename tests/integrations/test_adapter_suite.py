@@ -97,7 +97,7 @@ def test_the_store_is_a_root_or_a_cluster_never_both(tmp_path: Path) -> None:
         read_settings(EngineSettings, {"cluster": {"seeds": ["nohost"]}}, where="t")
     with pytest.raises(ConfigError, match=r"unknown key 'storage_pth' \(did you mean"):
         read_settings(EngineSettings, {"storage_pth": "/p"}, where="t")
-    with pytest.raises(ConfigError, match="disk_bytes: must be a size"):
+    with pytest.raises(ConfigError, match="disk_bytes must be a size"):
         read_settings(EngineSettings, {"storage_path": "/p", "disk_bytes": "lots"}, where="t")
     settings = read_settings(EngineSettings, {"cluster": cluster}, where="t")
     assert settings.cluster is not None and settings.cluster.name == "kvstore"

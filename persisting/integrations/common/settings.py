@@ -60,7 +60,7 @@ def parse_size(value: Any, name: str = "size", *, positive: bool = False) -> int
 def _size(value: Any) -> int:
     try:
         return parse_size(value)
-    except ConfigError as exc:  # pydantic reports it under the key's name
+    except ConfigError as exc:  # reported under the key's name
         raise ValueError(str(exc).removeprefix("size ")) from None
 
 
@@ -165,11 +165,13 @@ def read_settings(
     refused: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
     noun: str = "key",
+    missing: str | None = None,
 ) -> S:
     """``model`` from the Persisting keys of ``options``: ``passed`` (the engine's own
     keys) are skipped; an unknown key, or one of ``refused`` (key: why it does not apply
     here), is a ConfigError naming it (``noun``: what the engine calls its keys); a bad
-    value is a ConfigError naming its key."""
+    value is a ConfigError naming its key; neither ``storage_path`` nor ``cluster`` is one
+    saying so (``missing``: the engine's own words for it)."""
     passed = frozenset(passed)
     refused = refused or {}
     known = tuple(name for name in model.model_fields if name not in refused)
@@ -177,17 +179,22 @@ def read_settings(
     for key, value in (options or {}).items():
         if key in passed:
             continue
+        if key in refused:
+            raise ConfigError(
+                f"{where}: {noun} {key!r} does not apply here ({refused[key]}); "
+                f"Persisting's keys: {', '.join(known)}"
+            )
         if key not in known:
             close = difflib.get_close_matches(str(key), [*known, *passed], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            why = f" ({refused[key]})" if key in refused else ""
             raise ConfigError(
-                f"{where}: unknown {noun} {key!r}{hint}{why}; Persisting's keys: {', '.join(known)}"
+                f"{where}: unknown {noun} {key!r}{hint}; Persisting's keys: {', '.join(known)}"
             )
         values[key] = value
     if "storage_path" not in values and "cluster" not in values:
         raise ConfigError(
-            f"{where} needs storage_path (the Persisting storage root to keep KV under) "
+            missing
+            or f"{where} needs storage_path (the Persisting storage root to keep KV under) "
             "or cluster (the members of a persisting serve cluster)"
         )
     try:
@@ -205,8 +212,16 @@ def _first_error(exc: ValidationError) -> str:
     message = str(error["msg"]).removeprefix("Value error, ")
     if not where:
         return message
+    context = error.get("ctx") or {}
+    if error["type"] == "literal_error":
+        choices = str(context.get("expected", "")).replace("'", "")
+        return f"{where} must be one of {choices}, not {error['input']!r}"
+    if error["type"] in ("greater_than_equal", "greater_than"):
+        bound = context.get("ge", context.get("gt"))
+        sign = ">=" if "ge" in context else ">"
+        return f"{where} must be a number {sign} {bound}, got {error['input']!r}"
     got = "" if ", got " in message else f", got {error['input']!r}"
-    return f"{where}: {message}{got}"
+    return f"{where}{'' if message.startswith('must') else ':'} {message}{got}"
 
 
 __all__ = [

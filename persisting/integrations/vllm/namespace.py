@@ -11,11 +11,11 @@ Nothing here imports vLLM (the config objects are read by attribute).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 from collections.abc import Mapping
 from typing import Any
+
+from persisting.integrations.common.namespace import digest
+from persisting.integrations.common.namespace import namespace_name as common_namespace
 
 #: Bumped when the stored block format changes (it is part of every namespace digest).
 BLOCK_FORMAT = 1
@@ -68,17 +68,17 @@ def offloading_layout(config: Any) -> dict[str, Any]:
 
 def layout_digest(fields: Mapping[str, Any]) -> str:
     """16 hex digits over ``fields`` (JSON, keys sorted) and :data:`BLOCK_FORMAT`."""
-    text = json.dumps({"block_format": BLOCK_FORMAT, **fields}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return digest({"block_format": BLOCK_FORMAT, **fields})
 
 
 def namespace_name(model: str, fields: Mapping[str, Any], prefix: str | None = None) -> str:
-    """``vllm.<prefix>.<digest>``: the prefix (default: the model's last path part, made
-    safe) says whose blocks these are to a person reading ``persisting inspect``; the digest
-    keeps incompatible layouts apart."""
-    label = prefix if prefix is not None else model.rstrip("/").rsplit("/", 1)[-1]
-    label = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-")[:64] or "model"
-    return f"vllm.{label}.{layout_digest({'model': model, **fields})}"
+    """``vllm.<prefix>.<digest>`` (:func:`~persisting.integrations.common.namespace.
+    namespace_name`): the prefix (default: the model's last path part, made safe) says
+    whose blocks these are to a person reading ``persisting inspect``; the digest keeps
+    incompatible layouts apart."""
+    return common_namespace(
+        "vllm", model, {"block_format": BLOCK_FORMAT, "model": model, **fields}, prefix
+    )
 
 
 def block_key(namespace: str, block_hash: bytes, group: int, dtype: str) -> str:

@@ -2,25 +2,24 @@
 keys of a ``PersistingTier`` entry in vLLM's ``secondary_tiers``.
 
 The connector's dict carries Persisting's keys and vLLM's own offloading keys side by side:
-vLLM's are passed through untouched, ours are checked here (sizes take units, like every
-other Persisting size), and anything else is refused with the closest known key, so a typo
-is an error at start rather than a default silently used. A tier entry takes the same keys,
-less those that only mean something to the connector (see :func:`tier_settings`). Nothing
-here imports vLLM.
+vLLM's are passed through untouched, ours are the engine adapters' shared keys
+(:mod:`persisting.integrations.common.settings`; sizes take units, like every other
+Persisting size) and the connector's own, and anything else is refused with the closest
+known key, so a typo is an error at start rather than a default silently used. A tier
+entry takes the same keys, less those that only mean something to the connector (see
+:func:`tier_settings`). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-from pydantic import ByteSize, TypeAdapter, ValidationError
+from pydantic import Field
 
-from persisting.config import DEFAULT_EVICTION, Eviction
 from persisting.errors import ConfigError
+from persisting.integrations.common.settings import EngineSettings, Size, read_settings
 
 #: Keys vLLM's OffloadingConnector itself reads from the same dict (vLLM 0.32 to 0.34; a
 #: key a version does not know is ignored by it).
@@ -46,60 +45,36 @@ VLLM_KEYS = frozenset(
     }
 )
 
-_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 #: Keys vLLM's SecondaryTierFactory passes to a tier's constructor besides Persisting's own
 #: (``locality``: where the tier's storage is, relative to the engine).
 VLLM_TIER_KEYS = frozenset({"locality"})
 
-_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    """What ``kv_connector_extra_config`` says about the Persisting medium."""
+class ConnectorSettings(EngineSettings):
+    """What ``kv_connector_extra_config`` says about the Persisting medium: the keys every
+    engine adapter shares (:class:`~persisting.integrations.common.settings.EngineSettings`:
+    ``storage_path``, ``disk_bytes``, ``model_version``, ``namespace``, ``io_threads``,
+    ``fsync``, ``eviction``, ``refresh_interval_s``) and the connector's own below."""
 
     #: The Persisting storage root; blocks live under ``<storage_path>/kv/<namespace>/``.
     storage_path: Path
-    #: Disk budget of the namespace (payload and metadata); beyond it the store evicts.
-    disk_bytes: int = 64 << 30
     #: An optional Persisting memory tier in front of the disk (0: none).
-    memory_bytes: int = 0
+    memory_bytes: Size = 0
     #: When a store completes: "sync" (written through), "async" or "write_back" (need a
     #: memory tier).
     durability: Literal["sync", "async", "write_back"] = "sync"
-    #: Whether sync stores are fsynced (False: whole and renamed into place, not flushed).
-    #: A tier's default is False (:data:`TIER_DEFAULTS`).
-    fsync: bool = True
-    #: Eviction order: "value" (keeps what will be reused; its counts are shared by the
-    #: namespace's engines), "lru", or "prefix" (a prompt's later blocks go before earlier
-    #: ones).
-    eviction: Eviction = DEFAULT_EVICTION
-    #: A readable prefix of the namespace directory (default: the model's last path part);
-    #: a digest of the KV layout is always appended.
-    namespace: str | None = None
-    #: Threads reading blocks of one load (and writing stores) in parallel; a tier's
-    #: transfers in flight (its default: :data:`TIER_DEFAULTS`).
-    io_threads: int = 4
-    #: Seconds between rescans of the namespace for blocks other engines wrote or removed
-    #: (done on a lookup miss, at most this often; 0: on every miss).
-    refresh_interval_s: float = 2.0
     #: Serve the connector's Prometheus counters on this port (None: not served).
-    metrics_port: int | None = None
+    metrics_port: int | None = Field(default=None, ge=0)
     #: Address the metrics port binds.
     metrics_addr: str = "127.0.0.1"
     #: Apply prewarm/evict events for this namespace from this queue topic of the storage
     #: root (e.g. "kv-events"; None: no events are followed).
     event_topic: str | None = None
-    #: The weights' version, pinned by the operator: goes into the namespace instead of a
-    #: fingerprint of the model's files (None: the files are fingerprinted when found).
-    model_version: str | None = None
     #: On a GPU engine: the size of vLLM's CPU tier in front of Persisting (its
     #: ``cpu_bytes_to_use``), page-locked host memory shared by the engine's workers.
-    cpu_bytes: int = 4 << 30
+    cpu_bytes: Size = 4 << 30
 
 
-_FIELDS = tuple(ConnectorSettings.__dataclass_fields__)
-_SIZES = {"disk_bytes", "memory_bytes", "cpu_bytes"}
 #: Keys only the connector reads: a tier runs behind vLLM's own CPU tier, in the scheduler.
 _CONNECTOR_ONLY = {
     "memory_bytes": "vLLM's CPU tier is the memory in front of this tier",
@@ -107,90 +82,34 @@ _CONNECTOR_ONLY = {
     "cpu_bytes": "set vLLM's cpu_bytes_to_use beside secondary_tiers instead",
     "event_topic": "events are followed by PersistingConnector's CPU path only",
 }
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "durability": ("sync", "async", "write_back"),
-    "eviction": get_args(Eviction),
-}
-
-
-def _size(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{name} must be a size in bytes or with a unit, got {value!r}")
-    try:
-        size = int(_SIZE.validate_python(value))
-    except ValidationError:
-        raise ConfigError(f"{name} must be a size (4096, 512MB, 64GiB), got {value!r}") from None
-    if size < 0:
-        raise ConfigError(f"{name} must not be negative, got {value!r}")
-    return size
-
-
-def _number(name: str, value: Any, kind: type[int] | type[float], low: float) -> Any:
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    if isinstance(value, bool) or number < low:
-        raise ConfigError(f"{name} must be a number >= {low}, got {value!r}")
-    return number
-
-
-def _value(name: str, value: Any) -> Any:
-    if name in _SIZES:
-        return _size(name, value)
-    if name in _CHOICES:
-        if value not in _CHOICES[name]:
-            raise ConfigError(f"{name} must be one of {', '.join(_CHOICES[name])}, not {value!r}")
-        return value
-    if name == "fsync":
-        try:
-            return _BOOL.validate_python(value)
-        except ValidationError:
-            raise ConfigError(f"fsync must be true or false, got {value!r}") from None
-    if name == "io_threads":
-        return _number(name, value, int, 1)
-    if name == "refresh_interval_s":
-        return _number(name, value, float, 0.0)
-    if name == "metrics_port":
-        return None if value is None else _number(name, value, int, 0)
-    if name == "model_version" and (not isinstance(value, str) or not value.strip()):
-        raise ConfigError(f"model_version must be a non-empty string, got {value!r}")
-    if name == "storage_path":
-        if not isinstance(value, str | Path) or not str(value):
-            raise ConfigError(f"storage_path must be a directory path, got {value!r}")
-        return Path(value).expanduser()
-    if value is not None and not isinstance(value, str):
-        raise ConfigError(f"{name} must be a string, got {value!r}")
-    return value
+#: Not yet under vLLM: its worker reads blocks from the payload files of a local root.
+_NO_CLUSTER = {"cluster": "vLLM's connector and tier keep blocks on a local root for now"}
 
 
 def _read(
-    options: Mapping[str, Any], fields: tuple[str, ...], passed: frozenset[str], where: str
-) -> dict[str, Any]:
+    options: Mapping[str, Any],
+    passed: frozenset[str],
+    refused: Mapping[str, str],
+    where: str,
+    **defaults: Any,
+) -> ConnectorSettings:
     """Persisting's keys of ``options`` checked (``passed``: vLLM's keys, skipped)."""
-    values: dict[str, Any] = {}
-    for key, raw in options.items():
-        if key in passed:
-            continue
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), [*fields, *passed], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            why = f" ({_CONNECTOR_ONLY[key]})" if key in _CONNECTOR_ONLY else ""
-            raise ConfigError(
-                f"{where}: unknown key {key!r}{hint}{why}; Persisting's keys: {', '.join(fields)}"
-            )
-        values[key] = _value(key, raw)
-    if "storage_path" not in values:
-        raise ConfigError(
-            f"{where} needs 'storage_path': the Persisting storage root to keep KV blocks under"
-        )
-    return values
+    return read_settings(
+        ConnectorSettings,
+        options,
+        where=where,
+        passed=passed,
+        refused=refused,
+        defaults=defaults,
+        missing=f"{where} needs 'storage_path': the Persisting storage root to keep KV blocks "
+        "under",
+    )
 
 
 def connector_settings(extra_config: Mapping[str, Any] | None) -> ConnectorSettings:
     """Persisting's settings from ``kv_connector_extra_config`` (vLLM's keys ignored)."""
     where = "PersistingConnector's kv_connector_extra_config"
-    settings = ConnectorSettings(**_read(extra_config or {}, _FIELDS, VLLM_KEYS, where))
+    settings = _read(extra_config or {}, VLLM_KEYS, _NO_CLUSTER, where)
     if settings.durability != "sync" and settings.memory_bytes == 0:
         raise ConfigError(
             f"durability={settings.durability!r} needs a memory tier: set memory_bytes"
@@ -199,7 +118,9 @@ def connector_settings(extra_config: Mapping[str, Any] | None) -> ConnectorSetti
 
 
 #: The keys a ``PersistingTier`` entry of ``secondary_tiers`` takes.
-TIER_FIELDS = tuple(f for f in _FIELDS if f not in _CONNECTOR_ONLY)
+TIER_FIELDS = tuple(
+    f for f in ConnectorSettings.model_fields if f not in _CONNECTOR_ONLY and f not in _NO_CLUSTER
+)
 #: Where a tier's defaults differ from a CPU engine's. It moves whole rows of vLLM's CPU
 #: tier with O_DIRECT, which bypasses the kernel's readahead and write-back, so the
 #: transfers in flight are all the disk is asked at once, and a disk serves more the more
@@ -214,8 +135,8 @@ def tier_settings(options: Mapping[str, Any]) -> ConnectorSettings:
     """Persisting's settings from the keys of a ``PersistingTier`` entry of vLLM's
     ``secondary_tiers`` (what vLLM's factory passes on: the entry less ``type``,
     ``module_path`` and ``backpressure``)."""
-    values = _read(options, TIER_FIELDS, VLLM_TIER_KEYS, "PersistingTier")
-    return ConnectorSettings(**{**TIER_DEFAULTS, **values})
+    refused = {**_CONNECTOR_ONLY, **_NO_CLUSTER}
+    return _read(options, VLLM_TIER_KEYS, refused, "PersistingTier", **TIER_DEFAULTS)
 
 
 #: Where the connector puts KV on each kind of engine (see :func:`tiering_config`).

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from persisting.integrations.common.opener import open_local
 from persisting.integrations.counters import LockedCounters
 from persisting.integrations.vllm.settings import ConnectorSettings
-from persisting.kv import KVStore, open_kv_store
+from persisting.kv import KVStore
 
 
 @dataclass
@@ -79,15 +80,11 @@ def acquire(
                 counters.add(evictions=len(victims))
                 evicted.extend(k for k, _size in victims)
 
-            store = open_kv_store(
-                settings.storage_path,
+            store = open_local(
+                settings,
                 namespace,
                 memory_bytes=settings.memory_bytes,
-                disk_bytes=settings.disk_bytes,
                 durability=settings.durability,
-                eviction=settings.eviction,
-                fsync=settings.fsync,
-                read_threads=settings.io_threads,
                 on_disk_evict=record,
                 result_buffer_bytes=0,
                 pinned_memory="off",
