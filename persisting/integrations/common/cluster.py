@@ -64,7 +64,7 @@ class ClusterStore(EngineStore):
     def _write(
         self, keys: list[str], views: list[tuple[memoryview, ...]], parents: list[str | None]
     ) -> list[Write]:
-        values = [bytes(p[0]) if len(p) == 1 else b"".join(p) for p in views]
+        values = [p[0] if len(p) == 1 else b"".join(p) for p in views]  # sent from memory
         try:
             results = self.kv.batched_put(keys, values, fmt="binary", parents=parents)
         except Exception as exc:  # a failed write is a future miss, never an engine error
