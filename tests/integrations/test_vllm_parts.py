@@ -11,6 +11,7 @@ import pytest
 import xxhash
 
 from persisting.errors import ConfigError, CorruptValueError
+from persisting.integrations.common.settings import EngineSettings
 from persisting.integrations.vllm.blocks import BlockPages, read_rows
 from persisting.integrations.vllm.namespace import (
     block_hash_of,
@@ -21,6 +22,7 @@ from persisting.integrations.vllm.namespace import (
 from persisting.integrations.vllm.settings import (
     TIER_MODULE,
     TIER_TYPE,
+    ConnectorSettings,
     connector_settings,
     tier_settings,
     tiering_config,
@@ -168,3 +170,15 @@ def test_damage_and_a_short_file_are_errors_never_a_load(tmp_path: Path) -> None
     path.write_bytes(b"h" * 16 + data[:1500])
     with pytest.raises(CorruptValueError, match="end of file"):
         read_rows(str(path), 16, pages.rows(1), good)
+
+
+def test_the_shared_keys_are_the_engine_adapters_and_cluster_is_refused_with_the_reason() -> None:
+    """The connector's and the tier's settings extend the keys every engine adapter takes
+    (``integrations/common``); the cluster key is refused, saying why, not as a typo."""
+    assert ConnectorSettings.__mro__[1] is EngineSettings
+    cluster = {"seeds": ["10.0.0.1:8610"]}
+    for read in (connector_settings, tier_settings):
+        with pytest.raises(ConfigError, match=r"'cluster' does not apply here .*local root"):
+            read({"storage_path": "/r", "cluster": cluster})
+    with pytest.raises(ConfigError, match="'memory_bytes' does not apply here"):
+        tier_settings({"storage_path": "/r", "memory_bytes": "1GiB"})
