@@ -90,3 +90,20 @@ def test_service_commands_name_the_extra_in_one_line(tmp_path: Path) -> None:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert "service" in lines[0] and "Pulsing" in lines[0]
+
+
+def test_an_engine_naming_a_cluster_without_the_extra_is_told_which_extra() -> None:
+    """The engine adapters' opener, given a ``cluster``, says what to install (a
+    ConfigError, as a bad key is), not a bare ModuleNotFoundError."""
+    code = (
+        "from persisting.errors import ConfigError\n"
+        "from persisting.integrations.common import EngineSettings, open_engine_store\n"
+        "s = EngineSettings.model_validate({'cluster': {'seeds': ['127.0.0.1:9']}})\n"
+        "try:\n"
+        "    open_engine_store(s, 'ns')\n"
+        "except ConfigError as exc:\n"
+        "    print('ConfigError', exc)\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "ConfigError" in proc.stdout and "persisting[service]" in proc.stdout, proc.stdout

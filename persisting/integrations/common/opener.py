@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from persisting.errors import ConfigError
 from persisting.integrations.common.settings import ClusterSettings, EngineSettings
 from persisting.integrations.common.store import EngineStore, LocalStore
 from persisting.kv import KVStore, open_kv_store
@@ -49,8 +50,15 @@ def open_local(
 
 
 def connect_cluster(cluster: ClusterSettings, namespace: str) -> Any:
-    """A :class:`~persisting.service.SyncKVCacheClient` of ``namespace`` in ``cluster``."""
-    from persisting.service import SyncKVCacheClient
+    """A :class:`~persisting.service.SyncKVCacheClient` of ``namespace`` in ``cluster``
+    (a ConfigError when the engine's environment lacks the ``service`` extra)."""
+    try:
+        from persisting.service import SyncKVCacheClient
+    except ImportError as exc:
+        raise ConfigError(
+            f"the cluster key needs Persisting's service extra in the engine's environment "
+            f"(pip install 'persisting[service]'): {exc}"
+        ) from exc
 
     return SyncKVCacheClient.connect(
         seeds=cluster.seeds, name=cluster.name, model=namespace, passphrase=cluster.passphrase()
