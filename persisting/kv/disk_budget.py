@@ -67,7 +67,9 @@ class DiskBudget:
         (see :mod:`persisting.kv.root_budget`; caller holds the usage lock)."""
         if self.root_usage is None:
             return self.capacity
-        return self.root_usage.room(self.capacity, self.usage.total(), need, self._evict)
+        total = self.usage.total()
+        fixed = total - self.usage.get()  # metadata, side files, reservations: not chunks
+        return self.root_usage.room(self.capacity, total, need, self._evict, fixed)
 
     def reserve(self, nbytes: int, headroom: int = 0, *, metadata: bool = False) -> None:
         """Count ``nbytes`` in the shared usage (as payload, or with ``metadata`` as a

@@ -112,6 +112,13 @@ class Neighbour:
     held_at: float
     #: Whether it has a usage counter (a store's layout; else its files are counted).
     counted: bool = True
+    #: Of ``bytes``, what taking chunks cannot free: metadata, side files, reservations.
+    fixed: int = 0
+
+    @property
+    def payload(self) -> int:
+        """The chunks' bytes: what taking chunks can free, and what a floor protects."""
+        return self.bytes - self.fixed
 
     def protected(self, now: float, grace_s: float) -> bool:
         """Live, or idle within its grace period: it keeps its floor."""
@@ -189,18 +196,26 @@ class RootUsage:
             others = self._neighbours(False)
         return capacity // (1 + sum(n.protected(now, self.grace_s) for n in others))
 
-    def room(self, capacity: int, own: int, need: int, evict_own: Callable[[int], int]) -> int:
-        """The bytes the writer's namespace (holding ``own``) may hold once ``need`` more
-        are added: ``capacity`` less what the others hold, after room was taken where the
-        root would go over (``evict_own(n)`` evicts ``n`` bytes of the writer's own chunks,
-        returns what it freed); never less than its floor. Caller holds its usage lock."""
+    def room(
+        self,
+        capacity: int,
+        own: int,
+        need: int,
+        evict_own: Callable[[int], int],
+        own_fixed: int = 0,
+    ) -> int:
+        """The bytes the writer's namespace (holding ``own``, ``own_fixed`` of them not
+        chunks) may hold once ``need`` more are added: ``capacity`` less what the others
+        hold, after room was taken where the root would go over (``evict_own(n)`` evicts
+        ``n`` bytes of the writer's own chunks, returns what it freed); never less than its
+        floor of chunks. Caller holds its usage lock."""
         others = self._neighbours(False)
         over = own + need + sum(n.bytes for n in others) - capacity
         if over > 0:
-            self._make_room(over, capacity, own, evict_own)
+            self._make_room(over, capacity, own - own_fixed, evict_own)
             others = self._neighbours(False)
         held = sum(n.bytes for n in others)
-        return min(capacity, max(capacity - held, self.floor(capacity, others)))
+        return min(capacity, max(capacity - held, self.floor(capacity, others) + own_fixed))
 
     # -- reading the root -----------------------------------------------------------------
 
@@ -218,7 +233,7 @@ class RootUsage:
                 for n in self._others:
                     counter = self._counters.get(n.name)
                     if counter is not None:
-                        n.bytes = _read_counter(counter, n.bytes)
+                        n.bytes, n.fixed = _read_counter(counter, (n.bytes, n.fixed))
             return list(self._others)
 
     def _open_counters(self) -> None:
@@ -238,19 +253,20 @@ class RootUsage:
         directory = self.root.kv_path(name)
         try:
             raw = (directory / _COUNTER).read_bytes()
-            held = sum(max(0, v) for v in _SLOTS.unpack(raw)) if len(raw) == _SLOTS.size else 0
+            slots = _SLOTS.unpack(raw) if len(raw) == _SLOTS.size else (0, 0, 0)
+            held, fixed = sum(max(0, v) for v in slots), max(0, slots[1]) + max(0, slots[2])
             counted = True
         except FileNotFoundError:
             if not directory.is_dir():
                 return None
-            held, counted = disk_usage(directory), False  # not a store's layout: its files
+            held, fixed, counted = disk_usage(directory), 0, False  # not a store's: its files
         except OSError:
             return None
         live, held_at = _probe(directory, self._wall)
         record = read_record(directory)  # its last opening, should its lock file say less
         if record is not None and record.opened_at > held_at:
             held_at = record.opened_at
-        return Neighbour(name, directory, held, live, held_at, counted)
+        return Neighbour(name, directory, held, live, held_at, counted, fixed)
 
     # -- taking room --------------------------------------------------------------------
 
@@ -277,7 +293,7 @@ class RootUsage:
                 name = neighbour.name
             else:
                 levels: list[tuple[int, str, Neighbour | None]] = [
-                    (n.bytes - share, n.name, n)
+                    (n.payload - share, n.name, n)
                     for n in others
                     if n.name not in stuck and n.protected(now, self.grace_s)
                 ]
@@ -472,8 +488,9 @@ def _locked(path: Path, *, wait_s: float) -> Iterator[int | None]:
         os.close(fd)  # and with it the lock
 
 
-def _read_counter(fd: int, default: int) -> int:
-    """The bytes an open usage counter holds, or ``default`` if it cannot be read."""
+def _read_counter(fd: int, default: tuple[int, int]) -> tuple[int, int]:
+    """The bytes an open usage counter holds, and of them what is not chunks (overhead and
+    reservations), or ``default`` if it cannot be read."""
     try:
         raw = os.pread(fd, _SLOTS.size, 0)
     except OSError:
@@ -481,7 +498,8 @@ def _read_counter(fd: int, default: int) -> int:
     if len(raw) != _SLOTS.size:
         return default
     payload, overhead, reserved = _SLOTS.unpack(raw)
-    return max(0, payload) + max(0, overhead) + max(0, reserved)
+    fixed = max(0, overhead) + max(0, reserved)
+    return max(0, payload) + fixed, fixed
 
 
 def _close_all(fds: dict[str, int]) -> None:

@@ -120,7 +120,7 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         {
             **plan,
             "dtype": "float16",
-            "connector": small,  # room for 7 of the 11 blocks
+            "connector": small,  # a 2 MiB root, half of it the bfloat16 namespace's floor
             "steps": [
                 {"name": "prompt", "prompt": PROMPT, "max_tokens": 8},
                 {"action": "settle", "seconds": 5},
@@ -223,7 +223,8 @@ def test_each_block_is_stored_with_the_block_before_it_across_steps(
 def test_a_prompt_longer_than_the_disk_budget_keeps_its_first_blocks(
     runs: dict[str, Any],
 ) -> None:
-    """The budget holds 7 of the 11 blocks: the store keeps the prompt's head (a prefix
+    """The root's 2 MiB are shared with the bfloat16 namespace, idle but within its grace
+    period, so each keeps its floor (half): the store keeps the prompt's head (a prefix
     still hits; its tail alone never would), and a new process reuses it."""
     figures = scraped(runs["float16"], 0)
     stored = figures["persisting_vllm_blocks_stored_total"]

@@ -310,3 +310,22 @@ def test_a_writer_below_its_floor_goes_on_while_the_namespace_over_it_is_busy(ro
             fill(b, "b", 1, start=3)
             assert b.stats()["disk_items"] == 4
             assert kv_bytes(root) <= 1.05 * BUDGET
+
+
+def test_a_batch_beside_a_namespace_in_its_grace_keeps_its_head_within_its_floor(
+    root: Path,
+) -> None:
+    """A prompt put as one chained batch by a writer whose budget the root's other
+    namespace fills (in its grace period, its side files sized for a larger budget): the
+    batch keeps its first chunks within its floor instead of failing whole, and the other
+    namespace keeps chunks up to its floor, whatever its side files weigh."""
+    with open_kv_store(root, "big", memory_bytes=0, disk_bytes="1GiB") as big:
+        fill(big, "big", 10)
+    small = 4 * MiB
+    with open_kv_store(root, "small", memory_bytes=0, disk_bytes=small, eviction="prefix") as s:
+        keys = [chunk_key("small", i) for i in range(10)]
+        results = s.batched_put(keys, [os.urandom(MiB) for _ in keys], fmt="binary", chain=True)
+        stored = [r.stored for r in results]
+        assert 1 <= sum(stored) < 10 and stored == sorted(stored, reverse=True)  # a head
+    with open_kv_store(root, "big", memory_bytes=0, disk_bytes="1GiB") as big:
+        assert len(kept(big, "big", 10)) >= 1  # its floor of chunks, not its side files
