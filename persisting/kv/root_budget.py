@@ -15,9 +15,10 @@ chunk by chunk:
   chunk or a few at a time, so that they level. The floor of a *protected* namespace -- one
   a live store holds, or an idle one within its grace period (a model restarting: loading
   its weights, fingerprinting them) -- is its fair share: ``disk_bytes`` divided by the
-  number of protected namespaces, the writer's own included. A protected namespace loses
-  only chunks above its floor, least valuable first; a writer below its floor is never
-  refused for the root's sake (it may grow to its floor even while the one over its floor
+  number of protected namespaces, the writer's own included, counted in chunks (metadata
+  and side files, which taking chunks cannot free, are not held against it). A protected
+  namespace loses only chunks above its floor, least valuable first; a writer below its
+  floor is never refused for the root's sake (it may grow to its floor even while the one over its floor
   cannot give at once: its usage lock held longer than :data:`LOCK_WAIT_S`).
 
 The grace period counts from when the namespace was last seen held: a store opening or

@@ -260,8 +260,10 @@ PROMISES = """\
   Then from whichever namespace is most over its floor, the writer's own included, so
   that they level. The floor of a live namespace, and of an idle one within its grace
   period (a model restarting: its engine loading and fingerprinting the weights), is its
-  fair share, `disk_bytes` divided by the number of such namespaces: it loses only chunks
-  above it, and a writer below its floor is never refused for the root's sake. The grace
+  fair share, `disk_bytes` divided by the number of such namespaces, counted in chunks
+  (its metadata and side files, which taking chunks cannot free, are not held against
+  it): it loses only chunks above it, and a writer below its floor is never refused for
+  the root's sake; a batch larger than its share keeps its chains' heads. The grace
   period counts from when the namespace was last seen held (a store opened or closed it,
   or a writer of the root found it held, at most once a second while writing). Chunks
   taken from another namespace are its least valuable by the `prefix` policy's order --
