@@ -18,8 +18,8 @@ chunk by chunk:
   number of protected namespaces, the writer's own included, counted in chunks (metadata
   and side files, which taking chunks cannot free, are not held against it). A protected
   namespace loses only chunks above its floor, least valuable first; a writer below its
-  floor is never refused for the root's sake (it may grow to its floor even while the one over its floor
-  cannot give at once: its usage lock held longer than :data:`LOCK_WAIT_S`).
+  floor is never refused for the root's sake (it may grow to its floor even while the one
+  over its floor cannot give at once: its usage lock held longer than :data:`LOCK_WAIT_S`).
 
 The grace period counts from when the namespace was last seen held: a store opening or
 closing it marks its namespace lock file (its mtime; the opening is in its record too),
