@@ -71,6 +71,14 @@ class DiskBudget:
         fixed = total - self.usage.get()  # metadata, side files, reservations: not chunks
         return self.root_usage.room(self.capacity, total, need, self._evict, fixed)
 
+    def payload_room(self, nbytes: int, headroom: int) -> int:
+        """The payload bytes this namespace may hold once ``nbytes`` more (and ``headroom``)
+        are added: what the root leaves it (:meth:`room`, which may take room elsewhere),
+        less its overhead, its reservations and ``headroom`` (caller holds the usage
+        lock). A batch larger than this keeps its chains' heads (:mod:`.batch_fit`)."""
+        fixed = self.usage.overhead() + self.usage.reserved()
+        return self.room(nbytes + headroom) - fixed - headroom
+
     def reserve(self, nbytes: int, headroom: int = 0, *, metadata: bool = False) -> None:
         """Count ``nbytes`` in the shared usage (as payload, or with ``metadata`` as a
         metadata reservation), evicting first (caller holds the usage lock).

@@ -405,8 +405,7 @@ class DiskTier:
                 self.files.path(it.key, tag).parent for it, tag in zip(todo, tags, strict=True)
             }
             headroom = self._budget.growth_of(subdirs)
-            allowed = self._budget.room(sum(sizes) + headroom)  # the root's share for us
-            room = allowed - self.usage.overhead() - self.usage.reserved() - headroom
+            room = self._budget.payload_room(sum(sizes), headroom)
             kept = heads_that_fit([i.key for i in todo], [i.parent for i in todo], sizes, room)
             if len(kept) < len(todo):  # over the whole budget: its prefixes are kept
                 log.info("a batch over the disk budget: %d of %d stored", len(kept), len(todo))

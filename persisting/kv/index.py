@@ -9,7 +9,7 @@ The leaves are kept two ways, each O(1) to maintain: in least-recently-used orde
 
 With :class:`~persisting.kv.reuse.ReuseStats` attached, the index reports every sighting
 of a key -- an entry added by a put or a read that finds it (``get(touch=True)``) -- to
-them and to its :class:`~persisting.kv.reuse.RecencyDuel`, so they count uses, not copies:
+them and to its :class:`~persisting.kv.recency_duel.RecencyDuel`, so they count uses, not copies:
 loading what is already stored (on open, or files another process wrote) passes
 ``sighting=False``.
 """
@@ -23,7 +23,8 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from persisting.kv.layout import Layout
-from persisting.kv.reuse import TICK_MASK, RecencyDuel, ReuseStats, key_hash
+from persisting.kv.recency_duel import RecencyDuel
+from persisting.kv.reuse import TICK_MASK, ReuseStats, key_hash
 
 
 class Entry:

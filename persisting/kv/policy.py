@@ -101,7 +101,7 @@ class ValueEviction(EvictionPolicy):
     - ``sightings``: puts and hits of the key, remembered after it is evicted (ghosts:
       :class:`~persisting.kv.reuse.ReuseStats`), so a chunk used often stays longer and
       one that comes back is known again: frequency.
-    - Whether frequency pays is the tier's :class:`~persisting.kv.reuse.RecencyDuel`'s
+    - Whether frequency pays is the tier's :class:`~persisting.kv.recency_duel.RecencyDuel`'s
       call: it plays LRU and this density beside the tier on keys alone and turns
       frequency on only while the density would have hit clearly more. Off, the tier
       evicts its oldest leaf, exactly (LRU among the chains' tips): the policy does not

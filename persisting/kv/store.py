@@ -168,9 +168,8 @@ class KVStore(KVApi):
             self._tiers, durability, self.admission, self.max_value_bytes, fsync, behind
         )
         # Result pages without huge pages: a kept result's range is touched once, on the
-        # get's path, where fresh huge pages cost more than 4 KiB ones in VMs that give free
-        # memory back to their host (see persisting.shm.aligned_buffer); recycled ranges
-        # cost nothing.
+        # get's path, where fresh huge pages cost more than 4 KiB ones in VMs that give
+        # free memory back (persisting.shm.aligned_buffer); recycled ranges cost nothing.
         results = RecycledBuffers(results_bytes, huge_pages=False) if results_bytes > 0 else None
         self._reads = Reads(self._tiers, results, self._writes, read_threads)
         self._lookups = Lookups(self._tiers, chunk_size, hash_scheme, key_dtype_name(key_dtype))

@@ -12,7 +12,8 @@ from persisting.kv.index import Entry, LruIndex
 from persisting.kv.layout import Layout
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.policy import LRUEviction, ValueEviction
-from persisting.kv.reuse import RecencyDuel, ReuseStats, key_hash
+from persisting.kv.recency_duel import RecencyDuel
+from persisting.kv.reuse import ReuseStats, key_hash
 from tests.kv.kv_helpers import key, memory_tier, tensor
 
 ONE = Layout((1,), "uint8", "binary", 1, "bytes")
