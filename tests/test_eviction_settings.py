@@ -55,7 +55,7 @@ def test_each_policy_is_selectable_everywhere(
 
 
 def test_an_unknown_policy_is_refused_naming_the_choices(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="lru, prefix, value"):
+    with pytest.raises(ConfigError, match="lru, prefix or value"):
         connector_settings({"storage_path": str(tmp_path), "eviction": "fifo"})
     with pytest.raises(ConfigError, match="lru, prefix or value"):
         l2_params({"storage_path": str(tmp_path), "eviction": "fifo"})
