@@ -66,17 +66,24 @@ def parse_bytes(value: Any) -> Any:
 _BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 
 
-def size_bytes(value: Any, name: str) -> int:
-    """``value`` as bytes, as a setting reads it: an int, or a string with a unit
-    (``"64 MB"``, ``"8GiB"``); anything else is a ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
+def size_bytes(value: Any, name: str = "size", *, positive: bool = False) -> int:
+    """Bytes from ``value``, as every Persisting size reads: an int, or a string with an
+    optional unit (``512MB`` is 512*10^6, ``64GiB`` 64*2^30, ``1.5GiB``, ``16 MiB``,
+    ``4096``). ``name`` is the key the user wrote, for the message; ``positive``: 0 is
+    refused too. Anything else is a ConfigError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{name} must be a size in bytes or with a unit, got {value!r}")
+    if isinstance(value, int | float) and value < 0:
+        raise ConfigError(f"{name} must not be negative, got {value!r}")
     try:
-        return int(parse_bytes(value))
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        size = int(_BYTE_SIZE.validate_python(value))
+    except ValidationError:
         raise ConfigError(
-            f"{name} must be a size in bytes or with a unit (512MB, 64GiB), got {value!r}"
-        ) from exc
+            f"{name} must be a size in bytes or with a unit (4096, 512MB, 64GiB), got {value!r}"
+        ) from None
+    if positive and size <= 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+    return size
 
 
 #: A size in bytes: an integer, or a string with a unit. Validated values are plain ints

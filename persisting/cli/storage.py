@@ -206,6 +206,23 @@ def render_lags(console: Console, lags: list[ConsumerLag]) -> None:
     console.print(table)
 
 
+def require_model(store: StorageRoot, model: str) -> None:
+    """Fail (exit 1) unless ``model`` has a namespace under ``store`` (``kv_path`` refuses
+    path-unsafe names), naming the models there."""
+    if not store.kv_path(model).exists():
+        known = ", ".join(store.list_models()) or "none"
+        fail(f"no model {model!r} under {store.root} (models: {known})")
+
+
+def confirm(verb: str, done: str, what: str) -> None:
+    """Ask on a terminal whether to ``verb`` ``what``; refuse elsewhere (exit 2: --yes is
+    required) and when the answer is no (nothing ``done``)."""
+    if not sys.stdin.isatty():
+        fail(f"refusing to {verb} {what} without --yes", EXIT_BAD_INPUT)
+    if not typer.confirm(f"{verb.capitalize()} {what}?", default=False, err=True):
+        fail(f"nothing {done}")
+
+
 @command(app, "drop", rich_help_panel="Storage root")
 def drop(
     model: Annotated[str, typer.Argument(help="Model namespace to remove, e.g. org/model.")],
@@ -223,19 +240,14 @@ def drop(
     from persisting.admin import drop_model, inspect_model
 
     store = open_storage_root(storage_path, config, writes="drop removes files")
-    if not store.kv_path(model).exists():  # kv_path rejects path-unsafe names
-        known = ", ".join(store.list_models()) or "none"
-        fail(f"no model {model!r} under {store.root} (models: {known})")
+    require_model(store, model)
     if not yes:
         info = inspect_model(store, model)
         what = (
             f"model {model!r} ({info.chunks:,} chunk(s), {human_bytes(info.bytes)}) "
             f"under {store.root}"
         )
-        if not sys.stdin.isatty():
-            fail(f"refusing to drop {what} without --yes", EXIT_BAD_INPUT)
-        if not typer.confirm(f"Drop {what}?", default=False, err=True):
-            fail("nothing dropped")
+        confirm("drop", "dropped", what)
     result = drop_model(store, model)
 
     def render(console: Console) -> None:
@@ -278,19 +290,14 @@ def quarantine(
 
     writes = "--add-key and --delete change the root" if (add_key or delete) else None
     store = open_storage_root(storage_path, config, writes=writes)
-    if not store.kv_path(model).exists():
-        known = ", ".join(store.list_models()) or "none"
-        fail(f"no model {model!r} under {store.root} (models: {known})")
+    require_model(store, model)
     report = quarantine_of(store, model)
     if add_key is not None:
         report.added_key = add_root_key(store, add_key)
     if delete and report.files:
         what = f"{report.files:,} quarantined file(s) ({human_bytes(report.bytes)}) of {model!r}"
         if not yes:
-            if not sys.stdin.isatty():
-                fail(f"refusing to delete {what} without --yes", EXIT_BAD_INPUT)
-            if not typer.confirm(f"Delete {what}?", default=False, err=True):
-                fail("nothing deleted")
+            confirm("delete", "deleted", what)
         report.deleted_files, report.deleted_bytes = delete_quarantined(store, model)
 
     def render(console: Console) -> None:

@@ -17,7 +17,6 @@ from persisting.integrations.common.opener import open_engine_store, open_local
 from persisting.integrations.common.settings import (
     ClusterSettings,
     EngineSettings,
-    parse_size,
     read_settings,
 )
 from persisting.integrations.common.store import EngineStore, LocalStore
@@ -31,6 +30,5 @@ __all__ = [
     "namespace_name",
     "open_engine_store",
     "open_local",
-    "parse_size",
     "read_settings",
 ]

@@ -6,7 +6,8 @@ its own keys beside ours. :func:`read_settings` checks ours against one pydantic
 (:class:`EngineSettings`, extended by each engine with only its own keys), passes the
 engine's through, and refuses anything else with a :class:`~persisting.errors.ConfigError`
 naming the key (and the closest known one), so a typo fails the engine's start instead of
-a default silently used. Sizes take units (:func:`parse_size`), as every Persisting size.
+a default silently used. Sizes take units, as every Persisting size
+(:func:`persisting.config.size_bytes`).
 
 Where the store is: ``storage_path`` (a local root) or ``cluster`` (``{"seeds": [...],
 "name": "kvstore", "passphrase_file": PATH}``: the members of a ``persisting serve``
@@ -23,43 +24,20 @@ from typing import Annotated, Any, TypeVar
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ByteSize,
     ConfigDict,
     Field,
-    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from persisting.config import DEFAULT_EVICTION, Eviction
+from persisting.config import DEFAULT_EVICTION, Eviction, size_bytes
 from persisting.errors import ConfigError
-
-_BYTE_SIZE: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
-
-
-def parse_size(value: Any, name: str = "size", *, positive: bool = False) -> int:
-    """Bytes from ``value``: an int, or a string with an optional unit (``512MB`` is
-    512*10^6, ``64GiB`` 64*2^30, ``1.5GiB``, ``16 MiB``, ``4096``). ``name`` is the key the
-    user wrote, for the message; ``positive``: 0 is refused too."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{name} must be a size in bytes or with a unit, got {value!r}")
-    if isinstance(value, int | float) and value < 0:
-        raise ConfigError(f"{name} must not be negative, got {value!r}")
-    try:
-        size = int(_BYTE_SIZE.validate_python(value))
-    except ValidationError:
-        raise ConfigError(
-            f"{name} must be a size in bytes or with a unit (4096, 512MB, 64GiB), got {value!r}"
-        ) from None
-    if positive and size <= 0:
-        raise ConfigError(f"{name} must be positive, got {value!r}")
-    return size
 
 
 def _size(value: Any) -> int:
     try:
-        return parse_size(value)
+        return size_bytes(value)
     except ConfigError as exc:  # reported under the key's name
         raise ValueError(str(exc).removeprefix("size ")) from None
 
@@ -228,6 +206,5 @@ __all__ = [
     "ClusterSettings",
     "EngineSettings",
     "Size",
-    "parse_size",
     "read_settings",
 ]

@@ -3,7 +3,7 @@
 The in-process plugin reads LMCache's ``extra_config`` keys ``persisting.*``
 (:func:`settings_from_extra_config`); the L2 adapter of LMCache's multiprocess mode reads
 the ``adapter_params`` of its plugin adapter entry (:func:`l2_params`). Sizes are bytes or
-a number with a unit (:func:`parse_size`, the engine adapters' one parser: ``64GiB``,
+a number with a unit (:func:`persisting.config.size_bytes`, the one parser: ``64GiB``,
 ``512MB``), since LMCache users size in GB. Nothing here imports LMCache.
 """
 
@@ -23,9 +23,9 @@ from persisting.config import (
     KVSettings,
     PersistingSettings,
     closest,
+    size_bytes,
 )
 from persisting.errors import ConfigError
-from persisting.integrations.common.settings import parse_size
 
 #: extra_config keys start with this prefix.
 PREFIX = "persisting."
@@ -111,7 +111,7 @@ def settings_from_extra_config(
         elif name in _OPTION_FIELDS:
             options[name] = value
         elif name in SIZE_FIELDS:
-            kv[name] = parse_size(value, raw_key)
+            kv[name] = size_bytes(value, raw_key)
         elif name in _KV_FIELDS:
             kv[name] = value
         else:
@@ -180,7 +180,7 @@ def l2_params(raw: Mapping[str, Any]) -> L2Params:
     values: dict[str, Any] = {"storage_path": Path(str(raw["storage_path"]))}
     for name in ("capacity", "memory_bytes"):
         if name in raw:
-            values[name] = parse_size(raw[name], f"adapter_params.{name}")
+            values[name] = size_bytes(raw[name], f"adapter_params.{name}")
     if MAX_CAPACITY_GB in raw:
         if "capacity" in raw:
             raise ConfigError(
@@ -238,6 +238,5 @@ __all__ = [
     "L2Params",
     "PluginOptions",
     "l2_params",
-    "parse_size",
     "settings_from_extra_config",
 ]
