@@ -49,10 +49,12 @@ from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.kv import KVStore
 from persisting.kv.model_identity import weights_namespace
+from persisting.kv.options import validate_model
 from persisting.lance_store import validate_name
 from persisting.metrics import KVMetrics, MetricsServer
 from persisting.service.bulk.server import BulkServer
 from persisting.service.handler import StorageHandler
+from persisting.service.handler.common import Opener
 
 if TYPE_CHECKING:
     from actors.kv_events import EventConsumer
@@ -62,13 +64,9 @@ MEMBERS_EVERY_S = 2.0
 
 
 def _model_names(models: Sequence[str]) -> list[str]:
-    """The models to serve, checked: at least one, valid names, none twice."""
+    """The models to serve, checked: valid names, none twice (none at all: the server
+    serves whatever namespace an authenticated client opens)."""
     names = list(models)
-    if not names:
-        raise ConfigError(
-            "no models to serve: set PERSISTING_MODELS (comma-separated), or models in "
-            "the settings file (PERSISTING_CONFIG)"
-        )
     for name in names:
         validate_name(name, "model")
     if len(set(names)) != len(names):
@@ -76,11 +74,14 @@ def _model_names(models: Sequence[str]) -> list[str]:
     return names
 
 
-def _handler(settings: PersistingSettings, stores: dict[str, KVStore]) -> StorageHandler:
+def _handler(
+    settings: PersistingSettings, stores: dict[str, KVStore], opener: Opener | None
+) -> StorageHandler:
     """The protocol handler over ``stores``, sized by the service settings."""
     service = settings.service
     return StorageHandler(
         stores,
+        opener=opener,
         lease_ttl_s=service.lease_ttl_s,
         max_inflight=service.max_inflight,
         max_staged_bytes=service.staging_bytes,
@@ -125,24 +126,24 @@ class KVCacheStorageActor(pulsing.Actor):
                 claim_models(self.settings, names, name=service.name, addr=service.addr)
             )
         )
-        self.stores: dict[str, KVStore] = {}
+        #: Whether clients open the namespaces (no models named at start-up).
+        self.open_namespaces = not names
+        stores: dict[str, KVStore] = {}
         try:
             for name in names:
                 namespace, weights = weights_namespace(name, self.settings.kv.model_version)
-                self.stores[name] = KVStore.from_settings(
-                    self.settings,
-                    name,
-                    shared_memory=service.shared_memory_tier,
-                    namespace=namespace,
-                    describe={"served by": "persisting serve", "model": name, **weights},
-                )
-                if service.prefault_memory:
-                    self.stores[name].prefault_memory()
+                stores[name] = self._open_store(name, namespace, weights)
         except BaseException:
-            self._close_stores()
+            for store in stores.values():
+                with contextlib.suppress(Exception):
+                    store.close()
             self.claims.release()
             raise
-        self.handler = _handler(self.settings, self.stores)
+        opener = self._open_for_client if self.open_namespaces else None
+        self.handler = _handler(self.settings, stores, opener)
+        #: The served stores: the handler's own table, which an opener adds to.
+        self.stores = self.handler.state.stores
+        self.metrics: KVMetrics | None = None
         #: The event consumer beside this actor (``start_service`` sets it), for readiness.
         self.consumer: EventConsumer | None = None
         self._addr: str | None = None
@@ -166,11 +167,44 @@ class KVCacheStorageActor(pulsing.Actor):
         self.name = service.name
         self._started_at = time.monotonic()
 
+    def _open_store(self, name: str, namespace: str, describe: dict[str, str]) -> KVStore:
+        service = self.settings.service
+        store = KVStore.from_settings(
+            self.settings,
+            name,
+            shared_memory=service.shared_memory_tier,
+            namespace=namespace,
+            describe={"served by": "persisting serve", "model": name, **describe},
+        )
+        if service.prefault_memory:
+            store.prefault_memory()
+        return store
+
+    def _open_for_client(self, name: str) -> KVStore:
+        """Open the namespace ``name`` an authenticated client asked for: claimed first (one
+        server per namespace on a root), then opened with this server's store settings --
+        its own budget and identity checks, under the root's one budget. The client's
+        namespace already names its weights and layout (the engines build it so)."""
+        if self._closed:
+            raise ConfigError("this server is stopping")
+        validate_model(name)  # before anything is claimed or made on the root
+        claim = self.claims.claim(self.settings, name, self.name, self._addr)
+        try:
+            store = self._open_store(name, name, {"opened by": "a client's hello"})
+        except BaseException:
+            self.claims.drop(name)
+            raise
+        if self.metrics is not None:
+            self.metrics.attach(store)
+        claim.watch(self._lost_claim)
+        logger.info("persisting: opened namespace %r for a client", name)
+        return store
+
     def _serve_metrics(self, port: int) -> None:
         """Prometheus figures of every served store, of the service itself and of the
         event consumer, with ``/healthz`` and ``/readyz`` beside ``/metrics``."""
         metrics = KVMetrics()
-        for store in self.stores.values():
+        for store in list(self.stores.values()):
             metrics.attach(store)
         metrics.track_queue_lag(self.settings.storage_path, [self.settings.service.event_topic])
         metrics.track_service(self.service_figures)

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from actors.ownership import consumer_name as default_consumer_name
@@ -53,7 +53,7 @@ class EventConsumer:
         settings: PersistingSettings,
         *,
         name: str | None = None,
-        models: Sequence[str] | None = None,
+        models: Collection[str] | None = None,
         topic: str | None = None,
         consumer_name: str | None = None,
         batch_records: int | None = None,
@@ -63,7 +63,9 @@ class EventConsumer:
     ):
         self.settings = settings
         self.name = name or settings.service.name
-        self.models = set(models if models is not None else settings.models)
+        #: The namespaces whose events apply here (a server's live table of its stores,
+        #: which grows as clients open namespaces on a server started without models).
+        self.models: Collection[str] = models if models is not None else set(settings.models)
         self.topic = topic or settings.service.event_topic
         self.consumer_name = consumer_name or default_consumer_name(self.name)
         self.batch_records = batch_records or settings.service.event_batch_records

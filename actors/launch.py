@@ -35,7 +35,6 @@ from actors.logs import configure_logging
 from actors.ownership import claim_service
 from actors.system import start_system
 from persisting.config import PersistingSettings
-from persisting.errors import ConfigError
 from persisting.kv import TokenHasher
 from persisting.pulsing_compat import exit_after_shutdown
 from persisting.service import KVCacheClient
@@ -92,12 +91,7 @@ async def start_service(
         service = settings.service.model_copy(update={"passphrase": passphrase})
         settings = settings.model_copy(update={"service": service})
     service = settings.service
-    models = list(models if models is not None else settings.models)
-    if not models:
-        raise ConfigError(
-            "no models to serve: pass models=, or set models in the settings file "
-            "(PERSISTING_CONFIG) or PERSISTING_MODELS"
-        )
+    models = list(models if models is not None else settings.models)  # none: any namespace
     name = name or service.name
     addr = addr if addr is not None else service.addr
     # One server per namespace, one consumer per topic: refused here, before Pulsing binds
@@ -123,7 +117,9 @@ async def start_service(
         raise
     running = RunningService(actor, name, str(system.addr), settings, owns_system=owns)
     if consume:
-        running.consumer = EventConsumer(settings, name=name, models=models, claim=claims.consumer)
+        running.consumer = EventConsumer(
+            settings, name=name, models=actor.stores, claim=claims.consumer
+        )
         actor.handler.extra_stats["events"] = running.consumer.status
         actor.consumer = running.consumer
         await running.consumer.start()

@@ -81,7 +81,7 @@ def log_banner(
     models = sorted(stores)
     logger.info(
         "persisting: serving %s as %r at %s (persisting %s, storage %s, metrics %s, passphrase %s)",
-        ", ".join(models),
+        ", ".join(models) or "any namespace its clients open",
         name,
         addr,
         __version__,

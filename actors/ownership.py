@@ -57,6 +57,20 @@ class ServiceClaims:
         for claim in self.all():
             claim.watch(on_lost)
 
+    def claim(
+        self, settings: PersistingSettings, model: str, name: str, addr: str | None
+    ) -> OwnerClaim:
+        """Claim one more namespace for this server (a client opened it)."""
+        claim = claim_models(settings, [model], name=name, addr=addr)[model]
+        self.models[model] = claim
+        return claim
+
+    def drop(self, model: str) -> None:
+        """Release the claim on ``model`` (its store did not open)."""
+        claim = self.models.pop(model, None)
+        if claim is not None:
+            claim.release()
+
     def release(self) -> None:
         for claim in self.all():
             claim.release()

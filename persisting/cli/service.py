@@ -28,7 +28,7 @@ from persisting.cli.app import (
 )
 from persisting.cli.checks import free_port, listen_address, storage_folder, writable_root
 from persisting.cli.output import emit, stderr, to_jsonable
-from persisting.config import settings_file, socket_address
+from persisting.config import socket_address
 from persisting.errors import ConfigError, PersistingError, ServiceUnavailableError
 
 if TYPE_CHECKING:
@@ -85,22 +85,12 @@ def check_serving(
     models, the address and the metrics port, each named by the flag the user typed (or the
     setting it came from). ``given`` holds the flags given on the command line."""
     storage_folder(settings.storage_path, named(given, "storage_path"))
-    if not settings.models:
-        raise ConfigError(no_models_message(config))
     service = settings.service
     host, _port = listen_address(service.addr, named(given, "addr"))
     for seed in service.seeds:
         socket_address(seed, named(given, "seeds"))
     if service.metrics_port is not None:
         free_port(host, service.metrics_port, named(given, "metrics_port"))
-
-
-def no_models_message(config: Path | None = None) -> str:
-    """Why nothing would be served, naming every place a model can be set -- the settings
-    file in use first (its ``models`` key), when there is one."""
-    toml = config or settings_file()
-    where = f'models = ["org/model"] in {toml}, ' if toml else "models in the settings file, "
-    return f"no models to serve: pass --model, or set {where}or PERSISTING_MODELS=org/model"
 
 
 #: The flag of each setting a service command can take.
@@ -177,6 +167,9 @@ def serve(
     config: ConfigOption = None,
 ) -> None:
     """Serve the KV store as a Pulsing actor until Ctrl-C (embedded storage root by default).
+
+    Without --model it serves whatever namespace an authenticated client opens (a fleet's
+    members serve many models); with it, only the namespaces named.
 
     With no passphrase configured it generates one, which clients of the same user on this
     host find by themselves, and serves loopback only (see docs/service.md).

@@ -31,6 +31,15 @@ SETTINGS_OPTIONS = (
 )
 
 
+def validate_model(model: object) -> str:
+    """``model`` if it can name a namespace (a path-safe name without ``'@'``, which
+    separates key parts), else InvalidNameError or InvalidKeyError."""
+    name = validate_name(model, "model")
+    if "@" in name:
+        raise InvalidKeyError(f"model name {name!r} must not contain '@' (it separates key parts)")
+    return name
+
+
 def check_options(
     model: str,
     durability: str,
@@ -41,9 +50,7 @@ def check_options(
 ) -> None:
     """ConfigError (or InvalidKeyError for the model name) for options that do not go
     together, before anything is opened."""
-    validate_name(model, "model")
-    if "@" in model:
-        raise InvalidKeyError(f"model name {model!r} must not contain '@' (it separates key parts)")
+    validate_model(model)
     if durability not in ("sync", "async", "write_back"):
         raise ConfigError(f"durability must be sync, async or write_back, not {durability!r}")
     if memory_bytes < 0 or disk_bytes < 0:

@@ -102,9 +102,7 @@ BAD_INVOCATIONS = [
     bad("prewarm", MODEL, "--key", "x", "--storage-path", "{work}/nope", says="no storage root at"),
     bad("prewarm", MODEL, "--storage-path", "{work}/root", says="give --key (one or more)"),
     bad("demo", "--storage-path", "{work}/a-file", says="--storage-path {work}/a-file is a file"),
-    bad("serve", "--storage-path", "{work}/root", says="no models to serve: pass --model"),
-    bad("serve", "--storage-path", "{work}/root", "--config", "{work}/sample.toml",
-        says='or set models = ["org/model"] in {work}/sample.toml, or PERSISTING_MODELS'),
+    bad("serve", "--storage-path", "{work}/a-file", says="--storage-path {work}/a-file is a file"),
 ]  # fmt: skip
 
 

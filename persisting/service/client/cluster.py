@@ -26,6 +26,8 @@ from persisting.config import ServiceSettings
 from persisting.errors import (
     AccessDeniedError,
     CapacityError,
+    InvalidKeyError,
+    InvalidNameError,
     PersistingError,
     ServiceUnavailableError,
     StorageIOError,
@@ -104,15 +106,16 @@ class Cluster:
         report seeing: a client that placed keys over part of the cluster would look for
         them on the wrong members until its view caught up.
 
-        A member that answers but does not serve the model is an AccessDeniedError at
-        once when no member found serves it: waiting would not change its answer.
+        A member that answers but does not serve the model (or refuses its name) raises
+        that error at once when no member found serves it: waiting would not change its
+        answer.
         """
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + wait_s
         while True:
             found = await self._instances()
-            refused: list[str] = []
+            refused: list[PersistingError] = []
             for addr, node_id in found.items():
                 known = self.members.get(addr)
                 if known is None or known.node_id != node_id:  # new, or restarted
@@ -121,8 +124,8 @@ class Cluster:
                         if known is None and self._connected:
                             logger.info("kv service member %s joined", addr)
                         self.mark_up(addr)
-                    except AccessDeniedError as exc:
-                        refused.append(str(exc))
+                    except (AccessDeniedError, InvalidKeyError, InvalidNameError) as exc:
+                        refused.append(exc)  # an answer that waiting would not change
                     except (MemberFailed, PersistingError):
                         pass
             live = [a for a in found if a in self.members]
@@ -133,7 +136,7 @@ class Cluster:
                 self._connected = True
                 return
             if refused and not live:
-                raise AccessDeniedError(refused[0])
+                raise refused[0]
             if loop.time() >= deadline:
                 raise ServiceUnavailableError(
                     f"found {len(live)} {self.name!r} server(s) serving {self.model!r}; "

@@ -20,14 +20,29 @@ from persisting.lance_store.names import validate_name
 from persisting.service.handler.placements import PlacementFeed
 from persisting.service.sessions import SessionTable
 
+#: Opens the namespace a client named (a server started without models serves any).
+Opener = Callable[[str], KVStore]
+
 
 class ServerState:
-    """The stores a server serves and the sessions of its clients."""
+    """The stores a server serves and the sessions of its clients.
+
+    With an ``opener`` (a server started without naming its models, as a fleet's members
+    are) a namespace an authenticated client names is opened on first use and served from
+    then on, with the same budget and identity checks as one named at start-up.
+    """
 
     def __init__(
-        self, stores: Mapping[str, KVStore], sessions: SessionTable, *, lease_ttl_s: float
+        self,
+        stores: Mapping[str, KVStore],
+        sessions: SessionTable,
+        *,
+        lease_ttl_s: float,
+        opener: Opener | None = None,
     ):
         self.stores = dict(stores)
+        self.opener = opener
+        self._opening = threading.Lock()  # one namespace opened at a time, once
         self.sessions = sessions
         self.lease_ttl_s = lease_ttl_s
         self.lock = threading.Lock()  # guards the session table across threads
@@ -37,12 +52,24 @@ class ServerState:
 
     def store(self, model: object) -> KVStore:
         """The store of ``model``; AccessDeniedError if this server does not serve it."""
-        store = self.stores.get(validate_name(model, "model"))
-        if store is None:
+        name = validate_name(model, "model")
+        store = self.stores.get(name)
+        if store is not None:
+            return store
+        if self.opener is None:
             raise AccessDeniedError(
                 f"this server does not serve model {model!r} (it serves {sorted(self.stores)})"
             )
+        with self._opening:
+            store = self.stores.get(name)
+            if store is None:
+                store = self.opener(name)
+                self.stores[name] = store  # one assignment: readers see it whole or not
         return store
+
+    def serves(self, model: object) -> bool:
+        """Whether ``model`` is open here already (no opening)."""
+        return isinstance(model, str) and model in self.stores
 
 
 def layout_from(value: object) -> Layout:

@@ -23,7 +23,7 @@ from typing import Any
 
 from persisting.errors import PersistingError, ProtocolError
 from persisting.kv import KVStore
-from persisting.service.handler.common import ServerState, plain_stats, quietly
+from persisting.service.handler.common import Opener, ServerState, plain_stats, quietly
 from persisting.service.handler.index_ops import IndexOps
 from persisting.service.protocol import (
     OPS,
@@ -53,6 +53,7 @@ class StorageHandler:
         threads: int = 4,
         node: Mapping[str, Any] | None = None,
         clock: Callable[[], float] | None = None,
+        opener: Opener | None = None,
     ):
         kwargs = {"clock": clock} if clock is not None else {}
         sessions = SessionTable(
@@ -61,7 +62,7 @@ class StorageHandler:
             max_session_staged_bytes=max_session_staged_bytes,
             **kwargs,
         )
-        self.state = ServerState(stores, sessions, lease_ttl_s=lease_ttl_s)
+        self.state = ServerState(stores, sessions, lease_ttl_s=lease_ttl_s, opener=opener)
         self.max_inflight = max_inflight
         self.node = dict(node or {})
         self.node.setdefault("host", socket.gethostname())
@@ -100,11 +101,19 @@ class StorageHandler:
     # -- entry points -------------------------------------------------------------------
 
     async def handle(self, message: object) -> dict[str, Any]:
-        """Answer one request; light ones on the event loop, the rest on the threads."""
-        if is_light(message):
+        """Answer one request; light ones on the event loop, the rest on the threads (a
+        ``hello`` that opens its namespace among them)."""
+        if is_light(message) and not self._opens(message):
             return self.answer(message)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.answer, message)
+
+    def _opens(self, message: object) -> bool:
+        """Whether ``message`` is a hello that would open a namespace (file I/O)."""
+        if self.state.opener is None or not isinstance(message, Mapping):
+            return False
+        model = message.get("model")
+        return message.get("op") == "hello" and model is not None and not self.state.serves(model)
 
     def answer(self, message: object) -> dict[str, Any]:
         """:meth:`handle` on the calling thread."""
@@ -168,6 +177,8 @@ class StorageHandler:
         client = request.args.get("client") or {}
         if not isinstance(client, Mapping):
             raise ProtocolError("hello's client must be a dict")
+        if request.model is not None and self.state.opener is not None:
+            self.state.store(request.model)  # a server serving any namespace opens it now
         with self.state.lock:
             session = self.sessions.open(dict(client))
         self.counters["sessions_opened"] += 1
