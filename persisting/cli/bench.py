@@ -3,6 +3,7 @@ or a running server, with values the size of a real model's KV."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,6 +12,7 @@ from rich.console import Console
 
 from persisting.bench.mooncake import MOONCAKE_BLOCK_TOKENS
 from persisting.cli.app import ConfigOption, JsonFlag, bench_app, command, load_settings
+from persisting.cli.bench_pool import check_pool, run_pool
 from persisting.cli.bench_replay import (
     BLOCK_TRACE_BYTES_PER_TOKEN,
     replay_input,
@@ -203,6 +205,17 @@ def bench_replay(
         Path | None,
         typer.Option(help="Write a PNG: latency CDF, hits by tier over time, best achievable."),
     ] = None,
+    members: Annotated[
+        int | None,
+        typer.Option(
+            help="Simulate a pool of this many storage members (with --member-blocks): the "
+            "hit ratio whole and with one member lost, for one copy, two copies of "
+            "everything and a second copy of reused blocks (docs/benchmarks.md)."
+        ),
+    ] = None,
+    member_blocks: Annotated[
+        int | None, typer.Option(help="Blocks each member of --members holds (LRU).")
+    ] = None,
     config: ConfigOption = None,
     json_out: JsonFlag = False,
 ) -> None:
@@ -212,6 +225,7 @@ def bench_replay(
     if plot is not None:  # checked before the work, not after it
         output_file(plot, "--plot")
         module_for("--plot", "matplotlib", "pip install matplotlib")
+    pool = check_pool(members, member_blocks)
     local_flags = {
         "--storage-path": storage_path,
         "--memory-bytes": memory_bytes,
@@ -221,6 +235,8 @@ def bench_replay(
         "--admission": admission,
         "--simulate": simulate or None,
     }
+    if pool:
+        _pool_alone(server, plot, local_flags)
     if server:
         for addr in server:
             socket_address(addr, "--server")
@@ -251,6 +267,10 @@ def bench_replay(
         realtime=realtime,
         verify=verify,
     )
+    if pool:
+        assert members is not None and member_blocks is not None
+        run_pool(replay_in, members, member_blocks, json_out)
+        return
     ttft_in = ttft_prices(replay_in, prefill_tokens_per_s, gpu, read_bandwidth)
     shortfall = None if server else shortfall_of(replay_in, kv, storage_path)
     if simulate or shortfall:
@@ -259,6 +279,14 @@ def bench_replay(
         run_simulated(replay_in, kv, shortfall, ttft_in, json_out)
         return
     run_replayed(replay_in, kv, settings, server, name, storage_path, ttft_in, plot, json_out)
+
+
+def _pool_alone(server: list[str] | None, plot: Path | None, local: Mapping[str, object]) -> None:
+    """A pool is simulated in blocks: not with a server, a plot or a local store's flags."""
+    given = [flag for flag, value in local.items() if value is not None]
+    given += ["--server"] * bool(server) + ["--plot"] * (plot is not None)
+    if given:
+        raise ConfigError(f"{', '.join(given)}: not with --members (a pool simulated in blocks)")
 
 
 def _size(value: str | None, flag: str) -> int | None:
