@@ -27,7 +27,7 @@
 #   PERSISTING_EXISTING_ENV=1 VENV=/opt/vllm/.venv bash scripts/install.sh
 #
 # installs Persisting's core (no test tools, no Pulsing; PERSISTING_EXTRAS=lmcache,hf adds
-# extras) into $VENV in editable mode with every distribution already there held at its
+# extras; PERSISTING_EXTRAS=service adds Pulsing, past its pydantic cap: see below) into $VENV in editable mode with every distribution already there held at its
 # version by a pip constraint: pip only adds what is missing (pylance, xxhash, ...), and fails
 # rather than move a version the engine depends on. What the installed distributions require
 # of ones not installed is a constraint too: what pip adds is at a version they accept (an
@@ -91,9 +91,27 @@ PYTHON
   then
     exit 2
   fi
+  extras=${PERSISTING_EXTRAS:-}
+  if [[ ",$extras," == *",service,"* ]]; then
+    # Pulsing 0.1.2 caps pydantic at 2.11.7 in its metadata, below what vLLM 0.32+ holds
+    # (2.12+), so pip cannot install the service extra as declared here. Pulsing does not
+    # import pydantic: it goes in without its declared requirements, the ones it imports
+    # (uvloop, aiohttp, hyperparameter) and the extra's others under the same constraint.
+    service=$("$VENV/bin/python" -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["service"]))')
+    pulsing=$(tr ' ' '\n' <<<"$service" | grep '^pulsing')
+    others=$(tr ' ' '\n' <<<"$service" | { grep -v '^pulsing' || true; } | tr '\n' ' ')
+    # shellcheck disable=SC2086
+    if ! "$VENV/bin/python" -m pip install --quiet --no-deps "$pulsing" \
+        || ! "$VENV/bin/python" -m pip install --quiet -c "$constraints" \
+          "uvloop>=0.21.0" "aiohttp>=3.9.0" "hyperparameter>=0.5.0" $others; then
+      echo "install.sh: the service extra's requirements conflict with a version this environment holds (pip says which, above)" >&2
+      exit 1
+    fi
+    extras=$(tr ',' '\n' <<<"$extras" | { grep -v '^service$' || true; } | paste -sd, -)
+  fi
   target=.
-  if [ -n "${PERSISTING_EXTRAS:-}" ]; then
-    target=".[${PERSISTING_EXTRAS}]"
+  if [ -n "$extras" ]; then
+    target=".[${extras}]"
   fi
   if ! "$VENV/bin/python" -m pip install --quiet -c "$constraints" -e "$target"; then
     echo "install.sh: Persisting's requirements conflict with a version this environment holds (pip says which, above); nothing installed was changed" >&2

@@ -120,7 +120,9 @@ PYTHON
 fi
 
 # Persisting, the way docs/user-guide.md tells a vLLM user to install it.
-PERSISTING_EXISTING_ENV=1 VENV="$ENGINE_VENV" bash scripts/install.sh
+# With its service extra (Pulsing): the engine adapters' cluster key joins a cluster of
+# persisting serve members through the service's client.
+PERSISTING_EXISTING_ENV=1 PERSISTING_EXTRAS=service VENV="$ENGINE_VENV" bash scripts/install.sh
 
 # vLLM 0.34.0's own classes over this environment (see the top). The wheel is installed
 # before the .pth naming .venv-vllm's packages is written, so pip sees nothing else there.

@@ -75,4 +75,6 @@ PYTHON
 fi
 
 # Persisting, the way docs/sglang.md tells an SGLang user to install it.
-PERSISTING_EXISTING_ENV=1 VENV="$SGLANG_VENV" bash scripts/install.sh
+# With its service extra (Pulsing): the engine adapters' cluster key joins a cluster of
+# persisting serve members through the service's client.
+PERSISTING_EXISTING_ENV=1 PERSISTING_EXTRAS=service VENV="$SGLANG_VENV" bash scripts/install.sh

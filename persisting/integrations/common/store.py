@@ -101,13 +101,24 @@ class EngineStore(ABC):
         return self._read(texts, views) if texts else []
 
     def write_from(
-        self, keys: Sequence[Any], buffers: Sequence[Any], parent: Any = None
+        self,
+        keys: Sequence[Any],
+        buffers: Sequence[Any],
+        parent: Any = None,
+        *,
+        parents: Sequence[Any] | None = None,
     ) -> list[Write]:
         """Store each buffer's bytes under its key (``keys`` in prefix order, ``parent``
-        the key before the first, for eviction by prefix); one outcome per key."""
+        the key before the first, for eviction by prefix; or ``parents``: each key's own,
+        None for none); one outcome per key."""
         texts, views = self._views(keys, buffers, writable=False)
-        head = None if parent is None else key_string(parent)
-        return self._write(texts, views, [head, *texts[:-1]]) if texts else []
+        if parents is not None:
+            if len(parents) != len(texts):
+                raise InvalidKeyError(f"{len(texts)} keys but {len(parents)} parents")
+            chain = [None if p is None else key_string(p) for p in parents]
+        else:
+            chain = [None if parent is None else key_string(parent), *texts[:-1]]
+        return self._write(texts, views, chain) if texts else []
 
     def exists(self, keys: Sequence[Any]) -> list[bool]:
         """One flag per key, asked in one request per member holding some of them."""

@@ -13,7 +13,6 @@ entry takes the same keys, less those that only mean something to the connector 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
@@ -53,11 +52,12 @@ VLLM_TIER_KEYS = frozenset({"locality"})
 class ConnectorSettings(EngineSettings):
     """What ``kv_connector_extra_config`` says about the Persisting medium: the keys every
     engine adapter shares (:class:`~persisting.integrations.common.settings.EngineSettings`:
-    ``storage_path``, ``disk_bytes``, ``model_version``, ``namespace``, ``io_threads``,
-    ``fsync``, ``eviction``, ``refresh_interval_s``) and the connector's own below."""
+    ``storage_path`` or ``cluster``, ``disk_bytes``, ``model_version``, ``namespace``,
+    ``io_threads``, ``fsync``, ``eviction``, ``refresh_interval_s``) and the connector's own
+    below. With ``storage_path`` blocks live under ``<storage_path>/kv/<namespace>/``; with
+    ``cluster`` in the same namespace on the members of a ``persisting serve`` cluster (the
+    local-only keys -- ``disk_bytes``, ``fsync``, ``eviction`` -- are then the members')."""
 
-    #: The Persisting storage root; blocks live under ``<storage_path>/kv/<namespace>/``.
-    storage_path: Path
     #: An optional Persisting memory tier in front of the disk (0: none).
     memory_bytes: Size = 0
     #: When a store completes: "sync" (written through), "async" or "write_back" (need a
@@ -82,8 +82,12 @@ _CONNECTOR_ONLY = {
     "cpu_bytes": "set vLLM's cpu_bytes_to_use beside secondary_tiers instead",
     "event_topic": "events are followed by PersistingConnector's CPU path only",
 }
-#: Not yet under vLLM: its worker reads blocks from the payload files of a local root.
-_NO_CLUSTER = {"cluster": "vLLM's connector and tier keep blocks on a local root for now"}
+#: Keys that need a local root (refused beside ``cluster``; key: why).
+_LOCAL_ONLY = {
+    "memory_bytes": "the memory tier is a local store's; a cluster's members hold their own",
+    "durability": "a cluster's members store a value before they answer",
+    "event_topic": "the event topic is a queue of a local storage root",
+}
 
 
 def _read(
@@ -101,15 +105,26 @@ def _read(
         passed=passed,
         refused=refused,
         defaults=defaults,
-        missing=f"{where} needs 'storage_path': the Persisting storage root to keep KV blocks "
-        "under",
+        missing=f"{where} needs 'storage_path' (the Persisting storage root to keep KV blocks "
+        "under) or 'cluster' (the members of a persisting serve cluster)",
     )
+
+
+def _local_only(settings: ConnectorSettings, options: Mapping[str, Any], where: str) -> None:
+    """Refuse, beside ``cluster``, the keys only a local root serves."""
+    given = [key for key in _LOCAL_ONLY if key in options] if settings.cluster else []
+    if given:
+        raise ConfigError(
+            f"{where}: {', '.join(given)} do not apply with cluster"
+            f" ({'; '.join(_LOCAL_ONLY[k] for k in given)}); leave them out"
+        )
 
 
 def connector_settings(extra_config: Mapping[str, Any] | None) -> ConnectorSettings:
     """Persisting's settings from ``kv_connector_extra_config`` (vLLM's keys ignored)."""
     where = "PersistingConnector's kv_connector_extra_config"
-    settings = _read(extra_config or {}, VLLM_KEYS, _NO_CLUSTER, where)
+    settings = _read(extra_config or {}, VLLM_KEYS, {}, where)
+    _local_only(settings, extra_config or {}, where)
     if settings.durability != "sync" and settings.memory_bytes == 0:
         raise ConfigError(
             f"durability={settings.durability!r} needs a memory tier: set memory_bytes"
@@ -118,9 +133,7 @@ def connector_settings(extra_config: Mapping[str, Any] | None) -> ConnectorSetti
 
 
 #: The keys a ``PersistingTier`` entry of ``secondary_tiers`` takes.
-TIER_FIELDS = tuple(
-    f for f in ConnectorSettings.model_fields if f not in _CONNECTOR_ONLY and f not in _NO_CLUSTER
-)
+TIER_FIELDS = tuple(f for f in ConnectorSettings.model_fields if f not in _CONNECTOR_ONLY)
 #: Where a tier's defaults differ from a CPU engine's. It moves whole rows of vLLM's CPU
 #: tier with O_DIRECT, which bypasses the kernel's readahead and write-back, so the
 #: transfers in flight are all the disk is asked at once, and a disk serves more the more
@@ -135,8 +148,7 @@ def tier_settings(options: Mapping[str, Any]) -> ConnectorSettings:
     """Persisting's settings from the keys of a ``PersistingTier`` entry of vLLM's
     ``secondary_tiers`` (what vLLM's factory passes on: the entry less ``type``,
     ``module_path`` and ``backpressure``)."""
-    refused = {**_CONNECTOR_ONLY, **_NO_CLUSTER}
-    return _read(options, VLLM_TIER_KEYS, refused, "PersistingTier", **TIER_DEFAULTS)
+    return _read(options, VLLM_TIER_KEYS, _CONNECTOR_ONLY, "PersistingTier", **TIER_DEFAULTS)
 
 
 #: Where the connector puts KV on each kind of engine (see :func:`tiering_config`).

@@ -69,6 +69,8 @@ def acquire(
     """The open namespace ``namespace`` under ``settings.storage_path`` (opened if need be;
     ``describe``: what it holds, in words, for ``persisting inspect``; ``direct_io``: its
     payloads bypass the page cache, for values vLLM's CPU tier already holds)."""
+    if settings.storage_path is None:
+        raise ValueError("a namespace of a cluster is not opened here (see PersistingTier)")
     key = (str(Path(settings.storage_path).resolve()), namespace)
     with _LOCK:
         state = _OPEN.get(key)

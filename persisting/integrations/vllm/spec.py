@@ -36,8 +36,14 @@ def refuse(what: str) -> ConfigError:
     return ConfigError(f"PersistingConnector: {what}")
 
 
-def check_supported(config: OffloadingConfig) -> None:
+def check_supported(config: OffloadingConfig, cluster: bool = False) -> None:
     """Refuse at start what this path does not serve (one message says what)."""
+    if cluster:
+        raise refuse(
+            "the cluster key is served on GPU engines (PersistingTier behind vLLM's CPU"
+            " tier); on vLLM's CPU backend blocks are read from a local storage_path's"
+            " payload files: give storage_path"
+        )
     parallel = config.parallel
     sizes = {
         "tensor_parallel_size": parallel.tp_size,
@@ -75,7 +81,7 @@ class PersistingOffloadingSpec(OffloadingSpec):
                 " failed load to vLLM)"
             )
         self.settings = connector_settings(self.extra_config)
-        check_supported(config)
+        check_supported(config, self.settings.cluster is not None)
         self.namespace, self.describe = engine_namespace(
             config, self.settings, stored="block-rows", vllm_config=vllm_config
         )
@@ -103,6 +109,7 @@ class PersistingOffloadingSpec(OffloadingSpec):
             if self.settings.event_topic is not None:
                 from persisting.integrations.vllm.events import EventFollower
 
+                assert self.settings.storage_path is not None  # no event_topic with cluster
                 follower = EventFollower(
                     state, self.settings.storage_path, self.settings.event_topic,
                     self._manager.forget,

@@ -13,7 +13,9 @@ between GPU and CPU; a secondary tier only sees the CPU tier's rows. Configured 
 
 Each chunk is one value of the namespace's KV store: the row, whole (every rank's shard),
 written with one pass over the row (hashed while written) and read back with positioned
-reads straight into the row, its checksum checked before the promotion is reported.
+reads straight into the row, its checksum checked before the promotion is reported. With
+``cluster`` in place of ``storage_path`` the namespace (the same name) is on the members of
+a ``persisting serve`` cluster instead: see :mod:`~persisting.integrations.vllm.remote`.
 Everything vLLM calls runs on its scheduler thread and only queues work or reads memory
 (:class:`~persisting.integrations.vllm.catalog.BlockCatalog`); the I/O runs on the tier's
 threads. No call raises into vLLM: a failure is a failed job (a store: a future miss; a
@@ -48,17 +50,22 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from persisting.integrations.common.opener import open_engine_store
+from persisting.integrations.common.store import EngineStore
 from persisting.integrations.vllm.catalog import BlockCatalog
 from persisting.integrations.vllm.identity import current_engine, engine_namespace
 from persisting.integrations.vllm.metrics import serve_metrics, stop_metrics
 from persisting.integrations.vllm.namespace import block_hash_of, block_key, key_dtype
 from persisting.integrations.vllm.orphan import watch_parent
 from persisting.integrations.vllm.prefix import chain_parents
+from persisting.integrations.vllm.remote import ClusterCatalog
 from persisting.integrations.vllm.settings import tier_settings
-from persisting.integrations.vllm.shared import acquire, release
+from persisting.integrations.vllm.shared import Counters, Namespace, acquire, release
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
+
+    from persisting.kv import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +112,29 @@ class PersistingTier(SecondaryTierManager):
         if self.settings.metrics_port is not None:
             serve_metrics(self.settings.metrics_addr, self.settings.metrics_port)
             watch_parent(stop_metrics)  # an engine core whose server died stops
-        # O_DIRECT: the rows live in vLLM's CPU tier already; the page cache would hold them
-        # twice, and copying through it costs more CPU than the copy (persisting.kv.direct_io).
-        self.namespace = acquire(
-            self.settings, self.namespace_name, describe=describe, direct_io=True
-        )
-        self.store = self.namespace.store
-        self.counters = self.namespace.counters
-        self.catalog = BlockCatalog(
-            self.store, self.settings.refresh_interval_s, on_gone=self._removed
-        )
+        self.namespace: Namespace | None = None
+        self.store: KVStore | None = None
+        #: The cluster's namespace (None: a local root's).
+        self.remote: EngineStore | None = None
+        self.catalog: BlockCatalog | ClusterCatalog
+        if self.settings.cluster is not None:
+            self.remote = open_engine_store(self.settings, self.namespace_name)
+            self.counters = Counters()
+            self.catalog = ClusterCatalog(
+                self.remote, self.settings.refresh_interval_s, on_gone=self._removed
+            )
+        else:
+            # O_DIRECT: the rows live in vLLM's CPU tier already; the page cache would hold
+            # them twice, and copying through it costs more CPU than the copy
+            # (persisting.kv.direct_io).
+            self.namespace = acquire(
+                self.settings, self.namespace_name, describe=describe, direct_io=True
+            )
+            self.store = self.namespace.store
+            self.counters = self.namespace.counters
+            self.catalog = BlockCatalog(
+                self.store, self.settings.refresh_interval_s, on_gone=self._removed
+            )
         # One flat byte view of the CPU tier's rows: each job slices its rows out of it
         # (views, never copies) and lets go of them when done; released at shutdown.
         self._rows = primary_kv_view.cast("B")
@@ -134,10 +154,13 @@ class PersistingTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         try:
-            hit = self.catalog.lookup(self.key(key)) == "hit"
+            answer = self.catalog.lookup(self.key(key))
         except Exception as exc:  # never into vLLM: a lookup that fails is a miss
             log.warning("Persisting: lookup failed: %s", exc)
             return LookupResult.MISS
+        if answer == "retry":  # the cluster is asked at the step's end
+            return LookupResult.RETRY
+        hit = answer == "hit"
         self.counters.add(**({"lookup_hits": 1} if hit else {"lookup_misses": 1}))
         return LookupResult.HIT if hit else LookupResult.MISS
 
@@ -156,7 +179,17 @@ class PersistingTier(SecondaryTierManager):
         return done
 
     def has_pending_work(self) -> bool:
-        return bool(self._finished)
+        return bool(self._finished) or (
+            isinstance(self.catalog, ClusterCatalog) and self.catalog.busy()
+        )
+
+    def on_schedule_end(self, context: Any) -> None:
+        """The step's new lookups go to the cluster, in one question (cluster only)."""
+        if isinstance(self.catalog, ClusterCatalog):
+            try:
+                self.catalog.flush()
+            except Exception as exc:  # never into vLLM: its keys are misses after WAIT_S
+                log.warning("Persisting: asking the cluster failed: %s", exc)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         while self._events:
@@ -195,7 +228,7 @@ class PersistingTier(SecondaryTierManager):
         if not items:
             self._finish_store(tracker)
             return
-        for part in _parts(range(len(items)), self.settings.io_threads):
+        for part in _parts(range(len(items)), self._spread):
             chosen = [items[i] for i in part]
             run = functools.partial(self._store, tracker, chosen)
             self._submit(run, tracker, len(part), claimed=[t for t, _c, _p in chosen])
@@ -214,7 +247,7 @@ class PersistingTier(SecondaryTierManager):
         if not keys:
             self._finish_load(tracker)
             return
-        for part in _parts(range(len(keys)), self.settings.io_threads):
+        for part in _parts(range(len(keys)), self._spread):
             self._submit(functools.partial(self._load, tracker, part, chunks), tracker, len(part))
 
     def drain_jobs(self) -> None:
@@ -232,7 +265,16 @@ class PersistingTier(SecondaryTierManager):
         self._pool.shutdown(wait=True)
         self.catalog.close()
         self._rows.release()  # vLLM releases the CPU tier's view after the tiers' shutdown
-        release(self.namespace)
+        if self.namespace is not None:
+            release(self.namespace)
+        if self.remote is not None:
+            self.remote.close()
+
+    @property
+    def _spread(self) -> int:
+        """Parts a job is cut into: one per I/O thread on a local root; one on a cluster
+        (its one batch asks each member holding some of its chunks once)."""
+        return 1 if self.remote is not None else self.settings.io_threads
 
     # -- on the tier's threads ------------------------------------------------------------
 
@@ -301,12 +343,21 @@ class PersistingTier(SecondaryTierManager):
         ok = False
         try:
             rows.extend(self._row(c) for _t, c, _p in items)
-            results = self.store.batched_put(
-                texts, rows, fmt="binary", parents=[p for _t, _c, p in items], check_shape=False
-            )
-            stored = sum(1 for r in results if r.stored)
+            parents = [p for _t, _c, p in items]
+            if self.remote is not None:
+                writes = self.remote.write_from(texts, rows, parents=parents)
+                stored = writes.count("stored")
+                ok = "failed" not in writes
+                if not ok:
+                    self.counters.add(store_errors=writes.count("failed"))
+            else:
+                assert self.store is not None
+                results = self.store.batched_put(
+                    texts, rows, fmt="binary", parents=parents, check_shape=False
+                )
+                stored = sum(1 for r in results if r.stored)
+                ok = True
             self.counters.add(blocks_stored=stored, bytes_stored=stored * self.row_bytes)
-            ok = True
         except Exception as exc:  # a full disk, an I/O error: a future miss, never an error
             log.warning("Persisting: storing %d chunks failed: %s", len(items), exc)
             self.counters.add(store_errors=len(items))
@@ -333,9 +384,34 @@ class PersistingTier(SecondaryTierManager):
     def _load(self, job: _Job, part: range, chunks: list[int]) -> None:
         """Promote some of a job's chunks, each read straight into its row and checked."""
         assert job.loaded is not None
-        for i in part:
-            job.loaded[i] = self._load_one(job.texts[i], chunks[i])
+        if self.remote is not None:
+            self._load_remote(job.loaded, part, job.texts, chunks)
+        else:
+            for i in part:
+                job.loaded[i] = self._load_one(job.texts[i], chunks[i])
         self._part_done(job, True, len(part))
+
+    def _load_remote(
+        self, loaded: list[bool], part: range, texts: list[str], chunks: list[int]
+    ) -> None:
+        """Promote a part's chunks from the cluster: one batch read into their rows (a
+        member that does not answer: its chunks fail, nothing raises)."""
+        assert self.remote is not None
+        placed: list[tuple[int, memoryview]] = []
+        try:
+            for i in part:
+                try:
+                    placed.append((i, self._row(chunks[i])))
+                except IndexError as exc:
+                    log.warning("Persisting: chunk %s not promoted: %s", texts[i], exc)
+            if not placed:
+                return
+            reads = self.remote.read_into([texts[i] for i, _r in placed], [r for _i, r in placed])
+            for (i, _row), read in zip(placed, reads, strict=True):
+                loaded[i] = read == "hit"
+        finally:
+            for _i, row in placed:
+                row.release()
 
     def _finish_load(self, job: _Job) -> None:
         assert job.loaded is not None
@@ -363,6 +439,7 @@ class PersistingTier(SecondaryTierManager):
         except IndexError as exc:
             log.warning("Persisting: chunk %s not promoted: %s", text, exc)
             return False
+        assert self.store is not None
         try:
             layout = self.store.get_into(text, row)
         except Exception as exc:  # unreadable: removed, so it is stored afresh later
@@ -377,6 +454,7 @@ class PersistingTier(SecondaryTierManager):
         return True
 
     def _remove(self, text: str) -> None:
+        assert self.store is not None
         try:
             self.store.remove(text)
         except Exception as exc:
@@ -384,6 +462,8 @@ class PersistingTier(SecondaryTierManager):
 
     def _forget_evicted(self) -> None:
         """Chunks this process's store evicted: misses from now on, reported to vLLM."""
+        if self.namespace is None:
+            return  # a cluster's members evict on their own
         queue = self.namespace.evicted
         gone: list[str] = []
         while queue:
@@ -395,6 +475,8 @@ class PersistingTier(SecondaryTierManager):
             self.catalog.forget(gone)
 
     def _touch(self, texts: Sequence[str]) -> None:
+        if self.store is None:
+            return  # a cluster's members keep their own order
         for text in texts:
             if text in self.catalog:
                 self.store.lease(text, 0.0)  # moves it to the recent end of the order
