@@ -39,6 +39,7 @@ import pulsing
 
 from actors.logs import configure_logging, log_banner, log_bulk, log_stop, logger
 from actors.ownership import ServiceClaims, claim_models
+from actors.replicas import Replicator
 from actors.system import (
     arm_launcher,
     is_authenticated,
@@ -82,6 +83,7 @@ def _handler(
     return StorageHandler(
         stores,
         opener=opener,
+        replicas=service.replicas,
         lease_ttl_s=service.lease_ttl_s,
         max_inflight=service.max_inflight,
         max_staged_bytes=service.staging_bytes,
@@ -143,6 +145,10 @@ class KVCacheStorageActor(pulsing.Actor):
         self.handler = _handler(self.settings, stores, opener)
         #: The served stores: the handler's own table, which an opener adds to.
         self.stores = self.handler.state.stores
+        #: Sends the other copies of what this member holds (service.replicas).
+        self.replicator = Replicator(self.settings, service.name, self.stores)
+        self.handler.state.on_use = self.replicator.noted
+        self.handler.extra_stats["copies"] = self.replicator.status
         self.metrics: KVMetrics | None = None
         #: The event consumer beside this actor (``start_service`` sets it), for readiness.
         self.consumer: EventConsumer | None = None
@@ -273,6 +279,8 @@ class KVCacheStorageActor(pulsing.Actor):
                         logger.warning("persisting: member %s of %r is gone", addr, self.name)
                 self._members = alive
                 self.handler.members = alive
+                if self._addr is not None:
+                    self.replicator.members(self._addr, alive)
             self._stop_watching.wait(MEMBERS_EVERY_S)
 
     # -- Pulsing lifecycle ---------------------------------------------------------------
@@ -287,6 +295,8 @@ class KVCacheStorageActor(pulsing.Actor):
             target=self._watch_members, args=(system,), name="persisting-members", daemon=True
         )
         self._watcher.start()
+        self.replicator.name = self.name
+        self.replicator.start()
         try:
             log_banner(
                 name=self.name,
@@ -374,6 +384,7 @@ class KVCacheStorageActor(pulsing.Actor):
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._stop_watching.set()
+        self.replicator.stop()
         if self.data_path is not None:
             self.data_path.close()
         if self.metrics_server is not None:

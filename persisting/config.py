@@ -278,6 +278,17 @@ class ServiceSettings(BaseModel):
     settle_s: float = Field(default=5.0, ge=0)
     """How long connect waits, at most, for servers the live ones report but this client
     has not found yet (so its first placements see the whole cluster)."""
+    replicas: int = Field(default=2, ge=1, le=8)
+    """How many members keep a copy of a key: the first ``replicas`` live members of its
+    rendezvous ranking (fewer while fewer members live). A put counts as stored once the
+    first of them stored it; the copies follow in the background (``copy_on``)."""
+    copy_on: Literal["read", "put"] = "read"
+    """When a key's further copies are made: once it is first read back (``read``: a
+    chunk used only once never costs a second copy's room) or as soon as it is stored
+    (``put``)."""
+    copy_bytes_per_s: Bytes = Field(default=256 * MiB, gt=0)
+    """The rate at which a member sends copies to the others (new copies, and the keys a
+    member that joined or came back should hold)."""
     event_batch_records: int = Field(default=64, gt=0)
     """Events applied (and committed) per step."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -276,6 +276,27 @@ async def get_keys(args: dict[str, Any]) -> dict[str, Any]:
         await client.close()
 
 
+async def held_copies(args: dict[str, Any]) -> dict[str, Any]:
+    """The keys each member holds on disk and its replicator's figures, once they add up
+    to ``until`` keys at least (the copies made in the background)."""
+    client = await _connect(args)
+    held: dict[str, Any] = {}
+    try:
+
+        async def reached() -> bool:
+            stats = await client.stats()
+            held.clear()
+            for addr, member in stats["members"].items():
+                store = member["stores"].get(MODEL, {})
+                held[addr] = {"keys": store.get("disk_items", 0), "copies": member.get("copies")}
+            return sum(m["keys"] for m in held.values()) >= args.get("until", 0)
+
+        await wait_until_async(reached, f"{args.get('until')} keys held", args.get("wait_s", 60))
+        return held
+    finally:
+        await client.close()
+
+
 async def stalled_readers(args: dict[str, Any]) -> dict[str, Any]:
     """A same-host client that stores ``count`` values of 2 MiB, then asks for each on a
     raw connection to the server's Unix socket (its session's credential) and never reads:
@@ -630,6 +651,7 @@ TASKS = {
     "timed_puts": timed_puts,
     "put_checks": put_checks,
     "present_keys": present_keys,
+    "held_copies": held_copies,
 }
 
 

@@ -249,8 +249,14 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
     with processes() as procs:
         for i, port in enumerate(ports):
             log = tmp_path / f"node{i}.log"
-            procs.append(
-                start_pulsing_actor(tmp_path / f"root{i}", port, log, seeds=addrs[0] if i else None)
+            procs.append(  # one copy of each key: this is the failover of a key's only copy
+                start_pulsing_actor(
+                    tmp_path / f"root{i}",
+                    port,
+                    log,
+                    seeds=addrs[0] if i else None,
+                    PERSISTING_SERVICE__REPLICAS="1",
+                )
             )
             wait_for_log(log, "Started at", procs[-1])
         args = json.dumps({"seeds": [addrs[0]], "keys": n, "min_members": 3})
@@ -292,7 +298,11 @@ def test_three_nodes_one_killed_survivors_keys_still_hit_and_its_own_return_with
         assert states[addrs[0]] == states[addrs[2]] == "up" and states.get(victim) != "up"
         # The victim comes back on the same address and disk: its keys hit again.
         log = tmp_path / "node1-again.log"
-        procs.append(start_pulsing_actor(tmp_path / "root1", ports[1], log, seeds=addrs[0]))
+        procs.append(
+            start_pulsing_actor(
+                tmp_path / "root1", ports[1], log, seeds=addrs[0], PERSISTING_SERVICE__REPLICAS="1"
+            )
+        )
         wait_for_log(log, "Started at", procs[-1])
         out, _ = client.communicate("restarted\n", timeout=120)
         # A fresh client waits for the members the servers see before it places a key.

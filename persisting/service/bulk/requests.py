@@ -56,11 +56,14 @@ class Requests:
         expect = optional_layout(request.get("expect"))
         pooled = bool(request.get("pool")) and conn.kind == "unix" and store.shared_pool is not None
         counters = self.state.counters
+        hits: list[str] = []
         for key in keys:
             sent = self._send_value(conn, store, key, expect, pooled)
             counters["get_hits" if sent is not None else "get_misses"] += 1
             if sent is not None:
                 counters[f"get_from_{sent}"] += 1
+                hits.append(key)
+        self.state.used(request.get("model"), hits, "read")
         if request.get("learn"):
             told = None
             if pooled:
@@ -153,6 +156,7 @@ class Requests:
             with state.lock:
                 state.sessions.unstage(session, total)
         self._placed(store, str(request["model"]), items, replies, bool(request.get("pool")))
+        state.used(request.get("model"), [r["key"] for r in replies if r["stored"]], "put")
         state.counters["put_items"] += len(items)
         state.counters["put_bytes"] += total
         conn.send_frame({"results": replies}, self.deadline())

@@ -42,7 +42,7 @@ from persisting.service.client.link import (
 from persisting.service.client.member import TRANSPORT_ERRORS, Member, MemberFailed
 from persisting.service.client.transport import Transport
 from persisting.service.protocol import make_request, unwrap_reply
-from persisting.service.routing import Membership, group_by_owner
+from persisting.service.routing import Membership, group_by_owner, rank_members
 from persisting.shm import SharedPoolReader
 
 logger = logging.getLogger("persisting.service.client")
@@ -409,6 +409,55 @@ class Cluster:
                     f"no live {self.name!r} server took {len(pending)} key(s)"
                 )
             on_lost(pending)
+
+    @property
+    def replicas(self) -> int:
+        """How many members keep a copy of a key (the members' ``service.replicas``, told
+        in their hello; 1 until one answered)."""
+        return max((int(m.info.get("replicas", 1)) for m in self.members.values()), default=1)
+
+    async def on_copies(
+        self,
+        keys: list[str],
+        fn: Callable[[Member, list[int]], Awaitable[None]],
+        found: Callable[[int], bool],
+        on_lost: Callable[[list[int]], None] | None = None,
+        *,
+        together: bool = False,
+    ) -> None:
+        """Run ``fn(member, indices)`` over the members that hold copies of ``keys``: each
+        key is asked of its first live copy-holder (the first ``replicas`` live members of
+        its ranking), and a key not ``found`` there of the next -- or, ``together``, of all
+        of them at once (a presence question: one round trip per member). A member that
+        fails is marked down, and the keys it had are asked of the holders that remain; a
+        key no holder answered for goes to ``on_lost``.
+        """
+        tried: list[set[str]] = [set() for _ in keys]
+        answered = [False] * len(keys)
+        pending = list(range(len(keys)))
+        for _ in range(self.replicas + len(self.members) + 1):
+            live = self.live()
+            groups: dict[str, list[int]] = {}
+            for i in pending:
+                holders = rank_members(keys[i], live)[: self.replicas]
+                untried = [m for m in holders if m not in tried[i]]
+                for member in untried if together else untried[:1]:
+                    tried[i].add(member)
+                    groups.setdefault(member, []).append(i)
+            if not groups:
+                break
+            jobs = list(groups.items())
+            outcomes = await asyncio.gather(
+                *(self._run_share(self.members[m], share, fn) for m, share in jobs)
+            )
+            for (_m, share), failed in zip(jobs, outcomes, strict=True):
+                lost = set(failed)
+                for i in share:
+                    answered[i] = answered[i] or i not in lost
+            pending = sorted({i for _m, share in jobs for i in share if not found(i)})
+        unanswered = [i for i in range(len(keys)) if not answered[i] and not found(i)]
+        if unanswered and on_lost is not None:
+            on_lost(unanswered)
 
     async def _run_share(
         self,

@@ -39,6 +39,7 @@ from persisting.kv.keys import HASH_SCHEMES, ChunkKey, HashScheme, key_string
 from persisting.kv.load_plan import HitChunk, LoadPlan, plan_load
 from persisting.kv.tiers import KeyLike
 from persisting.service.client.cluster import Cluster
+from persisting.service.client.link import PutItem
 from persisting.service.client.member import Member, MemberFailed
 from persisting.service.client.reads import Reader, read_path
 from persisting.service.client.writes import Writer
@@ -249,7 +250,9 @@ class KVCacheClient(AsyncKVApi):
                 for i, flag in zip(part, flags, strict=True):
                     found[i] = found[i] or bool(flag)
 
-        await self.cluster.on_owners(keys, ask, on_lost=self._reader.count_lost)
+        await self.cluster.on_copies(
+            keys, ask, lambda i: found[i], on_lost=self._reader.count_lost, together=True
+        )
         return found
 
     async def layout(self, key: KeyLike) -> Layout | None:
@@ -260,7 +263,9 @@ class KVCacheClient(AsyncKVApi):
             got = (await self.cluster.call(member, "layout", keys=[text]))[0]
             box[0] = None if got is None else Layout.from_dict(got)
 
-        await self.cluster.on_owners([text], ask, on_lost=self._reader.count_lost)
+        await self.cluster.on_copies(
+            [text], ask, lambda _i: box[0] is not None, on_lost=self._reader.count_lost
+        )
         return box[0]
 
     async def lookup_prefix(self, keys: PrefixKeys) -> int:
@@ -366,7 +371,8 @@ class KVCacheClient(AsyncKVApi):
         host: the network; same host: the shared pool or the Unix socket), so a remote hit
         slower than recomputing is not loaded. A path not read yet is priced at
         ``service.network_bytes_per_s`` for another host if set, else counts as free (the
-        first reads measure it). Asks each owner once per 1,024 chunks where they are.
+        first reads measure it). Asks each member holding copies once per 1,024 chunks where
+        they are.
         """
         hasher = hasher or TokenHasher(
             model=self.model, chunk_size=self.chunk_size, scheme=self.hash_scheme
@@ -380,10 +386,12 @@ class KVCacheClient(AsyncKVApi):
                 part = share[start : start + 1024]
                 found = await self.cluster.call(member, "tiers", keys=[texts[i] for i in part])
                 for i, entry in zip(part, found, strict=True):
-                    if entry is not None:
+                    if entry is not None and where[i] is None:
                         where[i] = (read_path(member, str(entry[0])), int(entry[1]))
 
-        await self.cluster.on_owners(texts, ask, on_lost=self._reader.count_lost)
+        await self.cluster.on_copies(
+            texts, ask, lambda i: where[i] is not None, self._reader.count_lost, together=True
+        )
         hits: list[HitChunk] = []
         for (start, end, _key), found in zip(chunks, where, strict=True):
             if found is None:  # the prefix ends at the first miss
@@ -464,6 +472,29 @@ class KVCacheClient(AsyncKVApi):
             "known_members": self.cluster.membership.known,
             "client": dict(self.counters),
         }
+
+    # -- one member's copies (a member's replicator sends them) ----------------------------
+
+    async def contains_on(self, addr: str, keys: Sequence[KeyLike]) -> list[bool]:
+        """Which of ``keys`` the member at ``addr`` holds (MemberFailed if it fails)."""
+        member = self.cluster.members[addr]
+        texts = [self._key(k) for k in keys]
+        flags: list[bool] = []
+        for start in range(0, len(texts), 1024):
+            part = texts[start : start + 1024]
+            flags.extend(bool(f) for f in await self.cluster.call(member, "contains", keys=part))
+        return flags
+
+    async def put_on(
+        self, addr: str, keys: Sequence[KeyLike], payloads: Sequence[Any], layouts: Sequence[Layout]
+    ) -> list[PutResult]:
+        """Store payloads already laid out (``layouts``, as the member that holds them
+        stored them) on the member at ``addr``, whatever the key's ranking says."""
+        items: list[PutItem] = [
+            (self._key(k), layout, memoryview(p).cast("B"), None)
+            for k, p, layout in zip(keys, payloads, layouts, strict=True)
+        ]
+        return await self._writer.put_on(self.cluster.members[addr], items)
 
     def member_of(self, key: KeyLike) -> str | None:
         """The live member that owns ``key`` now (None if none is live)."""

@@ -100,7 +100,9 @@ class Reader:
                         if value is not None:  # a retry elsewhere never undoes a hit
                             values[i] = value
 
-        await self.cluster.on_owners(texts, get_share, on_lost=self.count_lost)
+        await self.cluster.on_copies(
+            texts, get_share, lambda i: values[i] is not None, on_lost=self.count_lost
+        )
         return values
 
     async def get_into(self, key: KeyLike, out: Any, expect: Layout | None = None) -> Layout | None:
@@ -114,7 +116,9 @@ class Reader:
             await self.from_member(member, [text], expect, [target], got)
             box[0] = box[0] or got[0]
 
-        await self.cluster.on_owners([text], share_fn, on_lost=self.count_lost)
+        await self.cluster.on_copies(
+            [text], share_fn, lambda _i: box[0] is not None, on_lost=self.count_lost
+        )
         return box[0]
 
     async def batched_get_into(
@@ -142,7 +146,9 @@ class Reader:
                         if value is not None:
                             layouts[i] = value
 
-        await self.cluster.on_owners(texts, get_share, on_lost=self.count_lost)
+        await self.cluster.on_copies(
+            texts, get_share, lambda i: layouts[i] is not None, on_lost=self.count_lost
+        )
         return layouts
 
     def count_lost(self, indices: list[int]) -> None:

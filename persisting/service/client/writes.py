@@ -74,6 +74,15 @@ class Writer:
         await self.cluster.on_owners(texts, put_share)
         return [r for r in results if r is not None]
 
+    async def put_on(self, member: Member, items: list[PutItem]) -> list[PutResult]:
+        """Store ``items`` on ``member`` itself (a copy a member sends another), in
+        batches of at most :data:`BATCH_BYTES`."""
+        sizes = [layout.nbytes for _k, layout, _d, _p in items]
+        results: list[PutResult] = []
+        for part in _batches(list(range(len(items))), sizes, BATCH_BYTES):
+            results.extend(await self._put(member, [items[i] for i in part], "binary"))
+        return results
+
     async def _put(self, member: Member, items: list[PutItem], fmt: str) -> list[PutResult]:
         """Store ``items`` on ``member``, spread over its connections by size. A put is
         idempotent (the first writer wins), so a lost connection is tried again on a fresh

@@ -22,6 +22,8 @@ from persisting.service.sessions import SessionTable
 
 #: Opens the namespace a client named (a server started without models serves any).
 Opener = Callable[[str], KVStore]
+#: Told which keys of a namespace were just read (``"read"``) or stored (``"put"``).
+UseHook = Callable[[str, list[str], str], None]
 
 
 class ServerState:
@@ -42,6 +44,8 @@ class ServerState:
     ):
         self.stores = dict(stores)
         self.opener = opener
+        #: Told of reads and puts (a member's replicator, which copies what is used).
+        self.on_use: UseHook | None = None
         self._opening = threading.Lock()  # one namespace opened at a time, once
         self.sessions = sessions
         self.lease_ttl_s = lease_ttl_s
@@ -66,6 +70,14 @@ class ServerState:
                 store = self.opener(name)
                 self.stores[name] = store  # one assignment: readers see it whole or not
         return store
+
+    def used(self, model: object, keys: list[str], how: str) -> None:
+        """Tell :attr:`on_use` that ``keys`` of ``model`` were read or stored (a hook that
+        fails never fails the request)."""
+        hook = self.on_use
+        if hook is not None and keys and isinstance(model, str):
+            with contextlib.suppress(Exception):
+                hook(model, keys, how)
 
     def serves(self, model: object) -> bool:
         """Whether ``model`` is open here already (no opening)."""
@@ -107,7 +119,9 @@ def quietly(fn: Callable[..., Any], *args: Any) -> None:
 
 
 __all__ = [
+    "Opener",
     "ServerState",
+    "UseHook",
     "layout_from",
     "optional_layout",
     "plain_stats",

@@ -54,6 +54,7 @@ class StorageHandler:
         node: Mapping[str, Any] | None = None,
         clock: Callable[[], float] | None = None,
         opener: Opener | None = None,
+        replicas: int = 1,
     ):
         kwargs = {"clock": clock} if clock is not None else {}
         sessions = SessionTable(
@@ -64,6 +65,8 @@ class StorageHandler:
         )
         self.state = ServerState(stores, sessions, lease_ttl_s=lease_ttl_s, opener=opener)
         self.max_inflight = max_inflight
+        #: How many members keep a copy of a key (clients read the next copy on a miss).
+        self.replicas = replicas
         self.node = dict(node or {})
         self.node.setdefault("host", socket.gethostname())
         self.node.setdefault("pid", os.getpid())
@@ -196,6 +199,7 @@ class StorageHandler:
             "members": list(self.members) if self.members is not None else None,
             "lease_ttl_s": self.lease_ttl_s,
             "max_inflight": self.max_inflight,
+            "replicas": self.replicas,
             "pool": self._pool_of(request.model),
             "data": data,
         }

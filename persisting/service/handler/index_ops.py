@@ -128,6 +128,7 @@ class IndexOps:
     def touch_keys(self, model: str | None, keys: list[str]) -> int:
         """Hits a same-host client served itself from remembered pool locations."""
         found = self.state.store(model).touch(keys)
+        self.state.used(model, keys, "read")
         self.state.counters["get_hits"] += found
         self.state.counters["get_hits_remembered"] += found
         return int(found)

@@ -1,0 +1,79 @@
+"""Two copies of what is read, on three ``persisting serve`` processes started without
+models: a put is stored on its owner; a read makes the second copy in the background; a
+member SIGKILLed costs no hit; the survivors copy between them what lost its second copy,
+and a member that comes back empty receives the keys it should hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from persisting.service.routing import rank_members
+from tests.service.service_helpers import (
+    free_port,
+    key,
+    kill_group,
+    processes,
+    run_client,
+    start_serve,
+    wait_for_log,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+N = 24
+MEMBER = {
+    "PERSISTING_MODELS": "",  # serve whatever namespace a client opens
+    "PERSISTING_KV__DURABILITY": "sync",
+    "PERSISTING_KV__MEMORY_BYTES": str(8 << 20),
+}
+
+
+def _held(seeds: list[str], until: int, min_members: int) -> dict[str, Any]:
+    return run_client(
+        "held_copies", {"seeds": seeds, "until": until, "min_members": min_members, "wait_s": 90}
+    )
+
+
+def test_a_read_key_gets_a_second_copy_and_survives_a_member_killed(tmp_path: Path) -> None:
+    ports = [free_port() for _ in range(3)]
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    seeds = [addrs[0]]
+
+    def member(i: int, root: str) -> Any:
+        log = tmp_path / f"{root}.log"
+        seed = {"PERSISTING_SERVICE__SEEDS": f'["{addrs[0]}"]'} if i else {}
+        proc = start_serve(tmp_path / root, ports[i], log, **MEMBER, **seed)
+        wait_for_log(log, "data path", proc)
+        return proc
+
+    with processes() as procs:
+        procs.extend(member(i, f"root{i}") for i in range(3))
+        put = run_client("put_keys", {"seeds": seeds, "start": 0, "stop": N, "min_members": 3})
+        assert put["stored"] == N
+        once = _held(seeds, N, 3)
+        assert sum(m["keys"] for m in once.values()) == N  # a put is one copy
+        got = run_client("get_keys", {"seeds": seeds, "start": 0, "stop": N, "min_members": 3})
+        assert got["hit"] == N and got["wrong"] == 0
+        twice = _held(seeds, 2 * N, 3)  # the first read made each key's second copy
+        assert sum(m["keys"] for m in twice.values()) == 2 * N, twice
+        for addr, held in twice.items():
+            mine = sum(addr in rank_members(str(key(i)), addrs)[:2] for i in range(N))
+            assert held["keys"] == mine, (addr, twice)
+
+        victim = 1
+        kill_group(procs[victim])
+        after = run_client("get_keys", {"seeds": seeds, "start": 0, "stop": N, "min_members": 2})
+        assert after["hit"] == N and after["wrong"] == 0 and not after["errors"], after
+        survivors = [a for i, a in enumerate(addrs) if i != victim]
+        healed = _held(seeds, 2 * N, 2)  # both survivors hold every key again
+        assert all(healed[a]["keys"] == N for a in survivors), healed
+
+        procs.append(member(victim, "root1-new"))  # back on its address, with an empty disk
+        ranked = sum(addrs[victim] in rank_members(str(key(i)), addrs)[:2] for i in range(N))
+        back = _held(seeds, 2 * N + ranked, 3)
+        assert back[addrs[victim]]["keys"] == ranked, back
+        final = run_client("get_keys", {"seeds": seeds, "start": 0, "stop": N, "min_members": 3})
+        assert final["hit"] == N and final["wrong"] == 0
