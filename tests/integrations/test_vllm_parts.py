@@ -172,13 +172,20 @@ def test_damage_and_a_short_file_are_errors_never_a_load(tmp_path: Path) -> None
         read_rows(str(path), 16, pages.rows(1), good)
 
 
-def test_the_shared_keys_are_the_engine_adapters_and_cluster_is_refused_with_the_reason() -> None:
+def test_the_shared_keys_are_the_engine_adapters_and_cluster_replaces_storage_path() -> None:
     """The connector's and the tier's settings extend the keys every engine adapter takes
-    (``integrations/common``); the cluster key is refused, saying why, not as a typo."""
+    (``integrations/common``): ``cluster`` in place of ``storage_path``, never both; beside
+    it, the keys only a local root serves are refused, saying why."""
     assert ConnectorSettings.__mro__[1] is EngineSettings
     cluster = {"seeds": ["10.0.0.1:8610"]}
     for read in (connector_settings, tier_settings):
-        with pytest.raises(ConfigError, match=r"'cluster' does not apply here .*local root"):
+        with pytest.raises(ConfigError, match="not both"):
             read({"storage_path": "/r", "cluster": cluster})
+        settings = read({"cluster": cluster})
+        assert settings.storage_path is None and settings.cluster is not None
+    with pytest.raises(ConfigError, match=r"event_topic do not apply with cluster"):
+        connector_settings({"cluster": cluster, "event_topic": "kv-events"})
+    with pytest.raises(ConfigError, match=r"needs 'storage_path' .* or 'cluster'"):
+        tier_settings({"disk_bytes": "1GiB"})
     with pytest.raises(ConfigError, match="'memory_bytes' does not apply here"):
         tier_settings({"storage_path": "/r", "memory_bytes": "1GiB"})
