@@ -30,12 +30,9 @@ connection, out of step, is closed.
 
 from __future__ import annotations
 
-import array
 import asyncio
-import contextlib
 import os
 import socket
-import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
@@ -48,25 +45,25 @@ from persisting.errors import InvalidValueError, PersistingError
 from persisting.kv import Layout, SharedLocation
 from persisting.kv.range_reads import READ_PIECE
 from persisting.service.bulk.frames import (
-    CHECKSUM,
-    LENGTH,
-    WIRE_PIECE,
     ConnectionLost,
-    frame_length,
+    Reader,
     pack,
+    placements,
+    pool_location,
     raise_error,
-    unpack,
+    read_frame,
+    read_payload,
+    skip,
     value_header,
+    write_put,
 )
 from persisting.service.bulk.server import is_loopback
+from persisting.service.bulk.stream import READ, Stream, outgoing
 from persisting.service.bulk.tls import check_pinned, client_context
 from persisting.service.client.destination import Destination
 from persisting.shm import RecycledBuffers
 
 T = TypeVar("T")
-
-#: Room for the one file descriptor a frame may carry.
-_RIGHTS_SPACE = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
 
 
 class Unreachable(Exception):
@@ -142,16 +139,13 @@ def _wake(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class LoopConn:
+class LoopConn(Stream):
     """One data connection on the client's event loop: a non-blocking socket (plain TCP,
     TLS or Unix), every wait for it bounded by ``timeout_s``."""
 
     def __init__(self, sock: socket.socket, kind: str, timeout_s: float):
-        sock.setblocking(False)
-        self.sock = sock
-        self.kind = kind
+        super().__init__(sock, kind)
         self.timeout_s = timeout_s
-        self._lowat = 1
         #: Files passed along with frames (Unix socket), oldest first.
         self.files: list[int] = []
 
@@ -173,83 +167,45 @@ class LoopConn:
         """Wrap the socket in TLS 1.3 trusting ``cert`` only, and complete the handshake."""
         self.sock = client_context(cert).wrap_socket(self.sock, do_handshake_on_connect=False)
         self.kind = "tls"
-        while True:
-            try:
-                self.sock.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                await self.wait(reading=True)
-            except ssl.SSLWantWriteError:
-                await self.wait(reading=False)
+        while want := self.handshake_some():
+            await self.wait(want == READ)
         check_pinned(self.sock, cert)
 
     # -- receiving ----------------------------------------------------------------------
 
-    async def recv_into(self, view: memoryview, files: bool = False) -> None:
+    async def recv_into(self, view: memoryview, files: list[int] | None = None) -> None:
         """Fill ``view`` (all of it, or ConnectionLost); with ``files``, keep any file
-        passed along with these bytes."""
+        passed along with these bytes there."""
         got, size = 0, len(view)
         while got < size:
+            n = self.recv_some(view[got:], files)
+            if n > 0:
+                got += n
+            else:
+                await self.wait(n == READ)
+
+    async def decode(self, reader: Reader[T], files: list[int] | None = None) -> T:
+        """Fill each view a reader of :mod:`~persisting.service.bulk.frames` asks for;
+        what it decoded."""
+        while True:
             try:
-                if files and self.kind == "unix":
-                    n, ancillary, _flags, _addr = self.sock.recvmsg_into(
-                        [view[got:]], _RIGHTS_SPACE
-                    )
-                    self._keep_files(ancillary)
-                else:
-                    n = self.sock.recv_into(view[got:], size - got)
-            except (BlockingIOError, ssl.SSLWantReadError):
-                self._mark(size - got)
-                await self.wait(reading=True)
-                continue
-            except ssl.SSLWantWriteError:
-                await self.wait(reading=False)
-                continue
-            except (OSError, ValueError) as exc:
-                raise ConnectionLost(f"receive failed: {exc}") from exc
-            if n == 0:
-                raise ConnectionLost("the peer closed the connection")
-            got += n
-        self._mark(1)
-
-    def _keep_files(self, ancillary: list[tuple[int, int, bytes]]) -> None:
-        for level, kind, data in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-                self.files.extend(fds)
-
-    def _mark(self, nbytes: int) -> None:
-        """Wake the loop once ``nbytes`` are queued (plain TCP; others on any byte)."""
-        if self.kind == "tcp" and nbytes != self._lowat:
-            with contextlib.suppress(OSError):
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-            self._lowat = nbytes
+                view = next(reader)
+            except StopIteration as done:
+                return done.value
+            await self.recv_into(view, files)
 
     async def recv_frame(self) -> dict[str, Any]:
-        head = bytearray(LENGTH.size)
-        await self.recv_into(memoryview(head), files=True)
-        body = bytearray(frame_length(head))
-        await self.recv_into(memoryview(body))
-        return unpack(body)
+        """The next frame, keeping any file passed along with it."""
+        return await self.decode(read_frame(), self.files)
 
     async def recv_payload(self, view: memoryview) -> int:
         """Receive a payload into ``view`` (its destination), hashing each piece as it
-        lands while the next arrive; returns the checksum of the whole."""
-        hasher = xxhash.xxh3_64()
-        for start in range(0, len(view), WIRE_PIECE):
-            piece = view[start : start + WIRE_PIECE]
-            await self.recv_into(piece)
-            hasher.update(piece)
-        return int(hasher.intdigest())
+        lands; returns the checksum of the whole."""
+        return await self.decode(read_payload(view))
 
     async def discard(self, nbytes: int) -> None:
         """Read and drop ``nbytes`` (a payload the caller cannot take)."""
-        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
-        while nbytes > 0:
-            piece = scratch[: min(len(scratch), nbytes)]
-            await self.recv_into(piece)
-            nbytes -= len(piece)
+        await self.decode(skip(nbytes, memoryview(bytearray(min(nbytes, 1 << 20)))))
 
     def take_file(self) -> int:
         if not self.files:
@@ -259,52 +215,25 @@ class LoopConn:
     # -- sending ------------------------------------------------------------------------
 
     async def send(self, parts: Sequence[bytes | memoryview]) -> None:
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        views = outgoing(parts)
         while views:
-            try:
-                tls = self.kind == "tls"  # no sendmsg on TLS
-                sent = self.sock.send(views[0]) if tls else self.sock.sendmsg(views)
-            except (BlockingIOError, ssl.SSLWantWriteError):
-                await self.wait(reading=False)
-                continue
-            except ssl.SSLWantReadError:
-                await self.wait(reading=True)
-                continue
-            except (OSError, ValueError) as exc:
-                raise ConnectionLost(f"send failed: {exc}") from exc
-            while views and sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            if views and sent:
-                views[0] = views[0][sent:]
+            n = self.send_some(views)
+            if n < 0:
+                await self.wait(n == READ)
 
     async def send_frame(self, message: dict[str, Any]) -> None:
         await self.send([pack(message)])
 
-    async def send_payloads(self, message: dict[str, Any], payloads: Sequence[memoryview]) -> None:
-        """A frame, then each payload followed by its checksum, each piece hashed after it
-        was handed to the kernel (the receiver compares what landed with what was hashed,
-        so bytes that changed on the way are never stored)."""
-        lead = pack(message)
-        for payload in payloads:
-            view = memoryview(payload).cast("B")
-            hasher = xxhash.xxh3_64()
-            for start in range(0, len(view), WIRE_PIECE):
-                piece = view[start : start + WIRE_PIECE]
-                await self.send([lead, piece])
-                hasher.update(piece)
-                lead = b""
-            lead = CHECKSUM.pack(hasher.intdigest())
-        await self.send([lead])
+    async def send_put(self, message: dict[str, Any], payloads: Sequence[memoryview]) -> None:
+        """A put's frame and payloads, each followed by its checksum (:func:`write_put`)."""
+        for parts in write_put(message, payloads):
+            await self.send(parts)
 
     def close(self) -> None:
         for fd in self.files:
             os.close(fd)
         self.files.clear()
-        with contextlib.suppress(OSError):
-            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        super().close()
 
 
 class DataLink:
@@ -458,7 +387,7 @@ class DataLink:
                     reply.entries.append(None)
                     continue
                 if "pool" in frame:
-                    reply.entries.append(_location(frame))
+                    reply.entries.append(pool_location(frame))
                     continue
                 layout, expected, tier = value_header(frame)
                 out = outs[i] if outs else None
@@ -481,7 +410,7 @@ class DataLink:
                 reply.entries.append(Read(value, tier, layout.nbytes, now - start))
                 start = now
             if pool:
-                reply.told = _told(await conn.recv_frame())
+                reply.told = placements(await conn.recv_frame())
             if wrong_size is not None:
                 raise wrong_size
             return reply
@@ -533,7 +462,7 @@ class DataLink:
             request["pool"] = True
 
         async def work(conn: LoopConn) -> dict[str, Any]:
-            await conn.send_payloads(request, [data for _key, _layout, data, _parent in items])
+            await conn.send_put(request, [data for _key, _layout, data, _parent in items])
             return await conn.recv_frame()
 
         reply = await self._request(work)
@@ -557,28 +486,6 @@ def _read_fd(fd: int, offset: int, target: memoryview, digest: int) -> bool:
         hasher.update(piece[:n])
         done += n
     return hasher.intdigest() == digest
-
-
-def _location(frame: dict[str, Any]) -> SharedLocation:
-    try:
-        offset, generation = frame["pool"]
-        return SharedLocation(Layout.from_dict(frame["layout"]), int(offset), int(generation))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConnectionLost(f"unreadable pool location: {exc}") from exc
-
-
-def _told(frame: dict[str, Any]) -> list[tuple[str, SharedLocation]]:
-    """The placements a get's last frame told (key, location)."""
-    raise_error(frame)
-    rows = frame.get("told") or []
-    try:
-        layouts = [Layout.from_dict(d) for d in frame.get("layouts") or []]
-        return [
-            (str(key), SharedLocation(layouts[index], int(offset), int(generation)))
-            for key, index, offset, generation in rows
-        ]
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise ConnectionLost(f"malformed placements: {exc}") from exc
 
 
 def spread(count: int, ways: int) -> list[range]:
