@@ -59,9 +59,11 @@ class Replicator:
     # -- told by the server ---------------------------------------------------------------
 
     def noted(self, model: str, keys: list[str], how: str) -> None:
-        """Keys were read (``"read"``) or stored (``"put"``): those that now deserve
-        copies join the backlog (the data path's hook; cheap, never blocks on I/O)."""
-        if self.replicas > 1 and (how == "read" or self.copy_on == "put"):
+        """Keys were read (``"read"``), stored (``"put"``) or received as a copy from
+        another member (``"copy"``: wanted by definition, so this member heals it too when
+        the others are lost): those that now deserve copies join the backlog (the data
+        path's hook; cheap, never blocks on I/O)."""
+        if self.replicas > 1 and (how in ("read", "copy") or self.copy_on == "put"):
             self.counters["keys_wanted"] += self.backlog.want(model, keys)
 
     def members(self, me: str, live: list[str]) -> None:
@@ -160,7 +162,7 @@ class Replicator:
         client = self._clients.get(model)
         if client is None:
             client = await KVCacheClient.connect(
-                name=self.name, model=model, settings=self.settings, same_host=False
+                name=self.name, model=model, settings=self.settings, same_host=False, role="copies"
             )
             self._clients[model] = client
         return client

@@ -156,7 +156,8 @@ class Requests:
             with state.lock:
                 state.sessions.unstage(session, total)
         self._placed(store, str(request["model"]), items, replies, bool(request.get("pool")))
-        state.used(request.get("model"), [r["key"] for r in replies if r["stored"]], "put")
+        how = "copy" if session.client.get("role") == "copies" else "put"
+        state.used(request.get("model"), [r["key"] for r in replies if r["stored"]], how)
         state.counters["put_items"] += len(items)
         state.counters["put_bytes"] += total
         conn.send_frame({"results": replies}, self.deadline())

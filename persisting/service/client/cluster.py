@@ -63,6 +63,7 @@ class Cluster:
         *,
         same_host: bool,
         readers: Executor,
+        role: str | None = None,
     ):
         self.system = system
         self.name = name
@@ -71,6 +72,8 @@ class Cluster:
         #: Whether members on this host are reached over their Unix socket and pool.
         self.same_host = same_host
         self.readers = readers
+        #: What this client says it is in its hello (a member's replicator: "copies").
+        self.role = role
         self.max_inflight = service.max_inflight
         self.bulk_streams = service.bulk_streams
         self.timeout_s = service.request_timeout_s
@@ -192,6 +195,8 @@ class Cluster:
         """Open a session on ``member``, and its data path with the session's credential
         (the old credential died with the old session)."""
         client_info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname()}
+        if self.role is not None:
+            client_info["role"] = self.role
         message = make_request("hello", model=self.model, client=client_info)
         info = unwrap_reply(await self.transport.ask(member, message))
         member.info = info

@@ -61,6 +61,7 @@ class KVCacheClient(AsyncKVApi):
         system: Any,
         same_host: bool = True,
         owns_system: bool = False,
+        role: str | None = None,
     ):
         self.name = name
         self.model = model
@@ -77,6 +78,7 @@ class KVCacheClient(AsyncKVApi):
             self.counters,
             same_host=same_host,
             readers=self._readers,
+            role=role,
         )
         self._reader = Reader(
             self.cluster,
@@ -104,6 +106,7 @@ class KVCacheClient(AsyncKVApi):
         settings: PersistingSettings | None = None,
         same_host: bool = True,
         min_members: int = 1,
+        role: str | None = None,
     ) -> KVCacheClient:
         """Join the cluster (unless Pulsing is already initialised) and find the servers.
 
@@ -113,7 +116,8 @@ class KVCacheClient(AsyncKVApi):
         ``passphrase`` cannot change it, and passing them then is warned about
         (``RuntimeWarning`` and the log), never silently dropped.
         ``same_host=False`` makes a client on a server's host use its TCP port, as a
-        client on another host does, instead of its Unix socket and shared pool. A server
+        client on another host does, instead of its Unix socket and shared pool. ``role``
+        tells the members what the client is (``"copies"``: a member sending copies). A server
         that answers but serves another model is an AccessDeniedError at once.
         """
         settings = settings or PersistingSettings()
@@ -138,6 +142,7 @@ class KVCacheClient(AsyncKVApi):
             system=pulsing.get_system(),
             same_host=same_host,
             owns_system=owns,
+            role=role,
         )
         try:
             wait_s = service.discovery_timeout_s
