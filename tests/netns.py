@@ -115,6 +115,65 @@ class TwoHosts:
         return out.stdout + out.stderr
 
 
+class Hosts:
+    """``count`` hosts on one switch: a namespace each, joined by veth pairs to a bridge in
+    a namespace of its own (a fleet's members and engine hosts). Host ``i`` has address
+    ``10.<a>.<b>.<i + 1>``; nothing is reachable from the machine's own namespace."""
+
+    def __init__(self, count: int, tag: str = "f"):
+        unique = (os.getpid() * 11 + sum(tag.encode())) % 60000
+        self._base = f"pk{unique}{tag}"[:9]
+        self.switch_ns = f"{self._base}-sw"
+        self.names = [f"{self._base}-h{i}" for i in range(count)]
+        net = f"10.{150 + unique % 50}.{unique // 50 % 250}"
+        self.ips = [f"{net}.{i + 1}" for i in range(count)]
+
+    def __enter__(self) -> Hosts:
+        why = netns_available()
+        if why is not None:
+            raise RuntimeError(why)
+        try:
+            _ip("netns", "add", self.switch_ns)
+            _ip("-n", self.switch_ns, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch_ns, "link", "set", "br0", "up")
+            for i, (ns, ip) in enumerate(zip(self.names, self.ips, strict=True)):
+                host_end, switch_end = f"{self._base}h{i}", f"{self._base}s{i}"
+                _ip("netns", "add", ns)
+                _ip("link", "add", host_end, "type", "veth", "peer", "name", switch_end)
+                _ip("link", "set", host_end, "netns", ns)
+                _ip("link", "set", switch_end, "netns", self.switch_ns)
+                _ip("-n", self.switch_ns, "link", "set", switch_end, "master", "br0")
+                _ip("-n", self.switch_ns, "link", "set", switch_end, "up")
+                _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", host_end)
+                _ip("-n", ns, "link", "set", host_end, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Delete every namespace (each takes its ends of the veth pairs with it)."""
+        for ns in [*self.names, self.switch_ns]:
+            subprocess.run([IP, "netns", "del", ns], capture_output=True, timeout=30)
+
+    def on(self, host: int, args: Sequence[str]) -> list[str]:
+        """``args`` as a command run on host ``host``: in its network namespace, and in a
+        UTS namespace of its own named ``host<i>``, so a process there does not take a
+        process on another host for one on its own (a shared hostname would)."""
+        script = 'hostname "$0" && exec "$@"'
+        return [IP, "netns", "exec", self.names[host], "unshare", "--uts", "sh", "-c", script,
+                f"host{host}", *args]  # fmt: skip
+
+
 PYTHON = sys.executable
 
-__all__ = ["IP", "PYTHON", "TwoHosts", "netns_available"]
+__all__ = ["IP", "PYTHON", "Hosts", "TwoHosts", "netns_available"]

@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,16 @@ class Tiering:
     """One process of ``benchmarks/vllm_tiering.py`` (vLLM's tiered offloading on the CPU)
     running a plan, started at once; :meth:`result` waits for it."""
 
-    def __init__(self, plan: dict[str, Any], work: Path, name: str, version: str = "0.32"):
+    def __init__(
+        self,
+        plan: dict[str, Any],
+        work: Path,
+        name: str,
+        version: str = "0.32",
+        on_host: Sequence[str] = (),
+    ):
+        """``on_host``: a command prefix that runs the process elsewhere (a network
+        namespace's ``ip netns exec ...``)."""
         python = require_engine(version)
         work.mkdir(parents=True, exist_ok=True)
         plan = {"engine_id": f"{name}-{os.getpid()}-{work.name}", **plan}
@@ -110,7 +120,7 @@ class Tiering:
         plan_file.write_text(json.dumps(plan))
         with open(self.log_file, "wb") as log:
             self.proc = subprocess.Popen(
-                [str(python), str(TIERING_KIT), str(plan_file), str(self.out_file)],
+                [*on_host, str(python), str(TIERING_KIT), str(plan_file), str(self.out_file)],
                 env=engine_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
