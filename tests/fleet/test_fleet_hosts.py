@@ -1,12 +1,14 @@
 """A fleet on hosts of its own: three ``persisting serve`` members (no ``--model``, two copies,
 TLS between hosts) and two engine hosts, each a network and UTS namespace on one switch
-(:class:`tests.netns.Hosts`).
+(:class:`tests.netns.Hosts`). Each engine reaches the members by its ``cluster`` key.
 
-vLLM's own tiered offloading (``TieringOffloadingManager``) with ``PersistingTier``
-configured by its ``cluster`` key: chunks stored from one engine host are promoted
-bit-exact by a new process on the other; shortly after that one reuse the members hold two
-copies of them; a member holding copies is SIGKILLed and a new process still promotes
-every chunk, with no wrong byte.
+- vLLM's own tiered offloading (``TieringOffloadingManager``) with ``PersistingTier``:
+  chunks stored from one engine host are promoted bit-exact by a new process on the other;
+  shortly after that one reuse the members hold two copies of them; a member holding copies
+  is SIGKILLed and a new process still promotes every chunk, with no wrong byte.
+- SGLang's HiCache through its ``StorageBackendFactory`` and host pool: pages set on one
+  engine host are read bit-exact on the other, and again after a member holding copies
+  is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from persisting.integrations.vllm.settings import tiering_config
 from tests.engines.engine_helpers import Tiering
 from tests.netns import Hosts, netns_available
 from tests.service.service_helpers import REPO, kill_group, server_env, spawn, wait_for_log
+from tests.sglang.sglang_helpers import page_keys, run_kit
 from tests.timing import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -119,6 +122,21 @@ def _held(survey: dict[str, Any]) -> tuple[int, int]:
     return items, nbytes
 
 
+def _copies_of_the_reused(fleet: Fleet, host: int, items: int) -> tuple[str, tuple[int, int]]:
+    """Wait until the members hold ``items`` values: a member holding some, and the items
+    and bytes they all hold."""
+    surveys: list[dict[str, Any]] = []
+
+    def copied() -> bool:
+        surveys.append(fleet.survey(host))
+        return _held(surveys[-1])[0] >= items
+
+    wait_until(copied, f"{items} values on the members", 120)
+    members = surveys[-1]["members"]
+    holder = str(next(m["addr"] for m in members if _held({"members": [m]})[0]))
+    return holder, _held(surveys[-1])
+
+
 def test_vllm_tier_chunks_reused_across_hosts_and_kept_through_a_lost_member(
     fleet: Fleet,
 ) -> None:
@@ -135,20 +153,45 @@ def test_vllm_tier_chunks_reused_across_hosts_and_kept_through_a_lost_member(
     assert first["hits"] == list(range(CHUNKS)) and first["identical"]
 
     # Shortly after that one reuse, every chunk is on two members.
-    held: list[tuple[int, int]] = []
-
-    def copied() -> bool:
-        held.append(_held(fleet.survey(b)))
-        return held[-1][0] >= 2 * CHUNKS
-
-    wait_until(copied, "two copies of every chunk", 120)
-    assert held[-1][1] >= 1.8 * CHUNKS * row, held[-1]
-
-    survey = fleet.survey(b)
-    holding = [m["addr"] for m in survey["members"] if _held({"members": [m]})[0]]
-    victim = fleet.seeds.index(holding[0])
-    kill_group(fleet.procs[victim])
+    holder, (items, nbytes) = _copies_of_the_reused(fleet, b, 2 * CHUNKS)
+    assert nbytes >= 1.8 * CHUNKS * row, (items, nbytes)
+    kill_group(fleet.procs[fleet.seeds.index(holder)])
     after = Tiering(_plan(fleet, promote), fleet.work, "after-loss",
                     on_host=fleet.hosts.on(a, [])).result()  # fmt: skip
     (lost,) = [s for s in after["steps"] if s["action"] == "promote"]
     assert len(lost["hits"]) >= 61 and lost["identical"], lost
+
+
+def _sglang(fleet: Fleet, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    extra = {"backend_name": "persisting", "module_path": "persisting.integrations.sglang",
+             "class_name": "PersistingHiCacheStorage", "interface_v1": 1,
+             "model_version": "fleet-weights", "cluster": fleet.cluster()}  # fmt: skip
+    pool = {"kind": "mha", "layout": "page_first"}
+    return {"pool": pool, "backend": {"name": "dynamic", "extra": extra}, "steps": steps}
+
+
+def test_sglang_pages_reused_across_hosts_and_kept_through_a_lost_member(fleet: Fleet) -> None:
+    a, b = ENGINES
+    keys, slots = page_keys(16, seed=7), list(range(16))
+    wrote = run_kit(_sglang(fleet, [
+        {"do": "fill", "slots": slots, "seed": 3},
+        {"do": "digest", "slots": slots},
+        {"do": "set", "keys": keys, "slots": slots},
+    ]), fleet.work, "sglang-set", on_host=fleet.hosts.on(a, []))["steps"]  # fmt: skip
+    digests, stored = wrote[1], wrote[2]
+    assert stored == [True] * 16 and len(set(digests)) == 16
+    other = [20 + s for s in slots]
+    read = [
+        {"do": "exists", "keys": keys},
+        {"do": "get", "keys": keys, "slots": other},
+        {"do": "digest", "slots": other},
+    ]
+    got = run_kit(_sglang(fleet, read), fleet.work, "sglang-get",
+                  on_host=fleet.hosts.on(b, []))["steps"]  # fmt: skip
+    assert got[0] == 16 and got[1] == [True] * 16 and got[2] == digests
+
+    holder, _held_now = _copies_of_the_reused(fleet, b, 2 * 16)
+    kill_group(fleet.procs[fleet.seeds.index(holder)])
+    again = run_kit(_sglang(fleet, read), fleet.work, "sglang-after-loss",
+                    on_host=fleet.hosts.on(a, []))["steps"]  # fmt: skip
+    assert again[0] == 16 and again[1] == [True] * 16 and again[2] == digests

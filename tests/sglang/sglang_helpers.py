@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,15 @@ def extra_config(root: Path, **more: Any) -> dict[str, Any]:
 
 
 def run_kit(
-    plan: dict[str, Any], work: Path, name: str, timeout: float = 600, killed: bool = False
+    plan: dict[str, Any],
+    work: Path,
+    name: str,
+    timeout: float = 600,
+    killed: bool = False,
+    on_host: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Run one kit process on ``plan`` (in a process group of its own); its output."""
+    """Run one kit process on ``plan`` (in a process group of its own; ``on_host``: a
+    command prefix that runs it elsewhere, e.g. in a network namespace); its output."""
     require_sglang()
     work.mkdir(parents=True, exist_ok=True)
     plan_file, out_file, log_file = (
@@ -56,7 +63,7 @@ def run_kit(
     plan_file.write_text(json.dumps(plan))
     with open(log_file, "wb") as log:
         proc = subprocess.run(
-            [str(SGLANG_PYTHON), str(KIT), "run", str(plan_file), str(out_file)],
+            [*on_host, str(SGLANG_PYTHON), str(KIT), "run", str(plan_file), str(out_file)],
             env=sglang_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
