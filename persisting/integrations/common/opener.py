@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.integrations.common.settings import ClusterSettings, EngineSettings
 from persisting.integrations.common.store import EngineStore, LocalStore
@@ -26,16 +27,25 @@ def open_local(
     memory_bytes: int = 0,
     durability: str = "sync",
     environment: bool = True,
+    directory: str | None = None,
+    kv_settings: PersistingSettings | None = None,
     **options: Any,
 ) -> KVStore:
     """The namespace's :class:`KVStore` on ``settings.storage_path`` (``options``: any other
     store option the engine sets, e.g. ``on_disk_evict``). Options neither ``settings``
     nor ``options`` give come from the ``PERSISTING_*`` environment and TOML, unless
-    ``environment`` is False (then the store's own defaults)."""
+    ``environment`` is False (then the store's own defaults). ``directory``: the namespace's
+    directory, where it is not the keys' namespace (LMCache's plugin: keys name the model,
+    the directory its weights too); ``kv_settings``: Persisting settings the other options
+    come from, in place of the environment's."""
     if settings.storage_path is None:
         raise ValueError("open_local needs settings with storage_path")
     options.setdefault("read_threads", settings.io_threads)
     opener: Any = open_kv_store if environment else KVStore
+    if directory is not None:
+        options["namespace"] = directory
+    if kv_settings is not None:
+        options["settings"] = kv_settings
     return opener(
         settings.storage_path,
         namespace,
@@ -72,14 +82,20 @@ def open_engine_store(
     describe: Mapping[str, Any] | None = None,
     memory_bytes: int = 0,
     durability: str = "sync",
+    reconnect: bool = False,
     **options: Any,
 ) -> EngineStore:
     """The store ``settings`` name, for ``namespace`` (the local options are ignored for
-    a cluster: its members' settings hold)."""
+    a cluster: its members' settings hold). ``reconnect``: a cluster that does not answer
+    now is not an error but misses, until it answers (see
+    :class:`~persisting.integrations.common.cluster.Reconnecting`)."""
     if settings.cluster is not None:
-        from persisting.integrations.common.cluster import ClusterStore
+        from persisting.integrations.common.cluster import ClusterStore, Reconnecting
 
-        return ClusterStore(connect_cluster(settings.cluster, namespace))
+        cluster = settings.cluster
+        if reconnect:
+            return Reconnecting.open(namespace, lambda: connect_cluster(cluster, namespace))
+        return ClusterStore(connect_cluster(cluster, namespace))
     store = open_local(
         settings,
         namespace,

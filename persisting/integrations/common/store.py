@@ -81,6 +81,10 @@ class EngineStore(ABC):
     kind: str
     #: The namespace every key of this store starts with.
     namespace: str
+    #: The typed store underneath, for what values of one binary kind cannot say (an
+    #: engine whose values carry their own layout): a :class:`KVStore` or the cluster's
+    #: client, both with the calls of :class:`persisting.kv.api.KVApi`.
+    kv: Any
 
     def check_keys(self, keys: Sequence[Any]) -> list[str]:
         texts = [key_string(k) for k in keys]

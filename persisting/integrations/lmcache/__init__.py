@@ -26,7 +26,7 @@ _EXPORTS = {
     "L2Params": "persisting.integrations.lmcache.settings",
     "PersistingKVBackend": "persisting.integrations.lmcache.backend",
     "PersistingL2Adapter": "persisting.integrations.lmcache.l2_adapter",
-    "PersistingL2AdapterConfig": "persisting.integrations.lmcache.l2_adapter",
+    "PersistingL2AdapterConfig": "persisting.integrations.lmcache.l2_store",
     "l2_params": "persisting.integrations.lmcache.settings",
     "PluginOptions": "persisting.integrations.lmcache.settings",
     "settings_from_extra_config": "persisting.integrations.lmcache.settings",

@@ -18,9 +18,11 @@ payload straight into the object's buffer.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,12 +32,15 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from persisting.errors import ConfigError, StoreClosedError
+from persisting.integrations.common.opener import open_engine_store, open_local
+from persisting.integrations.common.store import EngineStore, LocalStore
 from persisting.integrations.lmcache.compat import LayoutGuard, memory_format
 from persisting.integrations.lmcache.health import IOErrors, errno_of, logger
 from persisting.integrations.lmcache.pins import LookupPins
 from persisting.integrations.lmcache.puts import UNREPRESENTABLE, CompletionCallback, PutWriter
-from persisting.integrations.lmcache.settings import settings_from_extra_config
-from persisting.kv import KVStore, Layout
+from persisting.integrations.lmcache.settings import engine_settings, settings_from_extra_config
+from persisting.kv import Layout
+from persisting.kv.api import KVApi
 from persisting.kv.model_identity import weights_namespace
 
 if TYPE_CHECKING:
@@ -70,18 +75,19 @@ class PersistingKVBackend(StoragePluginInterface):
         chunk_size = getattr(config, "chunk_size", None) if config is not None else None
         extra = getattr(config, "extra_config", None) if config is not None else None
         self.settings, self.options = settings_from_extra_config(extra, chunk_size)
+        self.engine = engine_settings(self.settings, self.options)
         self._guard = LayoutGuard(metadata)
         self._lock = threading.Lock()  # counters, closing
         self._stores_lock = threading.Lock()
-        self._stores: dict[str, KVStore] = {}
+        self._stores: dict[str, EngineStore] = {}
         self._lookup_pins: LookupPins[CacheEngineKey] = LookupPins(self.options.lookup_pin_ttl_s)
         self._counters = {"layout_mismatch": 0, "allocation_failed": 0, "put_failed": 0}
         self.io_errors = IOErrors()
         self._closed = False
         threads = self.options.io_threads
-        self.puts = PutWriter(self._store, self._put_failed, threads)
+        self.puts = PutWriter(self._store, self._put_failed, threads, self.key_text)
         self._reader = ThreadPoolExecutor(threads, thread_name_prefix="persisting-get")
-        if metadata is not None:
+        if metadata is not None and self.engine.cluster is None:
             self._store(metadata.model_name)  # open eagerly: a bad root fails construction
         if local_cpu_backend is not None:
             self._finish_puts_before_closing(local_cpu_backend)
@@ -110,7 +116,13 @@ class PersistingKVBackend(StoragePluginInterface):
 
     # -- stores -------------------------------------------------------------------------
 
-    def _store(self, model: str) -> KVStore:
+    @property
+    def clustered(self) -> bool:
+        """Whether the chunks are in a cluster of ``persisting serve`` members."""
+        return self.engine.cluster is not None
+
+    def engine_store(self, model: str) -> EngineStore:
+        """The store of ``model``'s namespace, opened on first use."""
         store = self._stores.get(model)
         if store is not None:
             return store
@@ -119,21 +131,46 @@ class PersistingKVBackend(StoragePluginInterface):
                 raise StoreClosedError("PersistingKVBackend is closed")
             store = self._stores.get(model)
             if store is None:
-                namespace, weights = weights_namespace(model, self.settings.kv.model_version)
-                store = KVStore.from_settings(
-                    self.settings,
-                    model,
-                    namespace=namespace,
-                    describe={"engine": "LMCache plugin", "model": model, **weights},
-                )
+                store = self._open(model)
                 self._stores[model] = store
-                if self.options.prefault_memory:
-                    store.prefault_memory()
             return store
 
-    def store_for(self, key: CacheEngineKey) -> KVStore:
-        """The Persisting store that holds ``key``'s model namespace."""
+    def _open(self, model: str) -> EngineStore:
+        namespace, weights = weights_namespace(model, self.settings.kv.model_version)
+        if self.engine.cluster is not None:
+            return open_engine_store(self.engine, namespace)
+        kv = self.settings.kv
+        store = open_local(
+            self.engine,
+            model,
+            directory=namespace,
+            memory_bytes=kv.memory_bytes,
+            durability=kv.durability,
+            kv_settings=self.settings,  # the rest of the kv section and storage_access
+            read_threads=kv.read_threads,
+            describe={"engine": "LMCache plugin", "model": model, **weights},
+        )
+        if self.options.prefault_memory:
+            store.prefault_memory()
+        return LocalStore(store, self.engine.io_threads, memory_tier=kv.memory_bytes > 0)
+
+    def _store(self, model: str) -> KVApi:
+        return self.engine_store(model).kv
+
+    def store_for(self, key: CacheEngineKey) -> KVApi:
+        """The store that holds ``key``'s model namespace (a local :class:`KVStore`, or the
+        cluster's client): both take the typed calls this plugin makes."""
         return self._store(key.model_name)
+
+    def key_text(self, key: CacheEngineKey) -> str:
+        """``key``'s string in its store: LMCache's own, except that in a cluster it starts
+        with the namespace (the model's name, with its weights' digest where known)."""
+        text = key.to_string()
+        if self.engine.cluster is None:
+            return text
+        namespace = self.engine_store(key.model_name).namespace
+        model = key.model_name
+        return text if namespace == model else namespace + text[len(model) :]
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -163,9 +200,12 @@ class PersistingKVBackend(StoragePluginInterface):
     def _stored_layout(self, key: CacheEngineKey) -> Layout | None:
         """The layout stored under ``key`` if this engine may load it, else None."""
         try:
-            layout = self.store_for(key).layout(key.to_string())
+            layout = self.store_for(key).layout(self.key_text(key))
         except UNREPRESENTABLE:
             return None  # never stored either: see batched_submit_put_task
+        except Exception as exc:  # a store that does not answer: a miss, never an error
+            logger.warning("Persisting lookup of %s failed: %s", key.to_string(), exc)
+            return None
         if layout is None:
             return None
         if not self._guard.accepts(key, layout):
@@ -174,6 +214,8 @@ class PersistingKVBackend(StoragePluginInterface):
         return layout
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        if self.clustered:
+            return self._cluster_leading([key]) == 1
         if self._stored_layout(key) is None:
             return False
         if pin:
@@ -182,6 +224,8 @@ class PersistingKVBackend(StoragePluginInterface):
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """How many leading ``keys`` are present (stops at the first miss)."""
+        if self.clustered:
+            return self._cluster_leading(keys)
         hits = 0
         for key in keys:
             if not self.contains(key, pin):
@@ -189,20 +233,43 @@ class PersistingKVBackend(StoragePluginInterface):
             hits += 1
         return hits
 
+    def _cluster_leading(self, keys: list[CacheEngineKey]) -> int:
+        """Leading stored ``keys`` of a cluster: one question per member holding some of
+        them per model (a member that does not answer: misses). Nothing is pinned there
+        (a chunk evicted before its load is a miss then), and a chunk's layout is checked
+        when it is loaded."""
+        hits = 0
+        while hits < len(keys):
+            model = keys[hits].model_name
+            run = list(itertools.takewhile(partial(_of_model, model), keys[hits:]))
+            try:
+                found = self.engine_store(model).leading([self.key_text(k) for k in run])
+            except Exception as exc:  # unrepresentable, or closing: a miss
+                logger.debug("Persisting lookup in the cluster failed: %s", exc)
+                found = 0
+            hits += found
+            if found < len(run):
+                break
+        return hits
+
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
-        text = key.to_string()
-        if self.puts.in_flight(text):
-            return True
         try:
-            return self.store_for(key).exists_in_put_tasks(text)
+            text = self.key_text(key)
+            if self.puts.in_flight(text):
+                return True
+            store = self.engine_store(key.model_name)
         except UNREPRESENTABLE:
             return False
+        return isinstance(store, LocalStore) and store.kv.exists_in_put_tasks(text)
 
     def pin(self, key: CacheEngineKey) -> bool:
         """Counted: each successful pin needs its own unpin before the chunk is evictable."""
         try:
-            return self.store_for(key).pin(key.to_string())
+            return self.store_for(key).pin(self.key_text(key))
         except UNREPRESENTABLE:
+            return False
+        except Exception as exc:  # a member that does not answer: not pinned
+            logger.warning("Persisting pin of %s failed: %s", key.to_string(), exc)
             return False
 
     def unpin(self, key: CacheEngineKey) -> bool:
@@ -212,16 +279,19 @@ class PersistingKVBackend(StoragePluginInterface):
 
     def _unpin(self, key: CacheEngineKey, text: str) -> bool:
         try:
-            return self.store_for(key).unpin(text)
+            return self.store_for(key).unpin(self.key_text(key))
         except UNREPRESENTABLE:
             return False
         except StoreClosedError:
             return False  # closing: the store and its pins are gone
+        except Exception as exc:  # a member that does not answer: its pins end with it
+            logger.warning("Persisting unpin of %s failed: %s", text, exc)
+            return False
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
         """Drop ``key``; with ``force=False`` a pinned chunk survives."""
         try:
-            return self.store_for(key).remove(key.to_string(), force=force)
+            return self.store_for(key).remove(self.key_text(key), force=force)
         except UNREPRESENTABLE:
             return False
 
@@ -274,7 +344,7 @@ class PersistingKVBackend(StoragePluginInterface):
             if len(buffer) != layout.nbytes:
                 got = None
             else:
-                got = self.store_for(key).get_into(text, buffer, expect=layout)
+                got = self.store_for(key).get_into(self.key_text(key), buffer, expect=layout)
         except Exception as exc:
             obj.ref_count_down()
             if errno_of(exc) is not None:
@@ -364,7 +434,7 @@ class PersistingKVBackend(StoragePluginInterface):
         them, loaded or not), by LMCache's own ``unpin``, or after ``lookup_pin_ttl_s``."""
         self._expire_lookup_pins()
         hits = self.batched_contains(keys, pin)
-        if pin and hits:
+        if pin and hits and not self.clustered:  # nothing is pinned in a cluster
             self._lookup_pins.add(lookup_id, [(key, key.to_string()) for key in keys[:hits]])
         return hits
 
@@ -416,7 +486,8 @@ class PersistingKVBackend(StoragePluginInterface):
         with self._stores_lock:
             stores = list(self._stores.values())
         for store in stores:
-            store.flush()
+            if isinstance(store, LocalStore):
+                store.kv.flush()
 
     def close(self) -> None:
         """Wait for in-flight puts, then close the stores (idempotent)."""
@@ -432,6 +503,10 @@ class PersistingKVBackend(StoragePluginInterface):
             self._stores.clear()
         for store in stores:
             store.close()
+
+
+def _of_model(model: str, key: CacheEngineKey) -> bool:
+    return bool(key.model_name == model)
 
 
 def _succeeded(future: Future[bool]) -> bool:

@@ -36,72 +36,29 @@ from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L2AdapterListener, L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from sortedcontainers import SortedDict
 
-from persisting.config import size_text
 from persisting.errors import InvalidKeyError, InvalidNameError, StoreClosedError
-from persisting.integrations.common.opener import open_local
-from persisting.integrations.common.settings import EngineSettings
+from persisting.integrations.common.store import LocalStore
 from persisting.integrations.lmcache.compat import seed_adapter_usage
 from persisting.integrations.lmcache.health import IOErrors, errno_of, logger
 from persisting.integrations.lmcache.l2_io import L2Counters, Stored, load_object, store_objects
+from persisting.integrations.lmcache.l2_store import (
+    PersistingL2AdapterConfig,
+    claim_adapter,
+    open_adapter_store,
+)
 from persisting.integrations.lmcache.l2_tasks import KeyLocks, TaskBoard, next_task_id
 from persisting.integrations.lmcache.object_keys import object_key_of, object_key_text
-from persisting.integrations.lmcache.settings import L2Params, l2_params
-from persisting.kv import KVStore, key_string
-from persisting.kv.owners import OwnerClaim, claim_model
+from persisting.integrations.lmcache.settings import l2_params
+from persisting.kv import key_string
 from persisting.kv.payload_files import file_size
 
 #: An I/O error within this many seconds makes ``report_status`` say unhealthy.
 UNHEALTHY_AFTER_IO_ERROR_S = 60.0
 #: How often (at most) the adapter rewrites its status into its namespace's owner record.
 STATUS_EVERY_S = 5.0
-
-
-def claim_adapter(params: L2Params) -> OwnerClaim:
-    """Claim the adapter's namespace (NamespaceOwnedError naming the holder if a live
-    adapter or server serves it), recording the settings ``persisting stats`` reports."""
-    what = (
-        f"LMCache L2 adapter, namespace {params.namespace!r}, capacity {size_text(params.capacity)}"
-    )
-    details = {
-        "capacity": params.capacity,
-        "memory_bytes": params.memory_bytes,
-        "durability": params.durability,
-        "fsync": params.fsync,
-        "eviction": params.eviction,
-        "namespace": params.namespace,
-    }
-    return claim_model(
-        params.storage_path, params.namespace, role="l2-adapter", what=what, details=details
-    )
-
-
-class PersistingL2AdapterConfig(L2AdapterConfigBase):
-    """LMCache's config object for the adapter; found by LMCache's plugin factory by name
-    (``<class_name>Config``) and built from ``adapter_params``."""
-
-    def __init__(self, params: L2Params) -> None:
-        self.params = params
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PersistingL2AdapterConfig:
-        return cls(l2_params(d))
-
-    @classmethod
-    def help(cls) -> str:
-        return (
-            "Persisting L2 adapter adapter_params:\n"
-            "- storage_path (str, required): the Persisting storage root\n"
-            "- capacity (bytes or '500GiB', default 64GiB): bytes on disk\n"
-            "  (or max_capacity_gb, a number of GiB, as LMCache's own adapters take it)\n"
-            "- durability ('sync' | 'async' | 'write_back', default 'sync')\n"
-            "- fsync (bool, default true): sync stores fsync before completing\n"
-            "- memory_bytes (default 0), namespace (default 'lmcache'),\n"
-            "  eviction ('lru' | 'prefix' | 'value'), io_threads (4), lock_ttl_s (300)"
-        )
 
 
 class PersistingL2Adapter(L2AdapterInterface):
@@ -124,7 +81,10 @@ class PersistingL2Adapter(L2AdapterInterface):
         self._claim = claim_adapter(params)
         self._status_written = 0.0
         try:
-            self.store = self._open_store(params)
+            #: The adapter's store (local root or cluster); ``store`` its typed calls.
+            self.engine_store = open_adapter_store(params, self._evicted.extend)
+            self.store = self.engine_store.kv
+            self.local = isinstance(self.engine_store, LocalStore)
         except BaseException:
             self._claim.release()
             raise
@@ -147,41 +107,24 @@ class PersistingL2Adapter(L2AdapterInterface):
         self._record_status(force=True)
         logger.info(
             "PersistingL2Adapter on %s (namespace %s): %d chunks, %d of %d bytes",
-            params.storage_path,
+            self._where(),
             params.namespace,
             len(self._sizes),
-            self.store.disk_used_bytes(),
+            self.store.disk_used_bytes() if self.local else 0,
             params.capacity,
         )
 
-    def _open_store(self, params: L2Params) -> KVStore:
-        settings = EngineSettings(
-            storage_path=params.storage_path,
-            disk_bytes=params.capacity,
-            eviction=params.eviction,
-            fsync=params.fsync,
-            io_threads=params.io_threads,
-        )
-        return open_local(
-            settings,
-            params.namespace,
-            memory_bytes=params.memory_bytes,
-            durability=params.durability,
-            environment=False,  # adapter_params alone configure the adapter
-            describe=None,
-            result_buffer_bytes=0,
-            # Each chunk is read whole on the io thread that loads it (the task's chunks
-            # are spread over io_threads already), its checksum made as it lands; parts
-            # on the store's own reader threads would add a hand-off per chunk and a
-            # second pass over it for the checksum.
-            read_threads=1,
-            on_disk_evict=self._evicted.extend,
-        )
+    def _where(self) -> str:
+        cluster = self.params.cluster
+        return str(self.params.storage_path) if cluster is None else f"cluster {cluster.seeds}"
 
     # -- what a restart brings back ---------------------------------------------------------
 
     def _restore(self) -> None:
-        """Index what an earlier process stored and seed LMCache's usage counters with it."""
+        """Index what an earlier process stored and seed LMCache's usage counters with it
+        (a cluster's chunks are the members' to keep: the books start empty)."""
+        if not self.local:
+            return
         by_salt: Counter[str] = Counter()
         for text, nbytes in self.store.stored_keys():
             try:
@@ -207,6 +150,8 @@ class PersistingL2Adapter(L2AdapterInterface):
         sizes: list[int] = []
         with self._lock:
             known = set(self._sizes)
+            if not self.local:
+                return [object_key_of(t) for t in known], [file_size(self._sizes[t]) for t in known]
         for text, nbytes in self.store.stored_keys():
             if text in known:
                 keys.append(object_key_of(text))
@@ -253,11 +198,14 @@ class PersistingL2Adapter(L2AdapterInterface):
             logger.warning("Persisting L2 store task %d failed: %s", task_id, exc)
         # Evictions first: a key this task stored again may have been evicted just before.
         self._report_evictions()
+        with self._lock:
+            unknown = [item for item in stored if item.text not in self._sizes]
+        there = self._present([item.text for item in unknown])
         with self._lock:  # new to LMCache's books: written now, or found already stored
             fresh = [
                 item
-                for item in stored
-                if item.text not in self._sizes and self.store.contains(item.text)
+                for item, flag in zip(unknown, there, strict=True)
+                if flag and item.text not in self._sizes
             ]
             for item in fresh:
                 self._sizes[item.text] = item.nbytes
@@ -272,6 +220,15 @@ class PersistingL2Adapter(L2AdapterInterface):
         written = sum(item.nbytes for item in stored if item.written)
         self._store_tasks.finish(task_id, L2StoreResult(ok, written))
         self._record_status()
+
+    def _present(self, texts: list[str]) -> list[bool]:
+        """Which of ``texts`` are stored: one question (per member holding some of them),
+        none stored where the store does not answer."""
+        try:
+            return self.engine_store.exists(texts) if texts else []
+        except Exception as exc:
+            logger.warning("Persisting L2: asking for %d chunks failed: %s", len(texts), exc)
+            return [False] * len(texts)
 
     def _store_failed(self, text: str, exc: BaseException) -> None:
         with self._lock:
@@ -297,6 +254,15 @@ class PersistingL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         try:
             self._expire_locks()
+            if not self.local:  # one question per member; locks are this adapter's own
+                texts = [self._text(key) for key in keys]
+                asked = [t for t in texts if t is not None]
+                found = dict(zip(asked, self._present(asked), strict=True))
+                for i, text in enumerate(texts):
+                    if text is not None and found[text]:
+                        self._locks.lock(text)
+                        bitmap.set(i)
+                keys = []
             for i, key in enumerate(keys):
                 text = self._text(key)
                 if text is not None and self.store.pin(text):
@@ -327,6 +293,8 @@ class PersistingL2Adapter(L2AdapterInterface):
                 self._unpin(text)
 
     def _unpin(self, text: str) -> None:
+        if not self.local:
+            return  # nothing is pinned on a cluster's members
         with contextlib.suppress(StoreClosedError):  # closing: pins go with the store
             self.store.unpin(text)
 
@@ -464,7 +432,7 @@ class PersistingL2Adapter(L2AdapterInterface):
 
     def get_usage(self) -> AdapterUsage:
         """Bytes on disk as the store counts them against ``capacity``, and per salt."""
-        if self._closed or not self.store.has_disk_tier:
+        if self._closed or not self.local or not self.store.has_disk_tier:
             return super().get_usage()
         self._report_evictions()
         used = self.store.disk_used_bytes()
@@ -496,7 +464,7 @@ class PersistingL2Adapter(L2AdapterInterface):
 
     def _forget_if_gone(self, text: str) -> None:
         """A chunk that vanished from the store (dropped as damaged) leaves LMCache's books."""
-        if self.store.contains(text):
+        if self._present([text]) != [False]:
             return
         key = object_key_of(text)
         nbytes = self._take(text, key)
@@ -528,7 +496,7 @@ class PersistingL2Adapter(L2AdapterInterface):
         if record:
             self._record_status()
         self._report_evictions()
-        stats = self.store.stats() if not self.store.closed else {}
+        stats = self._stats()
         with self._lock:
             counters = dataclasses.replace(self._counters)
             objects = len(self._sizes)
@@ -537,7 +505,7 @@ class PersistingL2Adapter(L2AdapterInterface):
         return {
             "is_healthy": healthy,
             "type": "PersistingL2Adapter",
-            "storage_path": str(self.params.storage_path),
+            "storage_path": self._where(),
             "namespace": self.params.namespace,
             "durability": self.params.durability,
             "fsync": self.params.fsync,
@@ -550,6 +518,16 @@ class PersistingL2Adapter(L2AdapterInterface):
             **dataclasses.asdict(counters),
             **io,
         }
+
+    def _stats(self) -> dict[str, Any]:
+        if self.local and self.store.closed:
+            return {}
+        try:
+            stats: dict[str, Any] = self.engine_store.stats()
+        except Exception as exc:  # a member that does not answer: no figures from it
+            logger.debug("Persisting L2 stats: %s", exc)
+            return {}
+        return stats
 
     def close(self) -> None:
         """Finish the tasks submitted so far, then close the store (idempotent)."""
@@ -564,7 +542,7 @@ class PersistingL2Adapter(L2AdapterInterface):
         with contextlib.suppress(Exception):
             self._status_written = 0.0
             self._record_status(force=True)
-        self.store.close()
+        self.engine_store.close()
         self._claim.release()
         for board in (self._store_tasks, self._lookup_tasks, self._load_tasks):
             board.close()

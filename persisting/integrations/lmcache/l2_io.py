@@ -21,6 +21,7 @@ from lmcache.v1.memory_management import MemoryObj
 from persisting.errors import PersistingError
 from persisting.integrations.lmcache.compat import is_plain_tensor_object
 from persisting.kv import KVStore, Layout
+from persisting.kv.api import KVApi
 from persisting.kv.layout import dtype_name
 
 if sys.version_info >= (3, 11):
@@ -115,7 +116,7 @@ def layout_of(obj: MemoryObj) -> Layout:
 
 
 def store_objects(
-    store: KVStore, items: list[tuple[ObjectKey, str, MemoryObj]], failed: OnFailure
+    store: KVApi, items: list[tuple[ObjectKey, str, MemoryObj]], failed: OnFailure
 ) -> tuple[bool, list[Stored]]:
     """Store ``(key, key string, object)`` items, one batch per memory format (one by one
     if a batch is refused). Returns whether all were stored, and what was."""
@@ -140,7 +141,7 @@ def store_objects(
 
 
 def _put_group(
-    store: KVStore,
+    store: KVApi,
     fmt: str,
     items: list[tuple[ObjectKey, str, Any, str | None]],
     stored: list[Stored],
@@ -150,13 +151,16 @@ def _put_group(
     # the most recent one (LMCache's policies read a batch the same way): a prefix outlives
     # its suffix. Prefix-aware eviction uses the parents instead.
     ordered = items[::-1]
+    # LMCache owns its layouts: a local store keeps them as they are (a cluster's client
+    # checks a format's shape rule, which LMCache's real layouts meet).
+    unchecked: dict[str, bool] = {"check_shape": False} if isinstance(store, KVStore) else {}
     try:
         results = store.batched_put(
             [text for _k, text, _v, _p in ordered],
             [value for _k, _t, value, _p in ordered],
             fmt=fmt,
             parents=[parent for *_, parent in ordered],
-            check_shape=False,  # LMCache owns its layouts; store them as they are
+            **unchecked,
         )
     except PersistingError as exc:
         if len(items) == 1:
@@ -171,7 +175,7 @@ def _put_group(
     return True
 
 
-def load_object(store: KVStore, text: str, obj: MemoryObj, failed: OnFailure) -> LoadOutcome:
+def load_object(store: KVApi, text: str, obj: MemoryObj, failed: OnFailure) -> LoadOutcome:
     """Read the chunk stored under ``text`` into ``obj``, if its layout is ``obj``'s.
 
     One call into the store on a hit (the layout check rides along with the read); only a

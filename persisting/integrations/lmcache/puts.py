@@ -26,6 +26,7 @@ from persisting.errors import (
 from persisting.integrations.lmcache.compat import format_name, tensor_of
 from persisting.integrations.lmcache.health import logger
 from persisting.kv import KVStore
+from persisting.kv.api import KVApi
 
 CompletionCallback = Callable[[CacheEngineKey], None]
 #: LMCache keys Persisting cannot represent (e.g. a model name with '@'): never stored here.
@@ -46,17 +47,21 @@ class _Put:
 class PutWriter:
     """Writes submitted chunks on ``threads`` writer threads; thread-safe.
 
-    ``store_for(model)`` opens (or returns) the store of a model namespace; ``failed(text,
-    error)`` is told of every put that failed (after its reference was released).
+    ``store_for(model)`` opens (or returns) the store of a model namespace (a local
+    :class:`KVStore` or a cluster's client); ``failed(text, error)`` is told of every put
+    that failed (after its reference was released); ``text_of(key)`` is a key's string in
+    its store.
     """
 
     def __init__(
         self,
-        store_for: Callable[[str], KVStore],
+        store_for: Callable[[str], KVApi],
         failed: Callable[[str, BaseException], None],
         threads: int,
+        text_of: Callable[[CacheEngineKey], str] = CacheEngineKey.to_string,
     ) -> None:
         self._store_for = store_for
+        self._text_of = text_of
         self._failed = failed
         self._lock = threading.Lock()
         self._inflight: dict[str, Future[None]] = {}
@@ -93,12 +98,12 @@ class PutWriter:
         batch: list[_Put] = []
         already_stored: list[CacheEngineKey] = []
         joined: list[tuple[Future[None], CacheEngineKey]] = []
+        texts = self._presence(keys)
         with self._lock:
             if self._closed:
                 raise StoreClosedError("PersistingKVBackend is closed")
             previous: tuple[str, str] | None = None  # (model, key string) of the last key
-            for key, obj in zip(keys, objs, strict=True):
-                text = key.to_string()
+            for key, obj, (text, present) in zip(keys, objs, texts, strict=True):
                 same_model = previous is not None and previous[0] == key.model_name
                 parent = previous[1] if previous is not None and same_model else None
                 previous = (key.model_name, text)
@@ -107,10 +112,8 @@ class PutWriter:
                     futures.append(pending)
                     joined.append((pending, key))
                     continue
-                try:
-                    present = self._store_for(key.model_name).contains(text)
-                except UNREPRESENTABLE as exc:
-                    futures.append(self._refused(text, exc))
+                if isinstance(present, BaseException):
+                    futures.append(self._refused(text, present))
                     previous = None  # never a parent: it cannot be stored
                     continue
                 if present:
@@ -130,6 +133,33 @@ class PutWriter:
         for key in already_stored:
             _notify(on_complete, key)
         return futures or None
+
+    def _presence(self, keys: Sequence[CacheEngineKey]) -> list[tuple[str, bool | BaseException]]:
+        """Each key's string and whether it is stored: one batched question per model (a
+        cluster asks each member holding some of them once); a key that cannot be stored,
+        its error instead; a store that does not answer: not stored (the put says)."""
+        out: list[tuple[str, bool | BaseException]] = []
+        by_model: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            try:
+                out.append((self._text_of(key), False))
+                by_model.setdefault(key.model_name, []).append(i)
+            except UNREPRESENTABLE as exc:
+                out.append((key.to_string(), exc))
+        for model, share in by_model.items():
+            flags: list[bool | BaseException]
+            try:
+                flags = list(self._store_for(model).batched_contains([out[i][0] for i in share]))
+            except UNREPRESENTABLE as exc:
+                flags = [exc] * len(share)
+            except StoreClosedError:
+                raise
+            except Exception as exc:
+                logger.warning("Persisting: asking which chunks are stored failed: %s", exc)
+                continue
+            for i, flag in zip(share, flags, strict=True):
+                out[i] = (out[i][0], flag)
+        return out
 
     def _refused(self, text: str, exc: BaseException) -> Future[None]:
         """A failed future for a put that cannot even start (its key is unrepresentable)."""
@@ -172,6 +202,9 @@ class PutWriter:
     ) -> None:
         """Store items of one model and format in one batch (one by one if one is bad)."""
         store = self._store_for(model)
+        # LMCache owns its layouts: a local store keeps them as they are (a cluster's client
+        # checks a format's shape rule, which LMCache's real layouts meet).
+        unchecked: dict[str, bool] = {"check_shape": False} if isinstance(store, KVStore) else {}
         try:
             store.batched_put(
                 [put.text for put in items],
@@ -180,7 +213,7 @@ class PutWriter:
                 # A submitted batch is one request's chunks in order: each one's parent is
                 # the chunk submitted before it (prefix-aware eviction drops suffixes first).
                 parents=[put.parent for put in items],
-                check_shape=False,  # LMCache owns its layouts; store them as they are
+                **unchecked,
             )
             return
         except PersistingError as exc:
@@ -189,9 +222,7 @@ class PutWriter:
                 return
         for put, pos in zip(items, positions, strict=True):
             try:
-                store.put(
-                    put.text, tensor_of(put.obj), fmt=fmt, parent=put.parent, check_shape=False
-                )
+                store.put(put.text, tensor_of(put.obj), fmt=fmt, parent=put.parent, **unchecked)
             except Exception as exc:
                 outcomes[pos] = exc
 

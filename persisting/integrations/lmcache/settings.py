@@ -9,23 +9,21 @@ a number with a unit (:func:`persisting.config.size_bytes`, the one parser: ``64
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from persisting.config import (
-    DEFAULT_EVICTION,
-    Eviction,
-    GiB,
-    KVSettings,
-    PersistingSettings,
-    closest,
-    size_bytes,
-)
+from persisting.config import KVSettings, PersistingSettings, closest, size_bytes
 from persisting.errors import ConfigError
+from persisting.integrations.common.settings import (
+    ClusterSettings,
+    EngineSettings,
+    Size,
+    read_settings,
+)
 
 #: extra_config keys start with this prefix.
 PREFIX = "persisting."
@@ -47,6 +45,9 @@ class PluginOptions:
     #: LocalCPUBackend allocates its whole buffer up front): ``memory_bytes`` resident per
     #: model from the start, and puts copy into mapped pages instead of faulting each one.
     prefault_memory: bool = True
+    #: The members of a ``persisting serve`` cluster holding the chunks, in place of a
+    #: local ``storage_path``.
+    cluster: ClusterSettings | None = None
 
 
 _OPTION_FIELDS = frozenset(PluginOptions.__dataclass_fields__)
@@ -68,7 +69,41 @@ def _plugin_options(raw: dict[str, Any]) -> PluginOptions:
     if not ttl > 0:
         raise ConfigError(f"{PREFIX}lookup_pin_ttl_s must be > 0, got {ttl}")
     prefault = _flag(raw.get("prefault_memory", PluginOptions.prefault_memory), "prefault_memory")
-    return PluginOptions(io_threads=threads, lookup_pin_ttl_s=ttl, prefault_memory=prefault)
+    cluster = _cluster(raw["cluster"]) if raw.get("cluster") is not None else None
+    return PluginOptions(
+        io_threads=threads, lookup_pin_ttl_s=ttl, prefault_memory=prefault, cluster=cluster
+    )
+
+
+def _cluster(value: Any) -> ClusterSettings:
+    """``persisting.cluster``: a mapping, or its JSON text (as an environment variable
+    gives it)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{PREFIX}cluster must be a mapping or its JSON: {exc}") from None
+    try:
+        return ClusterSettings.model_validate(value)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in error["loc"])
+        at = f".{where}" if where else ""
+        raise ConfigError(f"{PREFIX}cluster{at}: {error['msg']}") from None
+
+
+def engine_settings(settings: PersistingSettings, options: PluginOptions) -> EngineSettings:
+    """The shared engine settings of the plugin (where its stores are, their budget,
+    eviction, fsync and threads), from its Persisting settings and options."""
+    kv = settings.kv
+    return EngineSettings(
+        storage_path=None if options.cluster is not None else settings.storage_path,
+        cluster=options.cluster,
+        disk_bytes=kv.disk_bytes,
+        model_version=kv.model_version,
+        io_threads=options.io_threads,
+        eviction=kv.eviction,
+    )
 
 
 def _flag(value: Any, name: str) -> bool:
@@ -108,6 +143,8 @@ def settings_from_extra_config(
             toml_file = str(value)
         elif name == "storage_path":
             top["storage_path"] = value
+            if (extra_config or {}).get(PREFIX + "cluster") is not None:
+                raise ConfigError(f"give {PREFIX}storage_path or {PREFIX}cluster, not both")
         elif name in _OPTION_FIELDS:
             options[name] = value
         elif name in SIZE_FIELDS:
@@ -132,93 +169,83 @@ def settings_from_extra_config(
     return settings, plugin_options
 
 
-@dataclass(frozen=True)
-class L2Params:
-    """The L2 adapter's ``adapter_params`` (see ``docs/lmcache.md``)."""
+class L2Params(EngineSettings):
+    """The L2 adapter's ``adapter_params`` (see ``docs/lmcache.md``): the shared engine keys
+    (``storage_path`` or ``cluster``, ``eviction``, ``fsync``, ``io_threads``; its
+    ``capacity`` is the shared ``disk_bytes``) and the adapter's own."""
 
-    #: The Persisting storage root; chunks go to ``<storage_path>/kv/<namespace>/``.
-    storage_path: Path
-    #: Bytes on disk the adapter may use (payload files, counted in 4 KiB blocks).
-    capacity: int = 64 * GiB
+    #: The Persisting namespace that holds every key of this adapter (used as it is).
+    namespace: str = "lmcache"
     #: When a store task completes: ``sync`` (written through), ``async`` (in the memory
     #: tier, written behind) or ``write_back`` (written when evicted from memory).
     durability: Literal["sync", "async", "write_back"] = "sync"
-    #: Whether sync stores fsync before they complete (False: page cache, as ``fs`` does).
-    fsync: bool = True
     #: A Persisting memory tier in front of the disk (LMCache's L1 is memory already).
-    memory_bytes: int = 0
-    #: The Persisting model namespace (directory) that holds every key of this adapter.
-    namespace: str = "lmcache"
-    #: Eviction order when the capacity is reached: ``lru``, ``prefix`` or ``value``.
-    eviction: Eviction = DEFAULT_EVICTION
-    #: Threads running store and load tasks.
-    io_threads: int = 4
+    memory_bytes: Size = 0
     #: Seconds a lookup's lock holds a chunk when LMCache never unlocks it.
-    lock_ttl_s: float = 300.0
+    lock_ttl_s: float = Field(default=300.0, gt=0)
 
+    @property
+    def capacity(self) -> int:
+        """Bytes on disk the adapter may use (payload files, counted in 4 KiB blocks)."""
+        return self.disk_bytes
 
-_L2_FIELDS = {f.name for f in fields(L2Params)}
+    @field_validator("namespace")
+    @classmethod
+    def _plain(cls, value: str) -> str:
+        if "@" in value:
+            raise ValueError(f"must be a name without '@', not {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _fits(self) -> L2Params:
+        if self.disk_bytes <= 0:
+            raise ValueError("capacity must be > 0")
+        if self.durability != "sync" and self.memory_bytes <= 0 and self.cluster is None:
+            raise ValueError(f"durability={self.durability!r} needs memory_bytes > 0")
+        return self
 
 
 #: LMCache's own adapters' capacity key (s3, resp, valkey, bigtable, native...): GiB, as a
 #: number (``int(gb * 1024**3)`` bytes, as they read it); ``capacity`` takes units instead.
 MAX_CAPACITY_GB = "max_capacity_gb"
+#: Shared engine keys that mean nothing to the L2 adapter.
+_L2_REFUSED = {
+    "disk_bytes": "the L2 adapter's is capacity",
+    "model_version": "the adapter stores every model's chunks in its one namespace",
+    "refresh_interval_s": "one adapter serves its namespace",
+}
 
 
 def l2_params(raw: Mapping[str, Any]) -> L2Params:
     """Validated :class:`L2Params` from ``adapter_params`` (sizes accept units; LMCache's
     ``max_capacity_gb`` is taken as its adapters take it). An unknown key is refused with
     the closest valid one."""
-    known = sorted(_L2_FIELDS | {MAX_CAPACITY_GB})
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        guess = closest(str(unknown[0]), known)
-        hint = f"; did you mean {guess!r}?" if guess else ""
-        raise ConfigError(f"unknown adapter_params key {unknown[0]!r}{hint} (known: {known})")
-    if not raw.get("storage_path"):
-        raise ConfigError("adapter_params.storage_path is required")
-    values: dict[str, Any] = {"storage_path": Path(str(raw["storage_path"]))}
-    for name in ("capacity", "memory_bytes"):
-        if name in raw:
-            values[name] = size_bytes(raw[name], f"adapter_params.{name}")
-    if MAX_CAPACITY_GB in raw:
-        if "capacity" in raw:
+    options = dict(raw)
+    defaults: dict[str, Any] = {}
+    if "capacity" in options:
+        defaults["disk_bytes"] = options.pop("capacity")
+    if MAX_CAPACITY_GB in options:
+        if "disk_bytes" in defaults:
             raise ConfigError(
                 "adapter_params: give capacity (with a unit) or max_capacity_gb, not both"
             )
-        values["capacity"] = _gib(raw[MAX_CAPACITY_GB])
-    durability = raw.get("durability", L2Params.durability)
-    if durability not in ("sync", "async", "write_back"):
-        raise ConfigError(
-            f"adapter_params.durability must be sync, async or write_back, not {durability!r}"
+        defaults["disk_bytes"] = _gib(options.pop(MAX_CAPACITY_GB))
+    try:
+        return read_settings(
+            L2Params,
+            options,
+            where="adapter_params",
+            passed=("capacity", MAX_CAPACITY_GB),
+            refused=_L2_REFUSED,
+            defaults=defaults,
+            noun="adapter_params key",
+            missing="adapter_params.storage_path (the Persisting storage root) or "
+            "adapter_params.cluster (the members of a persisting serve cluster) is required",
         )
-    values["durability"] = durability
-    if durability != "sync" and values.get("memory_bytes", 0) <= 0:
-        raise ConfigError(f"adapter_params.durability={durability!r} needs memory_bytes > 0")
-    eviction = raw.get("eviction", L2Params.eviction)
-    if eviction not in get_args(Eviction):
-        raise ConfigError(f"adapter_params.eviction must be lru, prefix or value, not {eviction!r}")
-    values["eviction"] = eviction
-    fsync = raw.get("fsync", True)
-    if not isinstance(fsync, bool):
-        raise ConfigError(f"adapter_params.fsync must be true or false, not {fsync!r}")
-    values["fsync"] = fsync
-    namespace = raw.get("namespace", L2Params.namespace)
-    if not isinstance(namespace, str) or not namespace or "@" in namespace:
-        raise ConfigError(f"adapter_params.namespace must be a name without '@', not {namespace!r}")
-    values["namespace"] = namespace
-    threads = raw.get("io_threads", L2Params.io_threads)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"adapter_params.io_threads must be an int >= 1, not {threads!r}")
-    values["io_threads"] = threads
-    ttl = raw.get("lock_ttl_s", L2Params.lock_ttl_s)
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
-        raise ConfigError(f"adapter_params.lock_ttl_s must be a number > 0, not {ttl!r}")
-    values["lock_ttl_s"] = float(ttl)
-    params = L2Params(**values)
-    if params.capacity <= 0:
-        raise ConfigError("adapter_params.capacity must be > 0")
-    return params
+    except ConfigError as exc:  # the shared key's name is LMCache's capacity here
+        raise ConfigError(
+            str(exc).replace("adapter_params: disk_bytes", "adapter_params: capacity")
+        ) from None
 
 
 def _gib(value: Any) -> int:
@@ -237,6 +264,7 @@ __all__ = [
     "SIZE_FIELDS",
     "L2Params",
     "PluginOptions",
+    "engine_settings",
     "l2_params",
     "settings_from_extra_config",
 ]
