@@ -12,8 +12,6 @@ vLLM 0.32's classes and 0.34's.
 
 from __future__ import annotations
 
-import secrets
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,9 @@ from typing import Any
 import pytest
 
 from persisting.integrations.vllm.settings import tiering_config
-from tests.engines.engine_helpers import VLLM_VERSIONS, Tiering, free_port
-from tests.service.service_helpers import kill_group, server_env, spawn, wait_for_log
+from tests.engines.cluster_helpers import cluster_member
+from tests.engines.engine_helpers import VLLM_VERSIONS, Tiering
+from tests.service.service_helpers import kill_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -42,27 +41,8 @@ def plan(entry: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture
 def member(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("tier-cluster")
-    secret = secrets.token_hex(16)
-    passphrase = tmp / "passphrase"
-    passphrase.write_text(secret)
-    passphrase.chmod(0o600)
-    port = free_port()
-    env = server_env(tmp / "root")
-    env.pop("PERSISTING_MODELS")
-    args = [sys.executable, "-m", "persisting.cli", "serve", "--storage-path", str(tmp / "root"),
-            "--addr", f"127.0.0.1:{port}", "--passphrase", secret]  # fmt: skip
-    log = tmp / "serve.log"
-    proc = spawn(args, env, log)
-    try:
-        wait_for_log(log, "persisting: serving", proc)
-        yield {
-            "proc": proc,
-            "root": tmp / "root",
-            "cluster": {"seeds": [f"127.0.0.1:{port}"], "passphrase_file": str(passphrase)},
-        }
-    finally:
-        kill_group(proc)
+    with cluster_member(tmp_path_factory.mktemp("tier-cluster")) as started:
+        yield started
 
 
 def _steps(result: dict[str, Any], action: str) -> list[dict[str, Any]]:

@@ -94,7 +94,9 @@ def open_engine_store(
 
         cluster = settings.cluster
         if reconnect:
-            return Reconnecting.open(namespace, lambda: connect_cluster(cluster, namespace))
+            return Reconnecting.open(
+                namespace, lambda: connect_cluster(cluster, namespace), seeds=cluster.seeds
+            )
         return ClusterStore(connect_cluster(cluster, namespace))
     store = open_local(
         settings,

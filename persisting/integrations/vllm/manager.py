@@ -14,10 +14,19 @@ recomputes them instead of meeting them again. Evicted blocks are reported back 
 (``evicted_keys`` and ``take_events``). Each block to store carries its parent, the block
 before it in its request (:mod:`~persisting.integrations.vllm.prefix`), for the
 prefix-aware eviction order.
+
+With ``cluster`` the manager answers from a
+:class:`~persisting.integrations.vllm.remote.ClusterCatalog` instead, as ``PersistingTier``
+does: a block not asked about yet is a ``RETRY`` (vLLM asks again next step), the step's
+new keys go to the cluster in one presence question at ``on_schedule_end`` (one round trip
+per member, one question in flight), and a block no answer has come for within its wait is a
+miss: the scheduler never waits on the network, and a member that does not answer costs a
+recompute.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -40,9 +49,17 @@ from vllm.v1.kv_offload.base import (
 from persisting.integrations.vllm.catalog import BlockCatalog
 from persisting.integrations.vllm.namespace import block_hash_of, block_key
 from persisting.integrations.vllm.prefix import chain_parents
-from persisting.integrations.vllm.shared import Namespace
+from persisting.integrations.vllm.remote import ClusterCatalog
+from persisting.integrations.vllm.shared import Namespace, RemoteNamespace
 
-_ANSWERS = {"hit": LookupResult.HIT, "pending": LookupResult.HIT_PENDING, "miss": LookupResult.MISS}
+log = logging.getLogger(__name__)
+
+_ANSWERS = {
+    "hit": LookupResult.HIT,
+    "pending": LookupResult.HIT_PENDING,
+    "miss": LookupResult.MISS,
+    "retry": LookupResult.RETRY,
+}
 
 
 @dataclass
@@ -58,18 +75,19 @@ class PersistingBlocks(LoadStoreSpec):
 
 
 class PersistingManager(OffloadingManager):
-    """Answers vLLM's scheduler from the namespace's catalog of stored keys."""
+    """Answers vLLM's scheduler from the namespace's catalog of stored keys (a local root's,
+    or what it learnt of a cluster's)."""
 
     def __init__(
         self,
-        namespace: Namespace,
+        namespace: Namespace | RemoteNamespace,
         dtype: str,
         refresh_interval_s: float,
         spans: dict[int, int],
         release: bool = True,
     ):
         self.namespace = namespace
-        self.store = namespace.store
+        self.name = namespace.name
         self.counters = namespace.counters
         self.dtype = dtype
         #: Tokens per offloaded block of each KV-cache group (for each block's parent).
@@ -78,13 +96,17 @@ class PersistingManager(OffloadingManager):
         self._lock = threading.Lock()
         self._gone: list[str] = []
         self._events: list[OffloadingEvent] = []
-        self.catalog = BlockCatalog(self.store, refresh_interval_s, on_gone=self._went)
+        self.catalog: BlockCatalog | ClusterCatalog
+        if isinstance(namespace, RemoteNamespace):
+            self.catalog = ClusterCatalog(namespace.store, refresh_interval_s, on_gone=self._went)
+        else:
+            self.catalog = BlockCatalog(namespace.store, refresh_interval_s, on_gone=self._went)
         #: Called at shutdown (the event follower's stop).
         self.on_shutdown: list[Callable[[], None]] = []
 
     def key(self, key: OffloadKey) -> str:
         return block_key(
-            self.store.model, get_offload_block_hash(key), get_offload_group_idx(key), self.dtype
+            self.name, get_offload_block_hash(key), get_offload_group_idx(key), self.dtype
         )
 
     def _went(self, texts: list[str]) -> None:
@@ -96,11 +118,26 @@ class PersistingManager(OffloadingManager):
         self.catalog.refresh()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        answer = _ANSWERS[self.catalog.lookup(self.key(key))]
+        try:
+            answer = _ANSWERS[self.catalog.lookup(self.key(key))]
+        except Exception as exc:  # never into vLLM: a lookup that fails is a miss
+            log.warning("Persisting: lookup failed: %s", exc)
+            answer = LookupResult.MISS
+        if answer is LookupResult.RETRY:  # the cluster is asked at the step's end
+            return answer
         if answer is not LookupResult.HIT_PENDING:
             hit = answer is LookupResult.HIT
             self.counters.add(**({"lookup_hits": 1} if hit else {"lookup_misses": 1}))
         return answer
+
+    def on_schedule_end(self, context: object) -> None:
+        """The step's new lookups go to the cluster, in one question (cluster only)."""
+        if isinstance(self.catalog, ClusterCatalog):
+            self.catalog.end_step()
+
+    def has_pending_work(self) -> bool:
+        """Whether lookups wait to be asked about, or for their answer (cluster only)."""
+        return isinstance(self.catalog, ClusterCatalog) and self.catalog.busy()
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return PersistingBlocks([self.key(k) for k in keys])
@@ -139,10 +176,11 @@ class PersistingManager(OffloadingManager):
     def _evicted(self) -> list[OffloadKey]:
         """Blocks gone since last asked (evicted here, seen gone by a rescan, failed), also
         queued as removal events."""
-        queue = self.namespace.evicted
         evicted: list[str] = []
-        while queue:
-            evicted.append(queue.popleft())
+        if isinstance(self.namespace, Namespace):  # a cluster's members evict on their own
+            queue = self.namespace.evicted
+            while queue:
+                evicted.append(queue.popleft())
         if evicted:
             self.catalog.forget(evicted)  # tells _went
         with self._lock:

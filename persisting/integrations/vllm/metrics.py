@@ -3,7 +3,8 @@
 Served when ``kv_connector_extra_config`` has ``metrics_port``, from the engine process
 that runs the connector (with one worker: the engine core, where both sides live). The
 figures are read at scrape time from the open namespaces: the connector's counters and
-the store's own usage, so they are the store's truth, not a second count. A port that
+the store's own usage, so they are the store's truth, not a second count (a cluster's
+namespace: the counters only; its members report their stores). A port that
 cannot be bound stops the engine at start (a scrape would otherwise read whoever holds
 it, such as an orphaned engine of an earlier server); :func:`stop_metrics` closes them.
 """
@@ -20,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from persisting.errors import ConfigError
-from persisting.integrations.vllm.shared import open_namespaces
+from persisting.integrations.vllm.shared import open_counters, open_namespaces
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,11 @@ class ConnectorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         namespaces = open_namespaces()
+        counted = [(ns, counters.snapshot()) for ns, counters in open_counters()]
         for name, text in COUNTERS.items():
             family = CounterMetricFamily(f"persisting_vllm_{name}", text, labels=["namespace"])
-            for ns in namespaces:
-                family.add_metric([ns.store.model], ns.counters.snapshot()[name])
+            for ns, figures in counted:
+                family.add_metric([ns], figures[name])
             yield family
         stats = [(ns.store.model, ns.store.stats()) for ns in namespaces if not ns.store.closed]
         for name, text in GAUGES.items():

@@ -1,4 +1,5 @@
-"""``PersistingTier`` on a cluster of ``persisting serve`` members (the ``cluster`` key).
+"""vLLM's scheduler on a cluster of ``persisting serve`` members (the ``cluster`` key), for
+both ``PersistingTier`` and the connector's CPU path (its manager).
 
 The tier's rows move through the engine adapters' store
 (:func:`~persisting.integrations.common.opener.open_engine_store`: a
@@ -16,7 +17,9 @@ keys asked meanwhile wait for the next step. A chunk no answer has come for with
 :data:`WAIT_S` is a miss (the engine recomputes rather than waits on a member that does not
 answer), and so is every chunk of a question that failed. A presence is remembered (until a
 promotion of the chunk fails); an absence for ``refresh_interval_s``, then asked again
-(another engine may have stored it since). Nothing here imports vLLM.
+(another engine may have stored it since). The connector's CPU manager answers from the same
+catalog, block by block (its worker reads and writes blocks with the same store's
+``read_into`` and ``write_from``). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -96,6 +99,17 @@ class ClusterCatalog:
             self._question = self._pool.submit(self._ask, keys)
         except RuntimeError:  # closed
             self._learn(keys, [False] * len(keys))
+
+    def end_step(self) -> None:
+        """vLLM's ``on_schedule_end``: :meth:`flush`, never raising into vLLM (the step's
+        keys are then misses after ``wait_s``)."""
+        try:
+            self.flush()
+        except Exception as exc:
+            log.warning("Persisting: asking the cluster failed: %s", exc)
+
+    def refresh(self) -> None:
+        """Nothing to rescan: absences are asked again after ``refresh_interval_s``."""
 
     def busy(self) -> bool:
         """Whether keys wait to be asked about, or for their answer."""

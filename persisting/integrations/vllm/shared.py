@@ -5,7 +5,8 @@ and a worker side (the transfers). With one worker they live in the same engine-
 process, and must see the same index (a block the worker just stored is a hit for the next
 lookup), so they share one :class:`~persisting.kv.KVStore`, opened on first use and closed
 by the last side to let go. Engines in other processes share the namespace's directory,
-as the store allows.
+as the store allows. With ``cluster`` the two sides share one client of the cluster's
+namespace instead (:class:`RemoteNamespace`: Pulsing runs once per process).
 
 The counters the connector exports (:class:`Counters`) live beside the store.
 """
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from persisting.integrations.common.opener import open_local
+from persisting.integrations.common.opener import open_engine_store, open_local
+from persisting.integrations.common.store import EngineStore
 from persisting.integrations.counters import LockedCounters
 from persisting.integrations.vllm.settings import ConnectorSettings
 from persisting.kv import KVStore
@@ -52,9 +54,25 @@ class Namespace:
     evicted: deque[str]
     users: int = 0
 
+    @property
+    def name(self) -> str:
+        return self.store.model
+
+
+@dataclass
+class RemoteNamespace:
+    """A namespace of a cluster open in this process: its store (a cluster that does not
+    answer is misses until it does) and counters."""
+
+    key: tuple[str, str]
+    name: str
+    store: EngineStore
+    counters: Counters
+    users: int = 0
+
 
 _LOCK = threading.Lock()
-_OPEN: dict[tuple[str, str], Namespace] = {}
+_OPEN: dict[tuple[str, str], Namespace | RemoteNamespace] = {}
 #: Called with each namespace as it opens (the metrics exporter registers it).
 on_open: list[Callable[[Namespace], None]] = []
 
@@ -74,6 +92,7 @@ def acquire(
     key = (str(Path(settings.storage_path).resolve()), namespace)
     with _LOCK:
         state = _OPEN.get(key)
+        assert not isinstance(state, RemoteNamespace)
         if state is None:
             counters = Counters()
             evicted: deque[str] = deque(maxlen=1 << 16)
@@ -101,7 +120,24 @@ def acquire(
         return state
 
 
-def release(state: Namespace) -> None:
+def acquire_remote(settings: ConnectorSettings, namespace: str) -> RemoteNamespace:
+    """The open namespace ``namespace`` of ``settings.cluster`` (joined if need be; a
+    cluster that does not answer is not an error: see
+    :class:`~persisting.integrations.common.cluster.Reconnecting`)."""
+    if settings.cluster is None:
+        raise ValueError("acquire_remote needs settings with cluster")
+    key = ("cluster:" + ",".join(settings.cluster.seeds) + "/" + settings.cluster.name, namespace)
+    with _LOCK:
+        state = _OPEN.get(key)
+        assert not isinstance(state, Namespace)
+        if state is None:
+            store = open_engine_store(settings, namespace, reconnect=True)
+            state = _OPEN[key] = RemoteNamespace(key, namespace, store, Counters())
+        state.users += 1
+        return state
+
+
+def release(state: Namespace | RemoteNamespace) -> None:
     """Let go of ``state``; the last user closes the store (stores finished, metadata
     committed, eviction order saved)."""
     with _LOCK:
@@ -113,8 +149,25 @@ def release(state: Namespace) -> None:
 
 
 def open_namespaces() -> list[Namespace]:
+    """The local namespaces open in this process."""
     with _LOCK:
-        return list(_OPEN.values())
+        return [ns for ns in _OPEN.values() if isinstance(ns, Namespace)]
 
 
-__all__ = ["Counters", "Namespace", "acquire", "on_open", "open_namespaces", "release"]
+def open_counters() -> list[tuple[str, Counters]]:
+    """Each namespace open in this process, local or a cluster's, and its counters."""
+    with _LOCK:
+        return [(ns.name, ns.counters) for ns in _OPEN.values()]
+
+
+__all__ = [
+    "Counters",
+    "Namespace",
+    "RemoteNamespace",
+    "acquire",
+    "acquire_remote",
+    "on_open",
+    "open_counters",
+    "open_namespaces",
+    "release",
+]

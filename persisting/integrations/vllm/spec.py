@@ -7,7 +7,9 @@ names this one on vLLM's CPU backend (on a GPU it names vLLM's ``TieringOffloadi
 with :class:`~persisting.integrations.vllm.tier.PersistingTier` behind vLLM's CPU tier).
 The spec checks at start what it can serve -- and refuses the rest with one clear message
 -- works out the namespace from everything that makes KV incompatible, and hands vLLM the
-scheduler-side manager and the worker-side transfers, both over the namespace's KV store.
+scheduler-side manager and the worker-side transfers, both over the namespace's KV store:
+under ``storage_path``, or with ``cluster`` the namespace of the same name on the members of
+a ``persisting serve`` cluster.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ from persisting.integrations.vllm.manager import PersistingManager
 from persisting.integrations.vllm.metrics import serve_metrics
 from persisting.integrations.vllm.namespace import key_dtype
 from persisting.integrations.vllm.settings import connector_settings
-from persisting.integrations.vllm.shared import acquire
+from persisting.integrations.vllm.shared import (
+    Namespace,
+    RemoteNamespace,
+    acquire,
+    acquire_remote,
+)
 from persisting.integrations.vllm.worker import DeviceRows, PersistingWorker
 
 
@@ -36,14 +43,8 @@ def refuse(what: str) -> ConfigError:
     return ConfigError(f"PersistingConnector: {what}")
 
 
-def check_supported(config: OffloadingConfig, cluster: bool = False) -> None:
+def check_supported(config: OffloadingConfig) -> None:
     """Refuse at start what this path does not serve (one message says what)."""
-    if cluster:
-        raise refuse(
-            "the cluster key is served on GPU engines (PersistingTier behind vLLM's CPU"
-            " tier); on vLLM's CPU backend blocks are read from a local storage_path's"
-            " payload files: give storage_path"
-        )
     parallel = config.parallel
     sizes = {
         "tensor_parallel_size": parallel.tp_size,
@@ -81,7 +82,7 @@ class PersistingOffloadingSpec(OffloadingSpec):
                 " failed load to vLLM)"
             )
         self.settings = connector_settings(self.extra_config)
-        check_supported(config, self.settings.cluster is not None)
+        check_supported(config)
         self.namespace, self.describe = engine_namespace(
             config, self.settings, stored="block-rows", vllm_config=vllm_config
         )
@@ -99,17 +100,25 @@ class PersistingOffloadingSpec(OffloadingSpec):
         if self.settings.metrics_port is not None:
             serve_metrics(self.settings.metrics_addr, self.settings.metrics_port + offset)
 
+    def _acquire(self) -> Namespace | RemoteNamespace:
+        """The namespace this process shares between the two sides: on the local root, or
+        (``cluster``) the same name on the cluster's members."""
+        if self.settings.cluster is not None:
+            return acquire_remote(self.settings, self.namespace)
+        return acquire(self.settings, self.namespace, self.describe)
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._serve_metrics(0)
-            state = acquire(self.settings, self.namespace, self.describe)
+            state = self._acquire()
             self._manager = PersistingManager(
                 state, self.key_dtype, self.settings.refresh_interval_s, self.spans
             )
             if self.settings.event_topic is not None:
                 from persisting.integrations.vllm.events import EventFollower
 
-                assert self.settings.storage_path is not None  # no event_topic with cluster
+                assert isinstance(state, Namespace)  # no event_topic with cluster
+                assert self.settings.storage_path is not None
                 follower = EventFollower(
                     state, self.settings.storage_path, self.settings.event_topic,
                     self._manager.forget,
@@ -121,7 +130,7 @@ class PersistingOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             pages = block_pages(kv_caches, self.group_ids)
             self._serve_metrics(1)
-            state = acquire(self.settings, self.namespace, self.describe)
+            state = self._acquire()
             rows = DeviceRows(kv_caches, self.group_ids)
             self._worker = PersistingWorker(state, pages, self.settings.io_threads, rows)
         return self._worker

@@ -186,10 +186,7 @@ class PersistingTier(SecondaryTierManager):
     def on_schedule_end(self, context: Any) -> None:
         """The step's new lookups go to the cluster, in one question (cluster only)."""
         if isinstance(self.catalog, ClusterCatalog):
-            try:
-                self.catalog.flush()
-            except Exception as exc:  # never into vLLM: its keys are misses after WAIT_S
-                log.warning("Persisting: asking the cluster failed: %s", exc)
+            self.catalog.end_step()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         while self._events:

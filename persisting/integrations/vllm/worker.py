@@ -27,6 +27,14 @@ before that its request is reported (``failed_recving``). A store job that raise
 failure where vLLM takes one (0.34: ``failed_jobs``, and the blocks are not published).
 Whatever a job raises, it finishes: ``get_finished`` never raises, so the worker outlives
 any job.
+
+With ``cluster`` a job's blocks move through the cluster's store
+(:class:`~persisting.integrations.common.store.EngineStore`) in one batch: a load is one
+``read_into`` straight into the blocks' rows of vLLM's cache tensors (checked against the
+stored checksum by the client), a store one ``write_from`` of those rows with each block's
+parent; each asks every member holding some of the job's blocks once. A block the cluster
+does not return (gone, damaged, a member that does not answer) is reported as above, and
+a store with a block that failed fails where vLLM takes it.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from persisting.errors import CapacityError, CorruptValueError
 from persisting.integrations.vllm.blocks import BlockPages, read_rows
 from persisting.integrations.vllm.manager import PersistingBlocks
 from persisting.integrations.vllm.namespace import block_hash_of
-from persisting.integrations.vllm.shared import Namespace, release
+from persisting.integrations.vllm.shared import Namespace, RemoteNamespace, release
 from persisting.kv import PutResult
 
 log = logging.getLogger(__name__)
@@ -162,7 +170,7 @@ class _Refresh:
     """Rescans a store at most once per load job, when a block is not found: the first
     caller rescans, the others (the job's other blocks, read at once) wait for it."""
 
-    def __init__(self, namespace: Namespace):
+    def __init__(self, namespace: Namespace | RemoteNamespace):
         self._namespace = namespace
         self._lock = threading.Lock()
         self._done = False
@@ -171,21 +179,24 @@ class _Refresh:
         with self._lock:
             if not self._done:
                 self._done = True
-                self._namespace.store.refresh()
+                self._namespace.store.refresh()  # a cluster's: nothing to rescan
 
 
 class PersistingWorker(OffloadingWorker):
-    """Runs a worker's loads and stores against the namespace's store."""
+    """Runs a worker's loads and stores against the namespace's store (a local root's, or
+    a cluster's)."""
 
     def __init__(
         self,
-        namespace: Namespace,
+        namespace: Namespace | RemoteNamespace,
         pages: dict[int, BlockPages],
         io_threads: int,
         rows: DeviceRows | None = None,
     ):
         self.namespace = namespace
-        self.store = namespace.store
+        #: The local root's store (None: a cluster's, ``remote``).
+        self.store = namespace.store if isinstance(namespace, Namespace) else None
+        self.remote = namespace.store if isinstance(namespace, RemoteNamespace) else None
         self.counters = namespace.counters
         #: Where each offloaded KV-cache group's blocks are, by group id (vLLM's order).
         self.pages = pages
@@ -314,6 +325,8 @@ class PersistingWorker(OffloadingWorker):
         except ValueError as exc:  # vLLM's spec and ours disagree: nothing is loaded
             self._fail_all(job_id, blocks.keys, block_ids, exc)
             return 0, True
+        if self.remote is not None:
+            return self._load_remote(job_id, pairs), True
         try:
             refresh = _Refresh(self.namespace)
             helpers = [
@@ -325,6 +338,31 @@ class PersistingWorker(OffloadingWorker):
         except Exception as exc:  # the read pool shut down, ...: no block counts as loaded
             self._fail_all(job_id, blocks.keys, block_ids, exc)
             return 0, True
+
+    def _load_remote(self, job_id: int, pairs: list[tuple[str, int, int]]) -> int:
+        """Read a job's blocks from the cluster, in one batch, into their rows."""
+        assert self.remote is not None
+        placed: list[tuple[str, int, list[memoryview]]] = []
+        for key, group, block_id in pairs:
+            try:
+                placed.append((key, block_id, self.pages[group].rows(block_id)))
+            except Exception as exc:  # not a block of this cache: recompute it
+                self._failed(job_id, key, block_id, exc)
+        if not placed:
+            return 0
+        try:
+            reads = self.remote.read_into([k for k, _b, _r in placed], [r for *_, r in placed])
+        except Exception as exc:  # never into vLLM: every block is recomputed
+            reads = ["failed"] * len(placed)
+            log.warning("Persisting: load job %d: reading the cluster failed: %s", job_id, exc)
+        size = 0
+        for (key, block_id, rows), read in zip(placed, reads, strict=True):
+            if read == "hit":
+                size += sum(len(r) for r in rows)
+            else:
+                self._failed(job_id, key, block_id, LookupError(f"{read} in the cluster"))
+        self.counters.add(blocks_loaded=reads.count("hit"), bytes_loaded=size)
+        return size
 
     def _fail_all(self, job_id: int, keys: list[str], block_ids: list[int], exc: Exception) -> None:
         """Every block of a load job failed (the stored blocks are left as they are)."""
@@ -346,6 +384,7 @@ class PersistingWorker(OffloadingWorker):
         return size
 
     def _read_block(self, key: str, pages: BlockPages, block_id: int, refresh: _Refresh) -> int:
+        assert self.store is not None
         rows = pages.rows(block_id)
         if self.store.in_memory(key):
             value = self.store.get(key)
@@ -382,7 +421,7 @@ class PersistingWorker(OffloadingWorker):
             self._failed_blocks.add(block_id)
             self._failed_keys.append(key)
             self._failed_jobs.add(job_id)
-        if not isinstance(exc, LookupError | FileNotFoundError):
+        if self.store is not None and not isinstance(exc, LookupError | FileNotFoundError):
             # Damaged, laid out differently, unreadable: removed, so that the block is
             # stored afresh (and offered again) once vLLM has recomputed it.
             try:
@@ -401,6 +440,9 @@ class PersistingWorker(OffloadingWorker):
             self.counters.add(store_errors=len(blocks.keys))
             return 0, not JOB_FAILURES
         parent_of = dict(zip(blocks.keys, blocks.parents or [None] * len(blocks.keys), strict=True))
+        if self.remote is not None:
+            return self._store_remote(pairs, parent_of)
+        assert self.store is not None
         keys = [k for k, _g, _b in pairs]
         values = [self.pages[g].gather(b) for _k, g, b in pairs]
         parents = [parent_of[k] for k in keys]
@@ -424,7 +466,30 @@ class PersistingWorker(OffloadingWorker):
         self.counters.add(blocks_stored=len(stored), bytes_stored=size)
         return size, True
 
+    def _store_remote(
+        self, pairs: list[tuple[str, int, int]], parent_of: dict[str, str | None]
+    ) -> tuple[int, bool]:
+        """Write a job's blocks to the cluster, in one batch, from their rows (vLLM keeps
+        them until the job is done); a block that fails fails the job where vLLM takes it."""
+        assert self.remote is not None
+        keys = [k for k, _g, _b in pairs]
+        try:
+            writes = self.remote.write_from(
+                keys,
+                [self.pages[g].rows(b) for _k, g, b in pairs],
+                parents=[parent_of[k] for k in keys],
+            )
+        except Exception as exc:  # a failed store is a future miss, never an engine error
+            log.warning("Persisting: storing %d blocks in the cluster failed: %s", len(keys), exc)
+            writes = ["failed"] * len(keys)
+        stored = [g for (_k, g, _b), w in zip(pairs, writes, strict=True) if w == "stored"]
+        size = sum(self.pages[g].block_bytes for g in stored)
+        failed = writes.count("failed")
+        self.counters.add(blocks_stored=len(stored), bytes_stored=size, store_errors=failed)
+        return size, not (failed and JOB_FAILURES)
+
     def _put_one(self, key: str, value: Any, parent: str | None) -> PutResult | None:
+        assert self.store is not None
         try:
             return self.store.put(key, value, fmt="binary", parent=parent, check_shape=False)
         except Exception as exc:
