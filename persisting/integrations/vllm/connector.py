@@ -10,6 +10,9 @@ Configured entirely in vLLM::
         kv_connector_extra_config={"storage_path": "/var/lib/persisting", "disk_bytes": "500GiB"},
     )
 
+(or ``"cluster": {"seeds": ["HOST:PORT"], "passphrase_file": PATH}`` in place of
+``storage_path``: the same namespace on the members of a ``persisting serve`` cluster).
+
 It is vLLM's ``OffloadingConnector`` (its scheduling of loads and stores, block by block,
 asynchronous), with the spec chosen by the engine's platform:
 
@@ -20,7 +23,9 @@ asynchronous), with the spec chosen by the engine's platform:
   own; a chunk Persisting cannot load is a miss vLLM recomputes. Any parallelism vLLM's CPU
   tier takes is taken.
 - **vLLM's CPU backend**: :class:`~persisting.integrations.vllm.spec.PersistingOffloadingSpec`,
-  which reads blocks straight into the engine's KV cache (one worker per engine) and
+  which reads blocks straight into the engine's KV cache (one worker per engine; from a
+  local root's payload files, or with ``cluster`` from the members of a ``persisting
+  serve`` cluster, in one batch per job) and
   reports the blocks whose load failed, which the stock connector cannot (its worker
   asserts every transfer succeeded): by block id for a model with one KV-cache group
   (``get_block_ids_with_load_errors``), by request for a hybrid model
