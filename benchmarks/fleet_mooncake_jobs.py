@@ -28,6 +28,8 @@ from typing import Any
 MiB = 1 << 20
 MASTER_PORT = 50051
 PERSISTING_NAME = "kvstore"
+#: Small keys each job puts and gets first, untimed, so that it has spoken to every member.
+WARM_KEYS = 8
 
 
 def value_bytes(seed: int, index: int, nbytes: int) -> bytes:
@@ -109,9 +111,10 @@ def mooncake_job(config: dict[str, Any]) -> dict[str, Any]:
     seconds: dict[str, float] = {}
     warm = bytearray(4096)
     store.register_buffer(address(warm), len(warm))
-    warm_key = f"{config['prefix']}-warm-{config['job']}-{os.getpid()}"
-    store.put_from(warm_key, address(warm), len(warm), ReplicateConfig())
-    store.get_into(warm_key, address(warm), len(warm))  # connections open, not timed
+    for w in range(WARM_KEYS):  # connections to every member open, not timed
+        warm_key = f"{config['prefix']}-warm-{config['job']}-{os.getpid()}-{w}"
+        store.put_from(warm_key, address(warm), len(warm), ReplicateConfig())
+        store.get_into(warm_key, address(warm), len(warm))
     if config["job"] == "put":
         block, views = kept_memory(n, nbytes)
         for i, v in enumerate(views):
@@ -188,9 +191,10 @@ def _persisting_rows(client: Any, config: dict[str, Any]) -> dict[str, Any]:
 
     n, nbytes, model, base = config["count"], config["nbytes"], config["model"], config["key_base"]
     keys = [ChunkKey(model, 1, 0, base + i, "uint8") for i in range(n)]
-    warm = ChunkKey(model, 1, 0, 10_000_000 + os.getpid(), "uint8")
-    client.put(warm, bytes(4096), fmt="binary")
-    client.get_into(warm, bytearray(4096))  # connections open, not timed
+    for w in range(WARM_KEYS):  # connections to every member open, not timed
+        warm = ChunkKey(model, 1, 0, 10_000_000 + os.getpid() * WARM_KEYS + w, "uint8")
+        client.put(warm, bytes(4096), fmt="binary")
+        client.get_into(warm, bytearray(4096))
     seconds: dict[str, float] = {}
     if config["job"] == "put":
         _block, views = kept_memory(n, nbytes)
