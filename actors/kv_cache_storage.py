@@ -251,6 +251,7 @@ class KVCacheStorageActor(pulsing.Actor):
         figures["members_up"] = len(members)
         figures["ready"] = self.readiness()[0]
         figures["consumer"] = self.consumer.status() if self.consumer is not None else None
+        figures["copies"] = self.replicator.status()
         return figures
 
     def _watch_members(self, system: Any) -> None:

@@ -33,6 +33,8 @@ logger = logging.getLogger("persisting.replicas")
 #: Keys checked per step, and the bytes read into memory before they are sent.
 STEP_KEYS = 256
 STEP_BYTES = 64 << 20
+#: The pause before copies that failed to reach a live member are tried again.
+RETRY_S = 1.0
 
 
 class Replicator:
@@ -124,22 +126,29 @@ class Replicator:
         for model, key in batch:
             for target in copy_targets(key, live, me, self.replicas):
                 groups.setdefault((model, target), []).append(key)
+        failed = False
         for (model, target), keys in groups.items():
             try:
                 await self._copy(model, target, keys)
-            except Exception as exc:  # a target gone or refusing: checked again later
+            except Exception as exc:  # a target gone, restarting or refusing
                 self.counters["copy_failures"] += len(keys)
                 logger.debug(
                     "persisting: copies of %d key(s) to %s failed: %s", len(keys), target, exc
                 )
+                if target in (self._live or []):  # still a member: try again after a pause
+                    self.backlog.retry(model, keys)
+                    failed = True
+        if failed:
+            await asyncio.sleep(RETRY_S)
 
     async def _copy(self, model: str, target: str, keys: list[str]) -> None:
         store = self.stores.get(model)
         if store is None:
             return
         client = await self._client(model)
-        if target not in client.cluster.members:
-            await client.cluster.discover()
+        cluster = client.cluster
+        if target not in cluster.members or not cluster.membership.is_live(target):
+            await cluster.discover()  # new, or restarted since (a new node id: a new session)
         present = await client.contains_on(target, keys)
         missing = [k for k, have in zip(keys, present, strict=True) if not have]
         self.counters["copies_present"] += len(keys) - len(missing)

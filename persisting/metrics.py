@@ -213,8 +213,9 @@ class KVMetrics:
     def track_service(self, snapshot: Callable[[], Mapping[str, Any]]) -> None:
         """At every scrape, export a server's figures from ``snapshot()``: a mapping with
         ``requests`` ({op: n}), ``errors`` ({code: n}), ``sessions``, ``pins``, ``connections``,
-        ``members_up``, ``members_known``, ``ready`` (bool) and ``consumer`` (its
-        :meth:`~actors.kv_events.EventConsumer.status`, or None)."""
+        ``members_up``, ``members_known``, ``ready`` (bool), ``consumer`` (its
+        :meth:`~actors.kv_events.EventConsumer.status`, or None) and ``copies`` (the
+        replicator's status, or None)."""
         with self._lock:
             self._service = snapshot
 
@@ -347,6 +348,16 @@ def _service_families(figures: Mapping[str, Any] | None) -> Iterator[Metric]:
         "The offset the server's event consumer reads next, per bucket.",
         labels=["topic", "bucket", "consumer"],
     )
+    copies = CounterMetricFamily(
+        COPIES_METRIC,
+        "Keys this member checked on the members that should hold their copies, by outcome "
+        "(sent, present: the target had it, gone: evicted here first, failed).",
+        labels=["outcome"],
+    )
+    copy_bytes = CounterMetricFamily(COPY_BYTES_METRIC, "Bytes of copies this member sent.")
+    copies_due = GaugeMetricFamily(
+        COPIES_DUE_METRIC, "Keys whose copies this member has still to check (0 when healed)."
+    )
     applied = CounterMetricFamily(
         "persisting_events",
         "Events the server's event consumer handled, by outcome (applied, failed, "
@@ -369,11 +380,29 @@ def _service_families(figures: Mapping[str, Any] | None) -> Iterator[Metric]:
                 position.add_metric([topic, str(bucket), name], offset)
             for outcome in ("applied", "failed", "invalid", "foreign_model"):
                 applied.add_metric([topic, name, outcome], int(consumer.get(outcome, 0)))
+        status = figures.get("copies")
+        if status:
+            for outcome, key in _COPY_OUTCOMES.items():
+                copies.add_metric([outcome], int(status.get(key, 0)))
+            copy_bytes.add_metric([], int(status.get("copy_bytes", 0)))
+            copies_due.add_metric([], int(status.get("due", 0)))
     yield requests
     yield errors
     yield from gauges.values()
     yield position
     yield applied
+    yield copies
+    yield copy_bytes
+    yield copies_due
+
+
+#: Outcomes of a copy check, and the replicator's counter of each.
+_COPY_OUTCOMES = {
+    "sent": "copies_sent",
+    "present": "copies_present",
+    "gone": "copies_gone",
+    "failed": "copy_failures",
+}
 
 
 class _ServiceCollector(Collector):
@@ -393,6 +422,9 @@ SERVICE_REQUESTS_METRIC = "persisting_service_requests"
 SERVICE_ERRORS_METRIC = "persisting_service_errors"
 SERVICE_MEMBERS_METRIC = "persisting_service_members_up"
 CONSUMER_POSITION_METRIC = "persisting_events_consumer_position"
+COPIES_METRIC = "persisting_service_copies"
+COPY_BYTES_METRIC = "persisting_service_copy_bytes"
+COPIES_DUE_METRIC = "persisting_service_copies_due"
 #: The sample names a server exports about itself (beside its stores' figures).
 SERVICE_METRICS = (
     f"{SERVICE_REQUESTS_METRIC}_total",
@@ -404,6 +436,9 @@ SERVICE_METRICS = (
     "persisting_service_ready",
     CONSUMER_POSITION_METRIC,
     "persisting_events_total",
+    f"{COPIES_METRIC}_total",
+    f"{COPY_BYTES_METRIC}_total",
+    COPIES_DUE_METRIC,
 )
 
 

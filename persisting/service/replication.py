@@ -74,6 +74,12 @@ class CopyBacklog:
             self._lock.notify_all()
             return len(self._due)
 
+    def retry(self, model: str, keys: Iterable[str]) -> None:
+        """Check ``keys`` again later (their copies failed to reach a live target)."""
+        with self._lock:
+            for key in keys:
+                self._due[(model, key)] = None
+
     def forget(self, model: str, keys: Iterable[str]) -> None:
         """``keys`` are gone from this member (removed, evicted): nothing to copy."""
         with self._lock:

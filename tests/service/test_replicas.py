@@ -5,6 +5,7 @@ misses; a member that comes back empty receives the keys it should hold."""
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,13 @@ def test_a_read_key_gets_a_second_copy_and_survives_a_member_killed(tmp_path: Pa
     addrs = [f"127.0.0.1:{p}" for p in ports]
     seeds = [addrs[0]]
 
+    metrics_port = free_port()
+
     def member(i: int, root: str) -> Any:
         log = tmp_path / f"{root}.log"
         seed = {"PERSISTING_SERVICE__SEEDS": f'["{addrs[0]}"]'} if i else {}
+        if i == 0:  # one member's metrics: its copies, as an operator watches them
+            seed["PERSISTING_SERVICE__METRICS_PORT"] = str(metrics_port)
         proc = start_serve(tmp_path / root, ports[i], log, **MEMBER, **seed)
         wait_for_log(log, "data path", proc)
         return proc
@@ -79,3 +84,12 @@ def test_a_read_key_gets_a_second_copy_and_survives_a_member_killed(tmp_path: Pa
         assert back[addrs[victim]]["keys"] == ranked, back
         final = run_client("get_keys", {"seeds": seeds, "start": 0, "stop": N, "min_members": 3})
         assert final["hit"] == N and final["wrong"] == 0
+        scrape = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30)
+        text = scrape.read().decode()
+        sent = float(_sample(text, 'persisting_service_copies_total{outcome="sent"}'))
+        assert sent > 0 and float(_sample(text, "persisting_service_copy_bytes_total")) > 0
+        assert float(_sample(text, "persisting_service_copies_due")) == 0
+
+
+def _sample(text: str, name: str) -> str:
+    return next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " "))
