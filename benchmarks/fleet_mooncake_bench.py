@@ -136,6 +136,19 @@ class Fleet:
                 return dict(json.loads(line[7:]))
         raise SystemExit(f"a {side} job failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
 
+    def member_cpu(self, side: str) -> float:
+        """CPU seconds the side's member processes have used so far (Mooncake: its master
+        and storage processes, shared by both replica settings)."""
+        groups = ["mooncake", "mooncake-master"] if side.startswith("mooncake") else [side]
+        ticks = 0
+        for proc in (p for g in groups for p in self.procs.get(g, [])):
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         for procs in self.procs.values():
             for proc in procs:
@@ -174,11 +187,23 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
 Times = dict[str, dict[int, dict[str, list[float]]]]
 
 
-def run_rounds(fleet: Fleet) -> tuple[Times, int]:
+@dataclass
+class Results:
+    times: Times  # seconds per side, size, row and round
+    cpu: Times  # the client's CPU seconds in the same phases
+    member_cpu: dict[str, float]  # the members' CPU seconds over all rounds, per side
+    moved: dict[str, int]  # bytes each side's rows moved over all rounds
+    bad: int = 0  # values failed or wrong
+
+
+def run_rounds(fleet: Fleet) -> Results:
     """Every round, size and side: a put job, then (but for mooncake-1copy) a read job."""
     args = fleet.args
-    times: Times = {side: {mib: {} for mib in args.sizes_mib} for side in SIDES}
-    bad = 0
+    res = Results({side: {mib: {} for mib in args.sizes_mib} for side in SIDES},
+                  {side: {mib: {} for mib in args.sizes_mib} for side in SIDES},
+                  {side: -fleet.member_cpu(side) for side in SIDES},
+                  dict.fromkeys(SIDES, 0))  # fmt: skip
+    times = res.times
     for r in range(args.rounds):
         order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]
         for mib in args.sizes_mib:
@@ -193,13 +218,17 @@ def run_rounds(fleet: Fleet) -> tuple[Times, int]:
                 for job in jobs:
                     host = WRITER if job == "put" else READER
                     result = fleet.job(side, host, {**config, "job": job})
-                    bad += int(result.get("failed", 0)) + int(result.get("wrong", 0))
+                    res.bad += int(result.get("failed", 0)) + int(result.get("wrong", 0))
                     for row, seconds in result["seconds"].items():
                         times[side][mib].setdefault(row, []).append(float(seconds))
+                        res.cpu[side][mib].setdefault(row, []).append(result["cpu"][row])
+                        res.moved[side] += args.count * mib * MiB
                 print(f"round {r} {mib} MiB {side}: " + ", ".join(
                     f"{row} {args.count * mib * MiB / s[-1] / 1e6:.0f} MB/s"
                     for row, s in times[side][mib].items()), flush=True)  # fmt: skip
-    return times, bad
+    for side in SIDES:
+        res.member_cpu[side] += fleet.member_cpu(side)
+    return res
 
 
 # -- a lost member -------------------------------------------------------------------------------
@@ -239,9 +268,10 @@ def ratio(ours: list[float], theirs: list[float]) -> float:
     return statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
 
 
-def report(args: argparse.Namespace, times: Times, bad: int, losses: dict[str, Any]) -> None:
+def report(args: argparse.Namespace, res: Results, losses: dict[str, Any]) -> None:
+    times = res.times
     print(f"\n{args.rounds} rounds, {args.count} values per row, batches of {args.batch}, "
-          f"settle {args.settle_s} s; failed or wrong values: {bad}; load average "
+          f"settle {args.settle_s} s; failed or wrong values: {res.bad}; load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")  # fmt: skip
     head = (f"{'row':<16} {'Persisting':>10} {'Mooncake':>9} {'ratio':>6}  "
             f"{'TLS on':>7} {'ratio':>6}  {'Mooncake 1 copy':>15} {'ratio':>6}")  # fmt: skip
@@ -256,17 +286,39 @@ def report(args: argparse.Namespace, times: Times, bad: int, losses: dict[str, A
             if row == "put":
                 one = times["mooncake-1copy"][mib][row]
                 line += f"  {mbps(args, mib, one):>15.0f} {ratio(ours, one):>5.2f}x"
-            print(line)
+            rounds = " ".join(f"{t / o:.2f}x" for o, t in zip(ours, theirs, strict=True))
+            print(f"{line}  per round {rounds}")
     print(
         "MB/s = 10^6 bytes/s; ratio = Persisting / Mooncake (replica_num=2) per round, "
         "median; put: Persisting's counts the owner's copy, Mooncake's both copies"
     )
+    report_cpu(args, res)
     for side, loss in losses.items():
         print(
             f"lost member, {side}: {loss['at once']}/64 at once ({loss['at once s']:.1f} s "
             f"after the kill), {loss['later']}/64 later ({loss['later s']:.1f} s), "
             f"wrong {loss['wrong']}"
         )
+
+
+def report_cpu(args: argparse.Namespace, res: Results) -> None:
+    """CPU seconds per GB moved: each client's in its timed phases (median over rounds),
+    and all the members' over the whole run (write-behind and copies included)."""
+    print("CPU s per GB, client (timed phases): " + " ".join(f"{side:>14}" for side in SIDES))
+    for row in ROWS:
+        for mib in args.sizes_mib:
+            gb = args.count * mib * MiB / 1e9
+            cells = [res.cpu[side][mib].get(row) for side in SIDES]
+            text = [f"{statistics.median(c) / gb:>14.2f}" if c else " " * 14 for c in cells]
+            print(f"  {row + f' {mib} MiB':<34}" + " ".join(text))
+    moved = dict(res.moved)
+    moved["mooncake"] += moved.pop("mooncake-1copy")  # the same member processes
+    print("CPU s per GB moved, members (all rounds, all their work): " + ", ".join(
+        f"{side} {res.member_cpu[side] / (n / 1e9):.2f}" for side, n in moved.items()))  # fmt: skip
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(f"terminated by signal {signum}")
 
 
 def main() -> None:
@@ -287,6 +339,7 @@ def main() -> None:
         raise SystemExit(why)
     if not Path(args.mooncake_python).exists():
         raise SystemExit("no Mooncake environment: run scripts/install_mooncake.sh")
+    signal.signal(signal.SIGTERM, _terminated)  # a killed run still stops what it started
     work = Path(tempfile.mkdtemp(prefix="persisting-fleet-mooncake-"))
     with Hosts(len(MEMBERS) + 2, "mc") as hosts:
         fleet = Fleet(hosts, work, args)
@@ -294,18 +347,17 @@ def main() -> None:
             fleet.start_mooncake()
             for side in PORTS:
                 fleet.start_persisting(side)
-            times, bad = run_rounds(fleet)
+            res = run_rounds(fleet)
             losses = {}
             if not args.no_loss:
                 losses = {side: lose_a_member(fleet, side) for side in ("mooncake", "persisting")}
-            report(args, times, bad, losses)
+            report(args, res, losses)
         except BaseException:
             print(f"logs kept in {work}", file=sys.stderr)
             raise
-        else:
-            shutil.rmtree(work, ignore_errors=True)
         finally:
             fleet.stop()
+    shutil.rmtree(work, ignore_errors=True)  # on success, once nothing writes there
 
 
 if __name__ == "__main__":
