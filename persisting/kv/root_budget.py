@@ -14,12 +14,18 @@ chunk by chunk:
 - **then from whichever namespace is most over its floor, the writer's own included**, a
   chunk or a few at a time, so that they level. The floor of a *protected* namespace -- one
   a live store holds, or an idle one within its grace period (a model restarting: loading
-  its weights, fingerprinting them) -- is its fair share: ``disk_bytes`` divided by the
-  number of protected namespaces, the writer's own included, counted in chunks (metadata
-  and side files, which taking chunks cannot free, are not held against it). A protected
-  namespace loses only chunks above its floor, least valuable first; a writer below its
-  floor is never refused for the root's sake (it may grow to its floor even while the one
-  over its floor cannot give at once: its usage lock held longer than :data:`LOCK_WAIT_S`).
+  its weights, fingerprinting them) -- is its fair share of what ``disk_bytes`` leaves for
+  chunks: ``disk_bytes`` less every namespace's metadata, side files and reservations
+  (which taking chunks cannot free), divided by the number of protected namespaces, the
+  writer's own included, and counted in chunks. So namespaces all at their floors hold
+  ``disk_bytes``, not ``disk_bytes`` plus their metadata. A namespace whose metadata and
+  side files alone come to more than a fair share of ``disk_bytes`` (side files sized for a
+  larger ``disk_bytes`` than this writer's) is not charged for them: no taking of chunks
+  could bring the root within the budget, and the others keep their chunks all the same,
+  while the root holds those bytes on top. A protected namespace loses only chunks above
+  its floor, least valuable first; a writer below its floor is never refused for the
+  root's sake (it may grow to its floor even while the one over its floor cannot give at
+  once: its usage lock held longer than :data:`LOCK_WAIT_S`).
 
 The grace period counts from when the namespace was last seen held: a store opening or
 closing it marks its namespace lock file (its mtime; the opening is in its record too),
@@ -189,13 +195,22 @@ class RootUsage:
         with self._lock:
             self._read_at = None
 
-    def floor(self, capacity: int, others: list[Neighbour] | None = None) -> int:
-        """The bytes the writer's namespace may hold whatever the others hold: its fair
-        share of ``capacity`` among the protected namespaces (its own included)."""
+    def floor(
+        self, capacity: int, others: list[Neighbour] | None = None, own_fixed: int = 0
+    ) -> int:
+        """The chunks' bytes the writer's namespace may hold whatever the others hold: its
+        fair share, among the protected namespaces (its own included), of what ``capacity``
+        leaves once every namespace's bytes that are not chunks (``own_fixed`` and the
+        others' ``fixed``) are set aside -- but for those of a namespace whose fixed bytes
+        alone exceed a fair share of ``capacity``, which no taking of chunks could make
+        fit (side files sized for a larger budget): they are not held against anyone."""
         now = self._wall()
         if others is None:
             others = self._neighbours(False)
-        return capacity // (1 + sum(n.protected(now, self.grace_s) for n in others))
+        count = 1 + sum(n.protected(now, self.grace_s) for n in others)
+        share = capacity // count
+        charged = sum(f for f in (own_fixed, *(n.fixed for n in others)) if f <= share)
+        return max(0, capacity - charged) // count
 
     def room(
         self,
@@ -213,10 +228,11 @@ class RootUsage:
         others = self._neighbours(False)
         over = own + need + sum(n.bytes for n in others) - capacity
         if over > 0:
-            self._make_room(over, capacity, own - own_fixed, evict_own)
+            self._make_room(over, capacity, own - own_fixed, evict_own, own_fixed)
             others = self._neighbours(False)
         held = sum(n.bytes for n in others)
-        return min(capacity, max(capacity - held, self.floor(capacity, others) + own_fixed))
+        floor = self.floor(capacity, others, own_fixed)
+        return min(capacity, max(capacity - held, floor + own_fixed))
 
     # -- reading the root -----------------------------------------------------------------
 
@@ -272,14 +288,20 @@ class RootUsage:
     # -- taking room --------------------------------------------------------------------
 
     def _make_room(
-        self, over: int, capacity: int, own: int, evict_own: Callable[[int], int]
+        self,
+        over: int,
+        capacity: int,
+        own: int,
+        evict_own: Callable[[int], int],
+        own_fixed: int = 0,
     ) -> int:
         """Free ``over`` bytes of the root: idle namespaces past their grace period first,
-        then the namespace most over its floor (the writer's own included), chunk by
-        chunk; returns the bytes freed (fewer when nothing more may go)."""
+        then the namespace most over its floor (the writer's own included; ``own`` is its
+        chunks' bytes, ``own_fixed`` the rest), chunk by chunk; returns the bytes freed
+        (fewer when nothing more may go)."""
         others = self._neighbours(fresh=True)
         now = self._wall()
-        share = self.floor(capacity, others)
+        share = self.floor(capacity, others, own_fixed)
         stuck: set[str] = set()
         freed = 0
         while freed < over:
@@ -358,22 +380,37 @@ class RootUsage:
         return freed
 
     def _unlink_victims(self, neighbour: Neighbour, need: int) -> tuple[int, int]:
+        """Unlink ``neighbour``'s chunks, least valuable first, until ``need`` bytes are
+        freed or it has none left to give. A victim its own store evicted meanwhile (it
+        evicts the same oldest chunks first) frees nothing: the next ones are chosen, and
+        a view that runs out is read afresh, once -- else such a namespace would pass
+        for one that cannot give, and a writer below its floor would write on regardless,
+        taking the root over its budget."""
+        cached = self._views.get(neighbour.name)
         view = self._view(neighbour)
-        victims = _ORDER.victims(view.index, need, _file_bytes)
+        reread = view is not cached  # read just now: reading again would find the same
         freed = chunks = 0
-        for key, _entry in victims:
-            view.index.pop(key)
-            path = view.paths.pop(key)
-            try:
-                size = os.stat(path).st_size
-                os.unlink(path)
-            except FileNotFoundError:
-                continue  # evicted by its own store meanwhile
-            except OSError as exc:
-                log.warning("cannot evict %s: %s", path, exc)
+        while freed < need:
+            victims = _ORDER.victims(view.index, need - freed, _file_bytes)
+            if not victims:
+                if reread:
+                    break
+                self._views.pop(neighbour.name, None)
+                view, reread = self._view(neighbour), True
                 continue
-            freed += round_to_block(size)
-            chunks += 1
+            for key, _entry in victims:
+                view.index.pop(key)
+                path = view.paths.pop(key)
+                try:
+                    size = os.stat(path).st_size
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue  # evicted by its own store meanwhile
+                except OSError as exc:
+                    log.warning("cannot evict %s: %s", path, exc)
+                    continue
+                freed += round_to_block(size)
+                chunks += 1
         if not view.paths:
             self._views.pop(neighbour.name, None)
         return freed, chunks
