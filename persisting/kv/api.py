@@ -15,8 +15,8 @@ sync/async pair from the other.
 
 Where the implementations differ, the method's docstring here says how. Methods outside the
 contract (``KVStore.lease``/``touch``/``shared_location``/``flush``, the client's
-``member_of``/``members``, the store's put options ``chain``/``on_complete``/
-``check_shape``) belong to one side only.
+``member_of``/``members``, the store's put options ``chain``/``on_complete``) belong to one
+side only.
 """
 
 from __future__ import annotations
@@ -83,11 +83,19 @@ class KVApi(Protocol):
     """
 
     def put(
-        self, key: KeyLike, value: Any, *, fmt: str = "KV_2LTD", parent: KeyLike | None = None
+        self,
+        key: KeyLike,
+        value: Any,
+        *,
+        fmt: str = "KV_2LTD",
+        parent: KeyLike | None = None,
+        check_shape: bool = True,
     ) -> PutResult:
         """Store one value. When it counts as stored depends on the store's durability
         (in-process) or the owner's (service). Keys are content addresses: putting a key
-        that is present changes nothing (the result says ``stored=False``)."""
+        that is present changes nothing (the result says ``stored=False``).
+        ``check_shape=False`` skips the format's shape rule and the key's dtype check, for
+        layouts another system owns."""
         ...
 
     def batched_put(
@@ -97,6 +105,7 @@ class KVApi(Protocol):
         *,
         fmt: str = "KV_2LTD",
         parents: Sequence[KeyLike | None] | None = None,
+        check_shape: bool = True,
     ) -> list[PutResult]:
         """Store a batch; one result per key. The service commits once per owner."""
         ...
@@ -171,7 +180,13 @@ class AsyncKVApi(Protocol):
     """:class:`KVApi`, awaited: the same methods, parameters and meaning."""
 
     async def put(
-        self, key: KeyLike, value: Any, *, fmt: str = "KV_2LTD", parent: KeyLike | None = None
+        self,
+        key: KeyLike,
+        value: Any,
+        *,
+        fmt: str = "KV_2LTD",
+        parent: KeyLike | None = None,
+        check_shape: bool = True,
     ) -> PutResult: ...
 
     async def batched_put(
@@ -181,6 +196,7 @@ class AsyncKVApi(Protocol):
         *,
         fmt: str = "KV_2LTD",
         parents: Sequence[KeyLike | None] | None = None,
+        check_shape: bool = True,
     ) -> list[PutResult]: ...
 
     async def get(self, key: KeyLike, *, expect: Layout | None = None) -> Any: ...

@@ -88,7 +88,7 @@ def l2(mode: str, cluster: dict[str, Any]) -> dict[str, Any]:
     try:
         if mode == "set":
             result = store(adapter, keys, [tensor_obj(i) for i in range(N)])
-            return {"ok": bool(result.success) if hasattr(result, "success") else str(result)}
+            return {"ok": bool(result.is_successful())}
         found = lookup(adapter, keys)
         objs = [tensor_obj(None) for _ in range(N)]
         loaded = load(adapter, keys, objs)

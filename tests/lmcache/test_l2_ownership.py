@@ -60,7 +60,7 @@ def test_max_capacity_gb_is_taken_as_lmcaches_adapters_take_it(root: Path) -> No
         l2_adapter(root, capacity="1GiB", max_capacity_gb=1).__enter__()
     with pytest.raises(ConfigError, match="max_capacity_gb must be a number of GiB > 0"):
         l2_adapter(root, max_capacity_gb=0).__enter__()
-    with pytest.raises(ConfigError, match="unknown adapter_params key 'capcity' \(did you mean"):
+    with pytest.raises(ConfigError, match=r"unknown adapter_params key 'capcity' \(did you mean"):
         l2_adapter(root, capcity="1GiB").__enter__()
     with pytest.raises(ConfigError, match="did you mean 'max_capacity_gb'"):
         l2_adapter(root, max_capacity_g=1).__enter__()

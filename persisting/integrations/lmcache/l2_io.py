@@ -20,7 +20,7 @@ from lmcache.v1.memory_management import MemoryObj
 
 from persisting.errors import PersistingError
 from persisting.integrations.lmcache.compat import is_plain_tensor_object
-from persisting.kv import KVStore, Layout
+from persisting.kv import Layout
 from persisting.kv.api import KVApi
 from persisting.kv.layout import dtype_name
 
@@ -151,16 +151,13 @@ def _put_group(
     # the most recent one (LMCache's policies read a batch the same way): a prefix outlives
     # its suffix. Prefix-aware eviction uses the parents instead.
     ordered = items[::-1]
-    # LMCache owns its layouts: a local store keeps them as they are (a cluster's client
-    # checks a format's shape rule, which LMCache's real layouts meet).
-    unchecked: dict[str, bool] = {"check_shape": False} if isinstance(store, KVStore) else {}
     try:
         results = store.batched_put(
             [text for _k, text, _v, _p in ordered],
             [value for _k, _t, value, _p in ordered],
             fmt=fmt,
             parents=[parent for *_, parent in ordered],
-            **unchecked,
+            check_shape=False,  # LMCache owns its layouts: they are kept as they are
         )
     except PersistingError as exc:
         if len(items) == 1:

@@ -25,7 +25,6 @@ from persisting.errors import (
 )
 from persisting.integrations.lmcache.compat import format_name, tensor_of
 from persisting.integrations.lmcache.health import logger
-from persisting.kv import KVStore
 from persisting.kv.api import KVApi
 
 CompletionCallback = Callable[[CacheEngineKey], None]
@@ -202,9 +201,6 @@ class PutWriter:
     ) -> None:
         """Store items of one model and format in one batch (one by one if one is bad)."""
         store = self._store_for(model)
-        # LMCache owns its layouts: a local store keeps them as they are (a cluster's client
-        # checks a format's shape rule, which LMCache's real layouts meet).
-        unchecked: dict[str, bool] = {"check_shape": False} if isinstance(store, KVStore) else {}
         try:
             store.batched_put(
                 [put.text for put in items],
@@ -213,7 +209,7 @@ class PutWriter:
                 # A submitted batch is one request's chunks in order: each one's parent is
                 # the chunk submitted before it (prefix-aware eviction drops suffixes first).
                 parents=[put.parent for put in items],
-                **unchecked,
+                check_shape=False,  # LMCache owns its layouts: kept as they are
             )
             return
         except PersistingError as exc:
@@ -222,7 +218,9 @@ class PutWriter:
                 return
         for put, pos in zip(items, positions, strict=True):
             try:
-                store.put(put.text, tensor_of(put.obj), fmt=fmt, parent=put.parent, **unchecked)
+                store.put(
+                    put.text, tensor_of(put.obj), fmt=fmt, parent=put.parent, check_shape=False
+                )
             except Exception as exc:
                 outcomes[pos] = exc
 

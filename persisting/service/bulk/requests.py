@@ -138,7 +138,8 @@ class Requests:
         try:
             store = state.store(request.get("model"))
             keys = [key_string(item.get("key")) for item in items]
-            check_key_dtypes(keys, layouts)  # as an in-process put does
+            if request.get("check_shape") is not False:  # as an in-process put does
+                check_key_dtypes(keys, layouts)
             largest = max(layout.nbytes for layout in layouts)
             if largest > store.max_value_bytes:
                 raise CapacityError(

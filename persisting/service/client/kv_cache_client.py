@@ -201,11 +201,21 @@ class KVCacheClient(AsyncKVApi):
     # -- values -------------------------------------------------------------------------
 
     async def put(
-        self, key: KeyLike, value: Any, fmt: str = "KV_2LTD", parent: KeyLike | None = None
+        self,
+        key: KeyLike,
+        value: Any,
+        fmt: str = "KV_2LTD",
+        parent: KeyLike | None = None,
+        *,
+        check_shape: bool = True,
     ) -> PutResult:
         """Store one value on its owner; see :meth:`batched_put`."""
         parents = None if parent is None else [parent]
-        return (await self._writer.batched_put([key], [value], fmt=fmt, parents=parents))[0]
+        return (
+            await self._writer.batched_put(
+                [key], [value], fmt=fmt, parents=parents, check_shape=check_shape
+            )
+        )[0]
 
     async def batched_put(
         self,
@@ -213,9 +223,15 @@ class KVCacheClient(AsyncKVApi):
         values: Sequence[Any],
         fmt: str = "KV_2LTD",
         parents: Sequence[KeyLike | None] | None = None,
+        *,
+        check_shape: bool = True,
     ) -> list[PutResult]:
-        """Store values on their owners (one commit per owner and batch)."""
-        return await self._writer.batched_put(keys, values, fmt=fmt, parents=parents)
+        """Store values on their owners (one commit per owner and batch).
+        ``check_shape=False``, as in-process: the format's shape rule and the key's dtype
+        are not checked, on either side (layouts another system owns, e.g. LMCache's)."""
+        return await self._writer.batched_put(
+            keys, values, fmt=fmt, parents=parents, check_shape=check_shape
+        )
 
     async def get(self, key: KeyLike, expect: Layout | None = None) -> Any:
         """The value stored under ``key`` (the kind it was put as), or None on a miss."""

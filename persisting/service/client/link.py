@@ -445,10 +445,17 @@ class DataLink:
             await conn.discard(layout.nbytes)
 
     async def put(
-        self, model: str, fmt: str, items: list[PutItem], *, pool: bool = False
+        self,
+        model: str,
+        fmt: str,
+        items: list[PutItem],
+        *,
+        pool: bool = False,
+        checked: bool = True,
     ) -> list[dict[str, Any]]:
         """Store ``items`` over one connection; the server's results (with ``pool``, each
-        stored value's place in the member's shared pool)."""
+        stored value's place in the member's shared pool; ``checked=False``: the keys'
+        dtypes are not checked against the layouts, which the caller owns)."""
         request: dict[str, Any] = {
             "op": "put",
             "model": model,
@@ -460,6 +467,8 @@ class DataLink:
         }
         if pool:
             request["pool"] = True
+        if not checked:
+            request["check_shape"] = False
 
         async def work(conn: LoopConn) -> dict[str, Any]:
             await conn.send_put(request, [data for _key, _layout, data, _parent in items])

@@ -49,6 +49,7 @@ class Writer:
         values: Sequence[Any],
         fmt: str = "KV_2LTD",
         parents: Sequence[KeyLike | None] | None = None,
+        check_shape: bool = True,
     ) -> list[PutResult]:
         """Store values on their owners (one commit per owner and batch).
 
@@ -61,14 +62,16 @@ class Writer:
         parent_texts = [
             None if p is None else key_string(p) for p in (parents or [None] * len(keys))
         ]
-        encoded = [encode_value(v, fmt) for v in values]  # validates before any network
+        # validated before any network
+        encoded = [encode_value(v, fmt, check_shape=check_shape) for v in values]
         results: list[PutResult | None] = [None] * len(texts)
 
         async def put_share(member: Member, share: list[int]) -> None:
             sizes = [encoded[i][0].nbytes for i in share]
             for part in _batches(share, sizes, BATCH_BYTES):
                 items = [(texts[i], encoded[i][0], encoded[i][1], parent_texts[i]) for i in part]
-                for i, result in zip(part, await self._put(member, items, fmt), strict=True):
+                done = await self._put(member, items, fmt, check_shape)
+                for i, result in zip(part, done, strict=True):
                     results[i] = result
 
         await self.cluster.on_owners(texts, put_share)
@@ -83,7 +86,9 @@ class Writer:
             results.extend(await self._put(member, [items[i] for i in part], "binary"))
         return results
 
-    async def _put(self, member: Member, items: list[PutItem], fmt: str) -> list[PutResult]:
+    async def _put(
+        self, member: Member, items: list[PutItem], fmt: str, check_shape: bool = True
+    ) -> list[PutResult]:
         """Store ``items`` on ``member``, spread over its connections by size. A put is
         idempotent (the first writer wins), so a lost connection is tried again on a fresh
         one (:meth:`Cluster.over_data_path`)."""
@@ -96,7 +101,7 @@ class Writer:
             chosen = [items[i] for i in part]
 
             def put(link: DataLink) -> Awaitable[list[dict[str, Any]]]:
-                return link.put(self.cluster.model, fmt, chosen, pool=pool)
+                return link.put(self.cluster.model, fmt, chosen, pool=pool, checked=check_shape)
 
             reply = await self.cluster.over_data_path(member, put)
             self.counters["put_bytes"] += sum(layout.nbytes for _k, layout, _d, _p in chosen)
