@@ -82,13 +82,14 @@ def open_engine_store(
     describe: Mapping[str, Any] | None = None,
     memory_bytes: int = 0,
     durability: str = "sync",
-    reconnect: bool = False,
+    reconnect: bool = True,
     **options: Any,
 ) -> EngineStore:
     """The store ``settings`` name, for ``namespace`` (the local options are ignored for
-    a cluster: its members' settings hold). ``reconnect``: a cluster that does not answer
-    now is not an error but misses, until it answers (see
-    :class:`~persisting.integrations.common.cluster.Reconnecting`)."""
+    a cluster: its members' settings hold). A cluster that does not answer now is not an
+    error but misses, until it answers (an engine starts while its cache is down; see
+    :class:`~persisting.integrations.common.cluster.Reconnecting`); ``reconnect=False``
+    connects now or raises, for a caller that needs the connected client (``.kv``)."""
     if settings.cluster is not None:
         from persisting.integrations.common.cluster import ClusterStore, Reconnecting
 

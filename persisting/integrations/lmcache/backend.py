@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -31,7 +32,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from persisting.errors import ConfigError, StoreClosedError
+from persisting.errors import ConfigError, ServiceUnavailableError, StoreClosedError
 from persisting.integrations.common.opener import open_engine_store, open_local
 from persisting.integrations.common.store import EngineStore, LocalStore
 from persisting.integrations.lmcache.compat import LayoutGuard, memory_format
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend.abstract_backend import AllocatorBackendInterface
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+
+#: How long a cluster that did not answer is left alone before it is asked again.
+REOPEN_S = 10.0
 
 
 class PersistingKVBackend(StoragePluginInterface):
@@ -79,6 +84,8 @@ class PersistingKVBackend(StoragePluginInterface):
         self._guard = LayoutGuard(metadata)
         self._lock = threading.Lock()  # counters, closing
         self._stores_lock = threading.Lock()
+        #: Namespaces whose cluster did not answer: when, and what it said.
+        self._failed_opens: dict[str, tuple[float, ServiceUnavailableError]] = {}
         self._stores: dict[str, EngineStore] = {}
         self._lookup_pins: LookupPins[CacheEngineKey] = LookupPins(self.options.lookup_pin_ttl_s)
         self._counters = {"layout_mismatch": 0, "allocation_failed": 0, "put_failed": 0}
@@ -122,7 +129,9 @@ class PersistingKVBackend(StoragePluginInterface):
         return self.engine.cluster is not None
 
     def engine_store(self, model: str) -> EngineStore:
-        """The store of ``model``'s namespace, opened on first use."""
+        """The store of ``model``'s namespace, opened on first use. A cluster that did
+        not answer is not asked again for :data:`REOPEN_S`: meanwhile every call fails at
+        once (a miss to LMCache), never waiting out a connect per chunk."""
         store = self._stores.get(model)
         if store is not None:
             return store
@@ -131,14 +140,22 @@ class PersistingKVBackend(StoragePluginInterface):
                 raise StoreClosedError("PersistingKVBackend is closed")
             store = self._stores.get(model)
             if store is None:
-                store = self._open(model)
+                failed = self._failed_opens.get(model)
+                if failed is not None and time.monotonic() - failed[0] < REOPEN_S:
+                    raise failed[1]
+                try:
+                    store = self._open(model)
+                except ServiceUnavailableError as exc:
+                    self._failed_opens[model] = (time.monotonic(), exc)
+                    raise
+                self._failed_opens.pop(model, None)
                 self._stores[model] = store
             return store
 
     def _open(self, model: str) -> EngineStore:
         namespace, weights = weights_namespace(model, self.settings.kv.model_version)
         if self.engine.cluster is not None:
-            return open_engine_store(self.engine, namespace)
+            return open_engine_store(self.engine, namespace, reconnect=False)  # needs .kv
         kv = self.settings.kv
         store = open_local(
             self.engine,

@@ -59,7 +59,7 @@ def open_adapter_store(
 ) -> EngineStore:
     """The adapter's store: its namespace in the cluster, or on its local root."""
     if params.cluster is not None:
-        return open_engine_store(params, params.namespace)
+        return open_engine_store(params, params.namespace, reconnect=False)  # needs .kv
     store = open_local(
         params,
         params.namespace,

@@ -131,7 +131,7 @@ def acquire_remote(settings: ConnectorSettings, namespace: str) -> RemoteNamespa
         state = _OPEN.get(key)
         assert not isinstance(state, Namespace)
         if state is None:
-            store = open_engine_store(settings, namespace, reconnect=True)
+            store = open_engine_store(settings, namespace)
             state = _OPEN[key] = RemoteNamespace(key, namespace, store, Counters())
         state.users += 1
         return state
