@@ -184,7 +184,7 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
 # -- the timed rounds ----------------------------------------------------------------------
 
 
-Times = dict[str, dict[int, dict[str, list[float]]]]
+Times = dict[str, dict[float, dict[str, list[float]]]]
 
 
 @dataclass
@@ -208,10 +208,11 @@ def run_rounds(fleet: Fleet) -> Results:
         order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]
         for mib in args.sizes_mib:
             for side in order:
-                config = {"count": args.count, "nbytes": mib * MiB, "batch": args.batch,
-                          "settle_s": args.settle_s, "seed": r * 100 + mib, "min_members": 3,
-                          "key_base": 1 + (r * 100 + mib) * 10_000, "replicas": 2,
-                          "prefix": f"r{r}-{mib}m"}  # fmt: skip
+                kib = round(mib * 1024)
+                config = {"count": args.count, "nbytes": kib << 10, "batch": args.batch,
+                          "settle_s": args.settle_s, "seed": r * 100_000 + kib, "min_members": 3,
+                          "key_base": 1 + (r * 100_000 + kib) * 1000, "replicas": 2,
+                          "prefix": f"r{r}-{kib}k"}  # fmt: skip
                 jobs = ["put"] if side == "mooncake-1copy" else ["put", "read"]
                 if side == "mooncake-1copy":
                     config["replicas"] = 1
@@ -222,8 +223,8 @@ def run_rounds(fleet: Fleet) -> Results:
                     for row, seconds in result["seconds"].items():
                         times[side][mib].setdefault(row, []).append(float(seconds))
                         res.cpu[side][mib].setdefault(row, []).append(result["cpu"][row])
-                        res.moved[side] += args.count * mib * MiB
-                print(f"round {r} {mib} MiB {side}: " + ", ".join(
+                        res.moved[side] += int(args.count * mib * MiB)
+                print(f"round {r} {mib:g} MiB {side}: " + ", ".join(
                     f"{row} {args.count * mib * MiB / s[-1] / 1e6:.0f} MB/s"
                     for row, s in times[side][mib].items()), flush=True)  # fmt: skip
     for side in SIDES:
@@ -259,7 +260,7 @@ def lose_a_member(fleet: Fleet, side: str) -> dict[str, Any]:
 # -- the report ----------------------------------------------------------------------------------
 
 
-def mbps(args: argparse.Namespace, mib: int, seconds: list[float]) -> float:
+def mbps(args: argparse.Namespace, mib: float, seconds: list[float]) -> float:
     return args.count * mib * MiB / statistics.median(seconds) / 1e6
 
 
@@ -280,7 +281,7 @@ def report(args: argparse.Namespace, res: Results, losses: dict[str, Any]) -> No
         for mib in args.sizes_mib:
             ours, tls = times["persisting"][mib][row], times["persisting-tls"][mib][row]
             theirs = times["mooncake"][mib][row]
-            line = (f"{row + f' {mib} MiB':<16} {mbps(args, mib, ours):>10.0f} "
+            line = (f"{row + f' {mib:g} MiB':<16} {mbps(args, mib, ours):>10.0f} "
                     f"{mbps(args, mib, theirs):>9.0f} {ratio(ours, theirs):>5.2f}x  "
                     f"{mbps(args, mib, tls):>7.0f} {ratio(tls, theirs):>5.2f}x")  # fmt: skip
             if row == "put":
@@ -310,7 +311,7 @@ def report_cpu(args: argparse.Namespace, res: Results) -> None:
             gb = args.count * mib * MiB / 1e9
             cells = [res.cpu[side][mib].get(row) for side in SIDES]
             text = [f"{statistics.median(c) / gb:>14.2f}" if c else " " * 14 for c in cells]
-            print(f"  {row + f' {mib} MiB':<34}" + " ".join(text))
+            print(f"  {row + f' {mib:g} MiB':<34}" + " ".join(text))
     moved = dict(res.moved)
     moved["mooncake"] += moved.pop("mooncake-1copy")  # the same member processes
     print("CPU s per GB moved, members (all rounds, all their work): " + ", ".join(
@@ -325,7 +326,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--count", type=int, default=32)
-    parser.add_argument("--sizes-mib", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[2, 8])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--settle-s", type=float, default=2.0)
     parser.add_argument("--later-s", type=float, default=10.0)
