@@ -69,10 +69,16 @@ def build_model(directory: Path, **shape: int | str) -> Path:
 
 
 def run_engine(
-    plan: dict[str, Any], work: Path, name: str, timeout: float = 1200, killed: bool = False
+    plan: dict[str, Any],
+    work: Path,
+    name: str,
+    timeout: float = 1200,
+    killed: bool = False,
+    on_host: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run one engine process on ``plan`` (in a process group of its own); its results (the
-    log is kept beside them). ``killed``: the plan ends by SIGKILLing its group."""
+    log is kept beside them). ``killed``: the plan ends by SIGKILLing its group.
+    ``on_host``: a command prefix that runs it elsewhere (a network namespace)."""
     require_engine()
     work.mkdir(parents=True, exist_ok=True)
     plan_file, out_file, log_file = (
@@ -81,7 +87,7 @@ def run_engine(
     plan_file.write_text(json.dumps(plan))
     with open(log_file, "wb") as log:
         proc = subprocess.run(
-            [str(ENGINE_PYTHON), str(ENGINE_KIT), "run", str(plan_file), str(out_file)],
+            [*on_host, str(ENGINE_PYTHON), str(ENGINE_KIT), "run", str(plan_file), str(out_file)],
             # the weights' fingerprints are cached beside the test's files, not in ~/.cache
             env={**engine_env(), "XDG_CACHE_HOME": str(work / "cache")},
             stdout=log,

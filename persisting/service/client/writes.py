@@ -78,12 +78,14 @@ class Writer:
         return [r for r in results if r is not None]
 
     async def put_on(self, member: Member, items: list[PutItem]) -> list[PutResult]:
-        """Store ``items`` on ``member`` itself (a copy a member sends another), in
-        batches of at most :data:`BATCH_BYTES`."""
+        """Store ``items`` on ``member`` itself (a copy a member sends another, in the
+        layout it was stored with, unchecked: it was checked when first stored), in batches
+        of at most :data:`BATCH_BYTES`."""
         sizes = [layout.nbytes for _k, layout, _d, _p in items]
         results: list[PutResult] = []
         for part in _batches(list(range(len(items))), sizes, BATCH_BYTES):
-            results.extend(await self._put(member, [items[i] for i in part], "binary"))
+            chosen = [items[i] for i in part]
+            results.extend(await self._put(member, chosen, "binary", check_shape=False))
         return results
 
     async def _put(
