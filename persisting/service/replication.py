@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from persisting.service.routing import rank_members
 
+#: How long the first key due waits for others to be checked with it.
+GATHER_S = 0.5
 #: Wanted keys a member remembers per namespace (the oldest is forgotten first; forgetting
 #: one only means a later membership change does not check its copies again).
 MAX_WANTED = 1 << 20
@@ -42,11 +44,19 @@ class CopyBacklog:
     Thread-safe: the data path adds keys from its threads, the replicator takes them.
     """
 
-    def __init__(self, max_wanted: int = MAX_WANTED):
+    def __init__(
+        self,
+        max_wanted: int = MAX_WANTED,
+        gather_s: float = GATHER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.max_wanted = max_wanted
+        self.gather_s = gather_s
+        self._clock = clock
         self._lock = threading.Condition()
         self._wanted: dict[str, OrderedDict[str, None]] = {}
-        self._due: OrderedDict[tuple[str, str], None] = OrderedDict()
+        #: (namespace, key) -> when it became due, oldest first.
+        self._due: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     def want(self, model: str, keys: Iterable[str]) -> int:
         """``keys`` of ``model`` are worth copies: check them (those new here) soon."""
@@ -57,7 +67,7 @@ class CopyBacklog:
                 if key in wanted:
                     continue
                 wanted[key] = None
-                self._due[(model, key)] = None
+                self._due[(model, key)] = self._clock()
                 added += 1
             while len(wanted) > self.max_wanted:
                 wanted.popitem(last=False)
@@ -70,7 +80,7 @@ class CopyBacklog:
         with self._lock:
             for model, wanted in self._wanted.items():
                 for key in wanted:
-                    self._due[(model, key)] = None
+                    self._due[(model, key)] = self._clock()
             self._lock.notify_all()
             return len(self._due)
 
@@ -78,7 +88,7 @@ class CopyBacklog:
         """Check ``keys`` again later (their copies failed to reach a live target)."""
         with self._lock:
             for key in keys:
-                self._due[(model, key)] = None
+                self._due[(model, key)] = self._clock()
 
     def forget(self, model: str, keys: Iterable[str]) -> None:
         """``keys`` are gone from this member (removed, evicted): nothing to copy."""
@@ -90,11 +100,21 @@ class CopyBacklog:
                 self._due.pop((model, key), None)
 
     def take(self, limit: int, wait_s: float) -> list[tuple[str, str]]:
-        """Up to ``limit`` (namespace, key) pairs to check, oldest first; waits at most
-        ``wait_s`` for one."""
+        """Up to ``limit`` (namespace, key) pairs to check, oldest first, once ``limit`` are
+        due or the oldest has waited ``gather_s`` (keys read together are checked and sent
+        together: one question per target for the lot, not one per key); waits at most
+        ``wait_s`` in all."""
+        deadline = self._clock() + wait_s
         with self._lock:
-            if not self._due:
-                self._lock.wait(wait_s)
+            while True:
+                now = self._clock()
+                if self._due and len(self._due) >= limit:
+                    break
+                ready = next(iter(self._due.values()), None)
+                until = deadline if ready is None else min(deadline, ready + self.gather_s)
+                if until <= now:
+                    break
+                self._lock.wait(until - now)
             out: list[tuple[str, str]] = []
             while self._due and len(out) < limit:
                 out.append(self._due.popitem(last=False)[0])
@@ -146,4 +166,4 @@ class Pacer:
             self._sleep(wait)
 
 
-__all__ = ["MAX_WANTED", "CopyBacklog", "Pacer", "copy_targets"]
+__all__ = ["GATHER_S", "MAX_WANTED", "CopyBacklog", "Pacer", "copy_targets"]

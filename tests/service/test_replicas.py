@@ -21,6 +21,7 @@ from tests.service.service_helpers import (
     start_serve,
     wait_for_log,
 )
+from tests.timing import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,11 +85,16 @@ def test_a_read_key_gets_a_second_copy_and_survives_a_member_killed(tmp_path: Pa
         assert back[addrs[victim]]["keys"] == ranked, back
         final = run_client("get_keys", {"seeds": seeds, "start": 0, "stop": N, "min_members": 3})
         assert final["hit"] == N and final["wrong"] == 0
-        scrape = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30)
-        text = scrape.read().decode()
-        sent = float(_sample(text, 'persisting_service_copies_total{outcome="sent"}'))
-        assert sent > 0 and float(_sample(text, "persisting_service_copy_bytes_total")) > 0
-        assert float(_sample(text, "persisting_service_copies_due")) == 0
+        texts: list[str] = []
+
+        def healed() -> bool:  # what an operator waits for after a member's return
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            texts.append(urllib.request.urlopen(url, timeout=30).read().decode())
+            return float(_sample(texts[-1], "persisting_service_copies_due")) == 0
+
+        wait_until(healed, "member 0's copies_due back to 0", 60)
+        sent = float(_sample(texts[-1], 'persisting_service_copies_total{outcome="sent"}'))
+        assert sent > 0 and float(_sample(texts[-1], "persisting_service_copy_bytes_total")) > 0
 
 
 def _sample(text: str, name: str) -> str:

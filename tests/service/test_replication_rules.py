@@ -81,3 +81,16 @@ def test_the_pacer_holds_the_stated_rate() -> None:
     for _ in range(10):
         pacer.spend(100)
     assert now[0] == pytest.approx(10.5)  # 1,150 bytes at 100/s, the first 100 free
+
+
+def test_keys_due_together_are_taken_together() -> None:
+    backlog = CopyBacklog(gather_s=0.4)
+    got: list[list[tuple[str, str]]] = []
+    taker = threading.Thread(target=lambda: got.append(backlog.take(10, 30.0)))
+    taker.start()
+    backlog.want("a", KEYS[:1])
+    backlog.want("a", KEYS[1:3])  # while the first waits for company
+    taker.join(timeout=10.0)
+    assert got == [[("a", k) for k in KEYS[:3]]]
+    backlog.want("a", KEYS[3:13])  # as many as a step takes: no waiting for more
+    assert backlog.take(10, 30.0) == [("a", k) for k in KEYS[3:13]]
