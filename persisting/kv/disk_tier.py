@@ -31,6 +31,7 @@ from persisting.kv.batch_fit import heads_that_fit
 from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.eviction_memory import EvictionMemory
 from persisting.kv.index import DiskEntry, LruIndex
+from persisting.kv.keys import key_hash
 from persisting.kv.layout import Layout, Payload
 from persisting.kv.leases import Clock, Leases, Location
 from persisting.kv.lock_order import Rank, ordered
@@ -43,7 +44,6 @@ from persisting.kv.payload_files import (
     PendingFile,
     Reservation,
     file_size,
-    key_hash,
 )
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.quarantine import Quarantine

@@ -26,7 +26,8 @@ from persisting.errors import PersistingError
 from persisting.kv import recency, reuse
 from persisting.kv.disk_budget import DiskBudget, allocated
 from persisting.kv.index import DiskEntry, LruIndex
-from persisting.kv.payload_files import BLOCK, key_hash, round_to_block
+from persisting.kv.keys import key_hash
+from persisting.kv.payload_files import BLOCK, round_to_block
 from persisting.kv.policy import EvictionPolicy
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,10 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from persisting.kv.keys import key_hash
 from persisting.kv.layout import Layout
 from persisting.kv.recency_duel import RecencyDuel
-from persisting.kv.reuse import TICK_MASK, ReuseStats, key_hash
+from persisting.kv.reuse import TICK_MASK, ReuseStats
 
 
 class Entry:
@@ -196,7 +197,7 @@ class LruIndex(Generic[E]):
             self._leaf_list[at] = last
             self._leaf_at[last] = at
 
-    def sighted_since(self, key: str) -> int | None:
+    def _sighted_since(self, key: str) -> int | None:
         """The clock at a sighting of ``key`` newer than its place in the LRU order (one
         another process counted in a shared table), or None."""
         entry = self._entries.get(key)
@@ -206,7 +207,7 @@ class LruIndex(Generic[E]):
         ahead = (last - entry.tick) & TICK_MASK
         return last if 0 < ahead <= TICK_MASK >> 1 else None
 
-    def catch_up(self, key: str, tick: int) -> None:
+    def _catch_up(self, key: str, tick: int) -> None:
         """Move ``key`` to most recently used for a sighting at ``tick`` counted elsewhere
         (not a sighting here: it is counted already)."""
         entry = self._entries.get(key)
@@ -224,10 +225,27 @@ class LruIndex(Generic[E]):
         """How many stored chunks name ``key`` as their parent."""
         return self._children.get(key, 0)
 
-    def leaves(self) -> Iterator[str]:
-        """Keys without a stored child, least recently used first (lazy: do not mutate
-        while iterating)."""
-        return iter(self._leaf_order)
+    def oldest_leaves(self) -> Iterator[str]:
+        """The leaves least recently used first, in the namespace's order: a leaf another
+        process sighted since this one did (its clock in shared reuse stats is newer) is
+        moved up to most recently used when the walk reaches it, and the walk goes on over
+        the leaves not given yet (once per such sighting; never without shared stats).
+        Lazy: do not add or pop while iterating."""
+        given: set[str] = set()
+        while True:
+            moved: tuple[str, int] | None = None
+            for key in self._leaf_order:
+                if key in given:
+                    continue
+                tick = self._sighted_since(key)
+                if tick is not None:
+                    moved = (key, tick)
+                    break
+                given.add(key)
+                yield key
+            if moved is None:
+                return
+            self._catch_up(*moved)  # not while iterating the leaves
 
     def cut_off(self, entry: Entry) -> bool:
         """Whether ``entry``'s parent was removed lately (so a lookup never reaches it); a

@@ -262,6 +262,23 @@ def key_string(key: object) -> str:
     return _checked(key)
 
 
+def key_hash(key: str) -> int:
+    """The 64-bit hash a key string is known by everywhere it is not spelled out: the name
+    of its payload file, its slot in the reuse stats, its entry in the saved eviction
+    order. Never 0 (an empty slot's)."""
+    return xxhash.xxh3_64_intdigest(key.encode("utf-8")) or 1
+
+
+def rank_keys(key: str) -> list[str]:
+    """The keys of ``key``'s chunk on every tensor-parallel rank -- its string with each
+    worker id in turn, the rest kept verbatim -- or none for a key of world size 1 (or not
+    a chunk key): ``model@world@worker@hash@dtype...``."""
+    parts = key.split("@", 3)
+    if len(parts) < 4 or not parts[1].isdigit() or int(parts[1]) < 2:
+        return []
+    return [f"{parts[0]}@{parts[1]}@{worker}@{parts[3]}" for worker in range(int(parts[1]))]
+
+
 @lru_cache(maxsize=1 << 16)
 def _checked(text: str) -> str:
     """``text`` once it parses; remembered, since the same keys are looked up again and again
@@ -452,7 +469,9 @@ __all__ = [
     "LayerChunkKey",
     "TokenHasher",
     "key_dtype",
+    "key_hash",
     "key_string",
     "lmcache_chunk_hash",
     "parse_key",
+    "rank_keys",
 ]

@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import xxhash
@@ -21,21 +21,40 @@ from persisting.shm.pages import aligned_buffer, copy_bytes, loaded_torch
 
 ValueKind = Literal["torch", "numpy", "bytes"]
 
-#: Memory formats (LMCache's names). ``None`` means any shape is accepted.
-MEMORY_FORMATS: dict[str, tuple[int, int] | None] = {
-    # name: (ndim, axis that must have size 2) -- KV layouts carry K and V on one axis
-    "KV_2LTD": (4, 0),  # [2, layers, tokens, hidden]
-    "KV_2TD": (3, 0),  # [2, tokens, hidden]
-    "KV_T2D": (3, 1),  # [tokens, 2, hidden]
-    "KV_MLA_FMT": None,  # [layers, tokens, latent] (no K/V axis)
-    "BINARY": None,
-    "binary": None,
+
+class MemoryFormat(NamedTuple):
+    """What a memory format says about a value's shape."""
+
+    #: ``(ndim, axis that must have size 2)`` -- KV layouts carry K and V on one axis --
+    #: or None: any shape is accepted.
+    shape: tuple[int, int] | None
+    #: The axis that counts tokens, or None (opaque bytes: a chunk counts as one token).
+    token_axis: int | None
+
+
+#: Memory formats (LMCache's names): each one's shape rule and token axis.
+MEMORY_FORMATS: dict[str, MemoryFormat] = {
+    "KV_2LTD": MemoryFormat((4, 0), 2),  # [2, layers, tokens, hidden]
+    "KV_2TD": MemoryFormat((3, 0), 1),  # [2, tokens, hidden]
+    "KV_T2D": MemoryFormat((3, 1), 0),  # [tokens, 2, hidden]
+    "KV_MLA_FMT": MemoryFormat(None, 1),  # [layers, tokens, latent] (no K/V axis)
+    "BINARY": MemoryFormat(None, None),
+    "binary": MemoryFormat(None, None),
     # LMCache's other format names, so every LMCache MemoryFormat has a stored name.
-    "UNDEFINED": None,
-    "BINARY_BUFFER": None,
-    "EC_TD": None,  # encoder cache [tokens, hidden]
-    "HS_TD": None,  # hidden states [tokens, hidden]
+    "UNDEFINED": MemoryFormat(None, None),
+    "BINARY_BUFFER": MemoryFormat(None, None),
+    "EC_TD": MemoryFormat(None, 0),  # encoder cache [tokens, hidden]
+    "HS_TD": MemoryFormat(None, 0),  # hidden states [tokens, hidden]
 }
+
+
+def token_count(layout: Layout) -> int:
+    """The tokens a value of ``layout`` holds: its format's token axis, else 1."""
+    rule = MEMORY_FORMATS.get(layout.fmt)
+    axis = None if rule is None else rule.token_axis
+    tokens = layout.shape[axis] if axis is not None and len(layout.shape) > axis else 1
+    return max(1, tokens)
+
 
 #: Formats whose payload is opaque bytes: a key's dtype says nothing about them.
 BYTE_FORMATS = frozenset({"BINARY", "binary", "BINARY_BUFFER"})
@@ -184,7 +203,7 @@ def payload_parts(payload: Payload) -> tuple[memoryview, ...]:
 def _check_format(fmt: object, shape: tuple[int, ...], check_shape: bool = True) -> str:
     if not isinstance(fmt, str) or fmt not in MEMORY_FORMATS:
         raise InvalidValueError(f"unknown memory format {fmt!r}; known: {sorted(MEMORY_FORMATS)}")
-    rule = MEMORY_FORMATS[fmt]
+    rule = MEMORY_FORMATS[fmt].shape
     if rule is not None and check_shape:
         ndim, kv_axis = rule
         if len(shape) != ndim or shape[kv_axis] != 2:
@@ -395,6 +414,7 @@ __all__ = [
     "NAME_TO_NUMPY",
     "Gathered",
     "Layout",
+    "MemoryFormat",
     "Payload",
     "check_layout",
     "checksum",
@@ -406,6 +426,7 @@ __all__ = [
     "owned_copy_hashed",
     "payload_parts",
     "tensor_layout",
+    "token_count",
     "torch_dtype",
     "writable_bytes",
 ]

@@ -52,6 +52,7 @@ import xxhash
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
 from persisting.kv import direct_io
 from persisting.kv.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
+from persisting.kv.keys import key_hash
 from persisting.kv.layout import HASH_PIECE, Payload, payload_parts
 from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
@@ -74,10 +75,6 @@ PAUSE_PIECE = 16 * HASH_PIECE
 #: to abandon the write (a low-priority write-behind handing its batch over, see
 #: :mod:`persisting.kv.write_behind`): the file is then removed, never published.
 Pause = Callable[[], None]
-
-
-def key_hash(key: str) -> int:
-    return xxhash.xxh3_64_intdigest(key.encode("utf-8"))
 
 
 def round_to_block(n: int) -> int:
@@ -639,7 +636,6 @@ __all__ = [
     "Reservation",
     "UnsealedFileError",
     "file_size",
-    "key_hash",
     "payload_subdirs",
     "round_to_block",
     "scan_payload",

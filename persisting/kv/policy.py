@@ -10,12 +10,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-import xxhash
-
 from persisting.errors import ConfigError
 from persisting.kv.index import Entry, LruIndex
-from persisting.kv.layout import Layout
-from persisting.kv.reuse import TICK_MASK, ReuseStats, key_hash
+from persisting.kv.keys import key_hash, rank_keys
+from persisting.kv.layout import Layout, token_count
+from persisting.kv.reuse import TICK_MASK, ReuseStats
 
 #: Whether a tier may evict an entry now (not pinned, not being read, not leased).
 Evictable = Callable[[str, Any], bool]
@@ -213,48 +212,29 @@ class ValueEviction(EvictionPolicy):
 
 
 def _oldest_first(index: LruIndex[Any], evictable: Evictable | None) -> Iterator[str]:
-    """Orphans, then leaves least recently used first, then the rest in LRU order (evicting
-    those still frees space; reached only when every leaf is busy or taken). Lazy: the
-    caller stops as soon as it has room, and removes what it took only after the walk.
-
-    The order is the namespace's: a leaf another process sighted since this one did (its
-    tick in shared reuse stats is newer) is moved up when the walk reaches it, and the walk
-    over the leaves starts again (once per such sighting; never without shared stats)."""
+    """Orphans, then leaves least recently used first (in the namespace's order: see
+    :meth:`~persisting.kv.index.LruIndex.oldest_leaves`), then the rest in LRU order
+    (evicting those still frees space; reached only when every leaf is busy or taken).
+    Lazy: the caller stops as soon as it has room, and removes what it took only after
+    the walk."""
     given: set[str] = set()
     orphans = (k for k in index.orphans() if not index.children(k))
     for key in _usable(index, orphans, evictable):
         given.add(key)
         yield key
-    while True:
-        moved: tuple[str, int] | None = None
-        for key in _usable(index, index.leaves(), evictable):
-            if key in given:
-                continue
-            tick = index.sighted_since(key)
-            if tick is not None:
-                moved = (key, tick)
-                break
-            given.add(key)
-            yield key
-        if moved is None:
-            break
-        index.catch_up(*moved)  # not while iterating the leaves
-    for key in _usable(index, index.lru_order(), evictable):
-        if key not in given:
-            given.add(key)
-            yield key
+    for walk in (index.oldest_leaves(), index.lru_order()):
+        for key in _usable(index, walk, evictable):
+            if key not in given:
+                given.add(key)
+                yield key
 
 
 def _siblings(
     index: LruIndex[Any], key: str, taken: set[str], evictable: Evictable | None
 ) -> Iterator[tuple[str, Entry]]:
     """The stored, evictable keys of ``key``'s chunk on the other tensor-parallel ranks
-    (``model@world@worker@hash@dtype...``: the same key with another worker)."""
-    parts = key.split("@", 3)
-    if len(parts) < 4 or not parts[1].isdigit() or int(parts[1]) < 2:
-        return
-    for worker in range(int(parts[1])):
-        other = f"{parts[0]}@{parts[1]}@{worker}@{parts[3]}"
+    (:func:`~persisting.kv.keys.rank_keys`)."""
+    for other in rank_keys(key):
         if other == key or other in taken:
             continue
         entry = index.get(other)
@@ -266,13 +246,7 @@ def _siblings(
 def miss_cost_per_byte(layout: Layout) -> float:
     """Tokens a miss of a chunk of ``layout`` recomputes, per byte it holds (a chunk of a
     format without a token axis counts as one token)."""
-    axis = TOKEN_AXIS.get(layout.fmt)
-    tokens = layout.shape[axis] if axis is not None and len(layout.shape) > axis else 1
-    return max(1, tokens) / max(1, layout.nbytes)
-
-
-#: The token axis of each KV memory format (see :data:`~persisting.kv.layout.MEMORY_FORMATS`).
-TOKEN_AXIS = {"KV_2LTD": 2, "KV_2TD": 1, "KV_T2D": 0, "KV_MLA_FMT": 1, "EC_TD": 0, "HS_TD": 0}
+    return token_count(layout) / max(1, layout.nbytes)
 
 
 class AdmissionPolicy(ABC):
@@ -318,7 +292,7 @@ class SecondSightingAdmit(AdmissionPolicy):
 
     def sighted(self, key: str) -> bool:
         """Record a sighting; True if the key had been seen before."""
-        h = xxhash.xxh3_64_intdigest(key.encode())
+        h = key_hash(key)
         if h in self._seen:
             self._seen.move_to_end(h)
             return True

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from persisting.errors import CorruptValueError
+from persisting.kv.keys import key_hash
 from persisting.kv.payload_files import (
     FileHeader,
     PayloadFiles,
     UnsealedFileError,
-    key_hash,
     round_to_block,
 )
 from persisting.kv.quarantine import Quarantine

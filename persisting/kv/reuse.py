@@ -40,7 +40,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from persisting.errors import CapacityError, StorageIOError
 from persisting.lance_store.access import CONTROL_FILE_MODE, open_private, storage_error
@@ -64,11 +63,6 @@ WAYS = 4
 #: Words per slot: the key's hash, then its count and last sighting.
 _SLOT_WORDS = 2
 MIN_SLOTS, MAX_SLOTS = 1 << 10, 1 << 23
-
-
-def key_hash(key: str) -> int:
-    """The 64-bit hash a key is remembered by (never 0: an empty slot's)."""
-    return xxhash.xxh3_64_intdigest(key.encode()) or 1
 
 
 def slots_for(capacity_bytes: int, minimum: int = MIN_SLOTS) -> int:
@@ -539,7 +533,6 @@ __all__ = [
     "ReuseStats",
     "SharedReuseStats",
     "file_bytes",
-    "key_hash",
     "open_shared",
     "prepare",
     "resized",

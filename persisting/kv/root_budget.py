@@ -73,8 +73,9 @@ from pathlib import Path
 from persisting.errors import NamespaceInUseError, PersistingError
 from persisting.kv.file_header import FileHeader
 from persisting.kv.index import DiskEntry, LruIndex
+from persisting.kv.keys import key_hash
 from persisting.kv.namespace_record import read_record
-from persisting.kv.payload_files import file_size, key_hash, round_to_block, scan_payload
+from persisting.kv.payload_files import file_size, round_to_block, scan_payload
 from persisting.kv.policy import PrefixAwareEviction
 from persisting.kv.quarantine import DIR_NAME as QUARANTINE_DIR
 from persisting.lance_store import StorageRoot, disk_usage

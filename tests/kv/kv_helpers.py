@@ -85,7 +85,7 @@ def in_flight(directory: Path) -> list[Path]:
 def make_uncreatable(directory: Path, key_text: str) -> None:
     """Make creating the payload file of ``key_text`` fail with ENOTDIR: its
     ``payload/<hh>`` directory becomes a plain file (it must hold no file yet)."""
-    from persisting.kv.payload_files import key_hash
+    from persisting.kv.keys import key_hash
 
     subdir = directory / "payload" / f"{key_hash(key_text) >> 56:02x}"
     if subdir.is_dir():

@@ -53,7 +53,7 @@ def test_a_batch_that_creates_a_payload_subdirectory_syncs_payload_itself(
 
 
 def _subdir_of(store, i: int) -> str:  # type: ignore[no-untyped-def]
-    from persisting.kv.payload_files import key_hash
+    from persisting.kv.keys import key_hash
 
     return f"{key_hash(str(key(i))) >> 56:02x}"
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from persisting.errors import InvalidKeyError
 from persisting.kv import ChunkKey, LayerChunkKey, TokenHasher, key_string, parse_key
-from persisting.kv.keys import KEY_DTYPES
+from persisting.kv.keys import KEY_DTYPES, key_hash, rank_keys
+from persisting.kv.layout import MEMORY_FORMATS, Layout, token_count
 
 
 def test_string_format_matches_lmcache() -> None:
@@ -133,3 +134,30 @@ def test_hasher_validates_its_settings() -> None:
     for kwargs in ({"chunk_size": 0}, {"dtype": "float128"}, {"worker_id": -1}):
         with pytest.raises(InvalidKeyError):
             TokenHasher("m", **kwargs)
+
+
+def test_rank_keys_keep_the_string_and_change_the_worker() -> None:
+    """The eviction policy's sibling ranks come from the key format's own module: the
+    string verbatim (a hash written with leading zeros stays so), one per worker."""
+    assert rank_keys("m@2@1@00ab@half@lora%v") == [
+        "m@2@0@00ab@half@lora%v",
+        "m@2@1@00ab@half@lora%v",
+    ]
+    assert rank_keys("m@1@0@ab@half") == []
+    assert rank_keys("not a key") == []
+
+
+def test_one_key_hash_never_zero() -> None:
+    assert key_hash("m@1@0@ab@half") == key_hash("m@1@0@ab@half") != 0
+
+
+def test_token_count_follows_each_formats_token_axis() -> None:
+    """One table says each format's shape rule and token axis (the policy's miss cost)."""
+    shapes = {"KV_2LTD": (2, 4, 16, 8), "KV_2TD": (2, 16, 8), "KV_T2D": (16, 2, 8)}
+    for fmt, shape in shapes.items():
+        assert token_count(Layout(shape, "half", fmt, 2 * 16 * 64)) == 16
+    assert token_count(Layout((4, 16, 8), "half", "KV_MLA_FMT", 1024)) == 16
+    assert token_count(Layout((100,), "uint8", "binary", 100, "bytes")) == 1
+    assert all(
+        rule.token_axis is None for f, rule in MEMORY_FORMATS.items() if "BINARY" in f.upper()
+    )

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from persisting.kv import open_kv_store
-from persisting.kv.reuse import FILE_NAME, ReuseStats, key_hash
+from persisting.kv.keys import key_hash
+from persisting.kv.reuse import FILE_NAME, ReuseStats
 from tests import child_env
 from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, disk_tier, key
 
@@ -64,7 +65,7 @@ def hot_count(root: Path) -> int:
     """Sightings of chunk HOT, read in a fresh process from the namespace's file."""
     script = (
         "import sys; from persisting.kv import open_kv_store\n"
-        "from persisting.kv.reuse import key_hash\n"
+        "from persisting.kv.keys import key_hash\n"
         "from tests.kv.kv_helpers import key, disk_tier\n"
         f"s = open_kv_store(sys.argv[1], {MODEL!r}, memory_bytes=0, disk_bytes=64 << 20)\n"
         "print(disk_tier(s).index.reuse.state(key_hash(key(3).to_string()))[0])\n"

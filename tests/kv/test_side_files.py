@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from persisting.kv import KVStore, open_kv_store, recency
+from persisting.kv.keys import key_hash
 from persisting.kv.payload_files import BLOCK
 from persisting.kv.reuse import (
     FILE_NAME,
     MAX_SLOTS,
     ReuseStats,
     file_bytes,
-    key_hash,
     resized,
     slots_for,
 )
