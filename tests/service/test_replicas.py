@@ -82,7 +82,9 @@ def test_a_read_key_gets_a_second_copy_and_survives_a_member_killed(tmp_path: Pa
         procs.append(member(victim, "root1-new"))  # back on its address, with an empty disk
         ranked = sum(addrs[victim] in rank_members(str(key(i)), addrs)[:2] for i in range(N))
         back = _held(seeds, 2 * N + ranked, 3)
-        assert back[addrs[victim]]["keys"] == ranked, back
+        # at least the keys it ranks for (a survivor whose view of the members lagged while
+        # it came back may send it more: extra copies, which its budget bounds)
+        assert back[addrs[victim]]["keys"] >= ranked, back
         final = run_client("get_keys", {"seeds": seeds, "start": 0, "stop": N, "min_members": 3})
         assert final["hit"] == N and final["wrong"] == 0
         texts: list[str] = []
