@@ -14,7 +14,7 @@ from persisting.kv.layout import Layout
 from persisting.kv.policy import EvictionPolicy
 from persisting.kv.reuse import ReuseStats, slots_for
 
-#: The memory tier's reuse stats remember at least this many keys (1 MiB): reuse in real
+#: The memory tier's reuse stats remember at least this many keys (a 2 MiB table): reuse in real
 #: traces comes back after far more chunks than a small tier holds.
 MIN_MEMORY_SLOTS = 1 << 17
 

@@ -122,8 +122,17 @@ class ValueEviction(EvictionPolicy):
 
     name = "value"
     uses_reuse_stats = True
+    #: Leaves drawn per eviction. The least dense of ``k`` random leaves lies, on average,
+    #: in the least dense ``1/(k + 1)`` of them (about 3% for 32), whatever the tier's size,
+    #: for ``k`` table lookups: close to the exact minimum at a cost that does not grow with
+    #: the tier (sampled eviction, as Redis's approximated LRU/LFU).
     SAMPLES = 32
-    #: The age at which a chunk's value halves, in units of the tier's entries.
+    #: The age at which a chunk's worth halves, in tier-fulls of sightings (the tier's
+    #: entries). Under LRU a chunk lives about one tier-full of traffic after its last use;
+    #: with a half-life of two, a chunk sighted ``r`` times outranks a fresh one sighted
+    #: once until it is ``2 x (r - 1)`` tier-fulls old -- long enough to bridge reuse that
+    #: comes back after more traffic than the tier holds (where frequency beats LRU), short
+    #: enough that what was hot long ago goes.
     HALF_LIFE = 2
 
     def __init__(self, seed: int = 0) -> None:

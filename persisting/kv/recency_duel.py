@@ -37,7 +37,23 @@ class RecencyDuel:
     ``SAMPLES`` table lookups per sighting once the shadows are full.
     """
 
-    DECAY, Z_ON, Z_OFF, SAMPLES = 0.5, 1.5, 1.0, 16
+    #: How much of a window's score the next window keeps. A half makes the verdict rest
+    #: on about the last two windows (the weights sum to 2), that is on the last two
+    #: tier-fulls of sightings: the same horizon over which the density halves a chunk's
+    #: worth (``ValueEviction.HALF_LIFE``), so the duel judges frequency over the stretch
+    #: frequency itself remembers, and follows a workload that changes within a few windows.
+    DECAY = 0.5
+    #: The lead, in standard deviations of the count of runs, that turns frequency on, and
+    #: the lead of LRU that turns it off. Between the two the tier keeps what it does, so
+    #: noise around a tie does not flap it. On needs more than off because the default must
+    #: not fall behind LRU: a lead of chance alone passes 1.5 deviations in about one window
+    #: of fifteen, 1 deviation in one of six -- with nothing to learn, the tier stays LRU.
+    Z_ON, Z_OFF = 1.5, 1.0
+    #: Keys drawn per eviction in the value shadow. The least dense of ``k`` random keys
+    #: lies, on average, in the least dense ``1/(k + 1)`` of them; the shadow runs on every
+    #: sighting, and its verdict only compares two hit counts, so it takes half the policy's
+    #: draws (``ValueEviction.SAMPLES``) for half the cost.
+    SAMPLES = 16
 
     def __init__(self, seed: int = 0) -> None:
         self.weight = 0.0

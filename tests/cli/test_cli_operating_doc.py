@@ -154,3 +154,23 @@ def test_every_metric_is_documented_and_every_documented_metric_exists(
     assert len(promql) == 3
     used = set(re.findall(r"persisting_[a-z_]+", "".join(promql)))
     assert used and used <= served_names, used - served_names
+
+
+def test_every_file_a_namespace_keeps_is_in_the_files_table(tmp_path: Path) -> None:
+    """The table of a namespace's files names every entry a store leaves in its directory."""
+    text = DOC.read_text()
+    section = text[text.index("### A namespace's files") : text.index("## Figures")]
+    named = {
+        name.split("/")[0] + ("/" if "/" in name else "")
+        for row in re.findall(r"^\| (`[^|]+`) \|", section, flags=re.M)
+        for name in re.findall(r"`([^`]+)`", row)
+    }
+    root = tmp_path / "files-root"
+    with open_store(root) as store:
+        store.put(key(1), value(1))
+        store.get(key(1))
+        store.flush()
+    (namespace,) = (d for d in (root / "kv").iterdir() if not d.name.startswith("."))
+    found = {e.name + ("/" if e.is_dir() else "") for e in namespace.iterdir()}
+    assert found, "the store left nothing to check"
+    assert found <= named, found - named
