@@ -23,7 +23,9 @@ it saw in the output, written after every step):
 - ``{"action": "store", "seed": 1, "count": 16, "jobs": 2}``: chunks ``seed:0..count-1``
   stored into the CPU tier as ``jobs`` requests (with ``"one_request": true``, as ``jobs``
   steps of one request: a prompt's chunks in order) and cascaded to the tiers; waits for
-  every cascade; records the seconds from the first cascade to the last one finished;
+  every cascade; records the seconds from the first cascade to the last one finished (with
+  ``"sync": true`` also ``synced_seconds``: until ``os.sync()`` returned after that, the
+  bytes on the disk);
 - ``{"action": "promote", "seed": 1, "count": 16, "jobs": 2}``: looks the chunks up (new
   requests) until each is a hit in the CPU tier (promoted) or a miss; records which, the
   seconds, and whether every hit's row holds exactly the bytes stored;
@@ -152,7 +154,9 @@ class Driver:
             self._step()
             time.sleep(0.0005)
 
-    def store(self, seed: int, count: int, jobs: int, one_request: bool) -> dict[str, Any]:
+    def store(
+        self, seed: int, count: int, jobs: int, one_request: bool, sync: bool = False
+    ) -> dict[str, Any]:
         from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
         batches: list[tuple[Any, list[bytes]]] = []
@@ -177,10 +181,14 @@ class Driver:
             self.manager.complete_store(stored, context)  # the cascade starts here
         self._drain()
         seconds = time.perf_counter() - start
+        out = {"seconds": seconds, "bytes": count * self.slot * self.world}
+        if sync:  # every row free again above; here every byte on the disk
+            os.sync()
+            out["synced_seconds"] = time.perf_counter() - start
         for context in {id(c): c for c, _stored in batches}.values():
             self.manager.on_request_finished(context)
         self._drain()
-        return {"seconds": seconds, "bytes": count * self.slot * self.world}
+        return out
 
     def promote(self, seed: int, count: int, jobs: int) -> dict[str, Any]:
         from vllm.v1.kv_offload.base import LookupResult
@@ -313,7 +321,11 @@ def run_step(driver: Driver, step: dict[str, Any]) -> dict[str, Any]:
     action = step["action"]
     if action == "store":
         return driver.store(
-            step["seed"], step["count"], step.get("jobs", 1), step.get("one_request", False)
+            step["seed"],
+            step["count"],
+            step.get("jobs", 1),
+            step.get("one_request", False),
+            step.get("sync", False),
         )
     if action == "promote":
         return driver.promote(step["seed"], step["count"], step.get("jobs", 1))

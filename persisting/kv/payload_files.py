@@ -236,7 +236,7 @@ class PayloadFiles:
         With ``pause`` the payload is written in pieces with ``pause()`` called before each,
         and before the fsync (which pushes the file to the disk, as costly beside reads as
         the writes themselves). With :attr:`direct`, a hashed payload whose memory and size
-        O_DIRECT takes is hashed first and written with O_DIRECT in one piece."""
+        O_DIRECT takes is hashed first and written with its header, O_DIRECT, in one call."""
         try:
             digest = None
             if (
@@ -247,11 +247,12 @@ class PayloadFiles:
             ):
                 if pause is not None:
                     pause()
-                digest = direct_io.write_hashed(pending.tmp, payload, HEADER_BYTES)
+                digest = direct_io.write_hashed(
+                    pending.tmp, payload, HEADER_BYTES, functools.partial(self._head, header)
+                )  # header and payload in one O_DIRECT write
                 self.direct = digest is not None  # refused: not tried again
             if digest is not None:
                 header = dataclasses.replace(header, checksum=digest)
-                _write_all(pending.fd, [header.encode(self.keys.sealing)], offset=0)
             elif hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
@@ -269,6 +270,9 @@ class PayloadFiles:
             self.abort(pending)
             raise _io_error(f"writing {pending.final.name} failed", exc) from exc
         return header
+
+    def _head(self, header: FileHeader, checksum: int) -> bytes:
+        return dataclasses.replace(header, checksum=checksum).encode(self.keys.sealing)
 
     def write_batch(
         self,

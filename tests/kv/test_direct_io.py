@@ -8,8 +8,11 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
+import xxhash
 
 from persisting.kv import KVStore, direct_io, open_kv_store
+from persisting.kv.file_header import HEADER_BYTES, FileHeader
 
 MODEL = "vllm.direct.0123456789abcdef"
 
@@ -56,3 +59,21 @@ def test_a_damaged_direct_payload_is_a_miss(tmp_path: Path) -> None:
         assert store.get_into(key(3), aligned_buffer(64 << 10, 0)) is None
         assert not store.contains(key(3))  # dropped, counted
         assert store.stats()["corruptions"] == 1
+
+
+def test_the_header_goes_with_the_payload_in_one_direct_write(tmp_path: Path) -> None:
+    """A direct payload's header is written by the same O_DIRECT call, never left a dirty
+    page of its own for the next flush; it names the key and the payload's checksum."""
+    path = tmp_path / "f"
+    path.touch()
+    payload = aligned_buffer(64 << 10, 5)
+    assert direct_io.write(path, payload, 4096, head=b"h" * 4096)
+    assert path.read_bytes() == b"h" * 4096 + bytes(payload)
+    with pytest.raises(ValueError):
+        direct_io.write(path, payload, 4096, head=b"h" * 100)
+    with store_of(tmp_path / "root") as store:
+        store.put(key(4), payload, fmt="binary", check_shape=False)
+    (kv,) = (tmp_path / "root").rglob("*.kv")
+    header = FileHeader.decode(kv.read_bytes()[:HEADER_BYTES], None)
+    assert header.key == key(4)
+    assert header.checksum == xxhash.xxh3_64_intdigest(payload)
