@@ -1,7 +1,7 @@
 """Whether the ``value`` policy's duel earns its keep, on traces it was not tuned on.
 
     .venv/bin/python benchmarks/duel_bench.py [--trace conversation_trace.jsonl ...] \\
-        [--generated] [--sizes 1000,3000,10000] [--json out.json]
+        [--generated] [--sizes 1000,3000] [--json out.json]
 
 The duel (:class:`~persisting.kv.recency_duel.RecencyDuel`) decides per tier whether the
 ``value`` policy weighs frequency (``always``) or evicts the oldest leaf (``never``). For
@@ -13,7 +13,7 @@ keep where it is at least LRU and near the better of the two fixed choices on ev
 ``--trace`` replays Mooncake-format traces (the duel's constants were chosen on Mooncake's
 two public ones). ``--generated`` replays workloads made by ``persisting.bench.trace``'s
 generator, which the constants never saw: Zipf-popular documents of 8 blocks with a unique
-1-block suffix each, 20,000 requests, popularity fixed (``zipf``: frequency predicts reuse), uniform
+1-block suffix each, 10,000 requests, popularity fixed (``zipf``: frequency predicts reuse), uniform
 (``uniform``: it predicts nothing) or moving to 200 new documents every 500 requests
 (``bursty``: a document's count says how hot it was, not that it will come back).
 """
@@ -81,7 +81,7 @@ def blocks_of(request: TraceRequest) -> tuple[int, ...]:
 
 
 def generated() -> list[tuple[str, Requests]]:
-    """The held-out workloads, 20,000 requests each (see the module's docstring)."""
+    """The held-out workloads, 10,000 requests each (see the module's docstring)."""
     doc_tokens = 8 * BLOCK_TOKENS
 
     def spec(requests: int, documents: int, zipf_s: float, seed: int) -> TraceSpec:
@@ -94,10 +94,10 @@ def generated() -> list[tuple[str, Requests]]:
             seed=seed,
         )
 
-    zipf = generate_trace(spec(20_000, 2000, 0.9, 7))
-    uniform = generate_trace(spec(20_000, 2000, 0.0, 8))
+    zipf = generate_trace(spec(10_000, 2000, 0.9, 7))
+    uniform = generate_trace(spec(10_000, 2000, 0.0, 8))
     bursty: Requests = []
-    for phase in range(40):  # each stretch of 500 requests draws from documents of its own
+    for phase in range(20):  # each stretch of 500 requests draws from documents of its own
         for request in generate_trace(spec(500, 200, 0.9, 100 + phase)).requests:
             doc = Segment(f"doc-{phase}-{request.meta['doc']}", doc_tokens)
             segments = (doc, request.segments[1])
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, action="append", default=[])
     parser.add_argument("--generated", action="store_true")
-    parser.add_argument("--sizes", default="1000,3000,10000")
+    parser.add_argument("--sizes", default="1000,3000")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
