@@ -26,7 +26,15 @@ from typing import Any
 import pytest
 
 from persisting.integrations.vllm.settings import tiering_config
-from tests.engines.engine_helpers import BLOCK, Tiering, build_model, run_engine, step
+from tests.engines.engine_helpers import (
+    BLOCK,
+    Tiering,
+    build_model,
+    free_port,
+    run_engine,
+    scraped,
+    step,
+)
 from tests.netns import Hosts, netns_available
 from tests.service.service_helpers import REPO, kill_group, server_env, spawn, wait_for_log
 from tests.sglang.sglang_helpers import page_keys, run_kit
@@ -154,15 +162,19 @@ def _lmcache(fleet: Fleet, host: int, mode: str) -> dict[str, Any]:
 
 
 def _vllm(fleet: Fleet, model: Path, name: str, host: int, *, wait: bool = False) -> Any:
+    """The prompt's step, with the connector's counters: the scheduler's (its lookups) and
+    the worker's (its loads and stores), scraped from their metrics ports on the host."""
     prompt = {"name": "prompt", "prompt": [PROMPT_TOKENS, 1], "max_tokens": 8}
     steps: list[dict[str, Any]] = [prompt]
     if wait:  # stores land after the request: wait for them on the members' disks
         steps.append({"action": "wait_files", "dir": str(fleet.roots), "count": BLOCKS})
+    port = free_port()
+    steps += [{"action": "scrape", "url": f"http://127.0.0.1:{port + i}/metrics"} for i in (0, 1)]
+    extra = {"cluster": fleet.cluster(), "refresh_interval_s": 0.5, "metrics_port": port}
     plan = {"model": str(model), "max_model_len": 2048,
-            "connector": {"kind": "persisting",
-                          "extra": {"cluster": fleet.cluster(), "refresh_interval_s": 0.5}},
-            "steps": steps}  # fmt: skip
-    return step(run_engine(plan, fleet.work, name, on_host=fleet.on(host)), "prompt")
+            "connector": {"kind": "persisting", "extra": extra}, "steps": steps}  # fmt: skip
+    result = run_engine(plan, fleet.work, name, on_host=fleet.on(host))
+    return {**step(result, "prompt"), "scheduler": scraped(result, 0), "worker": scraped(result, 1)}
 
 
 # -- the scenario -------------------------------------------------------------------------------
@@ -260,8 +272,13 @@ def test_a_vllm_engine_reuses_a_prompt_stored_on_another_host_even_after_a_loss(
 ) -> None:
     first, second, third = (seen[f"vllm {n}"] for n in ("first", "second", "third"))
     assert first["cached"] == 0
+    assert first["worker"]["persisting_vllm_blocks_stored_total"] == BLOCKS
+    assert first["worker"]["persisting_vllm_store_errors_total"] == 0
     for later in (second, third):
         assert later["cached"] >= 0.9 * PROMPT_TOKENS and later["ids"] == first["ids"], later
+        assert later["scheduler"]["persisting_vllm_lookup_hits_total"] >= BLOCKS
+        assert later["worker"]["persisting_vllm_blocks_loaded_total"] >= BLOCKS
+        assert later["worker"]["persisting_vllm_load_errors_total"] == 0
     assert "Traceback" not in seen["vllm third log"], seen["vllm third log"][-4000:]
 
 
