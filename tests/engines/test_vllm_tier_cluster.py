@@ -22,6 +22,7 @@ from persisting.integrations.vllm.settings import tiering_config
 from tests.engines.cluster_helpers import cluster_member
 from tests.engines.engine_helpers import VLLM_VERSIONS, Tiering
 from tests.service.service_helpers import kill_group
+from tests.timing import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -100,10 +101,6 @@ def test_chunks_move_between_engines_through_a_cluster_and_a_lost_member_is_miss
 
 
 def _wait_for(marker: Path, proc: Tiering, timeout_s: float = 300) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not marker.exists():
-        if proc.proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"b never got ready:\n{proc._tail()}")
-        time.sleep(0.05)
+    wait_until(lambda: marker.exists() or proc.proc.poll() is not None, "b ready", timeout_s)
+    if not marker.exists():
+        raise AssertionError(f"b never got ready:\n{proc._tail()}")

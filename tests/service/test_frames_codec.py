@@ -148,10 +148,12 @@ def test_server_and_client_connections_decode_the_same_stream(
 
         def serve() -> None:
             deadline = time.monotonic() + 10
-            assert server.recv_frame(deadline) == {"op": "put"}
+            frame = server.recv_frame(deadline)
             out = bytearray(len(payload))
             digest = server.recv_payload(memoryview(out), deadline)
-            assert digest == server.recv_checksum(deadline) and out == payload
+            checksum = server.recv_checksum(deadline)
+            assert frame == {"op": "put"}
+            assert digest == checksum and out == payload
             server.send_frame({"results": [digest]}, deadline)
 
         await asyncio.to_thread(serve)

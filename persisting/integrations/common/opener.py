@@ -59,9 +59,9 @@ def open_local(
     )
 
 
-def connect_cluster(cluster: ClusterSettings, namespace: str) -> Any:
-    """A :class:`~persisting.service.SyncKVCacheClient` of ``namespace`` in ``cluster``
-    (a ConfigError when the engine's environment lacks the ``service`` extra)."""
+def service_client() -> Any:
+    """The service's :class:`~persisting.service.SyncKVCacheClient` class (a ConfigError
+    when the engine's environment lacks the ``service`` extra)."""
     try:
         from persisting.service import SyncKVCacheClient
     except ImportError as exc:
@@ -69,8 +69,13 @@ def connect_cluster(cluster: ClusterSettings, namespace: str) -> Any:
             f"the cluster key needs Persisting's service extra in the engine's environment "
             f"(pip install 'persisting[service]'): {exc}"
         ) from exc
+    return SyncKVCacheClient
 
-    return SyncKVCacheClient.connect(
+
+def connect_cluster(cluster: ClusterSettings, namespace: str) -> Any:
+    """A :class:`~persisting.service.SyncKVCacheClient` of ``namespace`` in ``cluster``
+    (a ConfigError when the engine's environment lacks the ``service`` extra)."""
+    return service_client().connect(
         seeds=cluster.seeds, name=cluster.name, model=namespace, passphrase=cluster.passphrase()
     )
 
@@ -94,6 +99,7 @@ def open_engine_store(
         from persisting.integrations.common.cluster import ClusterStore, Reconnecting
 
         cluster = settings.cluster
+        service_client()  # a missing extra is said at start, whether a member answers or not
         if reconnect:
             return Reconnecting.open(
                 namespace, lambda: connect_cluster(cluster, namespace), seeds=cluster.seeds
