@@ -225,7 +225,7 @@ class PersistingTier(SecondaryTierManager):
         if not items:
             self._finish_store(tracker)
             return
-        for part in _parts(range(len(items)), self._store_spread()):
+        for part in _parts(range(len(items)), self._spread):
             chosen = [items[i] for i in part]
             run = functools.partial(self._store, tracker, chosen)
             self._submit(run, tracker, len(part), claimed=[t for t, _c, _p in chosen])
@@ -272,19 +272,6 @@ class PersistingTier(SecondaryTierManager):
         """Parts a job is cut into: one per I/O thread on a local root; one on a cluster
         (its one batch asks each member holding some of its chunks once)."""
         return 1 if self.remote is not None else self.settings.io_threads
-
-    def _store_spread(self) -> int:
-        """Parts a store job is cut into: as many as the I/O threads left idle, at least
-        one. A part is one batch (one reservation under the directory's usage lock, its
-        files created there): a job cut into a part per chunk while others wait would turn
-        the lock into the queue. A lone job still has every thread; a burst of jobs has
-        one part each once the threads are busy, written one file after another as vLLM's
-        fs tier writes a job (which keeps as many writes in flight as there are threads)."""
-        if self.remote is not None:
-            return 1
-        with self._lock:
-            busy = len(self._running)
-        return max(1, self.settings.io_threads - busy)
 
     # -- on the tier's threads ------------------------------------------------------------
 
