@@ -440,11 +440,12 @@ class Cluster:
         tried: list[set[str]] = [set() for _ in keys]
         answered = [False] * len(keys)
         pending = list(range(len(keys)))
-        for _ in range(self.replicas + len(self.members) + 1):
+        replicas = self.replicas  # read from every member's hello: once per call, not per key
+        for _ in range(replicas + len(self.members) + 1):
             live = self.live()
             groups: dict[str, list[int]] = {}
             for i in pending:
-                holders = rank_members(keys[i], live)[: self.replicas]
+                holders = rank_members(keys[i], live)[:replicas]
                 untried = [m for m in holders if m not in tried[i]]
                 for member in untried if together else untried[:1]:
                     tried[i].add(member)
