@@ -49,7 +49,7 @@ from actors.system import (
 from persisting.config import PersistingSettings
 from persisting.errors import ConfigError
 from persisting.kv import KVStore
-from persisting.kv.model_identity import weights_namespace
+from persisting.kv.namespace.identity import weights_namespace
 from persisting.kv.options import validate_model
 from persisting.lance_store import validate_name
 from persisting.metrics import KVMetrics, MetricsServer

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from persisting.kv import ChunkKey, open_kv_store
-from persisting.kv.payload_files import HEADER_BYTES
+from persisting.kv.disk.payload_files import HEADER_BYTES
 
 MODEL = "bench/cold"
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cold_reads import drop_cache, pread_into, settle
 
 from persisting.kv import ChunkKey, open_kv_store
-from persisting.kv.payload_files import HEADER_BYTES
+from persisting.kv.disk.payload_files import HEADER_BYTES
 
 MODEL = "bench/device"
 MiB = 1 << 20

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/duel_bench.py [--trace conversation_trace.jsonl ...] \\
         [--generated] [--sizes 1000,3000] [--json out.json]
 
-The duel (:class:`~persisting.kv.recency_duel.RecencyDuel`) decides per tier whether the
+The duel (:class:`~persisting.kv.eviction.duel.RecencyDuel`) decides per tier whether the
 ``value`` policy weighs frequency (``always``) or evicts the oldest leaf (``never``). For
 each workload and capacity in blocks this prints the token hit ratio of LRU, of ``value``
 with frequency fixed off and fixed on, and of ``value`` with the duel choosing -- the tier
@@ -33,7 +33,7 @@ import xxhash
 from persisting.bench.mooncake import read_mooncake
 from persisting.bench.simulate import lru_run, policy_run
 from persisting.bench.trace import Segment, TraceRequest, TraceSpec, generate_trace
-from persisting.kv.recency_duel import RecencyDuel
+from persisting.kv.eviction.duel import RecencyDuel
 
 BLOCK_TOKENS = 512
 Requests = list[tuple[int, ...]]

@@ -53,7 +53,7 @@ from persisting.integrations.transformers import (
     save_prefix,
 )
 from persisting.kv import KVStore, TokenHasher, open_kv_store
-from persisting.kv.load_plan import HitChunk, TierBandwidth
+from persisting.kv.paths.load_plan import HitChunk, TierBandwidth
 
 GiB = 1 << 30
 

@@ -91,7 +91,7 @@ def size_bytes(value: Any, name: str = "size", *, positive: bool = False) -> int
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 KVDurability = Literal["sync", "async", "write_back"]
-#: The eviction policies (``persisting.kv.policy``), and the one every deployment kind uses
+#: The eviction policies (``persisting.kv.eviction.policy``), and the one every deployment kind uses
 #: unless told otherwise: it keeps what will be reused (docs/operating.md#eviction).
 Eviction = Literal["lru", "prefix", "value"]
 DEFAULT_EVICTION: Eviction = "value"

@@ -14,8 +14,8 @@ from persisting.integrations.lmcache.settings import l2_params, settings_from_ex
 from persisting.integrations.sglang.settings import storage_settings
 from persisting.integrations.vllm.settings import connector_settings
 from persisting.kv import open_kv_store
-from persisting.kv.policy import LRUEviction, PrefixAwareEviction, ValueEviction
-from persisting.kv.reuse import FILE_NAME
+from persisting.kv.eviction.policy import LRUEviction, PrefixAwareEviction, ValueEviction
+from persisting.kv.eviction.reuse import FILE_NAME
 from tests.kv.kv_helpers import disk_tier, memory_tier
 
 POLICIES = {"value": ValueEviction, "lru": LRUEviction, "prefix": PrefixAwareEviction}

@@ -33,7 +33,7 @@ class ModelInfo:
     #: The disk capacity its last writer configured (None: no writer recorded one).
     capacity: int | None = None
     #: What it holds in words, as its writers recorded it (engine, model, dtype, block
-    #: size, layout, weights: see :mod:`persisting.kv.namespace_record`).
+    #: size, layout, weights: see :mod:`persisting.kv.namespace.record`).
     describe: dict[str, Any] = field(default_factory=dict)
     #: Payload files the namespace's stores could not verify, set aside (never served).
     quarantined_files: int = 0
@@ -75,9 +75,9 @@ class RootInfo:
 
 def inspect_model(store: StorageRoot, model: str) -> ModelInfo:
     """Count a model's payload files and describe its metadata table, changing nothing."""
-    from persisting.kv.namespace_record import read_record
-    from persisting.kv.payload_files import scan_payload
-    from persisting.kv.quarantine import Quarantine
+    from persisting.kv.disk.payload_files import scan_payload
+    from persisting.kv.disk.quarantine import Quarantine
+    from persisting.kv.namespace.record import read_record
 
     path = store.kv_path(model)
     chunks = sum(1 for _ in scan_payload(path))

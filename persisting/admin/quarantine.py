@@ -1,7 +1,7 @@
 """``persisting quarantine``: what a namespace set aside, adding a key, deleting it.
 
 A store moves the payload files it cannot verify into ``<namespace>/quarantine/``
-(:mod:`persisting.kv.quarantine`) and never deletes them: one whose root key was lost or
+(:mod:`persisting.kv.disk.quarantine`) and never deletes them: one whose root key was lost or
 left behind by a copy comes back at the next open once its key is among the root's
 (``--add-key``), and only the operator deletes the rest.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from persisting.errors import ConfigError
-from persisting.kv.quarantine import Quarantine
+from persisting.kv.disk.quarantine import Quarantine
 from persisting.lance_store import StorageRoot
 from persisting.lance_store.root_keys import SECRET_BYTES, RootKeys
 

@@ -50,7 +50,7 @@ class ModelFigures:
     #: last status), when one claimed it (see :mod:`persisting.lance_store.ownership`).
     owner: dict[str, Any] | None = None
     #: What the namespace holds in words, as its writers recorded it (engine, model,
-    #: dtype, block size, layout, weights; see :mod:`persisting.kv.namespace_record`).
+    #: dtype, block size, layout, weights; see :mod:`persisting.kv.namespace.record`).
     describe: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,12 +92,12 @@ def figures_from_stats(model: str, stats: dict[str, Any]) -> ModelFigures:
 
 
 def model_stats(store: StorageRoot, model: str) -> ModelFigures:
-    """``model``'s stored figures, read from its files (:mod:`persisting.kv.survey`):
+    """``model``'s stored figures, read from its files (:mod:`persisting.kv.namespace.survey`):
     nothing is opened for writing, evicted or rewritten, whatever this process's settings
     say. Its capacity is the one its writers recorded. Traffic counters live in the
     processes serving it: scrape them (``--metrics-url``) for those."""
-    from persisting.kv.namespace_record import read_record
-    from persisting.kv.survey import namespace_figures
+    from persisting.kv.namespace.record import read_record
+    from persisting.kv.namespace.survey import namespace_figures
 
     directory = store.kv_path(model)
     described = read_record(directory)

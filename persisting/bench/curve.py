@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from persisting.bench.simulate import Requests, run
-from persisting.kv.payload_files import file_size
+from persisting.kv.disk.payload_files import file_size
 from persisting.planner.ttft import TtftModel
 
 

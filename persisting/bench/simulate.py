@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from persisting.kv.eviction.policy import eviction_policy
 from persisting.kv.layout import Layout
 from persisting.kv.memory_tier import MemoryTier
-from persisting.kv.policy import eviction_policy
 
 Requests = Sequence[Sequence[Hashable]]
 #: The reference policies, and the store's (any eviction policy name).

@@ -99,7 +99,7 @@ def shortfall_of(replay_in: ReplayInput, kv: KVSettings, root: Path | None) -> s
     """Why this replay cannot run through a real store here (None when it can): the
     memory budget is mapped whole, the disk holds at most the trace's distinct blocks."""
     from persisting.bench.compare import machine_shortfall
-    from persisting.kv.payload_files import file_size
+    from persisting.kv.disk.payload_files import file_size
 
     options = replay_in.options
     blocks = replay_in.blocks.distinct_blocks()

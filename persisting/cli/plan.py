@@ -221,7 +221,7 @@ def plan_trace(
     """The hit ratio against capacity for the trace at ``path``; ``fields`` are the other
     flags (the model, TP, the budgets, the prefill rate and read bandwidth)."""
     from persisting.bench.curve import blocks_in, default_capacities, hit_curve
-    from persisting.kv.policy import eviction_policy
+    from persisting.kv.eviction.policy import eviction_policy
 
     if plot is not None:
         output_file(plot, "--plot")

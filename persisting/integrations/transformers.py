@@ -305,7 +305,7 @@ def load_prefix(
 ) -> tuple[int, Any]:
     """Restore the longest stored prefix of ``tokens`` (at most ``max_tokens``, e.g. one
     less than the prompt so the model has a token left to compute, or what
-    :func:`~persisting.kv.load_plan.plan_load` says is worth loading).
+    :func:`~persisting.kv.paths.load_plan.plan_load` says is worth loading).
 
     Returns ``(n_tokens, cache)``: the KV of the first ``n_tokens`` tokens in ``cache`` (a
     new ``DynamicCache`` unless one is given) on ``device``. A chunk that turns out to be

@@ -4,16 +4,16 @@ Nothing here imports Pulsing, the service, the plugin or the CLI.
 """
 
 from persisting.kv.api import AsyncKVApi, KVApi
-from persisting.kv.disk_tier import Location
-from persisting.kv.keys import ChunkKey, LayerChunkKey, TokenHasher, key_string, parse_key
-from persisting.kv.layout import MEMORY_FORMATS, Gathered, Layout
-from persisting.kv.policy import (
+from persisting.kv.disk.tier import Location
+from persisting.kv.eviction.policy import (
     AdmissionPolicy,
     EvictionPolicy,
     LRUEviction,
     PrefixAwareEviction,
     SecondSightingAdmit,
 )
+from persisting.kv.keys import ChunkKey, LayerChunkKey, TokenHasher, key_string, parse_key
+from persisting.kv.layout import MEMORY_FORMATS, Gathered, Layout
 from persisting.kv.store import KVStore, PutResult, SharedLocation, Tier, open_kv_store
 
 __all__ = [

@@ -39,8 +39,8 @@ import numpy as np
 
 from persisting.kv.keys import TokenHasher
 from persisting.kv.layout import Layout
-from persisting.kv.puts import PutResult
-from persisting.kv.tiers import KeyLike
+from persisting.kv.paths.puts import PutResult
+from persisting.kv.paths.tiers import KeyLike
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -7,9 +7,9 @@ start, which is what a prefix lookup can use (a suffix whose prefix is gone neve
 The leaves are kept two ways, each O(1) to maintain: in least-recently-used order (the
 ``prefix`` policy takes the oldest) and in a list the ``value`` policy samples at random.
 
-With :class:`~persisting.kv.reuse.ReuseStats` attached, the index reports every sighting
+With :class:`~persisting.kv.eviction.reuse.ReuseStats` attached, the index reports every sighting
 of a key -- an entry added by a put or a read that finds it (``get(touch=True)``) -- to
-them and to its :class:`~persisting.kv.recency_duel.RecencyDuel`, so they count uses, not copies:
+them and to its :class:`~persisting.kv.eviction.duel.RecencyDuel`, so they count uses, not copies:
 loading what is already stored (on open, or files another process wrote) passes
 ``sighting=False``.
 """
@@ -22,10 +22,10 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from persisting.kv.eviction.duel import RecencyDuel
+from persisting.kv.eviction.reuse import TICK_MASK, ReuseStats
 from persisting.kv.keys import key_hash
 from persisting.kv.layout import Layout
-from persisting.kv.recency_duel import RecencyDuel
-from persisting.kv.reuse import TICK_MASK, ReuseStats
 
 
 class Entry:

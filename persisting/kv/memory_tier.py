@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from persisting.kv.eviction.policy import EvictionPolicy
+from persisting.kv.eviction.reuse import ReuseStats, slots_for
 from persisting.kv.index import LruIndex, MemoryEntry
 from persisting.kv.layout import Layout
-from persisting.kv.policy import EvictionPolicy
-from persisting.kv.reuse import ReuseStats, slots_for
 
 #: The memory tier's reuse stats remember at least this many keys (a 2 MiB table): reuse in real
 #: traces comes back after far more chunks than a small tier holds.

@@ -1,10 +1,10 @@
 """KVStore: the facade over a model's memory and disk tiers, with LMCache-like semantics.
 
 The store checks it is open, turns keys into their text and composes the modules that do
-the work: :mod:`~persisting.kv.tiers` (the tiers, their lock, and what spans both:
-membership, pins, leases, figures), :mod:`~persisting.kv.puts` (puts in each completion
-mode, and removal, which cancels them), :mod:`~persisting.kv.reads` (gets) and
-:mod:`~persisting.kv.lookups` (prefix and token lookups, load plans). The order of the
+the work: :mod:`~persisting.kv.paths.tiers` (the tiers, their lock, and what spans both:
+membership, pins, leases, figures), :mod:`~persisting.kv.paths.puts` (puts in each completion
+mode, and removal, which cancels them), :mod:`~persisting.kv.paths.reads` (gets) and
+:mod:`~persisting.kv.paths.lookups` (prefix and token lookups, load plans). The order of the
 locks underneath is written in :mod:`~persisting.kv.lock_order`.
 
 Content-addressed keys never change value: putting an existing key is a no-op success.
@@ -27,25 +27,25 @@ from persisting.cuda import DEFAULT_STAGING_BYTES
 from persisting.errors import StoreClosedError
 from persisting.kv import at_exit
 from persisting.kv.api import KVApi, in_thread
-from persisting.kv.disk_tier import EvictionListener, Location
-from persisting.kv.keys import HashScheme, TokenHasher
-from persisting.kv.keys import key_dtype as key_dtype_name
-from persisting.kv.layout import Layout
-from persisting.kv.leases import Clock
-from persisting.kv.load_plan import LoadPlan, TierBandwidth
-from persisting.kv.lookups import Lookups
-from persisting.kv.options import SETTINGS_OPTIONS, check_options
-from persisting.kv.policy import (
+from persisting.kv.disk.tier import EvictionListener, Location
+from persisting.kv.disk.write_behind import LAG_S, MAX_BYTES, Bounds
+from persisting.kv.eviction.policy import (
     AdmissionPolicy,
     EvictionPolicy,
     admission_policy,
     eviction_policy,
 )
-from persisting.kv.puts import Durability, OnComplete, PutResult, Tier, Writes
-from persisting.kv.reads import MemoryPayload, Reads, SharedLocation
+from persisting.kv.keys import HashScheme, TokenHasher
+from persisting.kv.keys import key_dtype as key_dtype_name
+from persisting.kv.layout import Layout
+from persisting.kv.options import SETTINGS_OPTIONS, check_options
+from persisting.kv.paths.leases import Clock
+from persisting.kv.paths.load_plan import LoadPlan, TierBandwidth
+from persisting.kv.paths.lookups import Lookups
+from persisting.kv.paths.puts import Durability, OnComplete, PutResult, Tier, Writes
+from persisting.kv.paths.reads import MemoryPayload, Reads, SharedLocation
+from persisting.kv.paths.tiers import KeyLike, PoolFile, Tiers
 from persisting.kv.stats import StoreStats
-from persisting.kv.tiers import KeyLike, PoolFile, Tiers
-from persisting.kv.write_behind import LAG_S, MAX_BYTES, Bounds
 from persisting.lance_store import StorageRoot
 from persisting.shm import RecycledBuffers
 
@@ -67,11 +67,11 @@ class KVStore(KVApi):
       all processes sharing it (0: no disk tier, nothing persists).
     - ``durability``: when a put completes: ``"sync"`` (on disk), ``"async"`` (in memory,
       written behind) or ``"write_back"`` (written when evicted); see
-      :mod:`persisting.kv.puts`. The last two need a memory tier.
+      :mod:`persisting.kv.paths.puts`. The last two need a memory tier.
     - ``eviction``: ``"value"`` (default: keeps what will be reused), ``"lru"``, ``"prefix"``
-      (chain suffixes first) or an :class:`~persisting.kv.policy.EvictionPolicy`; both tiers.
+      (chain suffixes first) or an ``EvictionPolicy`` (``kv/eviction/policy.py``); both tiers.
     - ``admission``: which puts go to disk: ``"always"``, ``"second_sighting"`` or an
-      :class:`~persisting.kv.policy.AdmissionPolicy`.
+      :class:`~persisting.kv.eviction.policy.AdmissionPolicy`.
     - ``max_value_bytes``: the largest value a put takes (default: the larger tier).
     - ``chunk_size``, ``hash_scheme``, ``key_dtype``: how token lookups hash token ids by
       default (tokens per chunk, ``"persisting"`` or LMCache's scheme, the key dtype in
@@ -89,13 +89,13 @@ class KVStore(KVApi):
     - ``pinned_memory``: ``"auto"``, ``"on"`` or ``"off"``: the memory tier and staging
       ring in page-locked memory where CUDA is (see :mod:`persisting.cuda`).
     - ``pinned_staging_bytes``: the pinned staging ring for device reads and writes.
-    - ``write_behind_lag_s``, ``write_behind_bytes``, ``clock``: :mod:`~persisting.kv.write_behind`.
+    - ``write_behind_lag_s``, ``write_behind_bytes``, ``clock``: ``kv/disk/write_behind.py``.
     - ``namespace``: the directory under ``<root>/kv/`` to keep the chunks in, when it is
       not the model's own (one per weights version of a model: see
-      :func:`~persisting.kv.model_identity.weights_namespace`); keys still name ``model``.
+      :func:`~persisting.kv.namespace.identity.weights_namespace`); keys still name ``model``.
     - ``describe``: what this namespace holds, in words an operator reads in ``persisting
       inspect`` (engine, model, dtype, block size, layout, the weights' identity; JSON),
-      recorded with the configured disk capacity (:mod:`~persisting.kv.namespace_record`).
+      recorded with the configured disk capacity (:mod:`~persisting.kv.namespace.record`).
     """
 
     def __init__(
@@ -206,7 +206,7 @@ class KVStore(KVApi):
         on_complete: OnComplete | None = None,
         check_shape: bool = True,
     ) -> PutResult:
-        """Store one value; see :mod:`persisting.kv.puts` for what completion means per mode."""
+        """Store one value; :mod:`persisting.kv.paths.puts` says what completion means."""
         return self.batched_put(
             [key],
             [value],
@@ -331,7 +331,7 @@ class KVStore(KVApi):
 
     def memory_payload(self, key: KeyLike, *, expect: Layout | None = None) -> MemoryPayload | None:
         """A memory-tier value's own buffer and stored checksum, for a server to send from
-        without copying (see :class:`~persisting.kv.reads.MemoryPayload`); None when it is
+        without copying (see :class:`~persisting.kv.paths.reads.MemoryPayload`); None when it is
         not in memory or is laid out differently from ``expect``. Counts a memory hit."""
         self._check_open()
         return self._reads.memory_payload(key, expect)
@@ -423,7 +423,7 @@ class KVStore(KVApi):
         Each hit chunk costs its bytes over the read bandwidth its tier achieved lately
         (:attr:`bandwidth`; a tier never read yet counts as free) and saves its tokens'
         prefill; the plan loads the prefix that saves the most (see
-        :mod:`persisting.kv.load_plan`). A disk hit slower than recomputing is not loaded
+        :mod:`persisting.kv.paths.load_plan`). A disk hit slower than recomputing is not loaded
         unless faster chunks after it pay for it. Counts ``load_plan_load_tokens`` and
         ``load_plan_recompute_tokens`` (and ``_chunks``) in :attr:`op_stats`.
         """

@@ -63,7 +63,7 @@ def hold_namespace(directory: Path, make_dir: Callable[[], object]) -> Namespace
 
 def _mark_held(fd: int) -> None:
     """Set the lock file's mtime to now: when the namespace was last held (an idle
-    namespace's grace period counts from it, see :mod:`persisting.kv.root_budget`)."""
+    namespace's grace period counts from it, see :mod:`persisting.kv.budget.root`)."""
     with contextlib.suppress(OSError):
         os.utime(fd)
 

@@ -104,7 +104,7 @@ class StorageRoot:
         """The keys that seal what the root's stores write (see
         :mod:`~persisting.lance_store.root_keys`): the current one made on first use. A
         payload file whose header is sealed with none of them was not written by a store of
-        this root, and is never served (:mod:`persisting.kv.payload_files`)."""
+        this root, and is never served (:mod:`persisting.kv.disk.payload_files`)."""
         self.make_private_root()
         make_dir(self.root / KV_DIR, self.modes)
         check_private(self.root / KV_DIR, "the KV directory")

@@ -1,7 +1,7 @@
 """The keys that seal what a storage root's KV stores write.
 
 A payload file's header is sealed with an HMAC under a key of its root (see
-:mod:`persisting.kv.file_header`): a file whose seal verifies under none of the root's keys
+:mod:`persisting.kv.disk.file_header`): a file whose seal verifies under none of the root's keys
 was planted or copied in from elsewhere, and is never served. The keys live under ``kv/``:
 
 ``kv/.secret``

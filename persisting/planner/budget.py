@@ -19,7 +19,7 @@ from persisting.planner.models import USUAL_HEAD_DIMS, find_gpu, prefill_flops_p
 Unit = Literal["bytes", "bytes/s", "count", "count/s", "ratio", "share", "ms", "text"]
 
 #: Persisting's payload files: a 4 KiB header, then the payload in 4 KiB blocks (the
-#: format's block, ``persisting.kv.payload_files``; a test keeps the two equal).
+#: format's block, ``persisting.kv.disk.payload_files``; a test keeps the two equal).
 FILE_BLOCK = 4096
 #: Settings are rounded down to whole GiB (MiB below 1 GiB) to read well in a TOML file.
 GiB, MiB = 1 << 30, 1 << 20

@@ -7,7 +7,7 @@ fresh arrays: the memory tier's shared pool, a client's arena, the recycled resu
 
 ``PAGE`` is this host's memory page size (4 KiB on x86-64, 16/64 KiB on some ARM servers).
 It is the only page-size constant for memory; the on-disk payload format has its own
-host-independent block size (:data:`persisting.kv.payload_files.BLOCK`).
+host-independent block size (:data:`persisting.kv.disk.payload_files.BLOCK`).
 """
 
 from __future__ import annotations

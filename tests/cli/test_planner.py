@@ -413,7 +413,7 @@ def test_a_disk_too_small_is_reported_and_limits_the_rate() -> None:
 
 
 def test_payload_file_size_is_the_stores_own() -> None:
-    from persisting.kv.payload_files import file_size
+    from persisting.kv.disk.payload_files import file_size
     from persisting.planner import file_bytes
 
     for n in (1, 4095, 4096, 4097, 8 << 20, 17_989_632):

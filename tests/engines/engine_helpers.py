@@ -172,7 +172,7 @@ def scraped(result: dict[str, Any], index: int = 0) -> dict[str, float]:
 
 def stored_parents(root: Path) -> dict[str, str | None]:
     """Each stored block's parent as its payload file's header says (block hashes, hex)."""
-    from persisting.kv.payload_files import HEADER_BYTES, FileHeader
+    from persisting.kv.disk.payload_files import HEADER_BYTES, FileHeader
 
     out: dict[str, str | None] = {}
     for path in root.rglob("*.kv"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from persisting.kv import ChunkKey, KVStore
-from persisting.kv.disk_tier import DiskTier
+from persisting.kv.disk.tier import DiskTier
 from persisting.kv.memory_tier import MemoryTier
 
 MODEL = "meta-llama/Llama-3-8B"

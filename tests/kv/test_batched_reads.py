@@ -16,7 +16,7 @@ from persisting.config import KVSettings, PersistingSettings
 from persisting.cuda import DeviceCopier, PinnedRegion
 from persisting.errors import ConfigError, InvalidValueError
 from persisting.kv import ChunkKey, KVStore, TokenHasher, open_kv_store
-from persisting.kv.payload_files import HEADER_BYTES
+from persisting.kv.disk.payload_files import HEADER_BYTES
 from persisting.metrics import KVMetrics
 from tests.kv.kv_helpers import MODEL, key, tensor
 
@@ -257,7 +257,7 @@ def test_a_lone_large_value_is_read_in_parts_at_once(
 ) -> None:
     """Too few values to keep the reader threads busy: each is split into block-aligned
     parts read at once (bit-exact, odd sizes too); a truncated file is still a miss."""
-    from persisting.kv import range_reads
+    from persisting.kv.disk import range_reads
 
     real = range_reads._pread_exact
     threads: list[str] = []
@@ -286,7 +286,7 @@ def test_large_values_of_a_batch_are_each_read_whole_by_one_reader_thread(
     """A batch of several large values: each is read by one reader thread in one
     positioned read of the whole value, so several stream at once (bit-exact; a damaged
     one is still a counted miss)."""
-    from persisting.kv import range_reads
+    from persisting.kv.disk import range_reads
 
     real = range_reads._pread_exact
     reads: list[tuple[str, int]] = []

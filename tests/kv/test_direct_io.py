@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from persisting.kv import KVStore, direct_io, open_kv_store
-from persisting.kv.file_header import HEADER_BYTES, FileHeader
+from persisting.kv import KVStore, open_kv_store
+from persisting.kv.disk import direct_io
+from persisting.kv.disk.file_header import HEADER_BYTES, FileHeader
 
 MODEL = "vllm.direct.0123456789abcdef"
 

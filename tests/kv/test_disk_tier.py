@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from persisting.kv import open_kv_store
-from persisting.kv.payload_files import HEADER_BYTES
+from persisting.kv.disk.payload_files import HEADER_BYTES
 from persisting.lance_store import StorageRoot
 from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key, tensor
 

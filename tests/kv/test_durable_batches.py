@@ -28,7 +28,7 @@ def trace_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
             synced.append((os.readlink(f"/proc/self/fd/{fd}"), threading.current_thread().name))
         real(fd)
 
-    monkeypatch.setattr("persisting.kv.payload_files.fsync_fd", tracing)
+    monkeypatch.setattr("persisting.kv.disk.payload_files.fsync_fd", tracing)
     monkeypatch.setattr(durable, "fsync_fd", tracing)
     return synced
 
@@ -97,7 +97,7 @@ def test_a_failed_write_in_a_parallel_batch_stores_nothing_and_leaves_no_tmp_fil
 
     with open_kv_store(tmp_path, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
         used = store.stats()["disk_bytes"]
-        monkeypatch.setattr("persisting.kv.payload_files.fsync_fd", failing)
+        monkeypatch.setattr("persisting.kv.disk.payload_files.fsync_fd", failing)
         with pytest.raises(StorageIOError, match="writing"):
             store.batched_put([key(i) for i in range(8)], [tensor(i) for i in range(8)])
         monkeypatch.undo()

@@ -18,8 +18,8 @@ import pytest
 
 from persisting.errors import UnsafeStorageError
 from persisting.kv import open_kv_store
+from persisting.kv.disk.payload_files import HEADER_BYTES, FileHeader
 from persisting.kv.keys import key_hash
-from persisting.kv.payload_files import HEADER_BYTES, FileHeader
 from persisting.lance_store.root_keys import SealingKey
 from persisting.queue import LanceBackend
 

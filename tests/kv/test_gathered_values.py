@@ -9,9 +9,9 @@ import pytest
 
 from persisting.errors import CorruptValueError, InvalidValueError
 from persisting.kv import Gathered, open_kv_store
-from persisting.kv.file_header import MAGIC
+from persisting.kv.disk.file_header import MAGIC
+from persisting.kv.disk.range_reads import READ_PIECE, read_file_range
 from persisting.kv.layout import checksum
-from persisting.kv.range_reads import READ_PIECE, read_file_range
 
 KEY = "m@1@0@{:x}@uint8"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from persisting.kv import open_kv_store
-from persisting.kv.payload_files import file_size, round_to_block
+from persisting.kv.disk.payload_files import file_size, round_to_block
 from tests import child_env
 from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, disk_tier, in_flight, key, tensor
 

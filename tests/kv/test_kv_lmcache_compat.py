@@ -113,7 +113,7 @@ def test_eviction_order_survives_a_reopen(root: Path) -> None:
 
 
 def test_disk_evictions_are_reported_with_their_bytes_on_disk(root: Path) -> None:
-    from persisting.kv.payload_files import file_size
+    from persisting.kv.disk.payload_files import file_size
 
     evicted: list[tuple[str, int]] = []
     keys = [f"{MODEL}@1@0@{i + 1:x}@bfloat16" for i in range(4)]

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from persisting.errors import ConfigError, InvalidValueError
-from persisting.kv.load_plan import HitChunk, TierBandwidth, plan_load
+from persisting.kv.paths.load_plan import HitChunk, TierBandwidth, plan_load
 
 MiB = 1 << 20
 GB = 1e9

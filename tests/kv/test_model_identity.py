@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from persisting.kv import model_identity as identity
-from persisting.kv.model_identity import model_identity
+from persisting.kv.namespace import identity
+from persisting.kv.namespace.identity import model_identity
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +123,7 @@ def test_weights_namespace_follows_the_weights(tmp_path, monkeypatch):
     """Where a served model's KV goes: its own name while the weights are unknown, a name
     per weights version once they are known (files found, or a pinned version)."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    from persisting.kv.model_identity import weights_namespace
+    from persisting.kv.namespace.identity import weights_namespace
 
     assert weights_namespace("org/unknown") == ("org/unknown", {"weights": "unverified"})
     pinned, fields = weights_namespace("org/unknown", version="2026-12")

@@ -13,7 +13,7 @@ import pytest
 
 from persisting.errors import ConfigError
 from persisting.kv import open_kv_store
-from persisting.kv.namespace_record import read_record
+from persisting.kv.namespace.record import read_record
 
 NS = "vllm.tiny.0123456789abcdef"
 ABOUT = {"engine": "vllm", "model": "/models/tiny", "dtype": "bfloat16", "block_size": 16}

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from persisting.kv import open_kv_store
+from persisting.kv.disk.payload_files import HASH_PIECE, HEADER_BYTES
+from persisting.kv.disk.range_reads import READ_PIECE, read_file_range
 from persisting.kv.layout import checksum
-from persisting.kv.payload_files import HASH_PIECE, HEADER_BYTES
-from persisting.kv.range_reads import READ_PIECE, read_file_range
 from tests.kv.kv_helpers import MODEL, disk_tier, key
 
 MiB = 1 << 20

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from persisting.kv import open_kv_store
-from persisting.kv.payload_files import file_size
+from persisting.kv.disk.payload_files import file_size
 from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, key
 
 PROMPT = [key(i) for i in range(15)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from persisting.kv import open_kv_store
+from persisting.kv.eviction.reuse import FILE_NAME, ReuseStats
 from persisting.kv.keys import key_hash
-from persisting.kv.reuse import FILE_NAME, ReuseStats
 from tests import child_env
 from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, disk_tier, key
 
@@ -39,7 +39,7 @@ store.close()
 
 
 def capacity(chunks: int) -> int:
-    from persisting.kv.payload_files import file_size
+    from persisting.kv.disk.payload_files import file_size
 
     return chunks * file_size(big(0).numel() * 2) + OVERHEAD_ROOM
 

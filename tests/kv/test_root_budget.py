@@ -17,9 +17,9 @@ import pytest
 
 from persisting.errors import CapacityError
 from persisting.kv import open_kv_store
-from persisting.kv.namespace_record import FILE_NAME
-from persisting.kv.payload_files import round_to_block
-from persisting.kv.root_budget import GRACE_S
+from persisting.kv.budget.root import GRACE_S
+from persisting.kv.disk.payload_files import round_to_block
+from persisting.kv.namespace.record import FILE_NAME
 from persisting.lance_store import disk_usage
 from persisting.lance_store.namespace_lock import LOCK_NAME
 from tests.kv.kv_helpers import disk_tier

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from persisting.kv import KVStore, open_kv_store, recency
-from persisting.kv.keys import key_hash
-from persisting.kv.payload_files import BLOCK
-from persisting.kv.reuse import (
+from persisting.kv import KVStore, open_kv_store
+from persisting.kv.disk.payload_files import BLOCK
+from persisting.kv.eviction import recency
+from persisting.kv.eviction.reuse import (
     FILE_NAME,
     MAX_SLOTS,
     ReuseStats,
@@ -24,6 +24,7 @@ from persisting.kv.reuse import (
     resized,
     slots_for,
 )
+from persisting.kv.keys import key_hash
 from tests import child_env
 from tests.kv.kv_helpers import MODEL, big, disk_tier, key
 from tests.kv.test_reuse_shared import capacity

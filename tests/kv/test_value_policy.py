@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from persisting.kv import open_kv_store
+from persisting.kv.eviction.duel import RecencyDuel
+from persisting.kv.eviction.policy import LRUEviction, ValueEviction
+from persisting.kv.eviction.reuse import ReuseStats
 from persisting.kv.index import Entry, LruIndex
 from persisting.kv.keys import key_hash
 from persisting.kv.layout import Layout
 from persisting.kv.memory_tier import MemoryTier
-from persisting.kv.policy import LRUEviction, ValueEviction
-from persisting.kv.recency_duel import RecencyDuel
-from persisting.kv.reuse import ReuseStats
 from tests.kv.kv_helpers import key, memory_tier, tensor
 
 ONE = Layout((1,), "uint8", "binary", 1, "bytes")

@@ -19,10 +19,10 @@ import torch
 import xxhash
 
 from persisting.kv import PutResult, open_kv_store
-from persisting.kv.disk_tier import DiskTier, WriteItem
+from persisting.kv.disk.tier import DiskTier, WriteItem
+from persisting.kv.disk.write_behind import BACKGROUND_NICE, Bounds, WriteBehind
+from persisting.kv.eviction.policy import eviction_policy
 from persisting.kv.layout import encode_value
-from persisting.kv.policy import eviction_policy
-from persisting.kv.write_behind import BACKGROUND_NICE, Bounds, WriteBehind
 from persisting.lance_store import StorageRoot
 from tests.kv.kv_helpers import MODEL, in_flight, key, tensor
 from tests.timing import ManualClock, finishes, wait_until

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from persisting.errors import InvalidNameError, SchemaMismatchError
-from persisting.kv.range_reads import read_file_range
+from persisting.kv.disk.range_reads import read_file_range
 from persisting.lance_store import LanceTable, StorageRoot, blob_field, durable
 from persisting.lance_store.blobs import blob_references, blob_values
 

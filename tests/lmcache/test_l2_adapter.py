@@ -21,7 +21,7 @@ from persisting.integrations.lmcache import PersistingL2Adapter, PersistingL2Ada
 from persisting.integrations.lmcache.l2_io import layout_of
 from persisting.integrations.lmcache.object_keys import object_key_of, object_key_text
 from persisting.kv import key_string
-from persisting.kv.payload_files import file_size
+from persisting.kv.disk.payload_files import file_size
 from tests.lmcache.l2_harness import (
     MODEL,
     Recorder,

@@ -19,7 +19,7 @@ import torch
 
 from persisting.integrations.lmcache import PersistingL2Adapter
 from persisting.integrations.lmcache.object_keys import object_key_text
-from persisting.kv.payload_files import file_size
+from persisting.kv.disk.payload_files import file_size
 from tests.kv.kv_helpers import make_uncreatable
 from tests.lmcache.l2_harness import (
     LAYOUT,
@@ -164,7 +164,7 @@ def test_one_damaged_chunk_of_a_task_read_on_several_threads_is_its_only_miss(
     """A load task's chunks are spread over the io threads; one damaged chunk (a bit
     flipped in its last read piece) is a miss at its own index, every other chunk is a hit
     with its own bytes, and the damage is counted once."""
-    from persisting.kv import payload_files
+    from persisting.kv.disk import payload_files
 
     shape = (2, 4, 160, 1024)  # 2.5 MiB: several read pieces per chunk
     nbytes = 2 * 4 * 160 * 1024 * 2

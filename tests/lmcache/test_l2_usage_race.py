@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from lmcache.v1.distributed.internal_api import L2AdapterListener
 
-from persisting.kv.payload_files import file_size
+from persisting.kv.disk.payload_files import file_size
 from tests.lmcache.l2_harness import l2_adapter, load, object_key, store, tensor_obj
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ import numpy as np
 
 from persisting.errors import CapacityError
 from persisting.kv import open_kv_store
-from persisting.kv.payload_files import file_size
+from persisting.kv.disk.payload_files import file_size
 from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 N_KEYS = 48

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from persisting.kv import open_kv_store
-from persisting.kv.payload_files import HEADER_BYTES
+from persisting.kv.disk.payload_files import HEADER_BYTES
 from tests.reliability.rel_common import MODEL, emit, key_text, value
 
 N_KEYS = 8

@@ -29,7 +29,7 @@ import numpy as np
 
 from persisting.errors import NamespaceInUseError
 from persisting.kv import KVStore, PutResult, open_kv_store
-from persisting.kv.payload_files import file_size
+from persisting.kv.disk.payload_files import file_size
 from persisting.lance_store import StorageRoot
 from tests import child_env
 from tests.reliability.rel_common import MODEL, emit, key_text, value

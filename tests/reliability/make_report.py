@@ -92,7 +92,7 @@ PROMISES = """\
   and a read-only storage root raise a `PersistingError` subclass, or give a clean miss.
   Stored data is never touched.
 - **KV of other weights is never served.** Every namespace a model's KV lives in carries
-  the identity of its weights (`persisting.kv.model_identity`): a version the operator pins
+  the identity of its weights (`persisting.kv.namespace.identity`): a version the operator pins
   (`kv.model_version`, the engines' `model_version`), else a fingerprint of the model's
   files when they are on the host (a local directory: each file's size and xxh3-128,
   cached by device, inode, size, mtime and ctime so a restart rehashes nothing; a Hugging

@@ -35,8 +35,8 @@ from persisting.errors import (
     PersistingError,
 )
 from persisting.kv import Gathered, KVStore, PutResult
+from persisting.kv.disk.range_reads import read_file_range
 from persisting.kv.keys import key_string
-from persisting.kv.range_reads import read_file_range
 
 log = logging.getLogger(__name__)
 

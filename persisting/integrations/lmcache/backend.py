@@ -42,7 +42,7 @@ from persisting.integrations.lmcache.puts import UNREPRESENTABLE, CompletionCall
 from persisting.integrations.lmcache.settings import engine_settings, settings_from_extra_config
 from persisting.kv import Layout
 from persisting.kv.api import KVApi
-from persisting.kv.model_identity import weights_namespace
+from persisting.kv.namespace.identity import weights_namespace
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig

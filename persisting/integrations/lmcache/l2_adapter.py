@@ -53,7 +53,7 @@ from persisting.integrations.lmcache.l2_tasks import KeyLocks, TaskBoard, next_t
 from persisting.integrations.lmcache.object_keys import object_key_of, object_key_text
 from persisting.integrations.lmcache.settings import l2_params
 from persisting.kv import key_string
-from persisting.kv.payload_files import file_size
+from persisting.kv.disk.payload_files import file_size
 
 #: An I/O error within this many seconds makes ``report_status`` say unhealthy.
 UNHEALTHY_AFTER_IO_ERROR_S = 60.0

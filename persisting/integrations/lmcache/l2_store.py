@@ -20,7 +20,7 @@ from persisting.config import size_text
 from persisting.integrations.common.opener import open_engine_store, open_local
 from persisting.integrations.common.store import EngineStore, LocalStore
 from persisting.integrations.lmcache.settings import L2Params, l2_params
-from persisting.kv.owners import OwnerClaim, claim_model
+from persisting.kv.namespace.owners import OwnerClaim, claim_model
 
 
 class NoClaim:

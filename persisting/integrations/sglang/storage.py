@@ -36,7 +36,7 @@ from persisting.integrations.sglang.namespace import PageKeys, PageShape, Shard,
 from persisting.integrations.sglang.page_store import PageStore
 from persisting.integrations.sglang.pages import HostPages, pool_geometry
 from persisting.integrations.sglang.settings import StorageSettings, storage_settings
-from persisting.kv.model_identity import model_identity
+from persisting.kv.namespace.identity import model_identity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

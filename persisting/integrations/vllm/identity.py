@@ -3,7 +3,7 @@
 Two engines share blocks only if they would compute the same KV for the same tokens and
 lay it out the same way. So a namespace's digest covers:
 
-- the weights: :func:`~persisting.kv.model_identity.model_identity` (a pinned
+- the weights: :func:`~persisting.kv.namespace.identity.model_identity` (a pinned
   ``model_version``, else a fingerprint of the model's files, cached), plus what vLLM
   changes about them at load: revision, quantization, the model dtype, config overrides
   (``hf_overrides``, another config path), the attention dtype;
@@ -29,7 +29,7 @@ from typing import Any
 
 from persisting.integrations.vllm.namespace import namespace_name, offloading_layout
 from persisting.integrations.vllm.settings import ConnectorSettings
-from persisting.kv.model_identity import model_identity
+from persisting.kv.namespace.identity import model_identity
 
 #: The VllmConfig of the engine being built on this thread (set by PersistingConnector
 #: around vLLM's construction of the offloading spec and its tiers).

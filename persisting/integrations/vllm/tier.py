@@ -126,7 +126,7 @@ class PersistingTier(SecondaryTierManager):
         else:
             # O_DIRECT: the rows live in vLLM's CPU tier already; the page cache would hold
             # them twice, and copying through it costs more CPU than the copy
-            # (persisting.kv.direct_io).
+            # (persisting.kv.disk.direct_io).
             self.namespace = acquire(
                 self.settings, self.namespace_name, describe=describe, direct_io=True
             )

@@ -25,7 +25,7 @@ import numpy as np
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, ProtocolError
 from persisting.kv import KVStore, Layout
 from persisting.kv.keys import key_string
-from persisting.kv.puts import check_key_dtypes
+from persisting.kv.paths.puts import check_key_dtypes
 from persisting.service.bulk.conn import Conn
 from persisting.service.bulk.frames import MAX_PUT_ITEMS, ConnectionLost
 from persisting.service.handler.common import ServerState, layout_from, optional_layout

@@ -36,8 +36,8 @@ from persisting.errors import ConfigError, InvalidKeyError, InvalidValueError
 from persisting.kv import Layout, PutResult, TokenHasher
 from persisting.kv.api import AsyncKVApi, PrefixKeys, Tokens
 from persisting.kv.keys import HASH_SCHEMES, ChunkKey, HashScheme, key_string
-from persisting.kv.load_plan import HitChunk, LoadPlan, plan_load
-from persisting.kv.tiers import KeyLike
+from persisting.kv.paths.load_plan import HitChunk, LoadPlan, plan_load
+from persisting.kv.paths.tiers import KeyLike
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.link import PutItem
 from persisting.service.client.member import Member, MemberFailed

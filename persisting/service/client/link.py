@@ -43,7 +43,7 @@ import xxhash
 
 from persisting.errors import InvalidValueError, PersistingError
 from persisting.kv import Layout, SharedLocation
-from persisting.kv.range_reads import READ_PIECE
+from persisting.kv.disk.range_reads import READ_PIECE
 from persisting.service.bulk.frames import (
     ConnectionLost,
     Reader,

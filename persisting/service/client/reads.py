@@ -29,8 +29,8 @@ import numpy as np
 from persisting.errors import InvalidValueError
 from persisting.kv import Layout, SharedLocation
 from persisting.kv.layout import writable_bytes
-from persisting.kv.load_plan import TierBandwidth
-from persisting.kv.tiers import KeyLike
+from persisting.kv.paths.load_plan import TierBandwidth
+from persisting.kv.paths.tiers import KeyLike
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.destination import Destination
 from persisting.service.client.link import DataLink, GetReply, Read, spread

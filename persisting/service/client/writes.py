@@ -18,7 +18,7 @@ from persisting.errors import PersistingError
 from persisting.kv import Layout, PutResult, SharedLocation
 from persisting.kv.keys import key_string
 from persisting.kv.layout import encode_value
-from persisting.kv.tiers import KeyLike
+from persisting.kv.paths.tiers import KeyLike
 from persisting.service.client.cluster import Cluster
 from persisting.service.client.link import DataLink, PutItem
 from persisting.service.client.member import Member

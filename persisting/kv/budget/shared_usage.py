@@ -30,9 +30,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from persisting.kv.disk.payload_files import PayloadFiles, payload_subdirs, round_to_block
+from persisting.kv.disk.quarantine import DIR_NAME as QUARANTINE_DIR
 from persisting.kv.lock_order import Rank, ordered
-from persisting.kv.payload_files import PayloadFiles, payload_subdirs, round_to_block
-from persisting.kv.quarantine import DIR_NAME as QUARANTINE_DIR
 from persisting.lance_store import disk_usage
 from persisting.lance_store.access import CONTROL_FILE_MODE, open_private
 
@@ -206,7 +206,7 @@ class SharedUsage:
     def measure_overhead(directory: Path) -> int:
         """Allocated bytes of everything in ``directory`` but payload and in-flight files (those
         are counted exactly as they are reserved) and quarantined files (not the store's to
-        evict, see :mod:`~persisting.kv.quarantine`): directories, metadata, small files."""
+        evict, see :mod:`~persisting.kv.disk.quarantine`): directories, metadata, small files."""
         total = _allocated(directory)
         for entry in os.scandir(directory):
             if entry.name == "payload":

@@ -21,7 +21,7 @@ The rule, all of it:
 - Whoever waits for the writes -- :meth:`WriteBehind.drain` (a flush), :meth:`close`, a put
   over the byte bound -- never waits behind the low-priority thread: the batch it is writing
   hands over at its next checkpoint (every piece of a file, and before each file's fsync;
-  see :meth:`~persisting.kv.payload_files.PayloadFiles.write`) and the normal-priority writer
+  see :meth:`~persisting.kv.disk.payload_files.PayloadFiles.write`) and the normal-priority writer
   writes it. What the low-priority writer had written of it is discarded (its files were
   not published).
 
@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 from persisting.config import KVSettings
 from persisting.errors import PersistingError, StorageIOError
 from persisting.kv import at_exit
-from persisting.kv.disk_tier import DiskTier, WriteItem
-from persisting.kv.leases import Clock
-from persisting.kv.payload_files import WRITE_THREADS
+from persisting.kv.disk.payload_files import WRITE_THREADS
+from persisting.kv.disk.tier import DiskTier, WriteItem
+from persisting.kv.paths.leases import Clock
 
 log = logging.getLogger(__name__)
 

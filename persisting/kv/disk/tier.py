@@ -4,7 +4,7 @@ A hot read costs one index lookup and one positioned read into the destination b
 a checksum check; Lance is off the read path.
 
 The budget covers everything in the model directory, for all processes sharing it, and
-every byte is reserved before it lands (:mod:`persisting.kv.disk_budget`); this tier's
+every byte is reserved before it lands (:mod:`persisting.kv.budget.disk`); this tier's
 eviction makes the room, unlinking payload files before the bytes they make room for are
 written. On open the index is rebuilt from the metadata table and reconciled with the
 payload files actually present.
@@ -27,16 +27,11 @@ from pathlib import Path
 from typing import NoReturn
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
-from persisting.kv.batch_fit import heads_that_fit
-from persisting.kv.disk_budget import DiskBudget, allocated
-from persisting.kv.eviction_memory import EvictionMemory
-from persisting.kv.index import DiskEntry, LruIndex
-from persisting.kv.keys import key_hash
-from persisting.kv.layout import Layout, Payload
-from persisting.kv.leases import Clock, Leases, Location
-from persisting.kv.lock_order import Rank, ordered
-from persisting.kv.metadata import MetadataTable, MetaRow, quarantine
-from persisting.kv.payload_files import (
+from persisting.kv.budget.disk import DiskBudget, allocated
+from persisting.kv.budget.root import RootUsage
+from persisting.kv.budget.shared_usage import SharedUsage
+from persisting.kv.disk.metadata import MetadataTable, MetaRow, quarantine
+from persisting.kv.disk.payload_files import (
     HEADER_BYTES,
     FileHeader,
     Pause,
@@ -45,11 +40,16 @@ from persisting.kv.payload_files import (
     Reservation,
     file_size,
 )
-from persisting.kv.policy import EvictionPolicy
-from persisting.kv.quarantine import Quarantine
-from persisting.kv.reconcile import FileJudge
-from persisting.kv.root_budget import RootUsage
-from persisting.kv.shared_usage import SharedUsage
+from persisting.kv.disk.quarantine import Quarantine
+from persisting.kv.disk.reconcile import FileJudge
+from persisting.kv.eviction.batch_fit import heads_that_fit
+from persisting.kv.eviction.policy import EvictionPolicy
+from persisting.kv.eviction.remembered import EvictionMemory
+from persisting.kv.index import DiskEntry, LruIndex
+from persisting.kv.keys import key_hash
+from persisting.kv.layout import Layout, Payload
+from persisting.kv.lock_order import Rank, ordered
+from persisting.kv.paths.leases import Clock, Leases, Location
 from persisting.lance_store.access import OWNER_ONLY, FileModes, storage_error
 from persisting.lance_store.durable import makedirs_durable
 from persisting.lance_store.root_keys import RootKeys
@@ -220,7 +220,7 @@ class DiskTier:
     def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
         before its metadata commit, or by another live process); quarantine those that do
-        not verify (:mod:`~persisting.kv.reconcile`). With ``record`` their rows are
+        not verify (:mod:`~persisting.kv.disk.reconcile`). With ``record`` their rows are
         committed too (on open); on refresh the writer's own commit will add them."""
         known = {(key_hash(k), e.tag) for k, e in self.index.items()}
         judging = not self.files.keys.changed()

@@ -7,7 +7,7 @@ copied in. :class:`FileJudge` decides each one's fate from its header alone:
 - sealed with a key of the root, whole and named after its key: adopted (indexed);
 - a second copy of a key already indexed: deleted (nothing is lost);
 - anything else -- unsealed, damaged, truncated, misnamed: quarantined
-  (:mod:`persisting.kv.quarantine`), never deleted and never served.
+  (:mod:`persisting.kv.disk.quarantine`), never deleted and never served.
 
 A process that sees the root's current key is no longer the one it opened with does not
 quarantine unsealed files in that pass (another process may be sealing with a key it has
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from persisting.errors import CorruptValueError
-from persisting.kv.keys import key_hash
-from persisting.kv.payload_files import (
+from persisting.kv.disk.payload_files import (
     FileHeader,
     PayloadFiles,
     UnsealedFileError,
     round_to_block,
 )
-from persisting.kv.quarantine import Quarantine
+from persisting.kv.disk.quarantine import Quarantine
+from persisting.kv.keys import key_hash
 from persisting.lance_store.access import make_dir
 
 log = logging.getLogger(__name__)

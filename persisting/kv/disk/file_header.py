@@ -1,6 +1,6 @@
 """The header of a payload file: what the file says about itself, sealed by its root.
 
-A payload file (:mod:`persisting.kv.payload_files`) starts with a :data:`HEADER_BYTES`
+A payload file (:mod:`persisting.kv.disk.payload_files`) starts with a :data:`HEADER_BYTES`
 header: magic, the length and xxh64 of a JSON body, then the body -- the chunk's key,
 layout, payload checksum and parent, and ``mac``, an HMAC-SHA256 of those fields under one
 of the storage root's keys, named by ``kid`` (:mod:`persisting.lance_store.root_keys`). The

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from persisting.kv.namespace_record import read_record
-from persisting.kv.payload_files import round_to_block, scan_payload
-from persisting.kv.shared_usage import SharedUsage
+from persisting.kv.budget.shared_usage import SharedUsage
+from persisting.kv.disk.payload_files import round_to_block, scan_payload
+from persisting.kv.namespace.record import read_record
 
 
 def namespace_figures(directory: Path) -> dict[str, Any]:

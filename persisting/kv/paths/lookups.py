@@ -13,8 +13,8 @@ from typing import Any, cast
 import numpy as np
 
 from persisting.kv.keys import ChunkKey, HashScheme, TokenHasher
-from persisting.kv.load_plan import HitChunk, LoadPlan
-from persisting.kv.tiers import Indexes, KeyLike, Tiers
+from persisting.kv.paths.load_plan import HitChunk, LoadPlan
+from persisting.kv.paths.tiers import Indexes, KeyLike, Tiers
 
 
 class Lookups:

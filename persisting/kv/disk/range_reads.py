@@ -3,7 +3,7 @@
 One open, then ``preadv`` calls into the destination (no intermediate buffer), optionally
 hashed piece by piece as the bytes land (while still in cache); a large range may be read
 as several parts at once on an executor. A destination's pages not yet touched fault in
-as the bytes land, inside the reads. Payload files (:mod:`persisting.kv.payload_files`),
+as the bytes land, inside the reads. Payload files (:mod:`persisting.kv.disk.payload_files`),
 leased payloads read by same-host clients and Lance blob files are all read this way.
 """
 

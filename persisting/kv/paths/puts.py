@@ -9,7 +9,7 @@ Completion modes (``durability``):
 - ``"write_back"``:             the value stays in memory and is written to disk only when
   the memory tier evicts it (or on close).
 
-Both memory-first modes write through :mod:`persisting.kv.write_behind`, on its threads
+Both memory-first modes write through :mod:`persisting.kv.disk.write_behind`, on its threads
 (a put that evicts a dirty value queues its write there, it does not write it): its two
 bounds (``write_behind_lag_s``, ``write_behind_bytes``) say how long and how many bytes a
 value may stay acknowledged but not on disk; a put that finds more than
@@ -20,7 +20,7 @@ is on disk, and ``on_complete`` fires once it is (``durable=True``) or once it i
 will not be (``stored=False``: a failed write, a remove, a dropped write-back).
 
 A remove wins over a write still in progress: the remove cancels it (see
-:class:`~persisting.kv.disk_tier.WriteItem`), so a removed key never comes back from disk.
+:class:`~persisting.kv.disk.tier.WriteItem`), so a removed key never comes back from disk.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from typing import Any, Literal
 import numpy as np
 
 from persisting.errors import CapacityError, InvalidValueError
-from persisting.kv.disk_tier import WriteItem
+from persisting.kv.disk.tier import WriteItem
+from persisting.kv.disk.write_behind import Bounds, WriteBehind
+from persisting.kv.eviction.policy import AdmissionPolicy
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import (
     BYTE_FORMATS,
@@ -49,9 +51,7 @@ from persisting.kv.layout import (
     owned_copy_hashed,
     tensor_layout,
 )
-from persisting.kv.policy import AdmissionPolicy
-from persisting.kv.tiers import KeyLike, Tiers
-from persisting.kv.write_behind import Bounds, WriteBehind
+from persisting.kv.paths.tiers import KeyLike, Tiers
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from persisting.errors import ConfigError
+from persisting.kv.eviction.reuse import TICK_MASK, ReuseStats
 from persisting.kv.index import Entry, LruIndex
 from persisting.kv.keys import key_hash, rank_keys
 from persisting.kv.layout import Layout, token_count
-from persisting.kv.reuse import TICK_MASK, ReuseStats
 
 #: Whether a tier may evict an entry now (not pinned, not being read, not leased).
 Evictable = Callable[[str, Any], bool]
@@ -24,7 +24,7 @@ class EvictionPolicy(ABC):
     """Orders a tier's keys from first to last eviction candidate."""
 
     name: str
-    #: Whether the tiers must keep :class:`~persisting.kv.reuse.ReuseStats` for it.
+    #: Whether the tiers must keep :class:`~persisting.kv.eviction.reuse.ReuseStats` for it.
     uses_reuse_stats: bool = False
 
     @abstractmethod
@@ -98,9 +98,9 @@ class ValueEviction(EvictionPolicy):
     at random -- while frequency pays; else the oldest leaf.
 
     - ``sightings``: puts and hits of the key, remembered after it is evicted (ghosts:
-      :class:`~persisting.kv.reuse.ReuseStats`), so a chunk used often stays longer and
+      :class:`~persisting.kv.eviction.reuse.ReuseStats`), so a chunk used often stays longer and
       one that comes back is known again: frequency.
-    - Whether frequency pays is the tier's :class:`~persisting.kv.recency_duel.RecencyDuel`'s
+    - Whether frequency pays is the tier's :class:`~persisting.kv.eviction.duel.RecencyDuel`'s
       call: it plays LRU and this density beside the tier on keys alone and turns
       frequency on only while the density would have hit clearly more. Off, the tier
       evicts its oldest leaf, exactly (LRU among the chains' tips): the policy does not
@@ -115,7 +115,7 @@ class ValueEviction(EvictionPolicy):
       with it.
 
     Each eviction costs ``SAMPLES`` table lookups, whatever the tier's size. The counts are
-    the tier's :class:`~persisting.kv.reuse.ReuseStats`: shared by the processes writing a
+    the tier's :class:`~persisting.kv.eviction.reuse.ReuseStats`: shared by the processes writing a
     namespace and kept across restarts for a disk tier. The draws are seeded, so a replay
     evicts the same chunks every run.
     """

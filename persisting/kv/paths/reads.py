@@ -11,7 +11,7 @@ GIL), while the calling thread copies the batch's memory hits. Destinations on a
 through :class:`~persisting.cuda.DeviceCopier`: a memory hit is one asynchronous copy up
 from the (pinned) memory tier; a disk hit is read into the pinned staging ring and sent up
 while later chunks are still being read, so a destination is written only once its read
-succeeded. Every timed read feeds the store's :class:`~persisting.kv.load_plan.TierBandwidth`.
+succeeded. Every timed read feeds the store's :class:`~persisting.kv.paths.load_plan.TierBandwidth`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from persisting.cuda import DeviceCopier
 from persisting.errors import InvalidValueError
 from persisting.kv.index import MemoryEntry
 from persisting.kv.layout import Layout, decode_value, is_device_tensor, torch_dtype, writable_bytes
-from persisting.kv.tiers import KeyLike, Tiers
+from persisting.kv.paths.tiers import KeyLike, Tiers
 from persisting.shm import RecycledBuffers, aligned_buffer, copy_into
 
 
@@ -88,7 +88,7 @@ def _gather(futures: list[tuple[int, Future[Layout | None]]], got: list[Layout |
 
 
 class WriteHooks(Protocol):
-    """What the reads need of the put paths (:class:`~persisting.kv.puts.Writes`)."""
+    """What the reads need of the put paths (:class:`~persisting.kv.paths.puts.Writes`)."""
 
     def write_back(self, evicted: list[tuple[str, MemoryEntry]]) -> None: ...
 

@@ -71,13 +71,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from persisting.errors import NamespaceInUseError, PersistingError
-from persisting.kv.file_header import FileHeader
+from persisting.kv.disk.file_header import FileHeader
+from persisting.kv.disk.payload_files import file_size, round_to_block, scan_payload
+from persisting.kv.disk.quarantine import DIR_NAME as QUARANTINE_DIR
+from persisting.kv.eviction.policy import PrefixAwareEviction
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.keys import key_hash
-from persisting.kv.namespace_record import read_record
-from persisting.kv.payload_files import file_size, round_to_block, scan_payload
-from persisting.kv.policy import PrefixAwareEviction
-from persisting.kv.quarantine import DIR_NAME as QUARANTINE_DIR
+from persisting.kv.namespace.record import read_record
 from persisting.lance_store import StorageRoot, disk_usage
 from persisting.lance_store.namespace_lock import LOCK_NAME
 from persisting.lance_store.root import KV_DIR
@@ -96,7 +96,7 @@ LOCK_WAIT_S = 1.0
 VIEW_FILES = 4096
 #: Seconds a namespace's chosen victims are reused before its files are read again.
 VIEW_S = 5.0
-#: The usage counter of a namespace (see :mod:`persisting.kv.shared_usage`): three int64
+#: The usage counter of a namespace (see :mod:`persisting.kv.budget.shared_usage`): three int64
 #: slots, payload, overhead and metadata reservations; and its lock.
 _COUNTER = "usage.bin"
 _USAGE_LOCK = ".lock"
@@ -550,7 +550,7 @@ def _close_all(fds: dict[str, int]) -> None:
 
 def _holds_files(directory: Path) -> bool:
     """Whether namespace ``directory`` holds a payload file, or a quarantined file (kept
-    for its operator: never removed by a writer, see :mod:`persisting.kv.quarantine`)."""
+    for its operator: never removed by a writer, see :mod:`persisting.kv.disk.quarantine`)."""
     if next(iter(scan_payload(directory)), None) is not None:
         return True
     try:

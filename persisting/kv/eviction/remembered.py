@@ -1,9 +1,9 @@
 """What a disk tier's eviction remembers across restarts, and shares between processes.
 
 Two files beside a namespace's metadata: ``recency.bin``, the snapshot of the tier's LRU
-order (:mod:`persisting.kv.recency`; what ``lru`` and ``prefix`` need to evict after a
+order (:mod:`persisting.kv.eviction.recency`; what ``lru`` and ``prefix`` need to evict after a
 restart what they would have evicted before it), and ``reuse.bin``, the sighting counts and
-last sightings the ``value`` policy ranks by (:mod:`persisting.kv.reuse`; read and written
+last sightings the ``value`` policy ranks by (:mod:`persisting.kv.eviction.reuse`; read and written
 in place by every process, so it is always current for each, and it survives any stop).
 Losing either costs only eviction quality, never data.
 
@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from persisting.errors import PersistingError
-from persisting.kv import recency, reuse
-from persisting.kv.disk_budget import DiskBudget, allocated
+from persisting.kv.budget.disk import DiskBudget, allocated
+from persisting.kv.disk.payload_files import BLOCK, round_to_block
+from persisting.kv.eviction import recency, reuse
+from persisting.kv.eviction.policy import EvictionPolicy
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.keys import key_hash
-from persisting.kv.payload_files import BLOCK, round_to_block
-from persisting.kv.policy import EvictionPolicy
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 :class:`Tiers` holds the memory tier, the optional disk tier and shared pool, the one lock
 that orders every change to the tiers' indexes, and the operation statistics. The put
-paths (:mod:`persisting.kv.puts`) and the read paths (:mod:`persisting.kv.reads`) work on
-it, and so do the queries and changes that span both tiers (membership, pins, the key
-listing, the figures of ``stats()``); :class:`~persisting.kv.store.KVStore` is the facade
-that composes them.
+paths (:mod:`persisting.kv.paths.puts`) and the read paths
+(:mod:`persisting.kv.paths.reads`) work on it, and so do the queries and changes that span
+both tiers (membership, pins, the key listing, the figures of ``stats()``);
+:class:`~persisting.kv.store.KVStore` is the facade that composes them.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ import numpy as np
 
 from persisting.cuda.host import StoreHostMemory
 from persisting.errors import InvalidKeyError
-from persisting.kv.disk_tier import DiskTier, EvictionListener, Location
+from persisting.kv.budget.root import RootUsage
+from persisting.kv.disk.tier import DiskTier, EvictionListener, Location
+from persisting.kv.eviction.policy import EvictionPolicy
 from persisting.kv.index import DiskEntry, LruIndex, MemoryEntry
 from persisting.kv.keys import ChunkKey, key_string
-from persisting.kv.leases import Clock
-from persisting.kv.load_plan import TierBandwidth
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.memory_tier import MemoryTier
-from persisting.kv.namespace_record import write_record
-from persisting.kv.policy import EvictionPolicy
-from persisting.kv.root_budget import RootUsage
+from persisting.kv.namespace.record import write_record
+from persisting.kv.paths.leases import Clock
+from persisting.kv.paths.load_plan import TierBandwidth
 from persisting.kv.stats import StoreStats
 from persisting.lance_store import StorageRoot
 from persisting.lance_store.namespace_lock import NamespaceHold
@@ -54,7 +54,7 @@ class Indexes:
 @dataclass(frozen=True, slots=True)
 class PoolFile:
     """Where same-host readers map a store's shared memory pool: its file and byte size
-    (offsets of :class:`~persisting.kv.reads.SharedLocation` are into it)."""
+    (offsets of :class:`~persisting.kv.paths.reads.SharedLocation` are into it)."""
 
     path: Path
     size: int
@@ -131,11 +131,11 @@ class Tiers:
         """The tiers of ``model`` under ``root``: a memory tier of ``memory_bytes`` (in a
         shared pool with ``shared_memory``, else pinned memory or a private arena) and, with
         ``disk_bytes``, a disk tier, whose namespace is held until :meth:`close` and whose
-        record (:mod:`~persisting.kv.namespace_record`) says ``describe``. The namespace
+        record (:mod:`~persisting.kv.namespace.record`) says ``describe``. The namespace
         is ``model``'s own unless ``namespace`` names another directory (one per weights
-        version of a model, see :func:`~persisting.kv.model_identity.weights_namespace`).
+        version of a model, see :func:`~persisting.kv.namespace.identity.weights_namespace`).
         ``direct_io``: payloads move with O_DIRECT where they can
-        (:mod:`~persisting.kv.direct_io`)."""
+        (:mod:`~persisting.kv.disk.direct_io`)."""
         directory = namespace or model
         held: NamespaceHold | None = None
         disk: DiskTier | None = None
@@ -154,7 +154,7 @@ class Tiers:
                     root_usage=RootUsage(root, directory),
                     clock=clock,
                 )
-                disk.files.direct = direct_io  # O_DIRECT payloads (persisting.kv.direct_io)
+                disk.files.direct = direct_io  # O_DIRECT payloads (persisting.kv.disk.direct_io)
             pool = _open_pool(memory_bytes) if shared_memory else None
             host = StoreHostMemory(
                 mode=pinned_memory,

@@ -1,7 +1,7 @@
 """Whether frequency counts in a tier: the duel between recency and the value density.
 
 The ``value`` policy ranks a tier's leaves by reuse density, which weighs how often a
-chunk was sighted (:mod:`persisting.kv.reuse`). Frequency only pays where reuse is
+chunk was sighted (:mod:`persisting.kv.eviction.reuse`). Frequency only pays where reuse is
 repeated; elsewhere LRU's recency hits more. :class:`RecencyDuel` runs both beside the
 tier on key hashes alone and tells the policy which to follow.
 """
@@ -12,7 +12,7 @@ import math
 import random
 from collections import OrderedDict
 
-from persisting.kv.reuse import TICK_MASK, ReuseStats
+from persisting.kv.eviction.reuse import TICK_MASK, ReuseStats
 
 
 class RecencyDuel:

@@ -31,9 +31,9 @@ import pyarrow as pa
 
 from persisting.errors import PersistingError
 from persisting.kv import at_exit
+from persisting.kv.disk.payload_files import BLOCK, HEADER_BYTES, round_to_block
 from persisting.kv.layout import Layout
 from persisting.kv.lock_order import Rank, ordered
-from persisting.kv.payload_files import BLOCK, HEADER_BYTES, round_to_block
 from persisting.lance_store import LanceTable, blob_field
 from persisting.lance_store.access import FileModes
 from persisting.lance_store.blobs import blob_references

@@ -1,7 +1,7 @@
 """The disk tier's byte budget: every byte reserved before it lands.
 
 The budget covers everything in the model directory, for all processes sharing it (through
-:class:`~persisting.kv.shared_usage.SharedUsage`), and every byte is reserved before it
+:class:`~persisting.kv.budget.shared_usage.SharedUsage`), and every byte is reserved before it
 lands: payload files, block-rounded, before they are created; a bound on what each
 metadata change (a Lance commit, a compaction, the recency snapshot) can add, before it
 runs -- afterwards the overhead (the Lance table, the ``payload/<hh>`` and other
@@ -22,9 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from persisting.errors import CapacityError
-from persisting.kv.payload_files import BLOCK, PayloadFiles
-from persisting.kv.root_budget import RootUsage
-from persisting.kv.shared_usage import SharedUsage
+from persisting.kv.budget.root import RootUsage
+from persisting.kv.budget.shared_usage import SharedUsage
+from persisting.kv.disk.payload_files import BLOCK, PayloadFiles
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class DiskBudget:
         self._evict = evict
         self._refresh = refresh
         #: The root's other namespaces, which the same budget bounds (None: this
-        #: namespace alone; see :mod:`persisting.kv.root_budget`).
+        #: namespace alone; see :mod:`persisting.kv.budget.root`).
         self.root_usage = root_usage
         if root_usage is not None:
             root_usage.bind(files.read_header)  # to choose another namespace's victims
@@ -64,7 +64,7 @@ class DiskBudget:
         less what the root's other namespaces hold once room was taken where the root would
         go over -- from idle namespaces past their grace period first, then from the
         namespace most over its floor, this one included -- and never less than its floor
-        (see :mod:`persisting.kv.root_budget`; caller holds the usage lock)."""
+        (see :mod:`persisting.kv.budget.root`; caller holds the usage lock)."""
         if self.root_usage is None:
             return self.capacity
         total = self.usage.total()
@@ -160,9 +160,9 @@ class DiskBudget:
     @contextmanager
     def metadata_growth(self, bound_of: Callable[[], int]) -> Iterator[None]:
         """Run a metadata change that may add up to ``bound_of()`` bytes (asked once the
-        metadata lock is held, see :data:`~persisting.kv.metadata.Guard`): reserve them first
+        metadata lock is held, see :data:`~persisting.kv.disk.metadata.Guard`): reserve them first
         (evicting as needed, named by a locked file that outlives no holder: see
-        :meth:`~persisting.kv.payload_files.PayloadFiles.reserve_file`),
+        :meth:`~persisting.kv.disk.payload_files.PayloadFiles.reserve_file`),
         then measure what it really added and give the reservation back. Changes of all
         processes take turns (the metadata lock), so no measurement sees one half-way."""
         with self.usage.metadata_locked():

@@ -2,7 +2,7 @@
 
 Each chunk's bytes live in their own file, ``payload/<hh>/<keyhash>-<tag>.kv``: a 4 KiB
 header (key, layout, payload checksum, parent, sealed with the root's key: see
-:mod:`~persisting.kv.file_header`) followed by the payload at a page-aligned offset. Files
+:mod:`~persisting.kv.disk.file_header`) followed by the payload at a page-aligned offset. Files
 are written under a ``.tmp`` name, fsynced when the put must be durable, then renamed into
 place, so a ``.kv`` file is always whole.
 Eviction unlinks the file, which gives its space back at once; a reader that already
@@ -23,7 +23,7 @@ pays nothing for it. ``reservations/`` holds empty, locked
 proves their holder alive the same way (from older versions, ``tmp/`` may hold whole
 in-flight files, found and reclaimed the same way).
 
-Payload bytes are read with :func:`~persisting.kv.range_reads.read_file_range` (positioned
+Payload bytes are read with :func:`~persisting.kv.disk.range_reads.read_file_range` (positioned
 reads straight into the destination, hashed as they land).
 
 Over 500 lines on purpose: the file format, its writers and the in-flight files' proof of
@@ -50,11 +50,11 @@ from typing import Any
 import xxhash
 
 from persisting.errors import CapacityError, CorruptValueError, StorageIOError
-from persisting.kv import direct_io
-from persisting.kv.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
+from persisting.kv.disk import direct_io
+from persisting.kv.disk.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
+from persisting.kv.disk.range_reads import read_file_range
 from persisting.kv.keys import key_hash
 from persisting.kv.layout import HASH_PIECE, Payload, payload_parts
-from persisting.kv.range_reads import read_file_range
 from persisting.lance_store.access import (
     CONTROL_FILE_MODE,
     OWNER_ONLY,
@@ -73,7 +73,7 @@ WRITE_THREADS = 8
 PAUSE_PIECE = 16 * HASH_PIECE
 #: Called between the pieces of a file being written and before its fsync; it may raise
 #: to abandon the write (a low-priority write-behind handing its batch over, see
-#: :mod:`persisting.kv.write_behind`): the file is then removed, never published.
+#: :mod:`persisting.kv.disk.write_behind`): the file is then removed, never published.
 Pause = Callable[[], None]
 
 
@@ -117,7 +117,7 @@ class PayloadFiles:
     ):
         self.directory = directory
         self.modes = modes
-        #: Move aligned payloads with O_DIRECT (see :mod:`persisting.kv.direct_io`); cleared
+        #: Move aligned payloads with O_DIRECT (see :mod:`persisting.kv.disk.direct_io`); cleared
         #: once the filesystem refuses it.
         self.direct = direct
         #: The storage root's keys: headers are sealed with one (see :class:`FileHeader`).
@@ -187,7 +187,7 @@ class PayloadFiles:
     def reserve_file(self, nbytes: int) -> Reservation:
         """An empty, locked file in ``reservations/`` holding a reservation of ``nbytes``
         (metadata growth) in its name: while its holder lives the bytes stay counted, and
-        once it dies :meth:`~persisting.kv.shared_usage.SharedUsage.reclaim_abandoned`
+        once it dies :meth:`~persisting.kv.budget.shared_usage.SharedUsage.reclaim_abandoned`
         gives them back. Called under the usage lock."""
         name = f"{secrets.token_hex(8)}-{self.new_tag():08x}-{nbytes}.tmp"
         path = self.reservations_dir / name
