@@ -89,7 +89,14 @@ def run_engine(
         proc = subprocess.run(
             [*on_host, str(ENGINE_PYTHON), str(ENGINE_KIT), "run", str(plan_file), str(out_file)],
             # the weights' fingerprints are cached beside the test's files, not in ~/.cache
-            env={**engine_env(), "XDG_CACHE_HOME": str(work / "cache")},
+            env={
+                **engine_env(),
+                "XDG_CACHE_HOME": str(work / "cache"),
+                # the engine core, its scheduler and its worker in this process: the worker
+                # beside the scheduler as on one GPU (``uni``, which the CPU build keeps only
+                # this way), and two processes fewer to start (each imports torch anew)
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            },
             stdout=log,
             stderr=subprocess.STDOUT,
             timeout=timeout,
