@@ -59,6 +59,8 @@ class Replicator:
         self._me: str | None = None
         self._live: list[str] | None = None
         self._clients: dict[str, KVCacheClient] = {}
+        #: Namespaces whose keys were surveyed since this member started.
+        self._surveyed: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -118,6 +120,7 @@ class Replicator:
         loop = asyncio.get_running_loop()
         try:
             while not self._stop.is_set():
+                await self._survey_new()
                 batch = await loop.run_in_executor(None, self.backlog.take, STEP_KEYS, 0.5)
                 if batch and not self._stop.is_set():
                     await self._step(batch)
@@ -130,8 +133,13 @@ class Replicator:
         me, live = self._me, self._live or []
         if me is None or len(live) < 2:
             return  # nobody to copy to: the keys stay wanted, checked when members change
+        unsure = self.backlog.unsure(batch)
+        if unsure:
+            await self._judge(sorted(unsure), me, live)
         groups: dict[tuple[str, str], list[str]] = {}
         for model, key in batch:
+            if (model, key) in unsure:
+                continue
             for target in copy_targets(key, live, me, self.replicas):
                 groups.setdefault((model, target), []).append(key)
         failed = False
@@ -151,15 +159,45 @@ class Replicator:
         if failed:
             await asyncio.sleep(RETRY_S)
 
+    async def _survey_new(self) -> None:
+        """Survey the keys of each namespace this member held before it started (once the
+        members are known; a namespace opened later is surveyed when it is)."""
+        if self._me is None or len(self._live or []) < 2 or self.replicas < 2:
+            return
+        loop = asyncio.get_running_loop()
+        for model, store in list(self.stores.items()):
+            if model in self._surveyed or store.closed:
+                continue
+            self._surveyed.add(model)
+            held = await loop.run_in_executor(None, store.stored_keys)
+            # the most recently used last: those kept when there are more than a member
+            # remembers
+            keys = [key for key, _ in held[-self.backlog.max_wanted :]]
+            self.counters["keys_surveyed"] += self.backlog.survey(model, keys)
+
+    async def _judge(self, unsure: list[tuple[str, str]], me: str, live: list[str]) -> None:
+        """Surveyed keys another live member holds are wanted (copies are only ever made of
+        wanted keys); the others are asked about again when the members change."""
+        by_model: dict[str, list[str]] = {}
+        for model, key in unsure:
+            by_model.setdefault(model, []).append(key)
+        for model, keys in by_model.items():
+            wanted: set[str] = set()
+            for target in (m for m in live if m != me):
+                try:
+                    present = await self._present(await self._client(model), target, keys)
+                except Exception as exc:  # asked again when the members change
+                    logger.debug("persisting: survey on %s failed: %s", target, exc)
+                    continue
+                wanted.update(k for k, have in zip(keys, present, strict=True) if have)
+            self.counters["keys_wanted"] += self.backlog.want(model, sorted(wanted))
+
     async def _copy(self, model: str, target: str, keys: list[str]) -> None:
         store = self.stores.get(model)
         if store is None:
             return
         client = await self._client(model)
-        cluster = client.cluster
-        if target not in cluster.members or not cluster.membership.is_live(target):
-            await cluster.discover()  # new, or restarted since (a new node id: a new session)
-        present = await client.contains_on(target, keys)
+        present = await self._present(client, target, keys)
         missing = [k for k, have in zip(keys, present, strict=True) if not have]
         self.counters["copies_present"] += len(keys) - len(missing)
         loop = asyncio.get_running_loop()
@@ -174,6 +212,14 @@ class Replicator:
             results = await client.put_on(target, got.keys, got.payloads, got.layouts)
             self.counters["copies_sent"] += sum(1 for r in results if r.stored)
             self.counters["copy_bytes"] += nbytes
+
+    @staticmethod
+    async def _present(client: KVCacheClient, target: str, keys: list[str]) -> list[bool]:
+        """Which of ``keys`` member ``target`` holds."""
+        cluster = client.cluster
+        if target not in cluster.members or not cluster.membership.is_live(target):
+            await cluster.discover()  # new, or restarted since (a new node id: a new session)
+        return await client.contains_on(target, keys)
 
     async def _client(self, model: str) -> KVCacheClient:
         """This member's client of ``model`` on its peers (this process's Pulsing system,

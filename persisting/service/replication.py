@@ -10,6 +10,14 @@ joins, comes back empty, or is lost) every wanted key is checked again, so a ret
 new member receives, in the background, the keys it should hold. A chunk used only once
 never takes a second copy's room under ``copy_on = "read"``.
 
+Which keys are wanted is kept in memory. A member that restarts *surveys* the keys it
+holds: each is asked about on the other live members, and one that another member holds
+is wanted again (only wanted keys are ever copied), so a later loss of that member is
+healed from this one too. A key no other member holds is asked about again whenever the
+members change (one not seen yet may hold it). A key whose other copy was lost while this
+member was down as well cannot be told from one never read: it stays one copy until it is
+read again.
+
 This module is the bookkeeping, testable without a cluster: :func:`copy_targets` (where
 a key's other copies go), :class:`CopyBacklog` (the wanted keys, and those still to check,
 each once, oldest first, bounded), :class:`Pacer` (the stated rate).
@@ -55,6 +63,8 @@ class CopyBacklog:
         self._clock = clock
         self._lock = threading.Condition()
         self._wanted: dict[str, OrderedDict[str, None]] = {}
+        #: Surveyed keys not yet known to be wanted (see the module's docstring).
+        self._unsure: set[tuple[str, str]] = set()
         #: (namespace, key) -> when it became due, oldest first.
         self._due: OrderedDict[tuple[str, str], float] = OrderedDict()
 
@@ -67,6 +77,7 @@ class CopyBacklog:
                 if key in wanted:
                     continue
                 wanted[key] = None
+                self._unsure.discard((model, key))
                 self._due[(model, key)] = self._clock()
                 added += 1
             while len(wanted) > self.max_wanted:
@@ -75,12 +86,37 @@ class CopyBacklog:
                 self._lock.notify_all()
         return added
 
+    def survey(self, model: str, keys: Iterable[str]) -> int:
+        """``keys`` of ``model`` are held here, their worth unknown (this member restarted):
+        each is due to be asked about (:meth:`unsure`), until :meth:`want` or
+        :meth:`forget` says what it is."""
+        added = 0
+        with self._lock:
+            wanted = self._wanted.get(model, {})
+            for key in keys:
+                if key in wanted or (model, key) in self._unsure:
+                    continue
+                self._unsure.add((model, key))
+                self._due[(model, key)] = self._clock()
+                added += 1
+            if added:
+                self._lock.notify_all()
+        return added
+
+    def unsure(self, batch: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which of ``batch`` are surveyed keys still to be judged."""
+        with self._lock:
+            return {pair for pair in batch if pair in self._unsure}
+
     def recheck(self) -> int:
-        """The members changed: every wanted key is checked again."""
+        """The members changed: every wanted key is checked again, and every surveyed key
+        still to be judged."""
         with self._lock:
             for model, wanted in self._wanted.items():
                 for key in wanted:
                     self._due[(model, key)] = self._clock()
+            for pair in self._unsure:
+                self._due[pair] = self._clock()
             self._lock.notify_all()
             return len(self._due)
 
@@ -98,6 +134,7 @@ class CopyBacklog:
                 if wanted is not None:
                     wanted.pop(key, None)
                 self._due.pop((model, key), None)
+                self._unsure.discard((model, key))
 
     def take(self, limit: int, wait_s: float) -> list[tuple[str, str]]:
         """Up to ``limit`` (namespace, key) pairs to check, oldest first, once ``limit`` are

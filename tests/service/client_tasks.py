@@ -278,7 +278,8 @@ async def get_keys(args: dict[str, Any]) -> dict[str, Any]:
 
 async def held_copies(args: dict[str, Any]) -> dict[str, Any]:
     """The keys each member holds on disk and its replicator's figures, once they add up
-    to ``until`` keys at least (the copies made in the background)."""
+    to ``until`` keys at least (the copies made in the background) and, given
+    ``surveyed``, once that member wants ``wanted`` keys and has none due."""
     client = await _connect(args)
     held: dict[str, Any] = {}
     try:
@@ -289,6 +290,9 @@ async def held_copies(args: dict[str, Any]) -> dict[str, Any]:
             for addr, member in stats["members"].items():
                 store = member["stores"].get(MODEL, {})
                 held[addr] = {"keys": store.get("disk_items", 0), "copies": member.get("copies")}
+            surveyed = held.get(args.get("surveyed", ""), {}).get("copies") or {}
+            if surveyed.get("keys_wanted", 0) < args.get("wanted", 0) or surveyed.get("due"):
+                return False  # that member has not judged the keys it surveyed yet
             return sum(m["keys"] for m in held.values()) >= args.get("until", 0)
 
         await wait_until_async(reached, f"{args.get('until')} keys held", args.get("wait_s", 60))

@@ -1,7 +1,8 @@
 """Two copies of what is read, on three ``persisting serve`` processes started without
 models: a put is stored on its owner; a read makes the second copy in the background; the
 survivors of a SIGKILLed member copy between them what lost its second copy, and no key
-misses; a member that comes back empty receives the keys it should hold."""
+misses; a member that comes back empty receives the keys it should hold; one that restarts
+on its disk knows again which of its keys are wanted."""
 
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ MEMBER = {
 }
 
 
-def _held(seeds: list[str], until: int, min_members: int) -> dict[str, Any]:
+def _held(seeds: list[str], until: int, min_members: int, **more: Any) -> dict[str, Any]:
     return run_client(
-        "held_copies", {"seeds": seeds, "until": until, "min_members": min_members, "wait_s": 90}
+        "held_copies",
+        {"seeds": seeds, "until": until, "min_members": min_members, "wait_s": 90, **more},
     )
 
 
@@ -46,9 +48,9 @@ def test_a_read_key_gets_a_second_copy_and_survives_a_member_killed(tmp_path: Pa
 
     metrics_port = free_port()
 
-    def member(i: int, root: str) -> Any:
-        log = tmp_path / f"{root}.log"
-        seed = {"PERSISTING_SERVICE__SEEDS": f'["{addrs[0]}"]'} if i else {}
+    def member(i: int, root: str, seed_from: int = 0) -> Any:
+        log = tmp_path / f"{root}-{len(procs)}.log"
+        seed = {"PERSISTING_SERVICE__SEEDS": f'["{addrs[seed_from]}"]'} if i != seed_from else {}
         if i == 0:  # one member's metrics: its copies, as an operator watches them
             seed["PERSISTING_SERVICE__METRICS_PORT"] = str(metrics_port)
         proc = start_serve(tmp_path / root, ports[i], log, **MEMBER, **seed)
@@ -97,6 +99,18 @@ def test_a_read_key_gets_a_second_copy_and_survives_a_member_killed(tmp_path: Pa
         wait_until(healed, "member 0's copies_due back to 0", 60)
         sent = float(_sample(texts[-1], 'persisting_service_copies_total{outcome="sent"}'))
         assert sent > 0 and float(_sample(texts[-1], "persisting_service_copy_bytes_total")) > 0
+
+        # member 0 restarts on its own disk, having forgotten which keys were wanted: it
+        # surveys those it holds (each is wanted, another member holds it too); then member
+        # 2 is lost, and 0 and 1 come to hold every key between them
+        kill_group(procs[0])
+        procs.append(member(0, "root0", seed_from=1))
+        seeds = [addrs[1]]
+        restarted = _held(seeds, 2 * N, 3, surveyed=addrs[0], wanted=N)
+        assert restarted[addrs[0]]["copies"]["keys_surveyed"] == N, restarted
+        kill_group(procs[2])
+        last = _held(seeds, 2 * N, 2)
+        assert last[addrs[0]]["keys"] == N and last[addrs[1]]["keys"] == N, last
 
 
 def _sample(text: str, name: str) -> str:

@@ -94,3 +94,19 @@ def test_keys_due_together_are_taken_together() -> None:
     assert got == [[("a", k) for k in KEYS[:3]]]
     backlog.want("a", KEYS[3:13])  # as many as a step takes: no waiting for more
     assert backlog.take(10, 30.0) == [("a", k) for k in KEYS[3:13]]
+
+
+def test_surveyed_keys_are_asked_about_until_they_are_known_to_be_wanted() -> None:
+    backlog = CopyBacklog(gather_s=0.0)
+    backlog.want("m", ["a"])
+    assert backlog.survey("m", ["a", "b", "c"]) == 2  # "a" is known to be wanted
+    batch = backlog.take(10, 0.0)
+    assert batch == [("m", "a"), ("m", "b"), ("m", "c")]
+    assert backlog.unsure(batch) == {("m", "b"), ("m", "c")}
+    backlog.want("m", ["b"])  # another member holds it
+    assert backlog.unsure(batch) == {("m", "c")}
+    backlog.take(10, 0.0)  # "b" is due to be copied
+    assert backlog.recheck() == 3  # "a" and "b" wanted, "c" still unknown: all due again
+    assert backlog.unsure(backlog.take(10, 0.0)) == {("m", "c")}
+    backlog.forget("m", ["c"])  # evicted here
+    assert backlog.recheck() == 2 and backlog.wanted("m") == 2
