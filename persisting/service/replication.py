@@ -92,7 +92,7 @@ class CopyBacklog:
         :meth:`forget` says what it is."""
         added = 0
         with self._lock:
-            wanted = self._wanted.get(model, {})
+            wanted = self._wanted.get(model, OrderedDict())
             for key in keys:
                 if key in wanted or (model, key) in self._unsure:
                     continue
