@@ -27,6 +27,7 @@ from persisting.cuda import DEFAULT_STAGING_BYTES
 from persisting.errors import StoreClosedError
 from persisting.kv import at_exit
 from persisting.kv.api import KVApi, in_thread
+from persisting.kv.disk.leases import Clock
 from persisting.kv.disk.tier import EvictionListener, Location
 from persisting.kv.disk.write_behind import LAG_S, MAX_BYTES, Bounds
 from persisting.kv.eviction.policy import (
@@ -39,7 +40,6 @@ from persisting.kv.keys import HashScheme, TokenHasher
 from persisting.kv.keys import key_dtype as key_dtype_name
 from persisting.kv.layout import Layout
 from persisting.kv.options import SETTINGS_OPTIONS, check_options
-from persisting.kv.paths.leases import Clock
 from persisting.kv.paths.load_plan import LoadPlan, TierBandwidth
 from persisting.kv.paths.lookups import Lookups
 from persisting.kv.paths.puts import Durability, OnComplete, PutResult, Tier, Writes

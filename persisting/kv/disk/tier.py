@@ -30,6 +30,7 @@ from persisting.errors import CapacityError, CorruptValueError, PersistingError,
 from persisting.kv.budget.disk import DiskBudget, allocated
 from persisting.kv.budget.root import RootUsage
 from persisting.kv.budget.shared_usage import SharedUsage
+from persisting.kv.disk.leases import Clock, Leases, Location
 from persisting.kv.disk.metadata import MetadataTable, MetaRow, quarantine
 from persisting.kv.disk.payload_files import (
     HEADER_BYTES,
@@ -49,7 +50,6 @@ from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.keys import key_hash
 from persisting.kv.layout import Layout, Payload
 from persisting.kv.lock_order import Rank, ordered
-from persisting.kv.paths.leases import Clock, Leases, Location
 from persisting.lance_store.access import OWNER_ONLY, FileModes, storage_error
 from persisting.lance_store.durable import makedirs_durable
 from persisting.lance_store.root_keys import RootKeys

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 from persisting.config import KVSettings
 from persisting.errors import PersistingError, StorageIOError
 from persisting.kv import at_exit
+from persisting.kv.disk.leases import Clock
 from persisting.kv.disk.payload_files import WRITE_THREADS
 from persisting.kv.disk.tier import DiskTier, WriteItem
-from persisting.kv.paths.leases import Clock
 
 log = logging.getLogger(__name__)
 

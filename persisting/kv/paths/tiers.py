@@ -23,6 +23,7 @@ import numpy as np
 from persisting.cuda.host import StoreHostMemory
 from persisting.errors import InvalidKeyError
 from persisting.kv.budget.root import RootUsage
+from persisting.kv.disk.leases import Clock
 from persisting.kv.disk.tier import DiskTier, EvictionListener, Location
 from persisting.kv.eviction.policy import EvictionPolicy
 from persisting.kv.index import DiskEntry, LruIndex, MemoryEntry
@@ -30,7 +31,6 @@ from persisting.kv.keys import ChunkKey, key_string
 from persisting.kv.lock_order import Rank, ordered
 from persisting.kv.memory_tier import MemoryTier
 from persisting.kv.namespace.record import write_record
-from persisting.kv.paths.leases import Clock
 from persisting.kv.paths.load_plan import TierBandwidth
 from persisting.kv.stats import StoreStats
 from persisting.lance_store import StorageRoot
