@@ -57,6 +57,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from persisting.errors import CapacityError, CorruptValueError
+from persisting.integrations.vllm.affinity import process_cpus, run_on
 from persisting.integrations.vllm.blocks import BlockPages, read_rows
 from persisting.integrations.vllm.manager import PersistingBlocks
 from persisting.integrations.vllm.namespace import block_hash_of
@@ -166,6 +167,13 @@ def pair_blocks(
     return out
 
 
+def _pool(threads: int, name: str, cpus: frozenset[int] | None) -> ThreadPoolExecutor:
+    """A pool whose threads may run on ``cpus`` (see :mod:`.affinity`)."""
+    return ThreadPoolExecutor(
+        threads, thread_name_prefix=name, initializer=run_on, initargs=(cpus,)
+    )
+
+
 class _Refresh:
     """Rescans a store at most once per load job, when a block is not found: the first
     caller rescans, the others (the job's other blocks, read at once) wait for it."""
@@ -204,10 +212,12 @@ class PersistingWorker(OffloadingWorker):
         #: Where vLLM 0.34's device pointers point (None: block ids only).
         self.rows = rows
         # Jobs run on one pool, expedited loads on a thread of their own; a load's blocks
-        # are read in parallel on the third.
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="persisting-vllm-job")
-        self._urgent = ThreadPoolExecutor(1, thread_name_prefix="persisting-vllm-expedited")
-        self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix="persisting-vllm-read")
+        # are read in parallel on the third. Each thread may run on any of the process's
+        # CPUs, not only on the one vLLM bound the creating thread to (see affinity).
+        cpus = process_cpus()
+        self._pool = _pool(2, "persisting-vllm-job", cpus)
+        self._urgent = _pool(1, "persisting-vllm-expedited", cpus)
+        self._reads = _pool(io_threads, "persisting-vllm-read", cpus)
         self._lock = threading.Lock()
         self._jobs: dict[int, Future[TransferResult]] = {}
         self._failed_blocks: set[int] = set()
