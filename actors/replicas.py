@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -27,13 +28,15 @@ from persisting.errors import PersistingError
 from persisting.kv import KVStore, Layout
 from persisting.service import KVCacheClient
 from persisting.service.client.member import MemberFailed
-from persisting.service.replication import CopyBacklog, Pacer, background_thread, copy_targets
+from persisting.service.replication import CopyBacklog, Pacer, copy_targets
 
 logger = logging.getLogger("persisting.replicas")
 
 #: Keys checked per step, and the bytes read into memory before they are sent.
 STEP_KEYS = 256
 STEP_BYTES = 64 << 20
+#: How much lower than the serving threads the replicator's threads are scheduled.
+NICENESS = 10
 #: The pause before copies that failed to reach a live member are tried again.
 RETRY_S = 1.0
 
@@ -106,7 +109,8 @@ class Replicator:
     def _main(self) -> None:
         # Copies are background work: this thread, and the threads it starts (which read
         # the values to send), yield the CPU to the requests the member serves.
-        background_thread()
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
         try:
             asyncio.run(self._run())
         except Exception:  # the replicator must never take the server down

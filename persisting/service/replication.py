@@ -25,8 +25,6 @@ each once, oldest first, bounded), :class:`Pacer` (the stated rate).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -39,23 +37,6 @@ GATHER_S = 0.5
 #: Wanted keys a member remembers per namespace (the oldest is forgotten first; forgetting
 #: one only means a later membership change does not check its copies again).
 MAX_WANTED = 1 << 20
-#: How much lower than the threads that serve requests copies are scheduled, on both ends:
-#: the sender's replicator (and the threads it starts) and the receiver's data connections
-#: that take them.
-NICENESS = 10
-
-
-def background_thread(niceness: int = NICENESS) -> bool:
-    """Schedule the calling thread ``niceness`` lower than it is (and the threads it starts
-    later, which inherit it): copies are background work, so the cores go to the requests a
-    member serves first, and copies take what those leave. False where the system does not
-    allow it (the thread runs on as it was)."""
-    with contextlib.suppress(OSError, AttributeError):
-        thread = threading.get_native_id()
-        now = os.getpriority(os.PRIO_PROCESS, thread)
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, now + niceness))
-        return True
-    return False
 
 
 def copy_targets(key: str, live: Sequence[str], me: str, replicas: int) -> list[str]:

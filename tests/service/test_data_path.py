@@ -327,19 +327,6 @@ def test_ending_the_session_closes_its_data_connections(server: Server) -> None:
         link.close()
 
 
-def test_another_members_copies_are_taken_on_a_thread_scheduled_lower(server: Server) -> None:
-    plain = Raw.connect(server)
-    copies = Raw.connect(server, info=server.session({"role": "copies"}))
-    try:
-        for raw, i in ((plain, 1), (copies, 2)):  # both stored alike
-            assert raw.put([item(i)])["results"][0]["stored"]
-            assert server.store.contains(key(i))
-        assert server.bulk.stats()["background_connections"] == 1
-    finally:
-        plain.close()
-        copies.close()
-
-
 # -- who may connect, and how many -------------------------------------------------------------
 
 

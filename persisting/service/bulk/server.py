@@ -18,9 +18,7 @@ Unix socket in a private folder for clients on this host. A connection goes thro
    holds them all), ``max_connections`` per server. Over one, the answer is an error frame
    saying which, and the connection ends.
 4. **Requests**, one at a time (:mod:`.requests`), each renewing its session; each value of
-   a reply or a put must move within ``io_timeout_s`` or the connection is closed. The
-   thread of a connection that carries another member's copies (its session's ``role``)
-   is scheduled lower than the others (:func:`~persisting.service.replication.background_thread`).
+   a reply or a put must move within ``io_timeout_s`` or the connection is closed.
 5. **End**: the client closes, its session ends (its connections are shut down with it),
    garbage arrives, or a deadline passes.
 """
@@ -47,7 +45,6 @@ from persisting.service.bulk.frames import ConnectionLost, error_frame
 from persisting.service.bulk.requests import Requests
 from persisting.service.bulk.tls import ServerIdentity
 from persisting.service.handler.common import ServerState
-from persisting.service.replication import background_thread
 from persisting.service.sessions import Session
 from persisting.shm import pid_alive
 
@@ -216,10 +213,6 @@ class BulkServer:
         if opened is None:
             return
         conn, session = opened
-        if session.client.get("role") == "copies" and background_thread():
-            # another member's copies: taken when the requests served here leave room (the
-            # client's own word, which can only put its own connection behind the others)
-            self._count("background_connections")
         try:
             self._serve(conn, session)
         except (ConnectionLost, OSError):
