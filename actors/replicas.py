@@ -5,11 +5,11 @@ It runs on a thread of its own, with its own event loop: the data path tells it 
 were read or stored (:meth:`Replicator.noted`), the members watcher which members are
 alive (:meth:`Replicator.members`). For each batch of keys to check it asks each target
 member once which keys it has (``contains``), reads the others from this member's store
-(checksum checked: a damaged value is never sent) and puts them on the target over the
-data path -- a client of its own peers, with the cluster's passphrase and TLS, at
-``service.copy_bytes_per_s``. The target stores a copy through its ordinary put path, so
-its budget holds. A target that fails costs nothing but the copy: the keys are checked
-again when the members change.
+(checksum checked: a damaged value is never sent; a memory-tier value is sent from the
+tier's own buffer, uncopied) and puts them on the target over the data path -- a client
+of its own peers, with the cluster's passphrase and TLS, at ``service.copy_bytes_per_s``.
+The target stores a copy through its ordinary put path, so its budget holds. A target
+that fails costs nothing but the copy: the keys are checked again when the members change.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import threading
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
+
+import xxhash
 
 from persisting.config import PersistingSettings
 from persisting.errors import PersistingError
@@ -239,7 +241,7 @@ class _Read:
 
     def __init__(self) -> None:
         self.keys: list[str] = []
-        self.payloads: list[bytearray] = []
+        self.payloads: list[Any] = []
         self.layouts: list[Layout] = []
         self.taken = 0
         self.gone = 0
@@ -247,7 +249,13 @@ class _Read:
 
 def _read_local(store: KVStore, keys: list[str], max_bytes: int) -> _Read:
     """Read ``keys`` from ``store`` (in order, up to ``max_bytes``); a key evicted or
-    damaged since (the store quarantines a damaged one) is skipped and counted as gone."""
+    damaged since is skipped and counted as gone.
+
+    A value in the memory tier is sent from the tier's own buffer (held until it is sent,
+    as the data path's gets do) once its bytes were found to match the checksum stored
+    with it: no copy, no fresh pages to fault in, and no damaged value sent. A value on
+    disk only is read into a buffer of its own, the store checking it (and quarantining it
+    if damaged)."""
     out = _Read()
     used = 0
     for key in keys:
@@ -255,22 +263,33 @@ def _read_local(store: KVStore, keys: list[str], max_bytes: int) -> _Read:
             break
         out.taken += 1
         try:
-            layout = store.layout(key)
-            if layout is None:
-                out.gone += 1
-                continue
-            buffer = bytearray(layout.nbytes)
-            if store.get_into(key, buffer, expect=layout) is None:
-                out.gone += 1
-                continue
+            got = _read_one(store, key)
         except PersistingError:
+            got = None
+        if got is None:
             out.gone += 1
             continue
+        layout, payload = got
         out.keys.append(key)
-        out.payloads.append(buffer)
+        out.payloads.append(payload)
         out.layouts.append(layout)
         used += layout.nbytes
     return out
+
+
+def _read_one(store: KVStore, key: str) -> tuple[Layout, Any] | None:
+    """``key``'s layout and bytes to send, or None: gone, or damaged."""
+    held = store.memory_payload(key)
+    if held is not None:
+        view = held.buffer.data.cast("B")  # holds the buffer (its pool range) until sent
+        return (held.layout, view) if xxhash.xxh3_64_intdigest(view) == held.checksum else None
+    layout = store.layout(key)
+    if layout is None:
+        return None
+    buffer = bytearray(layout.nbytes)
+    if store.get_into(key, buffer, expect=layout) is None:
+        return None
+    return layout, buffer
 
 
 __all__ = ["Replicator"]
