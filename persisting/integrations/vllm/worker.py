@@ -1,9 +1,11 @@
 """The worker side on CPU engines: moving blocks between vLLM's KV caches and the store.
 
-Loads and stores run on a small thread pool so the engine step that submits them is not
-held up; vLLM collects them with ``get_finished``. A load reads each block with one
-positioned vectored read into the block's rows of vLLM's cache tensors and checks its
-checksum (:func:`~persisting.integrations.vllm.blocks.read_rows`).
+Loads and stores run on a small thread pool; vLLM collects them with ``get_finished``,
+which first waits (up to ``LOAD_WAIT_S``) for the loads the step submitted, so that a
+restored request runs in the next step (stores are never waited for). A load reads its
+blocks in parallel, each with one positioned vectored read into the block's rows of vLLM's
+cache tensors, and checks its checksum (:func:`~persisting.integrations.vllm.blocks.read_rows`).
+The pool's threads may run on any CPU of the process (:mod:`.affinity`).
 
 vLLM names the engine's blocks of a job in two ways: 0.32 and 0.33 hand the worker their
 block ids (a ``GPULoadStoreSpec``), 0.34 the blocks' addresses (``DevicePointers``: one per
@@ -68,6 +70,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds a load's lease keeps a block's file from being evicted while it is read.
 LEASE_S = 60.0
+
+#: Seconds ``get_finished`` waits, at most, for the loads submitted since it last ran (a
+#: longer load finishes in the background while the engine steps on).
+LOAD_WAIT_S = 0.5
 
 #: Whether this vLLM takes a failed job (0.34: ``OffloadingWorkerMetadata.failed_jobs``;
 #: before, its offloading worker asserts that every job succeeded).
@@ -220,6 +226,8 @@ class PersistingWorker(OffloadingWorker):
         self._reads = _pool(io_threads, "persisting-vllm-read", cpus)
         self._lock = threading.Lock()
         self._jobs: dict[int, Future[TransferResult]] = {}
+        #: Loads submitted since ``get_finished`` last ran (it waits for them once).
+        self._new_loads: list[Future[TransferResult]] = []
         self._failed_blocks: set[int] = set()
         self._failed_keys: list[str] = []
         self._failed_jobs: set[int] = set()
@@ -234,7 +242,9 @@ class PersistingWorker(OffloadingWorker):
         """``dst_spec``: the engine blocks to fill (0.32, 0.33: a ``GPULoadStoreSpec``;
         0.34: ``DevicePointers``); ``expedited``: vLLM waits for it within the step."""
         assert isinstance(src_spec, PersistingBlocks)
-        self._submit(job_id, self._load, src_spec, dst_spec, expedited)
+        future = self._submit(job_id, self._load, src_spec, dst_spec, expedited)
+        with self._lock:
+            self._new_loads.append(future)
         return True
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
@@ -245,6 +255,18 @@ class PersistingWorker(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        """The jobs done since last asked; first waits (up to ``LOAD_WAIT_S``) for the loads
+        submitted since then. vLLM's CPU worker asks at the end of the step that submitted
+        them, and otherwise goes back to busy-polling its message queue, holding the GIL
+        between polls: the load's threads, which take the GIL back after every read, would
+        then wait for it over and over (up to the interpreter's switch interval each time)
+        while the request that needs the blocks waits for a later step. Waiting here
+        releases the GIL and ends the load within the step, as a load read in the step
+        would; a longer load ends in the background."""
+        with self._lock:
+            loads, self._new_loads = self._new_loads, []
+        if loads:
+            wait(loads, timeout=LOAD_WAIT_S)
         with self._lock:
             done = [job for job, future in self._jobs.items() if future.done()]
             futures = {job: self._jobs.pop(job) for job in done}
@@ -298,11 +320,12 @@ class PersistingWorker(OffloadingWorker):
 
     def _submit(
         self, job_id: int, run: Any, blocks: PersistingBlocks, device: Any, urgent: bool = False
-    ) -> None:
+    ) -> Future[TransferResult]:
         pool = self._urgent if urgent else self._pool
         future = pool.submit(self._timed, job_id, run, blocks, device)
         with self._lock:
             self._jobs[job_id] = future
+        return future
 
     def _timed(
         self, job_id: int, run: Any, blocks: PersistingBlocks, device: Any
