@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         rows: list[dict[str, Any]] = []
         print(f"prompt {args.tokens} tokens, {args.layers} layers, hidden {args.hidden}")
+        print(f"# load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs", flush=True)
         print(f"{'round':>5} {'side':>10} {'recompute s':>12} {'restore s':>10} {'reused':>7} same")
         for round_no in range(args.rounds):
             sides = (
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                     f" {row['same_first_token']}",
                     flush=True,
                 )
+    print(f"# load average {os.getloadavg()[0]:.2f}")
     recompute = statistics.median(r["recompute_s"] for r in rows)
     summary: dict[str, Any] = {"recompute_s": recompute}
     for side in args.sides:
