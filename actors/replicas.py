@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -37,8 +36,6 @@ logger = logging.getLogger("persisting.replicas")
 #: Keys checked per step, and the bytes read into memory before they are sent.
 STEP_KEYS = 256
 STEP_BYTES = 64 << 20
-#: How much lower than the serving threads the replicator's threads are scheduled.
-NICENESS = 10
 #: The pause before copies that failed to reach a live member are tried again.
 RETRY_S = 1.0
 
@@ -109,10 +106,10 @@ class Replicator:
             self._thread.join(timeout=10.0)
 
     def _main(self) -> None:
-        # Copies are background work: this thread, and the threads it starts (which read
-        # the values to send), yield the CPU to the requests the member serves.
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        # Not run at a lower priority: a thread's nice level passes to every thread it
+        # starts, and the store starts its pools and a namespace's background threads when
+        # first needed -- from this thread, if a copy needs them first -- which would then
+        # serve every request at that level. Copies are bounded by their rate instead.
         try:
             asyncio.run(self._run())
         except Exception:  # the replicator must never take the server down
