@@ -1,4 +1,6 @@
-"""Judging payload files the index does not know: adopt, quarantine or put back.
+"""A namespace's metadata and payload files reconciled at open: rows whose files are gone
+are dropped (:func:`index_rows`), and files the index does not know are judged: adopted,
+quarantined or put back.
 
 A namespace's directory can hold payload files its metadata never recorded: written by a
 process that died before its metadata commit, by another live process, or planted and
@@ -20,11 +22,12 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from persisting.errors import CorruptValueError
+from persisting.kv.disk.metadata import MetaRow
 from persisting.kv.disk.payload_files import (
     FileHeader,
     PayloadFiles,
@@ -32,6 +35,7 @@ from persisting.kv.disk.payload_files import (
     round_to_block,
 )
 from persisting.kv.disk.quarantine import Quarantine
+from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.keys import key_hash
 from persisting.lance_store.access import make_dir
 
@@ -94,6 +98,34 @@ class FileJudge:
             self.verdicts.quarantined += 1
             self._release(round_to_block(size))
 
+    def adopt(
+        self,
+        on_disk: Mapping[tuple[int, int], Path],
+        index: LruIndex[DiskEntry],
+        *,
+        judging: bool,
+    ) -> list[MetaRow]:
+        """Index the files of ``on_disk`` (by key hash and tag) that ``index`` does not know
+        and that may be adopted (:meth:`header`); their metadata rows. A second copy of a
+        key already indexed is deleted."""
+        known = {(key_hash(k), e.tag) for k, e in index.items()}
+        adopted: list[MetaRow] = []
+        for (h, tag), path in on_disk.items():
+            if (h, tag) in known:
+                continue
+            header = self.header(path, h, judging=judging)
+            if header is None:
+                continue
+            if header.key in index:
+                self.drop_copy(path)
+                continue
+            entry = DiskEntry(header.layout, header.checksum, header.parent, tag)
+            index.add(header.key, entry, sighting=False)
+            adopted.append(
+                MetaRow(header.key, tag, header.layout, header.checksum, header.parent, path)
+            )
+        return adopted
+
     def put_back_verified(self) -> int:
         """Move quarantined files that now verify, header and payload (their key came
         back), to their places; returns how many. Their bytes are counted again by the
@@ -122,10 +154,28 @@ class FileJudge:
         return restored
 
 
+def index_rows(
+    rows: Iterable[MetaRow], on_disk: Mapping[tuple[int, int], Path], index: LruIndex[DiskEntry]
+) -> list[tuple[str, int]]:
+    """Index the metadata ``rows`` whose payload files are in ``on_disk``; the ``(key,
+    tag)`` of the others (their files were evicted or removed before their rows were, or
+    a row is a second one for an indexed key), for the caller to delete."""
+    stale: list[tuple[str, int]] = []
+    for row in rows:
+        existing = index.get(row.key)
+        if existing is not None and existing.tag == row.tag:
+            continue  # the same file recorded twice (adopted by two processes)
+        if existing is not None or (key_hash(row.key), row.tag) not in on_disk:
+            stale.append((row.key, row.tag))
+            continue
+        index.add(row.key, DiskEntry(row.layout, row.checksum, row.parent, row.tag), sighting=False)
+    return stale
+
+
 def _size(path: Path) -> int | None:
     with contextlib.suppress(FileNotFoundError):
         return os.stat(path).st_size
     return None
 
 
-__all__ = ["FileJudge", "Verdicts"]
+__all__ = ["FileJudge", "Verdicts", "index_rows"]

@@ -42,7 +42,7 @@ from persisting.kv.disk.payload_files import (
     file_size,
 )
 from persisting.kv.disk.quarantine import Quarantine
-from persisting.kv.disk.reconcile import FileJudge
+from persisting.kv.disk.reconcile import FileJudge, index_rows
 from persisting.kv.eviction.batch_fit import heads_that_fit
 from persisting.kv.eviction.policy import EvictionPolicy
 from persisting.kv.eviction.remembered import EvictionMemory
@@ -188,7 +188,6 @@ class DiskTier:
             return self._new_metadata(path)
 
     def _load_index(self) -> None:
-        stale: list[tuple[str, int]] = []
         try:
             rows = list(self.meta.load(self.files.path))
         except Exception as exc:
@@ -203,45 +202,18 @@ class DiskTier:
             self.meta = self._new_metadata(self.meta.path)
             rows = []
         on_disk = {(h, tag): path for path, h, tag in self.files.scan()}
-        for row in rows:
-            existing = self.index.get(row.key)
-            if existing is not None and existing.tag == row.tag:
-                continue  # the same file recorded twice (adopted by two processes)
-            if existing is not None or (key_hash(row.key), row.tag) not in on_disk:
-                stale.append((row.key, row.tag))  # evicted/removed before its row was
-                continue
-            self.index.add(
-                row.key, DiskEntry(row.layout, row.checksum, row.parent, row.tag), sighting=False
-            )
+        stale = index_rows(rows, on_disk, self.index)  # evicted/removed before their rows
         if stale:
             self.meta.delete(stale)
         self._adopt_unknown_files(on_disk, record=True)
 
     def _adopt_unknown_files(self, on_disk: dict[tuple[int, int], Path], *, record: bool) -> int:
         """Index payload files the metadata does not know (written by a process that died
-        before its metadata commit, or by another live process); quarantine those that do
-        not verify (:mod:`~persisting.kv.disk.reconcile`). With ``record`` their rows are
-        committed too (on open); on refresh the writer's own commit will add them."""
-        known = {(key_hash(k), e.tag) for k, e in self.index.items()}
+        before its metadata commit, or by another live process), as the judge rules
+        (:mod:`~persisting.kv.disk.reconcile`). With ``record`` their rows are committed
+        too (on open); on refresh the writer's own commit will add them."""
         judging = not self.files.keys.changed()
-        adopted: list[MetaRow] = []
-        for (h, tag), path in on_disk.items():
-            if (h, tag) in known:
-                continue
-            header = self.judge.header(path, h, judging=judging)
-            if header is None:
-                continue
-            if header.key in self.index:
-                self.judge.drop_copy(path)  # a second copy of a stored key
-                continue
-            self.index.add(
-                header.key,
-                DiskEntry(header.layout, header.checksum, header.parent, tag),
-                sighting=False,
-            )
-            adopted.append(
-                MetaRow(header.key, tag, header.layout, header.checksum, header.parent, path)
-            )
+        adopted = self.judge.adopt(on_disk, self.index, judging=judging)
         if adopted and record:
             self.meta.add(adopted)
             self.recovered_files += len(adopted)
