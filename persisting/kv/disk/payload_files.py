@@ -13,9 +13,9 @@ An in-flight file is written beside the place it will land, as
 ``du`` that lists the directory sees the file once, under one name or the other (a rename
 from another directory could be counted twice by a ``du`` walking both). Its writer holds an
 exclusive ``flock`` on it from creation until after the rename. That lock is the proof of
-life: a file nobody holds locked belongs to a dead writer and may be removed, whatever
-process, store or pid namespace wrote it (a pid in the name would prove nothing across pid
-namespaces, and two stores of one process share a pid). Each open store also holds a lock
+life (:mod:`~persisting.kv.disk.liveness`): a file nobody holds locked belongs to a dead
+writer and may be removed (two stores of one process share a pid, so no pid in a name
+could say so). Each open store also holds a lock
 on a file of its own in ``writers/``: finding one unlocked says a writer died, and only
 then are the ``payload/<hh>`` directories searched for its in-flight files, so the put path
 pays nothing for it. ``reservations/`` holds empty, locked
@@ -25,18 +25,12 @@ in-flight files, found and reclaimed the same way).
 
 Payload bytes are read with :func:`~persisting.kv.disk.range_reads.read_file_range` (positioned
 reads straight into the destination, hashed as they land).
-
-Over 500 lines on purpose: the file format, its writers and the in-flight files' proof of
-life share the header, the names and the locks, and are read together when the format
-changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import functools
 import os
 import secrets
@@ -49,9 +43,17 @@ from typing import Any
 
 import xxhash
 
-from persisting.errors import CapacityError, CorruptValueError, StorageIOError
-from persisting.kv.disk import direct_io
+from persisting.errors import CorruptValueError
+from persisting.kv.disk import direct_io, liveness
 from persisting.kv.disk.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
+from persisting.kv.disk.liveness import (
+    Reservation,
+    create_locked,
+    io_error,
+    reservations_in,
+    reserved_of,
+    unlink_quietly,
+)
 from persisting.kv.disk.range_reads import read_file_range
 from persisting.kv.keys import key_hash
 from persisting.kv.layout import HASH_PIECE, Payload, payload_parts
@@ -96,17 +98,6 @@ class PendingFile:
     tmp: Path
     final: Path
     grown: int = 0
-
-
-@dataclass(slots=True)
-class Reservation:
-    """An empty file its holder keeps locked: a metadata reservation, whose name carries
-    the reserved bytes (:meth:`PayloadFiles.reserve_file`), or a store's proof of life
-    (:meth:`PayloadFiles.register_writer`)."""
-
-    fd: int
-    path: Path
-    nbytes: int
 
 
 class PayloadFiles:
@@ -160,9 +151,9 @@ class PayloadFiles:
         try:
             self._make_subdir(subdir)
         except OSError as exc:
-            raise _io_error(f"cannot create {subdir}", exc) from exc
+            raise io_error(f"cannot create {subdir}", exc) from exc
         tmp = subdir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
-        fd = _create_locked(tmp, self.modes.file)
+        fd = create_locked(tmp, self.modes.file)
         grown = max(0, sum(_allocated(d) for d in watched) - before)
         return PendingFile(fd, tmp, final, grown)
 
@@ -174,7 +165,7 @@ class PayloadFiles:
             make_dir(self.writers_dir, self.modes)
         # 0600 whatever the access setting: who can open it can hold its lock, and a dead
         # writer would then look alive for ever (its in-flight files never reclaimed).
-        return Reservation(_create_locked(path, CONTROL_FILE_MODE), path, 0)
+        return Reservation(create_locked(path, CONTROL_FILE_MODE), path, 0)
 
     def dead_writers(self) -> list[Path]:
         """The ``writers/`` files of stores that died open (nobody holds their lock)."""
@@ -193,12 +184,12 @@ class PayloadFiles:
         path = self.reservations_dir / name
         if not self.reservations_dir.is_dir():
             make_dir(self.reservations_dir, self.modes)
-        return Reservation(_create_locked(path, CONTROL_FILE_MODE), path, nbytes)  # as above
+        return Reservation(create_locked(path, CONTROL_FILE_MODE), path, nbytes)  # as above
 
     @staticmethod
     def release_file(reservation: Reservation) -> None:
         """Remove a reservation file (unlinked while still locked, then let go)."""
-        _unlink_quietly(reservation.path)
+        unlink_quietly(reservation.path)
         with contextlib.suppress(OSError):
             os.close(reservation.fd)
 
@@ -268,7 +259,7 @@ class PayloadFiles:
                 fsync_fd(pending.fd)
         except OSError as exc:
             self.abort(pending)
-            raise _io_error(f"writing {pending.final.name} failed", exc) from exc
+            raise io_error(f"writing {pending.final.name} failed", exc) from exc
         return header
 
     def _head(self, header: FileHeader, checksum: int) -> bytes:
@@ -335,7 +326,7 @@ class PayloadFiles:
             os.rename(pending.tmp, pending.final)
         except OSError as exc:
             self.abort(pending)
-            raise _io_error(f"cannot move {pending.tmp} into place", exc) from exc
+            raise io_error(f"cannot move {pending.tmp} into place", exc) from exc
         os.close(pending.fd)
         pending.fd = -1
         return pending.final
@@ -355,7 +346,7 @@ class PayloadFiles:
 
     @staticmethod
     def abort(pending: PendingFile) -> None:
-        _unlink_quietly(pending.tmp)  # before closing: unlocked, it could be taken for dead
+        unlink_quietly(pending.tmp)  # before closing: unlocked, it could be taken for dead
         if pending.fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(pending.fd)
@@ -437,12 +428,12 @@ class PayloadFiles:
 
     def reservation_files(self) -> Iterator[tuple[Path, int]]:
         """Metadata reservations as ``(path, reserved bytes)``, live or abandoned."""
-        yield from _reservations_in(self.reservations_dir)
+        yield from reservations_in(self.reservations_dir)
 
     def tmp_files(self) -> Iterator[tuple[Path, int]]:
         """Whole in-flight files older versions wrote in ``tmp/``, as ``(path, reserved
         bytes)``, live or abandoned."""
-        yield from _reservations_in(self.tmp_dir)
+        yield from reservations_in(self.tmp_dir)
 
     def census(self) -> Iterator[tuple[Path, int | None]]:
         """Every payload file as ``(path, None)`` and every in-flight one as ``(path,
@@ -456,37 +447,10 @@ class PayloadFiles:
             for name in names:
                 if name.endswith(".kv") and len(name) == 28:
                     yield subdir / name, None
-                elif (reserved := _reserved_of(name)) is not None:
+                elif (reserved := reserved_of(name)) is not None:
                     yield subdir / name, reserved
 
-    @staticmethod
-    def remove_if_abandoned(path: Path, *, keep: bool = False) -> bool:
-        """Unlink tmp file ``path`` if no live writer holds its lock (with ``keep``, only
-        say so); True if it did.
-
-        Its writer holds the lock until the file has its final name, so a lock we can take
-        means the writer died (the kernel dropped its lock) or gave the file up.
-        """
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            return False  # finished meanwhile
-        except OSError:
-            return False  # not ours to judge
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False  # its writer is alive
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
-            except FileNotFoundError:
-                return False
-            if same and not keep:
-                _unlink_quietly(path)
-            return same
-        finally:
-            os.close(fd)
+    remove_if_abandoned = staticmethod(liveness.remove_if_abandoned)
 
 
 def payload_subdirs(directory: Path) -> Iterator[Path]:
@@ -529,56 +493,11 @@ def _inline(fn: Callable[..., FileHeader], *args: Any, **kwargs: Any) -> Future[
     return future
 
 
-def _reservations_in(directory: Path) -> Iterator[tuple[Path, int]]:
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        reserved = _reserved_of(entry.name)
-        if reserved is not None:
-            yield Path(entry.path), reserved
-
-
-def _reserved_of(name: str) -> int | None:
-    """The reserved bytes in a ``<random>-<tag>-<bytes>.tmp`` name (None: not such a name)."""
-    if not name.endswith(".tmp"):
-        return None
-    parts = name.removesuffix(".tmp").split("-")
-    if len(parts) != 3 or not parts[2].isdigit():
-        return None
-    return int(parts[2])
-
-
-def _create_locked(path: Path, mode: int) -> int:
-    """Create ``path`` (it must not exist) with exactly ``mode``, exclusively locked."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, mode)
-    except OSError as exc:
-        raise _io_error(f"cannot create {path}", exc) from exc
-    restrict(path, mode, fd=fd)  # exactly its mode, whatever the umask
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and unseen: never blocks
-    except OSError as exc:
-        os.close(fd)
-        _unlink_quietly(path)
-        raise _io_error(f"cannot lock {path}", exc) from exc
-    return fd
-
-
 def _allocated(path: str | os.PathLike[str]) -> int:
     try:
         return os.lstat(path).st_blocks * 512
     except FileNotFoundError:
         return 0
-
-
-def _io_error(what: str, exc: OSError) -> StorageIOError | CapacityError:
-    """A full filesystem is a capacity problem the caller can act on, not a broken disk."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return CapacityError(f"{what}: the filesystem is full ({exc.strerror})")
-    return StorageIOError(f"{what}: {exc}")
 
 
 def _write_hashed(fd: int, payload: Payload, offset: int, pause: Pause | None = None) -> int:
@@ -623,11 +542,6 @@ def _write_all(fd: int, buffers: list[bytes | memoryview], offset: int | None = 
             views.pop(0)
         if views and written:
             views[0] = views[0][written:]
-
-
-def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
 
 __all__ = [
