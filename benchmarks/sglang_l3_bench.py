@@ -18,7 +18,7 @@ The side that goes first alternates by round; every row is printed, then the med
 the ratio Persisting / HiCacheFile. Then what each does with a damaged page (one byte
 flipped in its file) and after a restart (a new process reading the pages).
 
-    flock /work/bench.lock .venv/bin/python benchmarks/sglang_l3_bench.py --rounds 5
+    flock /tmp/persisting-bench.lock .venv/bin/python benchmarks/sglang_l3_bench.py --rounds 5
 """
 
 from __future__ import annotations

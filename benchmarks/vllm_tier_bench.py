@@ -25,7 +25,7 @@ medians. ``--option key=value`` passes a setting to the PersistingTier (a JSON v
 ``io_threads=8``). Then each side's answer to a damaged file:
 a chunk whose payload file had 64 bytes flipped, promoted in a new process. Run::
 
-    flock /work/bench.lock .venv/bin/python benchmarks/vllm_tier_bench.py --rounds 5
+    flock /tmp/persisting-bench.lock .venv/bin/python benchmarks/vllm_tier_bench.py --rounds 5
 """
 
 from __future__ import annotations
