@@ -22,11 +22,10 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-import xxhash
-
 from persisting.config import PersistingSettings
 from persisting.errors import PersistingError
 from persisting.kv import KVStore, Layout
+from persisting.kv.layout import checksum
 from persisting.service import KVCacheClient
 from persisting.service.client.member import MemberFailed
 from persisting.service.replication import CopyBacklog, Pacer, copy_targets
@@ -279,7 +278,7 @@ def _read_one(store: KVStore, key: str) -> tuple[Layout, Any] | None:
     held = store.memory_payload(key)
     if held is not None:
         view = held.buffer.data.cast("B")  # holds the buffer (its pool range) until sent
-        return (held.layout, view) if xxhash.xxh3_64_intdigest(view) == held.checksum else None
+        return (held.layout, view) if checksum(view) == held.checksum else None
     layout = store.layout(key)
     if layout is None:
         return None

@@ -4,7 +4,7 @@ Nothing here imports Pulsing, the service, the plugin or the CLI.
 """
 
 from persisting.kv.api import AsyncKVApi, KVApi
-from persisting.kv.disk.tier import Location
+from persisting.kv.disk.leases import Location
 from persisting.kv.eviction.policy import (
     AdmissionPolicy,
     EvictionPolicy,
