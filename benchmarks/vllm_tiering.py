@@ -264,13 +264,14 @@ class Driver:
             time.sleep(0.0005)
 
     def events(self) -> dict[str, Any]:
-        stored = removed = 0
+        """Keys stored and removed in the events, in all and per medium."""
+        counts: dict[str, int] = {}
         for event in self.manager.take_events():
-            if event.removed:
-                removed += len(event.keys)
-            else:
-                stored += len(event.keys)
-        return {"stored": stored, "removed": removed}
+            kind = "removed" if event.removed else "stored"
+            medium = getattr(event.medium, "name", str(event.medium))
+            for name in (kind, f"{kind}_{medium}"):
+                counts[name] = counts.get(name, 0) + len(event.keys)
+        return {"stored": 0, "removed": 0, **counts}
 
 
 def _files(directory: str) -> list[Path]:

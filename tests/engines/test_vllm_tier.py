@@ -209,7 +209,11 @@ def test_the_budget_holds_and_evictions_are_reported(runs: dict[str, Any]) -> No
     (events,) = steps_of(runs["budget"], "events")
     (usage,) = steps_of(runs["budget"], "usage")
     assert usage["payload_files"] <= 12
-    assert events["removed"] >= 40 - usage["payload_files"]
+    # Every chunk announced stored in the tier is on disk or announced removed since; a
+    # batch over the whole budget keeps its chains' heads, and the rest are not announced.
+    stored, removed = events.get("stored_STORAGE", 0), events.get("removed_STORAGE", 0)
+    assert usage["payload_files"] <= stored <= 40
+    assert removed >= stored - usage["payload_files"]
     assert usage["bytes"] <= runs["budget_bytes"] * 1.05
 
 
