@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from persisting.kv import KVStore, open_kv_store
+from persisting.kv import KVStore, Layout, open_kv_store
 from persisting.kv.disk import direct_io
 from persisting.kv.disk.file_header import HEADER_BYTES, FileHeader
 
@@ -78,3 +78,35 @@ def test_the_header_goes_with_the_payload_in_one_direct_write(tmp_path: Path) ->
     header = FileHeader.decode(kv.read_bytes()[:HEADER_BYTES], None)
     assert header.key == key(4)
     assert header.checksum == xxhash.xxh3_64_intdigest(payload)
+
+
+def test_an_owned_durable_put_is_written_direct_under_its_checksum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value received into a memory-tier buffer (``batched_put_owned``, its checksum
+    known: a server's put) is written with O_DIRECT too, header and all, and fsynced."""
+    direct_writes: list[int] = []
+    write = direct_io.write
+
+    def counting(path: Path, view: memoryview, offset: int, head: bytes = b"") -> bool:
+        direct_writes.append(len(view))
+        return write(path, view, offset, head)
+
+    monkeypatch.setattr(direct_io, "write", counting)
+    root = tmp_path / "root"
+    with open_kv_store(
+        root, MODEL, memory_bytes="16MiB", disk_bytes="64MiB", direct_io=True
+    ) as store:
+        buffers = [store.allocate(64 << 10) for _ in range(2)]
+        for i, buffer in enumerate(buffers):
+            buffer[:] = np.frombuffer(aligned_buffer(64 << 10, i + 1), np.uint8)
+        layout = Layout((64 << 10,), "uint8", "binary", 64 << 10, "bytes")
+        digests = [xxhash.xxh3_64_intdigest(b) for b in buffers]
+        results = store.batched_put_owned([key(5), key(6)], buffers, [layout] * 2, digests)
+        assert all(r.durable for r in results)
+    assert direct_writes == [64 << 10, 64 << 10]
+    for kv in root.rglob("*.kv"):
+        header = FileHeader.decode(kv.read_bytes()[:HEADER_BYTES], None)
+        i = [key(5), key(6)].index(header.key)
+        assert header.checksum == digests[i]
+        assert kv.read_bytes()[HEADER_BYTES:] == bytes(aligned_buffer(64 << 10, i + 1))

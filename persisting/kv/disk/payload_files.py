@@ -227,23 +227,12 @@ class PayloadFiles:
         With ``pause`` the payload is written in pieces with ``pause()`` called before each,
         and before the fsync (which pushes the file to the disk, as costly beside reads as
         the writes themselves). With :attr:`direct`, a hashed payload whose memory and size
-        O_DIRECT takes is hashed first and written with its header, O_DIRECT, in one call."""
+        O_DIRECT takes is hashed first and written with its header, O_DIRECT, in one call;
+        so is one whose checksum is known (the fsync then has only the metadata left)."""
         try:
-            digest = None
-            if (
-                hashed
-                and self.direct
-                and isinstance(payload, memoryview)
-                and direct_io.aligned(payload, HEADER_BYTES)
-            ):
-                if pause is not None:
-                    pause()
-                digest = direct_io.write_hashed(
-                    pending.tmp, payload, HEADER_BYTES, functools.partial(self._head, header)
-                )  # header and payload in one O_DIRECT write
-                self.direct = digest is not None  # refused: not tried again
-            if digest is not None:
-                header = dataclasses.replace(header, checksum=digest)
+            done = self._write_direct(pending, header, payload, hashed, pause)
+            if done is not None:
+                header = done
             elif hashed:
                 digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
                 header = dataclasses.replace(header, checksum=digest)
@@ -261,6 +250,38 @@ class PayloadFiles:
             self.abort(pending)
             raise io_error(f"writing {pending.final.name} failed", exc) from exc
         return header
+
+    def _write_direct(
+        self,
+        pending: PendingFile,
+        header: FileHeader,
+        payload: Payload,
+        hashed: bool,
+        pause: Pause | None,
+    ) -> FileHeader | None:
+        """Header and payload in one O_DIRECT write (the payload hashed first if ``hashed``);
+        the header written, or None, nothing written, when :attr:`direct` is off, O_DIRECT
+        does not take the payload's memory or size, or the filesystem refuses it (then
+        :attr:`direct` is cleared: not tried again)."""
+        if not self.direct or not isinstance(payload, memoryview):
+            return None
+        if not direct_io.aligned(payload, HEADER_BYTES):
+            return None
+        if pause is not None:
+            pause()
+        if hashed:
+            digest = direct_io.write_hashed(
+                pending.tmp, payload, HEADER_BYTES, functools.partial(self._head, header)
+            )
+            written = digest is not None
+            if digest is not None:
+                header = dataclasses.replace(header, checksum=digest)
+        else:
+            head = header.encode(self.keys.sealing)
+            written = direct_io.write(pending.tmp, payload, HEADER_BYTES, head)
+        if not written:
+            self.direct = False
+        return header if written else None
 
     def _head(self, header: FileHeader, checksum: int) -> bytes:
         return dataclasses.replace(header, checksum=checksum).encode(self.keys.sealing)
