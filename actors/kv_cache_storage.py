@@ -179,6 +179,10 @@ class KVCacheStorageActor(pulsing.Actor):
             self.settings,
             name,
             shared_memory=service.shared_memory_tier,
+            # Received values land in the memory tier's page-aligned buffers, which keep
+            # them: written with O_DIRECT, not copied into the page cache a second time,
+            # and a put's fsync is left with only the file's metadata.
+            direct_io=True,
             namespace=namespace,
             describe={"served by": "persisting serve", "model": name, **describe},
         )
