@@ -16,7 +16,8 @@ loading what is already stored (on open, or files another process wrote) passes
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
@@ -102,14 +103,23 @@ class LruIndex(Generic[E]):
         self.reuse = reuse
         self.duel = RecencyDuel()
         self.bytes = 0
+        #: Sightings waiting for :meth:`count_sightings` (None: counted at once).
+        self._deferred: deque[tuple[E, int]] | None = None
+        self._counting = threading.Lock()
+        #: The newest clock a counted sighting returned: a queued entry's clock meanwhile.
+        self._latest_tick = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def attach(self, reuse: ReuseStats) -> None:
+    def attach(self, reuse: ReuseStats, *, deferred: bool = False) -> None:
         """Report sightings to ``reuse`` from now on (entries already here are looked up
-        in it, not counted)."""
+        in it, not counted). With ``deferred``, :meth:`get` and :meth:`add` only queue
+        their sightings and the caller counts them with :meth:`count_sightings` once it
+        let go of its lock: a shared table's sighting is four system calls, and every
+        reader of the tier waited for them under the tier's lock."""
         self.reuse = reuse
+        self._deferred = deque() if deferred else None
         for key, entry in self._entries.items():
             entry.khash = key_hash(key)
             entry.tick = reuse.state(entry.khash)[1]
@@ -125,9 +135,34 @@ class LruIndex(Generic[E]):
             if key in self._leaf_order:
                 self._leaf_order.move_to_end(key)
             if self.reuse is not None:
-                entry.tick = self.reuse.sighted(entry.khash)
-                self.duel.sighted(entry.khash, len(self._entries), self.reuse)
+                self._sighted(entry)
         return entry
+
+    def _sighted(self, entry: E) -> None:
+        """Count a sighting of ``entry`` now, or queue it (see :meth:`attach`)."""
+        assert self.reuse is not None
+        if self._deferred is not None:
+            entry.tick = max(entry.tick, self._latest_tick)  # recent, not "forgotten"
+            self._deferred.append((entry, len(self._entries)))
+            return
+        entry.tick = self.reuse.sighted(entry.khash)
+        self.duel.sighted(entry.khash, len(self._entries), self.reuse)
+
+    def count_sightings(self) -> None:
+        """Count the queued sightings (thread-safe; call it holding none of the tier's
+        locks). Until then an entry keeps its previous sighting's clock: at worst an
+        eviction choice made in between is a little off, never data."""
+        deferred, reuse = self._deferred, self.reuse
+        if not deferred or reuse is None:
+            return
+        with self._counting:
+            while deferred:
+                try:
+                    entry, size = deferred.popleft()
+                except IndexError:
+                    break
+                entry.tick = self._latest_tick = reuse.sighted(entry.khash)
+                self.duel.sighted(entry.khash, size, reuse)
 
     def add(self, key: str, entry: E, *, sighting: bool = True) -> None:
         """Insert as most recently used (the caller made sure the key is new); a
@@ -138,8 +173,7 @@ class LruIndex(Generic[E]):
         if self.reuse is not None:
             entry.khash = key_hash(key)
             if sighting:
-                entry.tick = self.reuse.sighted(entry.khash)
-                self.duel.sighted(entry.khash, len(self._entries), self.reuse)
+                self._sighted(entry)
             else:
                 entry.tick = self.reuse.state(entry.khash)[1]
         if key not in self._children:

@@ -428,6 +428,13 @@ class DiskTier:
                     released += size
             self.usage.add(-released)
             raise
+        return self._index_written(todo, tags, done, sizes)
+
+    def _index_written(
+        self, todo: list[WriteItem], tags: list[int], done: list[Path], sizes: list[int]
+    ) -> set[str]:
+        """Index a batch's published files and queue their metadata rows; the files of
+        items removed meanwhile are unlinked instead. Returns the keys stored."""
         rows: list[MetaRow] = []
         cancelled: list[tuple[Path, int]] = []
         with self._lock:  # a remove sets ``cancelled`` before it takes this lock
@@ -438,6 +445,7 @@ class DiskTier:
                 assert it.checksum is not None  # set when its file was written
                 self.index.add(it.key, DiskEntry(it.layout, it.checksum, it.parent, tag))
                 rows.append(MetaRow(it.key, tag, it.layout, it.checksum, it.parent, path))
+        self.index.count_sightings()
         released = sum(size for path, size in cancelled if self.files.unlink(path))
         if released:
             self.usage.add(-released)
@@ -501,6 +509,7 @@ class DiskTier:
                     f"destination is {len(out)} bytes, value is {entry.layout.nbytes}"
                 )
             entry.readers += 1
+        self.index.count_sightings()
         path = self.files.path_text(key, entry.tag)
         try:
             digest = self.files.read_into(path, out, executor=executor, parts=parts)
@@ -584,7 +593,7 @@ class DiskTier:
             entry = self.index.get(key, touch=True)
             if entry is None:
                 return None
-            return Location(
+            location = Location(
                 str(self.files.path(key, entry.tag)),
                 HEADER_BYTES,
                 entry.layout.nbytes,
@@ -592,8 +601,11 @@ class DiskTier:
                 entry.checksum,
                 self.leases.take(key, ttl_s),
             )
+        self.index.count_sightings()
+        return location
 
     def close(self) -> None:
+        self.index.count_sightings()
         self.remembered.save(self._lock)
         self.meta.close()  # its last commit may evict, which reads the reuse stats
         self.remembered.close()

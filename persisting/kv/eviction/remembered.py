@@ -86,7 +86,9 @@ class EvictionMemory:
         if policy.uses_reuse_stats:
             growth = self.budget.metadata_growth
             table, self._table = self._table, None
-            self.index.attach(reuse.open_shared(self.directory, capacity, growth, table))
+            self.index.attach(
+                reuse.open_shared(self.directory, capacity, growth, table), deferred=True
+            )
             # The namespace's table holds every process's last sighting of each chunk,
             # fresher than a snapshot saved at some close: order by it (the snapshot only
             # orders the chunks it forgot, as the oldest).
