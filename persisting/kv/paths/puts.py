@@ -143,9 +143,12 @@ class Writes:
         #: Write-back mode: callbacks of dirty memory entries, fired when written back.
         self._dirty_callbacks: dict[str, OnComplete] = {}
         disk = tiers.disk
+        # Write-through puts write on the caller's thread and nothing is ever dirty: a
+        # write-behind would only make every disk read mark itself for a writer that
+        # never writes.
         self._writer = (
             WriteBehind(disk, self._written, bounds, clock=tiers.clock)
-            if disk is not None
+            if disk is not None and durability != "sync"
             else None
         )
 
