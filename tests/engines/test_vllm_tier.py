@@ -212,7 +212,7 @@ def test_the_budget_holds_and_evictions_are_reported(runs: dict[str, Any]) -> No
     # Every chunk announced stored in the tier is on disk or announced removed since; a
     # batch over the whole budget keeps its chains' heads, and the rest are not announced.
     stored, removed = events.get("stored_STORAGE", 0), events.get("removed_STORAGE", 0)
-    assert usage["payload_files"] <= stored <= 40
+    assert 0 < usage["payload_files"] < stored <= 40  # stored, and some of it evicted since
     assert removed >= stored - usage["payload_files"]
     assert usage["bytes"] <= runs["budget_bytes"] * 1.05
 
