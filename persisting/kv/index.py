@@ -116,8 +116,8 @@ class LruIndex(Generic[E]):
         """Report sightings to ``reuse`` from now on (entries already here are looked up
         in it, not counted). With ``deferred``, :meth:`get` and :meth:`add` only queue
         their sightings and the caller counts them with :meth:`count_sightings` once it
-        let go of its lock: a shared table's sighting is four system calls, and every
-        reader of the tier waited for them under the tier's lock."""
+        let go of its lock: a shared table's sighting is system calls (four alone, two in
+        a batch), and every reader of the tier waited for them under the tier's lock."""
         self.reuse = reuse
         self._deferred = deque() if deferred else None
         for key, entry in self._entries.items():
@@ -148,21 +148,28 @@ class LruIndex(Generic[E]):
         entry.tick = self.reuse.sighted(entry.khash)
         self.duel.sighted(entry.khash, len(self._entries), self.reuse)
 
-    def count_sightings(self) -> None:
-        """Count the queued sightings (thread-safe; call it holding none of the tier's
-        locks). Until then an entry keeps its previous sighting's clock: at worst an
-        eviction choice made in between is a little off, never data."""
+    def count_sightings(self, at_least: int = 1) -> None:
+        """Count the queued sightings, in one batch of the shared table's (thread-safe;
+        call it holding none of the tier's locks), if at least ``at_least`` are queued.
+        Until then an entry keeps its previous sighting's clock: at worst an eviction
+        choice made in between is a little off, never data."""
         deferred, reuse = self._deferred, self.reuse
-        if not deferred or reuse is None:
+        if deferred is None or len(deferred) < max(1, at_least) or reuse is None:
             return
         with self._counting:
+            batch: list[tuple[E, int]] = []
             while deferred:
                 try:
-                    entry, size = deferred.popleft()
+                    batch.append(deferred.popleft())
                 except IndexError:
                     break
-                entry.tick = self._latest_tick = reuse.sighted(entry.khash)
+            if not batch:
+                return
+            ticks = reuse.sighted_many([entry.khash for entry, _size in batch])
+            for (entry, size), tick in zip(batch, ticks, strict=True):
+                entry.tick = tick
                 self.duel.sighted(entry.khash, size, reuse)
+            self._latest_tick = ticks[-1]
 
     def add(self, key: str, entry: E, *, sighting: bool = True) -> None:
         """Insert as most recently used (the caller made sure the key is new); a

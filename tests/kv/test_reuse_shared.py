@@ -16,6 +16,7 @@ from persisting.kv.eviction.reuse import FILE_NAME, ReuseStats
 from persisting.kv.keys import key_hash
 from tests import child_env
 from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, disk_tier, key
+from tests.timing import wait_until
 
 MiB = 1 << 20
 HOT = 3  # the chunk read over and over
@@ -31,6 +32,7 @@ for i in range(6):
     store.put(key(i), big(i))
 for _ in range(20):
     assert store.get(key(3)) is not None
+store.flush()  # the reads' sightings counted now, not a moment later
 print("ready", flush=True)
 sys.stdin.readline()
 print("got", store.get(key(3)) is not None, flush=True)
@@ -102,6 +104,7 @@ def test_a_damaged_file_costs_the_history_only(root: Path) -> None:
     path.write_bytes(b"not a table")
     with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
         assert store.get(key(HOT)) is not None  # the chunk is there; its count starts over
+        store.flush()
         reuse = disk_tier(store).index.reuse
         assert isinstance(reuse, ReuseStats)
         assert reuse.state(key_hash(key(HOT).to_string()))[0] == 1
@@ -169,7 +172,9 @@ for i in range(6):
     store.put(key(i), big(i))
 print("ready", flush=True)
 sys.stdin.readline()
-print("read", store.get(key(0)) is not None, flush=True)
+found = store.get(key(0)) is not None
+store.flush()  # its sighting counted now, not a moment later
+print("read", found, flush=True)
 sys.stdin.readline()
 store.close()
 """
@@ -197,3 +202,52 @@ def test_a_read_in_another_process_counts_as_recent_for_eviction(root: Path) -> 
     finally:
         if other.poll() is None:
             other.kill()
+
+
+def test_a_batch_of_sightings_counts_as_the_same_sightings_one_by_one(tmp_path: Path) -> None:
+    hashes = [key_hash(f"k{i % 5}") for i in range(12)]  # repeats, in one bucket or not
+    for d in ("one", "batch"):
+        (tmp_path / d).mkdir()
+    one, batch = (ReuseStats.open_file(tmp_path / d, 1024) for d in ("one", "batch"))
+    try:
+        for khash in hashes[:3]:  # both tables start from the same counts
+            one.sighted(khash)
+        batch.sighted_many(hashes[:3])
+        ticks = [one.sighted(khash) for khash in hashes[3:]]
+        assert batch.sighted_many(hashes[3:]) == ticks
+        assert batch.now == one.now == len(hashes)
+        assert all(batch.state(h) == one.state(h) for h in set(hashes))
+    finally:
+        one.close()
+        batch.close()
+
+
+def test_a_batch_moves_the_clock_on_from_another_processs_counts(tmp_path: Path) -> None:
+    mine = ReuseStats.open_file(tmp_path, 1024)
+    other = ReuseStats.open_file(tmp_path, 1024)  # the same file, its own descriptor
+    try:
+        for i in range(3):
+            other.sighted(key_hash(f"o{i}"))
+        mine.sighted_many([key_hash(f"m{i}") for i in range(5)])
+        assert other.now == mine.now == 8
+        assert mine.state(key_hash("o0"))[0] == 1 and other.state(key_hash("m4"))[0] == 1
+    finally:
+        mine.close()
+        other.close()
+
+
+def test_a_read_reaches_the_shared_table_without_a_flush(root: Path) -> None:
+    """A read does not count its own sighting: a thread of the store counts it a moment
+    later, where every process sees it."""
+    with open_kv_store(root, MODEL, memory_bytes=0, disk_bytes=64 * MiB) as store:
+        store.put(key(HOT), big(HOT))
+        store.flush()
+        directory = disk_tier(store).directory
+        seen = ReuseStats.open_file(directory, 1024)  # another handle, as another process
+        try:
+            khash = key_hash(key(HOT).to_string())
+            assert seen.state(khash)[0] == 1
+            assert store.get(key(HOT)) is not None
+            wait_until(lambda: seen.state(khash)[0] == 2, "the read's sighting counted")
+        finally:
+            seen.close()

@@ -156,6 +156,7 @@ for i in range(6, 9):
 store.flush()  # notices a table replaced under it
 for _ in range(3):
     assert store.get(key(3)) is not None
+store.flush()  # the reads' sightings counted now, not a moment later
 print("alive", flush=True)
 sys.stdin.readline()
 store.close()

@@ -46,6 +46,7 @@ from persisting.kv.disk.reconcile import FileJudge, index_rows
 from persisting.kv.eviction.batch_fit import heads_that_fit
 from persisting.kv.eviction.policy import EvictionPolicy
 from persisting.kv.eviction.remembered import EvictionMemory
+from persisting.kv.eviction.sighting_counter import SightingCounter
 from persisting.kv.index import DiskEntry, LruIndex
 from persisting.kv.keys import key_hash
 from persisting.kv.layout import Layout, Payload
@@ -124,6 +125,8 @@ class DiskTier:
         self.index: LruIndex[DiskEntry] = LruIndex()
         #: The eviction order and reuse counts kept beside the metadata.
         self.remembered = EvictionMemory(directory, self.index, self._budget)
+        #: Counts reads' sightings off the read (a write counts its own and those queued).
+        self._sightings = SightingCounter(self.index.count_sightings)
         # The index, its entries, their leases and the keys being written: every reader and
         # writer of them holds it. Lock order (persisting.kv.lock_order): taken under the
         # usage lock (eviction) or Tiers.lock (lookups, pins), never the other way round.
@@ -233,6 +236,7 @@ class DiskTier:
         """
         if self._closed:
             return
+        self.index.count_sightings()
         self.remembered.save(self._lock)
         for _ in range(FLUSH_ROUNDS):
             if not self.meta.flush():
@@ -509,7 +513,7 @@ class DiskTier:
                     f"destination is {len(out)} bytes, value is {entry.layout.nbytes}"
                 )
             entry.readers += 1
-        self.index.count_sightings()
+        self._sightings.poke()
         path = self.files.path_text(key, entry.tag)
         try:
             digest = self.files.read_into(path, out, executor=executor, parts=parts)
@@ -601,11 +605,11 @@ class DiskTier:
                 entry.checksum,
                 self.leases.take(key, ttl_s),
             )
-        self.index.count_sightings()
+        self._sightings.poke()
         return location
 
     def close(self) -> None:
-        self.index.count_sightings()
+        self._sightings.close()
         self.remembered.save(self._lock)
         self.meta.close()  # its last commit may evict, which reads the reuse stats
         self.remembered.close()
