@@ -42,6 +42,7 @@ _SLOT = struct.Struct("<q")
 PAYLOAD_SLOT = 0
 OVERHEAD_SLOT = _SLOT.size
 RESERVED_SLOT = 2 * _SLOT.size
+_SLOTS = struct.Struct("<3q")
 
 
 class _FileLock:
@@ -140,7 +141,10 @@ class SharedUsage:
     def total(self) -> int:
         """What the directory holds on disk, or may hold once the metadata commits in
         progress land: payload plus overhead plus their reservations."""
-        return self.get() + self.overhead() + self.reserved()
+        raw = os.pread(self._counter_fd, _SLOTS.size, 0)  # the three slots at once
+        if len(raw) != _SLOTS.size:
+            return self.get() + self.overhead() + self.reserved()
+        return sum(max(0, value) for value in _SLOTS.unpack(raw))
 
     # -- keeping the counter true -------------------------------------------------------
 
