@@ -34,8 +34,9 @@ import dataclasses
 import functools
 import os
 import secrets
+import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,13 +92,22 @@ def file_size(nbytes: int) -> int:
 
 @dataclass(slots=True)
 class PendingFile:
-    """A payload file being written: its open, locked tmp file, where it will land, and
-    the bytes its creation added to directories (``grown``)."""
+    """A payload file being written: its open, locked tmp file and where it will land."""
 
     fd: int
     tmp: Path
     final: Path
-    grown: int = 0
+
+
+@dataclass
+class CreatedFiles:
+    """A batch's files just created (:meth:`PayloadFiles.create`): the bytes their creation
+    added to directories (``grown``), and each destination directory's allocated bytes
+    once they were all created (``allocated``)."""
+
+    pending: list[PendingFile]
+    grown: int
+    allocated: dict[Path, int]
 
 
 class PayloadFiles:
@@ -137,25 +147,41 @@ class PayloadFiles:
     def new_tag() -> int:
         return secrets.randbits(32)
 
-    def create(self, key: str, tag: int, reserved: int) -> PendingFile:
-        """Create and lock the tmp file of a write beside its final place (named with its
-        reservation); ``grown`` says what the directories grew by (a new ``payload/<hh>``,
-        a new directory block).
+    def create(self, files: Sequence[tuple[str, int, int]]) -> CreatedFiles:
+        """Create and lock the tmp file of each write ``(key, tag, reserved bytes)`` beside
+        its final place (named with its reservation), and say what the directories grew
+        by (new ``payload/<hh>`` directories, new directory blocks): each directory is
+        measured once before the batch and once after, not around every file.
 
-        Called under the usage lock, so a usage recount never misses a reserved write.
+        Called under the usage lock, so a usage recount never misses a reserved write. On
+        failure the files created so far are removed.
         """
-        final = self.path(key, tag)
-        subdir = final.parent
-        watched = (self.payload_dir, subdir)
-        before = sum(_allocated(d) for d in watched)
+        finals = [self.path(key, tag) for key, tag, _reserved in files]
+        watched = {self.payload_dir: _lstat(self.payload_dir)}
+        for final in finals:
+            watched.setdefault(final.parent, _lstat(final.parent))
+        before = {d: _blocks(st) for d, st in watched.items()}
+        pending: list[PendingFile] = []
         try:
-            self._make_subdir(subdir)
-        except OSError as exc:
-            raise io_error(f"cannot create {subdir}", exc) from exc
-        tmp = subdir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
-        fd = create_locked(tmp, self.modes.file)
-        grown = max(0, sum(_allocated(d) for d in watched) - before)
-        return PendingFile(fd, tmp, final, grown)
+            for final, (_key, tag, reserved) in zip(finals, files, strict=True):
+                subdir = final.parent
+                found = watched[subdir]
+                if found is None or not stat.S_ISDIR(found.st_mode):
+                    try:
+                        self._make_subdir(subdir)
+                    except OSError as exc:
+                        raise io_error(f"cannot create {subdir}", exc) from exc
+                    watched[subdir] = _lstat(subdir)
+                tmp = subdir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
+                pending.append(PendingFile(create_locked(tmp, self.modes.file), tmp, final))
+        except BaseException:
+            for done in pending:
+                self.abort(done)
+            raise
+        after = {d: _allocated(d) for d in watched}
+        grown = sum(max(0, after[d] - before[d]) for d in watched)
+        del after[self.payload_dir]
+        return CreatedFiles(pending, grown, after)
 
     def register_writer(self) -> Reservation:
         """This store's own locked file in ``writers/``, held while it is open: whoever
@@ -515,10 +541,18 @@ def _inline(fn: Callable[..., FileHeader], *args: Any, **kwargs: Any) -> Future[
 
 
 def _allocated(path: str | os.PathLike[str]) -> int:
+    return _blocks(_lstat(path))
+
+
+def _lstat(path: str | os.PathLike[str]) -> os.stat_result | None:
     try:
-        return os.lstat(path).st_blocks * 512
+        return os.lstat(path)
     except FileNotFoundError:
-        return 0
+        return None
+
+
+def _blocks(st: os.stat_result | None) -> int:
+    return 0 if st is None else st.st_blocks * 512
 
 
 def _write_hashed(fd: int, payload: Payload, offset: int, pause: Pause | None = None) -> int:

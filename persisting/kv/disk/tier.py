@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from persisting.errors import CapacityError, CorruptValueError, PersistingError, StorageIOError
-from persisting.kv.budget.disk import DiskBudget, allocated
+from persisting.kv.budget.disk import DiskBudget
 from persisting.kv.budget.root import RootUsage
 from persisting.kv.budget.shared_usage import SharedUsage
 from persisting.kv.disk.leases import Clock, Leases, Location
@@ -37,7 +37,6 @@ from persisting.kv.disk.payload_files import (
     FileHeader,
     Pause,
     PayloadFiles,
-    PendingFile,
     Reservation,
     file_size,
 )
@@ -389,17 +388,15 @@ class DiskTier:
                 sizes[:] = [sizes[i] for i in kept]
                 tags[:] = [tags[i] for i in kept]
             self._budget.reserve(sum(sizes), headroom=headroom)
-            pending: list[PendingFile] = []
             try:
-                for it, tag, size in zip(todo, tags, sizes, strict=True):
-                    pending.append(self.files.create(it.key, tag, size))
+                created = self.files.create(
+                    [(it.key, tag, size) for it, tag, size in zip(todo, tags, sizes, strict=True)]
+                )
             except BaseException:  # nothing was written: give the whole reservation back
-                for p in pending:
-                    self.files.abort(p)
                 self.usage.add(-sum(sizes))
                 raise
-            self._budget.add_overhead(sum(p.grown for p in pending))
-            subdir_bytes = {d: allocated(d) for d in {p.final.parent for p in pending}}
+            self._budget.add_overhead(created.grown)
+            pending, subdir_bytes = created.pending, created.allocated
         done: list[Path] = []
         try:
             # An item without a checksum gets it made as its file is written.
