@@ -148,13 +148,14 @@ class LruIndex(Generic[E]):
         entry.tick = self.reuse.sighted(entry.khash)
         self.duel.sighted(entry.khash, len(self._entries), self.reuse)
 
-    def count_sightings(self, at_least: int = 1) -> None:
+    def count_sightings(self) -> None:
         """Count the queued sightings, in one batch of the shared table's (thread-safe;
-        call it holding none of the tier's locks), if at least ``at_least`` are queued.
-        Until then an entry keeps its previous sighting's clock: at worst an eviction
-        choice made in between is a little off, never data."""
+        call it holding none of the tier's locks). A count under way in another thread
+        is waited for: when this returns, every sighting queued before the call is in the
+        table. Until then an entry keeps its previous sighting's clock: at worst an
+        eviction choice made in between is a little off, never data."""
         deferred, reuse = self._deferred, self.reuse
-        if deferred is None or len(deferred) < max(1, at_least) or reuse is None:
+        if deferred is None or reuse is None:
             return
         with self._counting:
             batch: list[tuple[E, int]] = []
