@@ -62,6 +62,10 @@ class SightingCounter:
                 self._count()
             except Exception as exc:  # statistics: never worth a thread's death
                 log.warning("counting sightings failed: %s", exc)
+            # close() sets the stop before the wake: a wake it set that the clear above
+            # erased is seen here, else the next wait would never end (and close's join)
+            if self._stop.is_set():
+                return
 
     def close(self) -> None:
         """Stop the thread, then count what is still queued (in the caller's thread)."""
