@@ -30,6 +30,10 @@ MAGIC = b"PKVCHNK1"
 BLOCK = 4096
 HEADER_BYTES = BLOCK
 _PREFIX = struct.Struct("<8sIQ")  # magic, json length, xxh64 of the json
+#: The sealed text's encoder (sorted keys, compact), and the plain one: built once, where
+#: ``json.dumps`` with arguments builds an encoder per call (a third of a header's cost).
+_SEALED_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_PLAIN_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +59,20 @@ class FileHeader:
             "parent": self.parent,
         }
 
+    def with_checksum(self, checksum: int) -> FileHeader:
+        """This header for a payload whose checksum is ``checksum``."""
+        return FileHeader(self.key, self.layout, checksum, self.parent)
+
     def seal(self, secret: bytes) -> str:
-        text = json.dumps(self._fields(), sort_keys=True, separators=(",", ":"))
-        return hmac.new(secret, b"persisting-chunk\0" + text.encode(), hashlib.sha256).hexdigest()
+        return _mac(secret, _SEALED_JSON.encode(self._fields()))
 
     def encode(self, sealing: SealingKey) -> bytes:
-        fields = {**self._fields(), "kid": sealing.id, "mac": self.seal(sealing.key)}
-        body = json.dumps(fields, separators=(",", ":")).encode("utf-8")
+        # The body is the sealed text (the fields, keys sorted) with ``kid`` and ``mac``
+        # appended: one encoding of the fields serves both (readers parse it as JSON).
+        text = _SEALED_JSON.encode(self._fields())
+        mac = _mac(sealing.key, text)
+        extra = f',"kid":{_PLAIN_JSON.encode(sealing.id)},"mac":"{mac}"}}'
+        body = (text[:-1] + extra).encode("utf-8")
         if _PREFIX.size + len(body) > HEADER_BYTES:
             raise StorageIOError(f"header of {self.key!r} does not fit in {HEADER_BYTES} bytes")
         head = _PREFIX.pack(MAGIC, len(body), xxhash.xxh64_intdigest(body)) + body
@@ -92,6 +103,10 @@ class FileHeader:
         else:  # written before headers named their key
             candidates = keys.all()
         return any(hmac.compare_digest(mac, self.seal(key)) for key in candidates)
+
+
+def _mac(secret: bytes, text: str) -> str:
+    return hmac.new(secret, b"persisting-chunk\0" + text.encode(), hashlib.sha256).hexdigest()
 
 
 class UnsealedFileError(CorruptValueError):
