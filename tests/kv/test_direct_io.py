@@ -68,10 +68,14 @@ def test_the_header_goes_with_the_payload_in_one_direct_write(tmp_path: Path) ->
     path = tmp_path / "f"
     path.touch()
     payload = aligned_buffer(64 << 10, 5)
-    assert direct_io.write(path, payload, 4096, head=b"h" * 4096)
+    fd = os.open(path, os.O_WRONLY | direct_io.open_flags())
+    try:
+        assert direct_io.write(fd, payload, 4096, head=b"h" * 4096)
+        with pytest.raises(ValueError):
+            direct_io.write(fd, payload, 4096, head=b"h" * 100)
+    finally:
+        os.close(fd)
     assert path.read_bytes() == b"h" * 4096 + bytes(payload)
-    with pytest.raises(ValueError):
-        direct_io.write(path, payload, 4096, head=b"h" * 100)
     with store_of(tmp_path / "root") as store:
         store.put(key(4), payload, fmt="binary", check_shape=False)
     (kv,) = (tmp_path / "root").rglob("*.kv")
@@ -88,9 +92,9 @@ def test_an_owned_durable_put_is_written_direct_under_its_checksum(
     direct_writes: list[int] = []
     write = direct_io.write
 
-    def counting(path: Path, view: memoryview, offset: int, head: bytes = b"") -> bool:
+    def counting(fd: int, view: memoryview, offset: int, head: bytes = b"") -> bool:
         direct_writes.append(len(view))
-        return write(path, view, offset, head)
+        return write(fd, view, offset, head)
 
     monkeypatch.setattr(direct_io, "write", counting)
     root = tmp_path / "root"
@@ -110,3 +114,27 @@ def test_an_owned_durable_put_is_written_direct_under_its_checksum(
         i = [key(5), key(6)].index(header.key)
         assert header.checksum == digests[i]
         assert kv.read_bytes()[HEADER_BYTES:] == bytes(aligned_buffer(64 << 10, i + 1))
+
+
+def test_a_direct_payload_file_is_opened_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An in-flight file is opened for O_DIRECT when it is created: its payload write
+    needs no second open (and an unaligned value's file, through the page cache, none
+    either)."""
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting(path: str | os.PathLike[str], flags: int, *args: int, **kw: int) -> int:
+        opened.append(os.fspath(path))
+        return real_open(path, flags, *args, **kw)
+
+    with store_of(tmp_path) as store:
+        monkeypatch.setattr(os, "open", counting)
+        store.put(key(7), aligned_buffer(64 << 10, 3), fmt="binary", check_shape=False)
+        store.put(key(8), os.urandom(5000), fmt="binary", check_shape=False)
+        monkeypatch.undo()
+        tmp_opens = [p for p in opened if p.endswith(".tmp")]
+        assert len(tmp_opens) == 2 and len(set(tmp_opens)) == 2
+        assert bytes(store.get(key(7)) or b"") == bytes(aligned_buffer(64 << 10, 3))
+        assert len(bytes(store.get(key(8)) or b"")) == 5000

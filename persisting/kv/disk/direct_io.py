@@ -15,6 +15,7 @@ no CPU copy passes the bytes through the cache on the way.
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -43,11 +44,12 @@ def aligned(view: memoryview, offset: int) -> bool:
     return address % ALIGN == 0
 
 
-def write(path: str | os.PathLike[str], view: memoryview, offset: int, head: bytes = b"") -> bool:
-    """Write ``view`` at ``offset`` of the existing file ``path`` with O_DIRECT, and ``head``
-    (``offset`` bytes, the file's header) before it in the same call; False, having
-    written nothing, if the filesystem refuses O_DIRECT (the caller writes it through the
-    page cache instead). Other errors raise OSError.
+def write(fd: int, view: memoryview, offset: int, head: bytes = b"") -> bool:
+    """Write ``view`` at ``offset`` of ``fd``, a file opened with O_DIRECT (see
+    :func:`open_flags`), and ``head`` (``offset`` bytes, the file's header) before it in
+    the same call; False, having written nothing, if the filesystem refuses O_DIRECT (the
+    caller writes through the page cache instead: :func:`buffered`). Other errors raise
+    OSError.
 
     A header written through the page cache instead would leave each file a dirty page:
     its block allocated, written and journalled at the next flush, one file at a time,
@@ -59,30 +61,40 @@ def write(path: str | os.PathLike[str], view: memoryview, offset: int, head: byt
         views.insert(0, _head_block(offset))
         views[0][:] = head
         offset = 0
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | _FLAG)
-    except OSError as exc:
-        if exc.errno in _REFUSED:
-            return False
-        raise
-    try:
-        done = 0
-        while views:
-            try:
-                written = os.pwritev(fd, views, offset + done)
-            except OSError as exc:
-                if done == 0 and exc.errno in _REFUSED:
-                    return False
-                raise
-            done += written
-            while views and written >= len(views[0]):
-                written -= len(views[0])
-                views.pop(0)
-            if views and written:
-                views[0] = views[0][written:]
-    finally:
-        os.close(fd)
+    done = 0
+    while views:
+        try:
+            written = os.pwritev(fd, views, offset + done)
+        except OSError as exc:
+            if done == 0 and exc.errno in _REFUSED:
+                return False
+            raise
+        done += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
     return True
+
+
+def open_flags() -> int:
+    """The flag that opens a file for O_DIRECT (0 where the platform has none)."""
+    return _FLAG
+
+
+def refused(exc: OSError) -> bool:
+    """Whether ``exc`` says the filesystem does not take O_DIRECT."""
+    return exc.errno in _REFUSED
+
+
+def buffered(fd: int) -> None:
+    """Take O_DIRECT off ``fd``: what is written next goes through the page cache (for a
+    value O_DIRECT cannot move: unaligned memory or size)."""
+    if _FLAG:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if flags & _FLAG:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_FLAG)
 
 
 def _head_block(nbytes: int) -> memoryview:
@@ -124,17 +136,14 @@ def read(path: str | os.PathLike[str], out: memoryview, offset: int) -> bool:
 
 
 def write_hashed(
-    path: str | os.PathLike[str],
-    view: memoryview,
-    offset: int,
-    header: Callable[[int], bytes] | None = None,
+    fd: int, view: memoryview, offset: int, header: Callable[[int], bytes] | None = None
 ) -> int | None:
     """:func:`write`, after hashing ``view`` (its xxh3-64, as every payload's checksum, is
     returned); with ``header``, the file's header made of that checksum is written before
     it in the same call. None, nothing written, if the filesystem refuses O_DIRECT."""
     digest = xxhash.xxh3_64_intdigest(view)
     head = header(digest) if header is not None else b""
-    return digest if write(path, view, offset, head) else None
+    return digest if write(fd, view, offset, head) else None
 
 
 def read_hashed(path: str | os.PathLike[str], out: memoryview, offset: int) -> int | None:
@@ -142,4 +151,14 @@ def read_hashed(path: str | os.PathLike[str], out: memoryview, offset: int) -> i
     return xxhash.xxh3_64_intdigest(out) if read(path, out, offset) else None
 
 
-__all__ = ["ALIGN", "aligned", "read", "read_hashed", "write", "write_hashed"]
+__all__ = [
+    "ALIGN",
+    "aligned",
+    "buffered",
+    "open_flags",
+    "read",
+    "read_hashed",
+    "refused",
+    "write",
+    "write_hashed",
+]

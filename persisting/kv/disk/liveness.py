@@ -34,9 +34,10 @@ class Reservation:
     nbytes: int
 
 
-def create_locked(path: Path, mode: int) -> int:
-    """Create ``path`` (it must not exist) with exactly ``mode``, exclusively locked."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+def create_locked(path: Path, mode: int, flags: int = 0) -> int:
+    """Create ``path`` (it must not exist) with exactly ``mode``, exclusively locked, open
+    for writing with ``flags`` added (O_DIRECT: an in-flight payload file)."""
+    flags |= os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, mode)
     except OSError as exc:

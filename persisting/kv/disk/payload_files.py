@@ -30,7 +30,6 @@ reads straight into the destination, hashed as they land).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import secrets
@@ -44,7 +43,7 @@ from typing import Any
 
 import xxhash
 
-from persisting.errors import CorruptValueError
+from persisting.errors import CorruptValueError, StorageIOError
 from persisting.kv.disk import direct_io, liveness
 from persisting.kv.disk.file_header import BLOCK, HEADER_BYTES, FileHeader, UnsealedFileError
 from persisting.kv.disk.liveness import (
@@ -97,6 +96,8 @@ class PendingFile:
     fd: int
     tmp: Path
     final: Path
+    #: ``fd`` was opened with O_DIRECT (until a write that O_DIRECT cannot move takes it off).
+    direct: bool = False
 
 
 @dataclass
@@ -173,7 +174,7 @@ class PayloadFiles:
                         raise io_error(f"cannot create {subdir}", exc) from exc
                     watched[subdir] = _lstat(subdir)
                 tmp = subdir / f"{secrets.token_hex(8)}-{tag:08x}-{reserved}.tmp"
-                pending.append(PendingFile(create_locked(tmp, self.modes.file), tmp, final))
+                pending.append(self._create_tmp(tmp, final))
         except BaseException:
             for done in pending:
                 self.abort(done)
@@ -182,6 +183,21 @@ class PayloadFiles:
         grown = sum(max(0, after[d] - before[d]) for d in watched)
         del after[self.payload_dir]
         return CreatedFiles(pending, grown, after)
+
+    def _create_tmp(self, tmp: Path, final: Path) -> PendingFile:
+        """Create and lock an in-flight file; with :attr:`direct`, opened for O_DIRECT at
+        once (its payload write then needs no second open), unless the filesystem refuses
+        O_DIRECT (then :attr:`direct` is cleared: not tried again)."""
+        if self.direct and direct_io.open_flags():
+            try:
+                fd = create_locked(tmp, self.modes.file, direct_io.open_flags())
+                return PendingFile(fd, tmp, final, direct=True)
+            except StorageIOError as exc:
+                cause = exc.__cause__
+                if not (isinstance(cause, OSError) and direct_io.refused(cause)):
+                    raise
+                self.direct = False
+        return PendingFile(create_locked(tmp, self.modes.file), tmp, final)
 
     def register_writer(self) -> Reservation:
         """This store's own locked file in ``writers/``, held while it is open: whoever
@@ -257,17 +273,9 @@ class PayloadFiles:
         so is one whose checksum is known (the fsync then has only the metadata left)."""
         try:
             done = self._write_direct(pending, header, payload, hashed, pause)
-            if done is not None:
-                header = done
-            elif hashed:
-                digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
-                header = dataclasses.replace(header, checksum=digest)
-                _write_all(pending.fd, [header.encode(self.keys.sealing)], offset=0)
-            elif pause is not None:
-                _write_all(pending.fd, [header.encode(self.keys.sealing)], offset=0)
-                _write_paused(pending.fd, payload, HEADER_BYTES, pause)
-            else:
-                _write_all(pending.fd, [header.encode(self.keys.sealing), *payload_parts(payload)])
+            if done is None:
+                done = self._write_buffered(pending, header, payload, hashed, pause)
+            header = done
             if durable:
                 if pause is not None:
                     pause()  # the fsync pushes the file to the disk: not beside reads
@@ -286,10 +294,10 @@ class PayloadFiles:
         pause: Pause | None,
     ) -> FileHeader | None:
         """Header and payload in one O_DIRECT write (the payload hashed first if ``hashed``);
-        the header written, or None, nothing written, when :attr:`direct` is off, O_DIRECT
-        does not take the payload's memory or size, or the filesystem refuses it (then
-        :attr:`direct` is cleared: not tried again)."""
-        if not self.direct or not isinstance(payload, memoryview):
+        the header written, or None, nothing written, when the tmp file is not open for
+        O_DIRECT, O_DIRECT does not take the payload's memory or size, or the filesystem
+        refuses it (then :attr:`direct` is cleared: not tried again)."""
+        if not pending.direct or not isinstance(payload, memoryview):
             return None
         if not direct_io.aligned(payload, HEADER_BYTES):
             return None
@@ -297,20 +305,45 @@ class PayloadFiles:
             pause()
         if hashed:
             digest = direct_io.write_hashed(
-                pending.tmp, payload, HEADER_BYTES, functools.partial(self._head, header)
+                pending.fd, payload, HEADER_BYTES, functools.partial(self._head, header)
             )
             written = digest is not None
             if digest is not None:
-                header = dataclasses.replace(header, checksum=digest)
+                header = header.with_checksum(digest)
         else:
             head = header.encode(self.keys.sealing)
-            written = direct_io.write(pending.tmp, payload, HEADER_BYTES, head)
+            written = direct_io.write(pending.fd, payload, HEADER_BYTES, head)
         if not written:
             self.direct = False
         return header if written else None
 
+    def _write_buffered(
+        self,
+        pending: PendingFile,
+        header: FileHeader,
+        payload: Payload,
+        hashed: bool,
+        pause: Pause | None,
+    ) -> FileHeader:
+        """Header and payload through the page cache (see :meth:`write`); the header
+        written."""
+        if pending.direct:  # a value O_DIRECT cannot move
+            direct_io.buffered(pending.fd)
+            pending.direct = False
+        seal = self.keys.sealing
+        if hashed:
+            digest = _write_hashed(pending.fd, payload, HEADER_BYTES, pause)
+            header = header.with_checksum(digest)
+            _write_all(pending.fd, [header.encode(seal)], offset=0)
+        elif pause is not None:
+            _write_all(pending.fd, [header.encode(seal)], offset=0)
+            _write_paused(pending.fd, payload, HEADER_BYTES, pause)
+        else:
+            _write_all(pending.fd, [header.encode(seal), *payload_parts(payload)])
+        return header
+
     def _head(self, header: FileHeader, checksum: int) -> bytes:
-        return dataclasses.replace(header, checksum=checksum).encode(self.keys.sealing)
+        return header.with_checksum(checksum).encode(self.keys.sealing)
 
     def write_batch(
         self,
