@@ -264,23 +264,7 @@ class SharedReuseStats(ReuseStats):
         return 0, 0
 
     def sighted(self, khash: int) -> int:
-        self._since_check += 1
-        if self._since_check >= self.CHECK_EVERY:
-            self._follow()
-        with self._lock:
-            fd = self._fd
-            raw = self._read(fd, 8, 8 * _CLOCK)
-            clock = _WORD.unpack(raw)[0] if len(raw) == 8 else self._last
-            now = self._last = (clock + 1) & TICK_MASK
-            base = self._bucket(khash)
-            raw = self._read(fd, _BUCKET.size, 8 * base)
-            if len(raw) != _BUCKET.size:  # shortened under us: count nothing
-                return now
-            at, value = _place(_BUCKET.unpack(raw), khash, now)
-            with contextlib.suppress(OSError):
-                os.pwrite(fd, _WORD.pack(now), 8 * _CLOCK)
-                os.pwrite(fd, _PAIR.pack(khash, value), 8 * (base + at))
-        return now
+        return self.sighted_many([khash])[0]
 
     def sighted_many(self, khashes: Sequence[int]) -> list[int]:
         """Count a batch of sightings: the clock is read and written once for the batch
