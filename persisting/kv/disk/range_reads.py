@@ -16,6 +16,7 @@ from concurrent.futures import Executor
 import xxhash
 
 from persisting.errors import CorruptValueError, StorageIOError
+from persisting.kv.layout import checksum
 
 #: Parts of a range read at once start at multiples of this (the payload format's block,
 #: what O_DIRECT and most filesystems want).
@@ -83,7 +84,7 @@ def read_file_range(
         raise StorageIOError(f"reading {path} failed: {exc}") from exc
     finally:
         os.close(fd)
-    return xxhash.xxh3_64_intdigest(out) if hashed else None  # parts: hashed once all landed
+    return checksum(out) if hashed else None  # parts: hashed once all landed
 
 
 def _pread_views(
