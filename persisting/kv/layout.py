@@ -403,21 +403,9 @@ def check_layout(layout: Layout) -> None:
         raise InvalidValueError(f"layout {layout}: {layout.nbytes} bytes is not its shape's size")
 
 
-#: From this size on a payload is hashed with the interpreter released (xxhash's streaming
-#: update releases it, its one-shot function does not): a 2 MiB chunk is about 100 us of
-#: hashing that an engine's scheduler thread, or another I/O thread's Python, can run beside.
-#: Below it, taking the interpreter back would cost more than the hash.
-GIL_FREE_HASH = 64 << 10
-
-
 def checksum(data: memoryview | np.ndarray | bytes) -> int:
     """64-bit xxh3 of the payload bytes (verified on every read from disk)."""
-    view = memoryview(data.data if isinstance(data, np.ndarray) else data)
-    if view.nbytes < GIL_FREE_HASH:
-        return xxhash.xxh3_64_intdigest(view)
-    digest = xxhash.xxh3_64()
-    digest.update(view)
-    return digest.intdigest()
+    return xxhash.xxh3_64_intdigest(data.data if isinstance(data, np.ndarray) else data)
 
 
 __all__ = [

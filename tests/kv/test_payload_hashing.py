@@ -8,12 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import xxhash
 
 from persisting.kv import open_kv_store
 from persisting.kv.disk.payload_files import HASH_PIECE, HEADER_BYTES
 from persisting.kv.disk.range_reads import READ_PIECE, read_file_range
-from persisting.kv.layout import GIL_FREE_HASH, checksum
+from persisting.kv.layout import checksum
 from tests.kv.kv_helpers import MODEL, disk_tier, key
 
 MiB = 1 << 20
@@ -60,15 +59,3 @@ def test_a_damaged_byte_past_the_first_piece_is_caught(root: Path) -> None:
             f.write(bytes([byte[0] ^ 0xFF]))
         assert store.get(key(2)) is None
         assert store.stats()["corruptions"] == 1
-
-
-@pytest.mark.parametrize("nbytes", [0, 1, GIL_FREE_HASH - 1, GIL_FREE_HASH, 2 * MiB + 3])
-def test_a_checksum_is_the_same_whether_or_not_it_releases_the_interpreter(nbytes: int) -> None:
-    """Large payloads are hashed with xxhash's streaming update (which releases the
-    interpreter), small ones in one call: both are xxh3-64 of the bytes, as stored files
-    were checksummed before."""
-    data = np.random.default_rng(nbytes).integers(0, 255, nbytes, np.uint8)
-    expected = xxhash.xxh3_64_intdigest(data.tobytes())
-    assert checksum(data) == checksum(memoryview(data)) == checksum(data.tobytes()) == expected
-    floats = data[: nbytes // 4 * 4].view(np.float32)
-    assert checksum(memoryview(floats)) == xxhash.xxh3_64_intdigest(floats.tobytes())

@@ -22,9 +22,9 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+import xxhash
 
 from persisting.errors import CorruptValueError
-from persisting.kv.layout import checksum
 
 #: O_DIRECT's alignment for memory, file offsets and lengths (safe for 512-byte and 4 KiB
 #: logical blocks alike).
@@ -141,14 +141,14 @@ def write_hashed(
     """:func:`write`, after hashing ``view`` (its xxh3-64, as every payload's checksum, is
     returned); with ``header``, the file's header made of that checksum is written before
     it in the same call. None, nothing written, if the filesystem refuses O_DIRECT."""
-    digest = checksum(view)
+    digest = xxhash.xxh3_64_intdigest(view)
     head = header(digest) if header is not None else b""
     return digest if write(fd, view, offset, head) else None
 
 
 def read_hashed(path: str | os.PathLike[str], out: memoryview, offset: int) -> int | None:
     """:func:`read`, then the xxh3-64 of what was read; None if O_DIRECT is refused."""
-    return checksum(out) if read(path, out, offset) else None
+    return xxhash.xxh3_64_intdigest(out) if read(path, out, offset) else None
 
 
 __all__ = [
