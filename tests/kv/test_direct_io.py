@@ -3,6 +3,7 @@ the page cache, and both are checksummed as any other payload."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -138,3 +139,35 @@ def test_a_direct_payload_file_is_opened_once(
         assert len(tmp_opens) == 2 and len(set(tmp_opens)) == 2
         assert bytes(store.get(key(7)) or b"") == bytes(aligned_buffer(64 << 10, 3))
         assert len(bytes(store.get(key(8)) or b"")) == 5000
+
+
+def test_a_filesystem_refusing_o_direct_when_a_file_is_created_gets_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overlayfs and older tmpfs create the file, then refuse O_DIRECT with EINVAL (this
+    kernel's filesystems all take it, so the refusal is injected at the one ``os.open``
+    that asks for it): the put still lands, through the page cache, and direct I/O is not
+    tried again."""
+    real_open = os.open
+    refused: list[str] = []
+
+    def refusing(path: str | os.PathLike[str], flags: int, *args: int, **kw: int) -> int:
+        if flags & direct_io.open_flags() and flags & os.O_CREAT:
+            os.close(real_open(path, flags & ~direct_io.open_flags(), *args, **kw))
+            refused.append(os.fspath(path))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kw)
+
+    payload = aligned_buffer(64 << 10, 9)
+    with store_of(tmp_path) as store:
+        monkeypatch.setattr(os, "open", refusing)
+        store.put(key(9), payload, fmt="binary", check_shape=False)
+        store.put(key(10), aligned_buffer(64 << 10, 10), fmt="binary", check_shape=False)
+        monkeypatch.undo()
+        assert len(refused) == 1  # not tried again
+        assert not Path(refused[0]).exists()  # the refused file was not left behind
+        assert bytes(store.get(key(9)) or b"") == bytes(payload)
+    assert not list(tmp_path.rglob("*.tmp"))
+    with store_of(tmp_path) as store:
+        assert bytes(store.get(key(9)) or b"") == bytes(payload)
+        assert store.contains(key(10))

@@ -186,8 +186,9 @@ class PayloadFiles:
 
     def _create_tmp(self, tmp: Path, final: Path) -> PendingFile:
         """Create and lock an in-flight file; with :attr:`direct`, opened for O_DIRECT at
-        once (its payload write then needs no second open), unless the filesystem refuses
-        O_DIRECT (then :attr:`direct` is cleared: not tried again)."""
+        once (no second open to write it). A filesystem that refuses O_DIRECT (overlayfs,
+        older tmpfs) may create the file first: it is removed, made again without, and
+        :attr:`direct` is cleared (not tried again)."""
         if self.direct and direct_io.open_flags():
             try:
                 fd = create_locked(tmp, self.modes.file, direct_io.open_flags())
@@ -197,6 +198,7 @@ class PayloadFiles:
                 if not (isinstance(cause, OSError) and direct_io.refused(cause)):
                     raise
                 self.direct = False
+                unlink_quietly(tmp)
         return PendingFile(create_locked(tmp, self.modes.file), tmp, final)
 
     def register_writer(self) -> Reservation:
