@@ -66,7 +66,7 @@ def write(fd: int, view: memoryview, offset: int, head: bytes = b"") -> bool:
         try:
             written = os.pwritev(fd, views, offset + done)
         except OSError as exc:
-            if done == 0 and exc.errno in _REFUSED:
+            if done == 0 and refused(exc):
                 return False
             raise
         done += written
@@ -113,7 +113,7 @@ def read(path: str | os.PathLike[str], out: memoryview, offset: int) -> bool:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _FLAG)
     except OSError as exc:
-        if exc.errno in _REFUSED:
+        if refused(exc):
             return False
         raise
     try:
@@ -122,7 +122,7 @@ def read(path: str | os.PathLike[str], out: memoryview, offset: int) -> bool:
             try:
                 got = os.preadv(fd, [out[done:]], offset + done)
             except OSError as exc:
-                if done == 0 and exc.errno in _REFUSED:
+                if done == 0 and refused(exc):
                     return False
                 raise
             if got == 0:
