@@ -3,16 +3,18 @@ processes writing it, and kept across restarts (real processes on one root)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from persisting.kv import open_kv_store
-from persisting.kv.eviction.reuse import FILE_NAME, ReuseStats
+from persisting.kv.eviction.reuse import FILE_NAME, ReuseStats, file_bytes
 from persisting.kv.keys import key_hash
 from tests import child_env
 from tests.kv.kv_helpers import MODEL, OVERHEAD_ROOM, big, disk_tier, key
@@ -251,3 +253,30 @@ def test_a_read_reaches_the_shared_table_without_a_flush(root: Path) -> None:
             wait_until(lambda: seen.state(khash)[0] == 2, "the read's sighting counted")
         finally:
             seen.close()
+
+
+@pytest.mark.parametrize("allocates", [True, False], ids=["fallocate", "no-fallocate"])
+def test_a_new_table_is_allocated_whole_and_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, allocates: bool
+) -> None:
+    """Allocated blocks read as zeros, so only a filesystem without ``posix_fallocate`` gets
+    the zeros written; either way the table takes its whole size on the disk at once (the
+    budget counted it) and starts empty."""
+    if not allocates:
+
+        def refuse(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.EOPNOTSUPP, "no fallocate here")
+
+        monkeypatch.setattr(os, "posix_fallocate", refuse)
+    slots = 1 << 16
+    stats = ReuseStats.open_file(tmp_path, slots)
+    try:
+        st = os.stat(tmp_path / FILE_NAME)
+        assert st.st_size == file_bytes(slots) and 512 * st.st_blocks >= st.st_size
+        words = np.fromfile(tmp_path / FILE_NAME, dtype="<u8")
+        assert words[1] == slots and not words[3:].any()
+        assert stats.state(key_hash("k")) == (0, 0)
+        stats.sighted(key_hash("k"))
+        assert stats.state(key_hash("k"))[0] == 1
+    finally:
+        stats.close()
