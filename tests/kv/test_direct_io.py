@@ -106,7 +106,7 @@ def test_an_owned_durable_put_is_written_direct_under_its_checksum(
         for i, buffer in enumerate(buffers):
             buffer[:] = np.frombuffer(aligned_buffer(64 << 10, i + 1), np.uint8)
         layout = Layout((64 << 10,), "uint8", "binary", 64 << 10, "bytes")
-        digests = [xxhash.xxh3_64_intdigest(b) for b in buffers]
+        digests = [xxhash.xxh3_64_intdigest(b.tobytes()) for b in buffers]
         results = store.batched_put_owned([key(5), key(6)], buffers, [layout] * 2, digests)
         assert all(r.durable for r in results)
     assert direct_writes == [64 << 10, 64 << 10]

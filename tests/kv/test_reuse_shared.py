@@ -259,9 +259,8 @@ def test_a_read_reaches_the_shared_table_without_a_flush(root: Path) -> None:
 def test_a_new_table_is_allocated_whole_and_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, allocates: bool
 ) -> None:
-    """Allocated blocks read as zeros, so only a filesystem without ``posix_fallocate`` gets
-    the zeros written; either way the table takes its whole size on the disk at once (the
-    budget counted it) and starts empty."""
+    """With ``posix_fallocate`` or without (a filesystem that lacks it), a new table takes
+    its whole size on the disk at once (the budget counted it) and starts empty."""
     if not allocates:
 
         def refuse(fd: int, offset: int, length: int) -> None:

@@ -412,15 +412,15 @@ def _create(path: Path, slots: int, table: np.ndarray | None) -> int:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     fd = open_private(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, CONTROL_FILE_MODE)
     try:
-        allocated = _allocate(fd, size)
+        with contextlib.suppress(OSError):  # allocated now, so its size is measured
+            os.posix_fallocate(fd, 0, size)
         if table is not None and len(table) * 8 == size:
             os.pwrite(fd, table.tobytes(), 0)
         else:
             os.pwrite(fd, struct.pack("<QQQ", _MAGIC, slots, 0), 0)
-            if not allocated:  # allocated blocks read as zeros: only a sparse file is filled
-                zeros = bytes(min(size, _READ_STEP))
-                for offset in range(8 * _HEAD_WORDS, size, len(zeros)):
-                    os.pwrite(fd, zeros[: size - offset], offset)
+            zeros = bytes(min(size, _READ_STEP))
+            for offset in range(8 * _HEAD_WORDS, size, len(zeros)):
+                os.pwrite(fd, zeros[: size - offset], offset)
         os.fdatasync(fd)
         os.replace(tmp, path)
     except BaseException:
@@ -429,17 +429,6 @@ def _create(path: Path, slots: int, table: np.ndarray | None) -> int:
             os.unlink(tmp)
         raise
     return fd
-
-
-def _allocate(fd: int, size: int) -> bool:
-    """Allocate ``size`` bytes of ``fd`` now (so its size is measured, and a full disk
-    refuses the table here rather than a sighting later); False where the filesystem
-    cannot, and the caller writes the zeros itself."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:
-        return False
-    return True
 
 
 def open_shared(
