@@ -188,7 +188,9 @@ def test_serve_logs_a_banner_and_a_stop_line_as_json(tmp_path: Path) -> None:
             cwd=tmp_path,
         )
         procs.append(server)
-        wait_for_log(log, '"event": "serving"', server)
+        # The banner, then a line per store: read once the store's line is there too (read
+        # after the banner alone, a run found it not yet written).
+        wait_for_log(log, '"event": "store"', server)
         records = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
         banner = next(r for r in records if r.get("event") == "serving")
         assert banner["version"] == __version__
