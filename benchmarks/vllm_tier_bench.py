@@ -19,11 +19,14 @@ block), each round and each side, one new engine process:
   ``os.sync()`` returned after that (**on disk**: what a tier that leaves bytes in the
   page cache still owes the disk).
 
-The disk is settled (``os.sync()`` and ``--settle-s``) before every timed phase, the sides
-alternate which goes first, every round is printed, and the ratio is Persisting / fs of the
-medians. ``--option key=value`` passes a setting to the PersistingTier (a JSON value, e.g.
-``io_threads=8``). Then each side's answer to a damaged file:
-a chunk whose payload file had 64 bytes flipped, promoted in a new process. Run::
+Each phase also gives the CPU the engine process used in it (user and system, every
+thread, until the last job was done: a store's two phases share that figure), in seconds
+per GB moved: what the tier costs the engine's cores, which on a GPU host run the
+scheduler beside it. The disk is settled (``os.sync()`` and ``--settle-s``) before every
+timed phase, the sides alternate which goes first, every round is printed, and the ratio
+is Persisting / fs of the medians. ``--option key=value`` passes a setting to the
+PersistingTier (a JSON value, e.g. ``io_threads=8``). Then each side's answer to a damaged
+file: a chunk whose payload file had 64 bytes flipped, promoted in a new process. Run::
 
     flock /tmp/persisting-bench.lock .venv/bin/python benchmarks/vllm_tier_bench.py --rounds 5
 """
@@ -116,11 +119,14 @@ def figures(row_mib: float, r: int, side: str, steps: list[dict[str, Any]]) -> l
     out: list[dict[str, Any]] = []
     base = {"row_mib": row_mib, "side": side, "loadavg": os.getloadavg()[0]}
     for step in steps:
+        if step["action"] not in ("promote", "store"):
+            continue
+        cpu = step["cpu_seconds"] / (step["bytes"] / 1e9) if step["bytes"] else float("nan")
         if step["action"] == "promote":
             out.append({
                 **base, "round": r - 1, "phase": "load", "seconds": step["seconds"],
-                "gbps": step["bytes"] / step["seconds"] / 1e9, "hits": len(step["hits"]),
-                "identical": step["identical"],
+                "gbps": step["bytes"] / step["seconds"] / 1e9, "cpu_s_per_gb": cpu,
+                "hits": len(step["hits"]), "identical": step["identical"],
             })  # fmt: skip
         elif step["action"] == "store":
             for phase, key in (
@@ -129,7 +135,7 @@ def figures(row_mib: float, r: int, side: str, steps: list[dict[str, Any]]) -> l
             ):
                 out.append({
                     **base, "round": r, "phase": phase, "seconds": step[key],
-                    "gbps": step["bytes"] / step[key] / 1e9,
+                    "gbps": step["bytes"] / step[key] / 1e9, "cpu_s_per_gb": cpu,
                 })  # fmt: skip
     return out
 
@@ -153,7 +159,8 @@ def one_row_size(row_mib: float, work: Path, args: argparse.Namespace) -> list[d
                 )
                 print(
                     f"{row_mib:>4} MiB  round {row['round']}  {row['phase']:<16} {side:<10}"
-                    f" {row['gbps']:6.2f} GB/s  {row['seconds']:.3f} s{checked}"
+                    f" {row['gbps']:6.2f} GB/s  {row['seconds']:.3f} s"
+                    f"  CPU {row['cpu_s_per_gb']:.3f} s/GB{checked}"
                     f"  load {row['loadavg']:.2f}",
                     flush=True,
                 )
@@ -191,20 +198,21 @@ PHASES = ("store, rows free", "store, on disk", "load")
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per row size and phase: each side's median GB/s and Persisting / fs."""
+    """Per row size and phase: each side's median GB/s and CPU seconds per GB, and
+    Persisting / fs of the GB/s."""
     out: list[dict[str, Any]] = []
     for row_mib in sorted({r["row_mib"] for r in rows}):
         for phase in PHASES:
-            medians = {
-                side: statistics.median(
-                    r["gbps"]
-                    for r in rows
-                    if (r["row_mib"], r["phase"], r["side"]) == (row_mib, phase, side)
+
+            def median(field: str, side: str, at: tuple[float, str] = (row_mib, phase)) -> float:
+                return statistics.median(
+                    r[field] for r in rows if (r["row_mib"], r["phase"], r["side"]) == (*at, side)
                 )
-                for side in SIDES
-            }
+
+            medians = {side: median("gbps", side) for side in SIDES}
+            cpu = {f"{side}_cpu_s_per_gb": median("cpu_s_per_gb", side) for side in SIDES}
             ratio = medians["persisting"] / medians["fs"]
-            out.append({"row_mib": row_mib, "phase": phase, **medians, "ratio": ratio})
+            out.append({"row_mib": row_mib, "phase": phase, **medians, "ratio": ratio, **cpu})
     return out
 
 
@@ -256,12 +264,15 @@ def main() -> None:
         "rows": rows, "summary": summary(rows), "damaged": damage, "when": time.time(),
         "options": args.options, "loadavg_end": os.getloadavg(),
     }  # fmt: skip
-    print("| row | phase | Persisting GB/s | fs GB/s | Persisting / fs |")
-    print("|---|---|---|---|---|")
+    print(
+        "| row | phase | Persisting GB/s | fs GB/s | Persisting / fs | CPU s/GB: Persisting | fs |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for s in result["summary"]:
         print(
             f"| {s['row_mib']:g} MiB | {s['phase']} | {s['persisting']:.2f} | {s['fs']:.2f}"
-            f" | **{s['ratio']:.2f}x** |"
+            f" | **{s['ratio']:.2f}x** | {s['persisting_cpu_s_per_gb']:.3f}"
+            f" | {s['fs_cpu_s_per_gb']:.3f} |"
         )
     print(f"load average at the end: {os.getloadavg()}")
     for side, found in damage.items():

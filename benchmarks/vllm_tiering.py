@@ -25,10 +25,12 @@ it saw in the output, written after every step):
   steps of one request: a prompt's chunks in order) and cascaded to the tiers; waits for
   every cascade; records the seconds from the first cascade to the last one finished (with
   ``"sync": true`` also ``synced_seconds``: until ``os.sync()`` returned after that, the
-  bytes on the disk);
+  bytes on the disk) and ``cpu_seconds``: the CPU this process used meanwhile (user and
+  system, every thread: vLLM's, the tiers' and their background work alike);
 - ``{"action": "promote", "seed": 1, "count": 16, "jobs": 2}``: looks the chunks up (new
   requests) until each is a hit in the CPU tier (promoted) or a miss; records which, the
-  seconds, and whether every hit's row holds exactly the bytes stored;
+  seconds, ``cpu_seconds`` (as a store's), and whether every hit's row holds exactly the
+  bytes stored;
 - ``{"action": "lookup", "seed": 1, "count": 16}``: one lookup per chunk, a fresh request
   (no promotion waited for): ``MISS``/``HIT``/``HIT_PENDING``/``RETRY`` each;
 - ``{"action": "events"}``: stored and removed keys vLLM's KV events would publish;
@@ -50,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -59,6 +62,12 @@ import numpy as np
 
 #: Seconds a promote or store step waits for vLLM's jobs before giving up.
 TIMEOUT_S = 300.0
+
+
+def process_cpu() -> float:
+    """Seconds of CPU this process has used, user and system, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def chunk_key(seed: int, index: int) -> bytes:
@@ -176,12 +185,16 @@ class Driver:
             for key, row in zip(stored, spec.chunk_ids, strict=True):
                 self._fill(int(row), seed, keys.index(key) + first)  # vLLM's GPU->CPU copy
             batches.append((context, stored))
-        start = time.perf_counter()
+        cpu, start = process_cpu(), time.perf_counter()
         for context, stored in batches:
             self.manager.complete_store(stored, context)  # the cascade starts here
         self._drain()
         seconds = time.perf_counter() - start
-        out = {"seconds": seconds, "bytes": count * self.slot * self.world}
+        out = {
+            "seconds": seconds,
+            "cpu_seconds": process_cpu() - cpu,
+            "bytes": count * self.slot * self.world,
+        }
         if sync:  # every row free again above; here every byte on the disk
             os.sync()
             out["synced_seconds"] = time.perf_counter() - start
@@ -200,7 +213,7 @@ class Driver:
             for first in range(0, count, per_job)
         ]
         state: dict[int, str] = {}
-        start = time.perf_counter()
+        cpu, start = process_cpu(), time.perf_counter()
         deadline = time.monotonic() + TIMEOUT_S
         while len(state) < count:
             if time.monotonic() > deadline:
@@ -218,6 +231,7 @@ class Driver:
             if len(state) < count:
                 time.sleep(0.0005)
         seconds = time.perf_counter() - start
+        cpu = process_cpu() - cpu
         hits = sorted(i for i, s in state.items() if s == "hit")
         identical = True
         for context, indexes in requests:
@@ -233,6 +247,7 @@ class Driver:
         self._drain()
         return {
             "seconds": seconds,
+            "cpu_seconds": cpu,
             "hits": hits,
             "misses": sorted(i for i, s in state.items() if s == "miss"),
             "identical": identical,
