@@ -197,20 +197,26 @@ def damaged(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 PHASES = ("store, rows free", "store, on disk", "load")
 
 
+def median_of(
+    rows: list[dict[str, Any]], field: str, row_mib: float, phase: str, side: str
+) -> float:
+    """The median ``field`` of one side's rows of one row size and phase."""
+    return statistics.median(
+        r[field] for r in rows if (r["row_mib"], r["phase"], r["side"]) == (row_mib, phase, side)
+    )
+
+
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per row size and phase: each side's median GB/s and CPU seconds per GB, and
     Persisting / fs of the GB/s."""
     out: list[dict[str, Any]] = []
     for row_mib in sorted({r["row_mib"] for r in rows}):
         for phase in PHASES:
-
-            def median(field: str, side: str, at: tuple[float, str] = (row_mib, phase)) -> float:
-                return statistics.median(
-                    r[field] for r in rows if (r["row_mib"], r["phase"], r["side"]) == (*at, side)
-                )
-
-            medians = {side: median("gbps", side) for side in SIDES}
-            cpu = {f"{side}_cpu_s_per_gb": median("cpu_s_per_gb", side) for side in SIDES}
+            medians = {side: median_of(rows, "gbps", row_mib, phase, side) for side in SIDES}
+            cpu = {
+                f"{side}_cpu_s_per_gb": median_of(rows, "cpu_s_per_gb", row_mib, phase, side)
+                for side in SIDES
+            }
             ratio = medians["persisting"] / medians["fs"]
             out.append({"row_mib": row_mib, "phase": phase, **medians, "ratio": ratio, **cpu})
     return out
